@@ -1,0 +1,45 @@
+# hpctrain: every target installs what it needs first (tools/install.sh is idempotent).
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+# Open MPI refuses to run as root without these; harmless for other users.
+export OMPI_ALLOW_RUN_AS_ROOT := 1
+export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
+# Hard limits: a hung distributed test fails instead of stalling CI.
+MPI_TEST_TIMEOUT ?= 1200
+MPIRUN_KILL := timeout --signal=TERM --kill-after=15
+
+.PHONY: install test test-unit test-mpi demo demo-tf lint format bench bench-quick clean
+
+install:
+	@bash tools/install.sh
+
+## Single-process tests (they start their own mpirun jobs), then the tests that run
+## inside every rank of real `mpirun -np 2` and `mpirun -np 4 --oversubscribe` jobs.
+test: install
+	$(MAKE) --no-print-directory test-unit
+	$(MAKE) --no-print-directory test-mpi
+
+test-unit:
+	$(PY) -m pytest tests -q
+
+test-mpi:
+	$(MPIRUN_KILL) $(MPI_TEST_TIMEOUT) mpirun -np 2 $(PY) tests/mpi_pytest.py tests/mpi -q
+	$(MPIRUN_KILL) $(MPI_TEST_TIMEOUT) mpirun -np 4 --oversubscribe $(PY) tests/mpi_pytest.py tests/mpi -q
+
+demo: install
+	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo.yaml --run-dir runs/demo
+
+demo-tf: install
+	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo-tf.yaml --run-dir runs/demo-tf
+
+lint:
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format:
+	$(VENV)/bin/ruff format .
+	$(VENV)/bin/ruff check --fix .
+
+clean:
+	rm -rf runs build *.egg-info .pytest_cache .ruff_cache

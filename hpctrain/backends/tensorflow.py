@@ -1,0 +1,411 @@
+"""TensorFlow backend: zoo models on raw tf ops, gradients averaged by Horovod.
+
+Horovod 0.28.1's DistributedGradientTape and Keras callbacks fail under Keras 3
+(`'Variable' object has no attribute 'ref'`, horovod issue 4290), while its tensor
+collectives work. So gradients come from a plain `tf.GradientTape` and are averaged
+with one `hvd.grouped_allreduce` per step (Horovod fuses the group), variables are
+plain `tf.Variable`s broadcast from rank 0, and the optimizers apply exactly torch's
+update rules, so both backends produce the same numbers.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import random
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up banner out of logs
+import tensorflow as tf  # noqa: E402
+
+from ..models import zoo
+from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
+
+
+def probe() -> dict:
+    """Versions and Horovod build facts, for `hpctrain doctor`."""
+    import horovod
+    import horovod.tensorflow as hvd
+    import keras
+
+    built = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built()}
+    missing = [k for k in ("MPI", "Gloo") if not built[k]]
+    ops = ", ".join(k for k, v in built.items() if v) or "none"
+    gpus = len(tf.config.list_physical_devices("GPU"))
+    return {
+        "framework": f"{tf.__version__} (Keras {keras.__version__}, GPUs {gpus})",
+        "horovod": f"{horovod.__version__}; controllers/ops: {ops}",
+        "missing": missing,
+    }
+
+
+def configure_threads(threads: int, deterministic: bool) -> None:
+    """Must run before TF executes its first op; later calls are ignored by TF."""
+    try:
+        tf.config.threading.set_intra_op_parallelism_threads(threads)
+        tf.config.threading.set_inter_op_parallelism_threads(1 if threads <= 2 else 2)
+    except RuntimeError:
+        pass  # the runtime is already up (a second backend in one process)
+    if deterministic:
+        tf.config.experimental.enable_op_determinism()
+
+
+# --- the zoo's layer kinds, interpreted with tf ops ---------------------------------
+def _conv(x, w, b, stride, pad):
+    """x NHWC, w canonical [out, in, kh, kw]; symmetric padding as torch does."""
+    if pad:
+        x = tf.pad(x, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    y = tf.nn.conv2d(x, tf.transpose(w, [2, 3, 1, 0]), strides=stride, padding="VALID")
+    return y if b is None else y + b
+
+
+def _dense(x, w, b):
+    return tf.linalg.matmul(x, w, transpose_b=True) + b
+
+
+def _layer_norm(x, w, b):
+    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
+
+
+class ZooNet(tf.Module):
+    """A zoo model: canonical-name variables and a forward pass equal to torch's."""
+
+    def __init__(self, layers: list[zoo.LayerSpec], weights: dict[str, np.ndarray]):
+        super().__init__(name="zoo")
+        self.layers = layers
+        self.vars: OrderedDict[str, tf.Variable] = OrderedDict()
+        self.buffers: OrderedDict[str, tf.Variable] = OrderedDict()
+        for spec in layers:
+            for p in spec.params:
+                key = f"{spec.name}.{p}"
+                self.vars[key] = tf.Variable(weights[key], name=key.replace(".", "/"))
+            for bname in spec.buffers:
+                key = f"{spec.name}.{bname}"
+                self.buffers[key] = tf.Variable(
+                    weights[key], trainable=False, name=key.replace(".", "/")
+                )
+
+    def _bn(self, x, prefix, training):
+        w, b = self.vars[f"{prefix}.weight"], self.vars[f"{prefix}.bias"]
+        rm, rv = self.buffers[f"{prefix}.running_mean"], self.buffers[f"{prefix}.running_var"]
+        if not training:
+            return (x - rm) / tf.sqrt(rv + zoo.BN_EPS) * w + b
+        mean, var = tf.nn.moments(x, axes=[0, 1, 2])
+        n = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), x.dtype)
+        m = zoo.BN_MOMENTUM
+        rm.assign((1 - m) * rm + m * mean)
+        rv.assign((1 - m) * rv + m * var * n / (n - 1))  # torch keeps the unbiased variance
+        return (x - mean) / tf.sqrt(var + zoo.BN_EPS) * w + b
+
+    def __call__(self, x, training=False):
+        nchw = len(x.shape) == 4  # images arrive NCHW (canonical); TF convolves NHWC
+        for spec in self.layers:
+            v = {p: self.vars[f"{spec.name}.{p}"] for p in spec.params}
+            kind, a = spec.kind, spec.attrs
+            if kind in ("conv", "conv_bn", "resblock", "gap") and nchw:
+                x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
+            if kind == "flatten":
+                x = tf.reshape(x, [tf.shape(x)[0], -1])
+            elif kind == "dense":
+                x = _dense(x, v["weight"], v["bias"])
+                x = tf.nn.relu(x) if a["relu"] else x
+            elif kind == "conv":
+                x = _conv(x, v["weight"], v.get("bias"), a["stride"], a["padding"])
+                x = tf.nn.relu(x) if a["relu"] else x
+            elif kind == "gap":
+                x = tf.reduce_mean(x, axis=[1, 2])
+            elif kind == "conv_bn":
+                x = tf.nn.relu(
+                    self._bn(
+                        _conv(x, v["conv.weight"], None, a["stride"], 1),
+                        f"{spec.name}.bn",
+                        training,
+                    )
+                )
+            elif kind == "resblock":
+                x = self._resblock(x, spec, v, training)
+            elif kind == "embed":
+                x = tf.gather(v["tok.weight"], x) + v["pos.weight"][: tf.shape(x)[1]]
+            elif kind == "layernorm":
+                x = _layer_norm(x, v["weight"], v["bias"])
+            elif kind == "block":
+                x = self._block(x, v, a["n_heads"])
+            else:
+                raise ValueError(f"unknown layer kind {kind!r}")
+        return x
+
+    def _resblock(self, x, spec, v, training):
+        s, n = spec.attrs["stride"], spec.name
+        out = tf.nn.relu(self._bn(_conv(x, v["conv1.weight"], None, s, 1), f"{n}.bn1", training))
+        out = self._bn(_conv(out, v["conv2.weight"], None, 1, 1), f"{n}.bn2", training)
+        if "shortcut.conv.weight" in v:
+            x = self._bn(
+                _conv(x, v["shortcut.conv.weight"], None, s, 0), f"{n}.shortcut.bn", training
+            )
+        return tf.nn.relu(out + x)
+
+    def _block(self, x, v, heads):
+        shape = tf.shape(x)
+        n, t, d = shape[0], shape[1], x.shape[-1]
+        dh = d // heads
+        h = _layer_norm(x, v["ln1.weight"], v["ln1.bias"])
+        qkv = _dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"])
+
+        def heads_first(z):
+            return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
+
+        q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
+        scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
+        future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
+            tf.ones([t, t]), 0, 0
+        )
+        scores = tf.where(future > 0, tf.constant(float("-inf")), scores)
+        att = tf.nn.softmax(scores, axis=-1)
+        y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, d])
+        x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
+        h = _layer_norm(x, v["ln2.weight"], v["ln2.bias"])
+        h = _dense(
+            tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"])),
+            v["ffn.fc2.weight"],
+            v["ffn.fc2.bias"],
+        )
+        return x + h
+
+
+class _KerasNet:
+    """A user's Keras model behind the same small surface as ZooNet."""
+
+    def __init__(self, model):
+        self.model = model
+        self.vars = OrderedDict((v.path, v) for v in model.trainable_variables)
+        self.buffers = OrderedDict((v.path, v) for v in model.non_trainable_variables)
+
+    def __call__(self, x, training=False):
+        return self.model(x, training=training)
+
+
+def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int):
+    name = model_cfg["name"]
+    if zoo.is_zoo_model(name):
+        layers = zoo.build_layers(model_cfg, inp)
+        return ZooNet(layers, zoo.init_weights(layers, seed))
+    import keras
+
+    module_name, fn_name = name.split(":", 1)
+    keras.utils.set_random_seed(seed)
+    model = getattr(importlib.import_module(module_name), fn_name)(
+        **{k: v for k, v in model_cfg.items() if k != "name"}
+    )
+    if not isinstance(model, keras.Model):
+        raise TypeError(
+            f"model.name {name}: returned {type(model).__name__}, not a keras.Model "
+            "(backend: tensorflow)"
+        )
+    model(np.zeros((1, *inp.shape), dtype=np.int64 if inp.tokens else np.float32))
+    return _KerasNet(model)
+
+
+# --- torch's optimizer update rules in tf ops -------------------------------------------
+class _Optimizer:
+    def __init__(self, ocfg: dict, variables: OrderedDict):
+        self.kind = ocfg["name"]
+        self.momentum = float(ocfg["momentum"])
+        self.wd = float(ocfg["weight_decay"])
+        self.b1, self.b2 = (float(b) for b in ocfg["betas"])
+        self.eps = float(ocfg["eps"])
+        self.variables = variables
+        self.slots = {
+            slot: OrderedDict(
+                (k, tf.Variable(tf.zeros_like(v), trainable=False)) for k, v in variables.items()
+            )
+            for slot in OPTIMIZER_SLOTS[self.kind]
+        }
+        self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.started = tf.Variable(False, trainable=False)  # SGD buffers start at g
+
+    @tf.function(reduce_retracing=True)
+    def apply(self, grads, lr):
+        self.step.assign_add(1)
+        vars_ = list(self.variables.values())
+        if self.kind == "sgd":
+            bufs = list(self.slots["momentum_buffer"].values())
+            for var, g, buf in zip(vars_, grads, bufs, strict=True):
+                if self.wd:
+                    g = g + self.wd * var
+                if self.momentum:
+                    buf.assign(
+                        tf.cond(
+                            self.started, lambda b=buf, g=g: self.momentum * b + g, lambda g=g: g
+                        )
+                    )
+                    g = buf
+                var.assign_sub(lr * g)
+            self.started.assign(True)
+        else:
+            t = tf.cast(self.step, tf.float32)
+            bc1 = 1.0 - tf.pow(self.b1, t)
+            bc2 = 1.0 - tf.pow(self.b2, t)
+            ms, vs = self.slots["exp_avg"].values(), self.slots["exp_avg_sq"].values()
+            for var, g, m, v in zip(vars_, grads, ms, vs, strict=True):
+                if self.wd:
+                    g = g + self.wd * var
+                m.assign(self.b1 * m + (1 - self.b1) * g)
+                v.assign(self.b2 * v + (1 - self.b2) * g * g)
+                denom = tf.sqrt(v) / tf.sqrt(bc2) + self.eps
+                var.assign_sub((lr / bc1) * m / denom)
+
+
+def _clip_like_torch(grads, max_norm):
+    """torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above it."""
+    norm = tf.sqrt(tf.add_n([tf.reduce_sum(g * g) for g in grads]))
+    coef = tf.minimum(max_norm / (norm + 1e-6), 1.0)
+    return [g * coef for g in grads]
+
+
+class TensorFlowBackend(BackendBase):
+    name = "tensorflow"
+
+    def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
+        import horovod.tensorflow as hvd
+
+        self.hvd = hvd
+        self.cfg = cfg
+        self.inp = inp
+        configure_threads(threads, cfg.train["deterministic"])
+        seed = cfg.train["seed"]
+        rank = world.rank if world is not None else 0
+        tf.random.set_seed(seed + rank)
+        np.random.seed((seed + rank) % 2**32)
+        random.seed(seed + rank)
+        if not hvd.is_initialized():
+            hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
+        self.net = build_model(cfg.model, inp, seed)
+        self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
+        self.clip = cfg.train["clip_norm"]
+        self.compression = (
+            hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
+        )
+        everything = list(self.net.vars.values()) + list(self.net.buffers.values())
+        if hvd.size() > 1:
+            hvd.broadcast_variables(everything, root_rank=0)
+        self._grad_fn = tf.function(self._grads, reduce_retracing=True)
+        self._eval_fn = tf.function(self._eval, reduce_retracing=True)
+
+    # --- training ---------------------------------------------------------------
+    def _grads(self, x, y, scale):
+        with tf.GradientTape() as tape:
+            logits = self.net(x, training=True)
+            losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+            loss_sum = tf.reduce_sum(losses)
+            scaled = loss_sum * scale
+        grads = tape.gradient(scaled, list(self.net.vars.values()))
+        grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
+        return loss_sum, correct, grads
+
+    def _eval(self, x, y):
+        logits = self.net(x, training=False)
+        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
+        return tf.reduce_sum(losses), correct
+
+    def train_step(self, micro_batches, lr: float) -> StepStats:
+        total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
+        scale = tf.constant(1.0 / total, tf.float32)
+        acc, loss_sum, correct = None, 0.0, 0
+        for x, y in micro_batches:
+            loss, corr, grads = self._grad_fn(tf.constant(x), tf.constant(y), scale)
+            acc = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+            loss_sum += float(loss)
+            correct += int(corr)
+        t0 = time.perf_counter()
+        if self.hvd.size() > 1:
+            acc = self.hvd.grouped_allreduce(acc, op=self.hvd.Average, compression=self.compression)
+        comm = time.perf_counter() - t0
+        if self.clip is not None:
+            acc = _clip_like_torch(acc, float(self.clip))
+        self.optimizer.apply(acc, tf.constant(lr, tf.float32))
+        return StepStats(loss_sum, correct, total, comm)
+
+    def evaluate(self, x, y) -> EvalStats:
+        loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))
+        return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+
+    def predict(self, x) -> np.ndarray:
+        return self.net(tf.constant(x), training=False).numpy()
+
+    def average_buffers(self) -> None:
+        """Average BatchNorm running statistics, which stay per replica otherwise."""
+        if self.net.buffers and self.hvd.size() > 1:
+            names = list(self.net.buffers)
+            avg = self.hvd.grouped_allreduce(
+                [self.net.buffers[n] for n in names], op=self.hvd.Average
+            )
+            for n, value in zip(names, avg, strict=True):
+                self.net.buffers[n].assign(value)
+
+    # --- state ------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        return list(self.net.vars)
+
+    def get_weights(self) -> OrderedDict[str, np.ndarray]:
+        out = OrderedDict((k, v.numpy().copy()) for k, v in self.net.vars.items())
+        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+        return out
+
+    def weight_shapes(self) -> dict[str, tuple]:
+        shapes = {k: tuple(v.shape) for k, v in self.net.vars.items()}
+        shapes.update({k: tuple(v.shape) for k, v in self.net.buffers.items()})
+        return shapes
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.check_weights(weights, self.weight_shapes())
+        for k, v in list(self.net.vars.items()) + list(self.net.buffers.items()):
+            v.assign(np.asarray(weights[k], dtype=np.float32))
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        state = {f"model/{k}": v for k, v in self.get_weights().items()}
+        opt = self.optimizer
+        started = bool(opt.started.numpy()) or opt.kind != "sgd"
+        for slot, values in opt.slots.items():
+            for k, v in values.items():
+                # torch has no momentum buffer before the first step: export zeros then too
+                state[f"optimizer/{slot}/{k}"] = (
+                    v.numpy().copy() if started else np.zeros(v.shape, np.float32)
+                )
+        if opt.kind == "adam":
+            state["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
+        return state
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        self.set_weights(
+            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+        )
+        opt = self.optimizer
+        for slot, values in opt.slots.items():
+            for k, v in values.items():
+                key = f"optimizer/{slot}/{k}"
+                if key not in state:
+                    raise ValueError(f"optimizer state {key} missing")
+                v.assign(np.asarray(state[key], dtype=np.float32))
+        opt.step.assign(int(state.get("optimizer/step", 0)))
+        # A restored SGD buffer (even all-zero after a step) continues as momentum.
+        opt.started.assign(
+            opt.kind == "sgd"
+            and any(np.any(state[f"optimizer/momentum_buffer/{k}"]) for k in opt.variables)
+        )
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        pass
+
+    def versions(self) -> dict[str, str]:
+        import horovod
+
+        return {"framework": "tensorflow " + tf.__version__, "horovod": horovod.__version__}

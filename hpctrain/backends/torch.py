@@ -1,0 +1,348 @@
+"""PyTorch backend: zoo models as nn.Modules, gradients averaged by Horovod.
+
+Horovod wiring follows Horovod's own recipe: `hvd.DistributedOptimizer` with named
+parameters (allreduces start during backward, one per gradient, fused by Horovod),
+`backward_passes_per_step` for accumulation, broadcast of parameters and optimizer
+state from rank 0, and `synchronize()` before clipping so the clip sees the average.
+"""
+
+from __future__ import annotations
+
+import importlib
+import random
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..models import zoo
+from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
+
+
+def probe() -> dict:
+    """Versions and Horovod build facts, for `hpctrain doctor`."""
+    import horovod
+    import horovod.torch as hvd
+
+    built = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built()}
+    missing = [k for k in ("MPI", "Gloo") if not built[k]]
+    ops = ", ".join(k for k, v in built.items() if v) or "none"
+    return {
+        "framework": f"{torch.__version__} (threads {torch.get_num_threads()}, "
+        f"CUDA {'yes' if torch.cuda.is_available() else 'no'})",
+        "horovod": f"{horovod.__version__}; controllers/ops: {ops}",
+        "missing": missing,
+    }
+
+
+# --- the zoo's layer kinds, interpreted with torch ops ---------------------------------
+class _Container(nn.Module):
+    """An empty module that only groups children, so names come out canonical."""
+
+    def forward(self, *args):  # pragma: no cover - never called
+        raise RuntimeError("container")
+
+
+def _child(root: nn.Module, dotted: str) -> nn.Module:
+    node = root
+    for part in dotted.split("."):
+        if part not in node._modules:
+            node.add_module(part, _Container())
+        node = node._modules[part]
+    return node
+
+
+class _Layer(nn.Module):
+    def __init__(self, spec: zoo.LayerSpec):
+        super().__init__()
+        self.spec = spec
+        self.p: dict[str, torch.Tensor] = {}
+        for name, shape in spec.params.items():
+            holder, leaf = self._holder(name)
+            param = nn.Parameter(torch.zeros(shape))
+            holder.register_parameter(leaf, param)
+            self.p[name] = param
+        for name, shape in spec.buffers.items():
+            holder, leaf = self._holder(name)
+            holder.register_buffer(leaf, torch.zeros(shape))
+            self.p[name] = getattr(holder, leaf)
+
+    def _holder(self, name: str):
+        if "." in name:
+            parent, leaf = name.rsplit(".", 1)
+            return _child(self, parent), leaf
+        return self, name
+
+    def _bn(self, x, prefix):
+        return F.batch_norm(
+            x,
+            self.p[f"{prefix}.running_mean"],
+            self.p[f"{prefix}.running_var"],
+            self.p[f"{prefix}.weight"],
+            self.p[f"{prefix}.bias"],
+            training=self.training,
+            momentum=zoo.BN_MOMENTUM,
+            eps=zoo.BN_EPS,
+        )
+
+    def forward(self, x):
+        kind, p, a = self.spec.kind, self.p, self.spec.attrs
+        if kind == "flatten":
+            return x.reshape(x.shape[0], -1)
+        if kind == "dense":
+            y = F.linear(x, p["weight"], p["bias"])
+            return F.relu(y) if a["relu"] else y
+        if kind == "conv":
+            y = F.conv2d(x, p["weight"], p.get("bias"), stride=a["stride"], padding=a["padding"])
+            return F.relu(y) if a["relu"] else y
+        if kind == "gap":
+            return x.mean(dim=(2, 3))
+        if kind == "conv_bn":
+            return F.relu(self._bn(F.conv2d(x, p["conv.weight"], None, a["stride"], 1), "bn"))
+        if kind == "resblock":
+            s = a["stride"]
+            out = F.relu(self._bn(F.conv2d(x, p["conv1.weight"], None, s, 1), "bn1"))
+            out = self._bn(F.conv2d(out, p["conv2.weight"], None, 1, 1), "bn2")
+            if "shortcut.conv.weight" in p:
+                x = self._bn(F.conv2d(x, p["shortcut.conv.weight"], None, s, 0), "shortcut.bn")
+            return F.relu(out + x)
+        if kind == "embed":
+            return p["tok.weight"][x] + p["pos.weight"][: x.shape[1]]
+        if kind == "layernorm":
+            return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], zoo.LN_EPS)
+        if kind == "block":
+            return self._block(x)
+        raise ValueError(f"unknown layer kind {kind!r}")
+
+    def _block(self, x):
+        p, heads = self.p, self.spec.attrs["n_heads"]
+        n, t, d = x.shape
+        h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
+        qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
+        q, k, v = (z.reshape(n, t, heads, d // heads).transpose(1, 2) for z in qkv.split(d, -1))
+        scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(d // heads))
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(n, t, d)
+        x = x + F.linear(y, p["attn.proj.weight"], p["attn.proj.bias"])
+        h = F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
+        h = F.linear(
+            F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"])),
+            p["ffn.fc2.weight"],
+            p["ffn.fc2.bias"],
+        )
+        return x + h
+
+
+class ZooNet(nn.Module):
+    """A zoo model: the layers in order, parameters under their canonical names."""
+
+    def __init__(self, layers: list[zoo.LayerSpec]):
+        super().__init__()
+        self.seq = []
+        for spec in layers:
+            layer = _Layer(spec)
+            if "." in spec.name:
+                parent, leaf = spec.name.rsplit(".", 1)
+                _child(self, parent).add_module(leaf, layer)
+            else:
+                self.add_module(spec.name, layer)
+            self.seq.append(layer)
+
+    def forward(self, x):
+        for layer in self.seq:
+            x = layer(x)
+        return x
+
+
+def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
+    """A zoo model with the canonical initial weights, or the user's own nn.Module."""
+    name = model_cfg["name"]
+    if zoo.is_zoo_model(name):
+        layers = zoo.build_layers(model_cfg, inp)
+        model = ZooNet(layers)
+        weights = zoo.init_weights(layers, seed)
+        with torch.no_grad():
+            for key, tensor in model.state_dict(keep_vars=True).items():
+                tensor.copy_(torch.from_numpy(weights[key]))
+        return model
+    module_name, fn_name = name.split(":", 1)
+    torch.manual_seed(seed)
+    builder = getattr(importlib.import_module(module_name), fn_name)
+    model = builder(**{k: v for k, v in model_cfg.items() if k != "name"})
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"model.name {name}: returned {type(model).__name__}, not a torch "
+            "nn.Module (backend: torch)"
+        )
+    return model
+
+
+# --- the backend ------------------------------------------------------------------------
+class TorchBackend(BackendBase):
+    name = "torch"
+
+    def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
+        import horovod.torch as hvd
+
+        self.hvd = hvd
+        self.cfg = cfg
+        self.inp = inp
+        torch.set_num_threads(threads)
+        if cfg.train["deterministic"]:
+            torch.use_deterministic_algorithms(True)
+        seed = cfg.train["seed"]
+        rank = world.rank if world is not None else 0
+        torch.manual_seed(seed + rank)
+        np.random.seed((seed + rank) % 2**32)
+        random.seed(seed + rank)
+        if not hvd.is_initialized():
+            hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
+        self.model = build_model(cfg.model, inp, seed)
+        self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
+        ocfg = cfg.optimizer
+        params = list(self.model.parameters())
+        if ocfg["name"] == "sgd":
+            opt = torch.optim.SGD(
+                params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
+            )
+        else:
+            opt = torch.optim.Adam(
+                params,
+                lr=ocfg["lr"],
+                betas=tuple(ocfg["betas"]),
+                eps=ocfg["eps"],
+                weight_decay=ocfg["weight_decay"],
+            )
+        self.accum = cfg.train["grad_accum"]
+        compression = (
+            hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
+        )
+        self.optimizer = hvd.DistributedOptimizer(
+            opt,
+            named_parameters=self.model.named_parameters(),
+            compression=compression,
+            backward_passes_per_step=self.accum,
+            op=hvd.Average,
+        )
+        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        self.clip = cfg.train["clip_norm"]
+        self.tokens = inp.tokens
+
+    # --- training ---------------------------------------------------------------
+    def _loss(self, logits, y):
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+
+    def train_step(self, micro_batches, lr: float) -> StepStats:
+        self.model.train()
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=False)
+        total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
+        loss_sum, correct = 0.0, 0
+        for x, y in micro_batches:
+            xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+            logits = self.model(xt)
+            loss = self._loss(logits, yt)
+            (loss / total).backward()  # mean over all the step's samples on this rank
+            loss_sum += float(loss.detach())
+            correct += int((logits.detach().argmax(-1) == yt).sum())
+        t0 = time.perf_counter()
+        self.optimizer.synchronize()
+        comm = time.perf_counter() - t0
+        if self.clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+        with self.optimizer.skip_synchronize():
+            self.optimizer.step()
+        return StepStats(loss_sum, correct, total, comm)
+
+    @torch.no_grad()
+    def evaluate(self, x, y) -> EvalStats:
+        self.model.eval()
+        logits = self.model(torch.from_numpy(x))
+        yt = torch.from_numpy(y)
+        return EvalStats(
+            float(self._loss(logits, yt)),
+            int((logits.argmax(-1) == yt).sum()),
+            int(np.prod(y.shape)),
+        )
+
+    @torch.no_grad()
+    def predict(self, x) -> np.ndarray:
+        self.model.eval()
+        return self.model(torch.from_numpy(x)).numpy()
+
+    def average_buffers(self) -> None:
+        """Average BatchNorm running statistics, which Horovod leaves per replica."""
+        for name, buf in self.model.named_buffers():
+            buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
+
+    # --- state ------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        return list(self._names.values())
+
+    def get_weights(self) -> OrderedDict[str, np.ndarray]:
+        return OrderedDict(
+            (k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items()
+        )
+
+    def weight_shapes(self) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.check_weights(weights, self.weight_shapes())
+        with torch.no_grad():
+            for key, tensor in self.model.state_dict(keep_vars=True).items():
+                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        state = {f"model/{k}": v for k, v in self.get_weights().items()}
+        opt_name = self.cfg.optimizer["name"]
+        step = 0
+        for param, name in self._names.items():
+            st = self.optimizer.state.get(param, {})
+            for slot in OPTIMIZER_SLOTS[opt_name]:
+                value = st.get(slot)
+                arr = (
+                    np.zeros(tuple(param.shape), np.float32)
+                    if value is None
+                    else value.detach().numpy().copy()
+                )
+                state[f"optimizer/{slot}/{name}"] = arr
+            if "step" in st:
+                step = int(float(st["step"]))
+        if opt_name == "adam":
+            state["optimizer/step"] = np.array(step, dtype=np.int64)
+        return state
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        self.set_weights(
+            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+        )
+        opt_name = self.cfg.optimizer["name"]
+        step = int(state.get("optimizer/step", 0))
+        for param, name in self._names.items():
+            st = self.optimizer.state[param]
+            for slot in OPTIMIZER_SLOTS[opt_name]:
+                key = f"optimizer/{slot}/{name}"
+                if key not in state:
+                    raise ValueError(f"optimizer state {key} missing")
+                st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
+            if opt_name == "adam":
+                st["step"] = torch.tensor(float(step))
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {"torch": torch.get_rng_state().numpy().copy()}
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        if "torch" in state:
+            torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+
+    def versions(self) -> dict[str, str]:
+        import horovod
+
+        return {"framework": "torch " + torch.__version__, "horovod": horovod.__version__}

@@ -1,0 +1,218 @@
+"""The `hpctrain` command. Works unchanged under mpirun, srun and horovodrun.
+
+Every subcommand runs inside `run_fail_together`: a user error prints one clear line on
+every rank and exits 2; a crash on any rank aborts the whole job instead of leaving the
+other ranks waiting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import textwrap
+
+from .version import __version__
+
+LAUNCH_HELP = """\
+launch:
+  mpirun -np 4 hpctrain train --config configs/demo.yaml
+  srun --mpi=pmix -n 4 hpctrain train --config configs/demo.yaml
+  horovodrun -np 4 hpctrain train --config configs/demo.yaml
+  (as root add --allow-run-as-root; more ranks than cores need mpirun --oversubscribe)
+"""
+
+
+def _config_help() -> str:
+    from .config import describe_schema
+
+    rows = describe_schema()
+    width = max(len(k) for k, _, _ in rows)
+    lines = [f"  {k:<{width}}  {d:<10} {doc}" for k, d, doc in rows]
+    return "configuration keys (YAML file, or --set key=value):\n" + "\n".join(lines)
+
+
+def _add_config_args(p: argparse.ArgumentParser):
+    p.add_argument(
+        "--config",
+        "-c",
+        metavar="FILE",
+        help="YAML configuration (defaults are used for keys it leaves out)",
+    )
+    p.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override one key, e.g. --set train.batch_size=128 (repeatable)",
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hpctrain",
+        description="MPI-launched training suite: Horovod data parallelism for PyTorch and "
+        "TensorFlow with HDF5 data, metrics and checkpoints.",
+        epilog=LAUNCH_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"hpctrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser(
+        "doctor",
+        help="check the installed stack and show the rank layout",
+        description="Check Python, MPI/mpi4py, h5py, torch, TensorFlow and "
+        "Horovod; under a launcher, print every rank's layout. "
+        "Exits 1 naming anything missing.",
+    )
+    p.add_argument("--quiet", "-q", action="store_true", help="print only problems")
+
+    p = sub.add_parser(
+        "train",
+        help="train a model (data parallel over Horovod)",
+        description="Train the configured model on every rank of the job. "
+        "Writes config.yaml, metrics.jsonl and TensorBoard scalars "
+        "into the run directory.",
+        epilog=_config_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _add_config_args(p)
+    p.add_argument(
+        "--run-dir", metavar="DIR", help="output directory (default runs/<config name>-<UTC time>)"
+    )
+    p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
+
+    p = sub.add_parser(
+        "config",
+        help="print the resolved configuration (after --set)",
+        description="Validate a configuration and print it with defaults filled "
+        "in, without starting MPI.",
+    )
+    _add_config_args(p)
+
+    p = sub.add_parser("data", help="dataset tools")
+    dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
+    s = dsub.add_parser(
+        "synth",
+        help="write a learnable synthetic dataset to HDF5",
+        description=textwrap.dedent("""\
+                        Write /train/{x,y} and /val/{x,y} for one of the synthetic tasks:
+                          vectors  Gaussian inputs labelled by a random teacher MLP (for mlp)
+                          images   noisy shifted class templates, NCHW (for cnn, resnet)
+                          tokens   sequences of a random Markov chain (for transformer)"""),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("output", help="HDF5 file to write")
+    s.add_argument("--task", choices=("vectors", "images", "tokens"), default="vectors")
+    s.add_argument("--train", type=int, default=8192, help="training samples")
+    s.add_argument("--val", type=int, default=2048, help="validation samples")
+    s.add_argument("--seed", type=int, default=1234)
+    s.add_argument("--classes", type=int, default=10)
+    s.add_argument("--features", type=int, default=32)
+    s.add_argument("--image-size", type=int, default=16)
+    s.add_argument("--channels", type=int, default=3)
+    s.add_argument("--seq-len", type=int, default=32)
+    s.add_argument("--vocab", type=int, default=64)
+    return parser
+
+
+def _cmd_doctor(args) -> int:
+    from .doctor import run_doctor
+
+    return run_doctor(quiet=args.quiet)
+
+
+def _load_config_everywhere(args):
+    """Load the config on every rank; if any rank fails, every rank reports it."""
+    from .config import Config
+    from .errors import HpctrainError
+    from .runtime import world
+    from .trainer import prepare_process
+
+    cfg, error = None, None
+    try:
+        cfg = Config.load(args.config, args.overrides)
+    except HpctrainError as exc:
+        error = str(exc)
+    w = prepare_process(cfg) if cfg is not None else world()
+    w.agree(error)
+    return cfg
+
+
+def _cmd_train(args) -> int:
+    from .trainer import Trainer
+
+    cfg = _load_config_everywhere(args)
+    Trainer(cfg, run_dir=args.run_dir, verbose=args.verbose).fit()
+    return 0
+
+
+def _cmd_config(args) -> int:
+    from .config import Config
+
+    print(Config.load(args.config, args.overrides).to_yaml(), end="")
+    return 0
+
+
+def _cmd_data(args) -> int:
+    from .data.synthetic import generate, write_dataset
+    from .errors import ConfigError
+
+    for name in (
+        "train",
+        "val",
+        "classes",
+        "features",
+        "image_size",
+        "channels",
+        "seq_len",
+        "vocab",
+    ):
+        if getattr(args, name) < (0 if name == "val" else 1):
+            raise ConfigError(
+                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
+            )
+    splits, attrs = generate(
+        args.task,
+        args.train,
+        args.val,
+        args.seed,
+        classes=args.classes,
+        features=args.features,
+        image_size=args.image_size,
+        channels=args.channels,
+        seq_len=args.seq_len,
+        vocab=args.vocab,
+    )
+    path = write_dataset(args.output, splits, attrs)
+    shape = splits["train"][0].shape[1:]
+    extra = (
+        f", best possible accuracy {attrs['bayes_accuracy']:.3f}"
+        if "bayes_accuracy" in attrs
+        else ""
+    )
+    print(
+        f"wrote {path}: task {args.task}, {args.train} train + {args.val} val samples of "
+        f"shape {shape}, {attrs['classes']} classes{extra}"
+    )
+    return 0
+
+
+COMMANDS = {"doctor": _cmd_doctor, "train": _cmd_train, "config": _cmd_config, "data": _cmd_data}
+
+
+def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ banner on every rank
+    args = build_parser().parse_args(argv)
+    from .runtime import run_fail_together
+
+    code = run_fail_together(COMMANDS[args.command], args)
+    sys.stdout.flush()
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,324 @@
+"""Run configuration: YAML file + `--set key=value` overrides, validated before any work.
+
+Every key has a declared type, default and (where it matters) a range or a set of
+choices. Unknown keys, wrong types and impossible values are all reported together in
+one message that names each offending key, so a job never starts with a typo.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Field:
+    """One configuration key: its default, accepted types and constraints."""
+
+    default: Any
+    types: tuple
+    doc: str
+    choices: tuple | None = None
+    minimum: float | None = None
+    exclusive_min: bool = False
+    nullable: bool = False
+    free_form: bool = False  # a mapping whose keys are checked elsewhere (model options)
+
+
+def _f(default, types, doc, **kw) -> Field:
+    types = types if isinstance(types, tuple) else (types,)
+    return Field(default, types, doc, **kw)
+
+
+POS_INT = {"minimum": 1}
+NONNEG = {"minimum": 0}
+
+SCHEMA: dict[str, Any] = {
+    "backend": _f("torch", str, "deep-learning framework", choices=("torch", "tensorflow")),
+    "strategy": _f("data_parallel", str, "how ranks share the work", choices=("data_parallel",)),
+    "model": _f({"name": "mlp"}, dict, "model.name plus that model's options", free_form=True),
+    "data": {
+        "source": _f(
+            "synthetic", str, "where batches come from", choices=("synthetic", "hdf5", "benchmark")
+        ),
+        "path": _f(None, str, "HDF5 file with /train/{x,y} and /val/{x,y}", nullable=True),
+        "task": _f("vectors", str, "synthetic task", choices=("vectors", "images", "tokens")),
+        "train_samples": _f(8192, int, "synthetic training samples", **POS_INT),
+        "val_samples": _f(2048, int, "synthetic validation samples", **POS_INT),
+        "classes": _f(10, int, "classes of the synthetic classification tasks", minimum=2),
+        "features": _f(32, int, "input features of the 'vectors' task", **POS_INT),
+        "image_size": _f(16, int, "height = width of the 'images' task", minimum=4),
+        "channels": _f(3, int, "channels of the 'images' task", **POS_INT),
+        "seq_len": _f(32, int, "sequence length of the 'tokens' task", minimum=2),
+        "vocab": _f(64, int, "vocabulary of the 'tokens' task", minimum=2),
+        "seed": _f(1234, int, "seed of the synthetic data generator", **NONNEG),
+        "prefetch": _f(2, int, "batches read ahead by a background thread", **NONNEG),
+    },
+    "optimizer": {
+        "name": _f("sgd", str, "optimizer", choices=("sgd", "adam")),
+        "lr": _f(
+            0.05, (int, float), "base learning rate (per-rank batch)", minimum=0, exclusive_min=True
+        ),
+        "momentum": _f(0.9, (int, float), "SGD momentum", minimum=0),
+        "weight_decay": _f(0.0, (int, float), "L2 weight decay", minimum=0),
+        "betas": _f([0.9, 0.999], list, "Adam betas"),
+        "eps": _f(1e-8, (int, float), "Adam epsilon", minimum=0, exclusive_min=True),
+        "lr_scaling": _f(
+            "linear",
+            str,
+            "scale lr with world size (Goyal et al.)",
+            choices=("none", "linear", "sqrt"),
+        ),
+        "warmup_epochs": _f(
+            0.0, (int, float), "linear warm-up from base lr to scaled lr", **NONNEG
+        ),
+        "schedule": _f("constant", str, "lr after warm-up", choices=("constant", "cosine")),
+    },
+    "train": {
+        "epochs": _f(1, int, "passes over the training set", **POS_INT),
+        "max_steps": _f(
+            None, int, "stop after this many optimizer steps", nullable=True, **POS_INT
+        ),
+        "batch_size": _f(64, int, "samples per rank per micro-batch", **POS_INT),
+        "grad_accum": _f(1, int, "micro-batches per optimizer step", **POS_INT),
+        "seed": _f(0, int, "seed for weights, shuffling and dropout", **NONNEG),
+        "clip_norm": _f(
+            None,
+            (int, float),
+            "global gradient-norm clipping",
+            nullable=True,
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "compression": _f(
+            "none", str, "gradient compression on the wire", choices=("none", "fp16")
+        ),
+        "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
+        "log_every": _f(10, int, "log a progress line every N steps", **POS_INT),
+        "nan_check": _f(True, bool, "stop with a clear error when the loss is NaN/inf"),
+        "deterministic": _f(True, bool, "deterministic kernels (needed for bit-exact resume)"),
+    },
+    "horovod": {
+        "fusion_threshold_mb": _f(64, (int, float), "HOROVOD_FUSION_THRESHOLD", **NONNEG),
+        "cycle_time_ms": _f(1.0, (int, float), "HOROVOD_CYCLE_TIME", **NONNEG),
+        "hierarchical_allreduce": _f(False, bool, "HOROVOD_HIERARCHICAL_ALLREDUCE"),
+        "timeline": _f(None, str, "HOROVOD_TIMELINE file (Chrome trace)", nullable=True),
+        "autotune": _f(False, bool, "HOROVOD_AUTOTUNE"),
+    },
+    "runtime": {
+        "collective_timeout": _f(
+            600.0,
+            (int, float),
+            "seconds before the watchdog ends a stuck collective",
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "threads": _f(
+            None,
+            int,
+            "compute threads per rank (default: launcher or cores/ranks)",
+            nullable=True,
+            **POS_INT,
+        ),
+        "mpi_yield_when_idle": _f(
+            True, bool, "Open MPI yields the core while waiting (oversubscription)"
+        ),
+    },
+    "metrics": {
+        "jsonl": _f(True, bool, "write <run-dir>/metrics.jsonl"),
+        "tensorboard": _f(True, bool, "write TensorBoard scalars under <run-dir>/tb"),
+        "progress_bar": _f(True, bool, "tqdm bar on rank 0 when stderr is a terminal"),
+    },
+}
+
+
+def _defaults(schema: dict) -> dict:
+    out = {}
+    for key, spec in schema.items():
+        out[key] = _defaults(spec) if isinstance(spec, dict) else copy.deepcopy(spec.default)
+    return out
+
+
+def _merge(base: dict, override: dict) -> dict:
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def _check_value(key: str, spec: Field, value: Any) -> str | None:
+    if value is None:
+        return None if spec.nullable else f"{key}: must not be null"
+    ok_type = isinstance(value, spec.types) and not (
+        isinstance(value, bool) and bool not in spec.types
+    )
+    if not ok_type:
+        names = "/".join(t.__name__ for t in spec.types)
+        return f"{key}: expected {names}, got {type(value).__name__} {value!r}"
+    if spec.choices is not None and value not in spec.choices:
+        return f"{key}: {value!r} is not one of {', '.join(map(str, spec.choices))}"
+    if spec.minimum is not None and isinstance(value, (int, float)):
+        if isinstance(value, float) and not math.isfinite(value):
+            return f"{key}: must be finite, got {value!r}"
+        if value < spec.minimum or (spec.exclusive_min and value == spec.minimum):
+            op = ">" if spec.exclusive_min else ">="
+            return f"{key}: must be {op} {spec.minimum:g}, got {value!r}"
+    return None
+
+
+def _validate(schema: dict, values: dict, prefix: str, problems: list[str]) -> None:
+    for key in values:
+        if key not in schema:
+            known = ", ".join(sorted(schema))
+            problems.append(f"{prefix}{key}: unknown key (known here: {known})")
+    for key, spec in schema.items():
+        full = f"{prefix}{key}"
+        value = values.get(key)
+        if isinstance(spec, dict):
+            if not isinstance(value, dict):
+                problems.append(f"{full}: expected a mapping, got {type(value).__name__}")
+            else:
+                _validate(spec, value, full + ".", problems)
+        else:
+            problem = _check_value(full, spec, value)
+            if problem:
+                problems.append(problem)
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """'a.b=value' -> (['a', 'b'], value parsed as YAML, so 0.1 is a float, [1,2] a list)."""
+    if "=" not in text:
+        raise ConfigError(f"--set {text!r}: expected key=value")
+    key, raw = text.split("=", 1)
+    parts = key.strip().split(".")
+    if not all(parts):
+        raise ConfigError(f"--set {text!r}: empty key component")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
+    return parts, value
+
+
+class Config:
+    """A validated configuration; read values as `cfg["train"]["batch_size"]` or `cfg.train`."""
+
+    def __init__(self, values: dict | None = None, source: str = "<defaults>"):
+        merged = _merge(_defaults(SCHEMA), values or {})
+        self.source = source
+        problems: list[str] = []
+        _validate(SCHEMA, merged, "", problems)
+        if isinstance(merged.get("model"), dict):
+            from .models.zoo import validate_model_options  # framework-neutral
+
+            problems += validate_model_options(merged["model"])
+        if not problems:
+            problems += _cross_checks(merged)
+        if problems:
+            raise ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(problems))
+        self._values = merged
+
+    @classmethod
+    def load(cls, path: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+        values: dict = {}
+        source = "<defaults>"
+        if path is not None:
+            path = Path(path)
+            source = str(path)
+            try:
+                text = path.read_text()
+            except FileNotFoundError:
+                raise ConfigError(f"config file not found: {path}") from None
+            except OSError as exc:
+                raise ConfigError(f"cannot read config file {path}: {exc}") from None
+            try:
+                values = yaml.safe_load(text) or {}
+            except yaml.YAMLError as exc:
+                raise ConfigError(f"{path}: not valid YAML: {exc}") from None
+            if not isinstance(values, dict):
+                raise ConfigError(f"{path}: top level must be a mapping of keys")
+        for text in overrides or []:
+            parts, value = parse_override(text)
+            node = values
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+                if not isinstance(node, dict):
+                    raise ConfigError(f"--set {text!r}: {part} is not a section")
+            node[parts[-1]] = value
+        return cls(values, source)
+
+    def __getitem__(self, key):
+        return self._values[key]
+
+    def __getattr__(self, key):
+        if key.startswith("_"):
+            raise AttributeError(key)
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def to_dict(self) -> dict:
+        return copy.deepcopy(self._values)
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self._values, sort_keys=True)
+
+    def replace(self, overrides: list[str]) -> Config:
+        """A copy with `key=value` overrides applied (validated again)."""
+        values = self.to_dict()
+        for text in overrides:
+            parts, value = parse_override(text)
+            node = values
+            for part in parts[:-1]:
+                node = node.setdefault(part, {})
+            node[parts[-1]] = value
+        return Config(values, self.source)
+
+
+def _cross_checks(v: dict) -> list[str]:
+    problems = []
+    betas = v["optimizer"]["betas"]
+    if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
+        problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
+        problems.append("data.path: required when data.source is hdf5")
+    from .models.zoo import MODEL_TASK
+
+    name = v["model"]["name"]
+    if (
+        name in MODEL_TASK
+        and v["data"]["source"] != "hdf5"
+        and v["data"]["task"] not in MODEL_TASK[name]
+    ):
+        problems.append(
+            f"data.task: model {name} needs data.task "
+            f"{' or '.join(MODEL_TASK[name])}, got {v['data']['task']}"
+        )
+    return problems
+
+
+def describe_schema(schema: dict | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
+    """(key, default, doc) rows for --help and the README."""
+    rows = []
+    for key, spec in (schema or SCHEMA).items():
+        if isinstance(spec, dict):
+            rows += describe_schema(spec, f"{prefix}{key}.")
+        else:
+            default = spec.default
+            if spec.choices:
+                doc = f"{spec.doc} ({' | '.join(map(str, spec.choices))})"
+            else:
+                doc = spec.doc
+            rows.append((prefix + key, yaml.safe_dump(default).strip().removesuffix("..."), doc))
+    return rows

@@ -1,0 +1,236 @@
+"""Sharded, shuffled, prefetched batches from an HDF5 dataset.
+
+Sharding rule (documented in the README): each epoch, one permutation of the training
+set is drawn from (seed, epoch), identical on every rank. Optimizer step s consumes
+the next `grad_accum x batch_size x world_size` samples of it; micro-batch m of rank r
+is the slice starting at offset + (m x world_size + r) x batch_size. So np=2 with batch
+b reads exactly the samples np=1 reads with batch 2b. The tail that does not fill a
+global batch is skipped for that epoch (a different tail each epoch). The position is
+kept in samples, so a run resumed at another world size continues where it stopped.
+
+Validation is split into contiguous blocks, one per rank, covering every sample
+exactly once; the trainer sums loss, correct and counts over ranks.
+
+Each rank reads only the rows it needs (sorted fancy indexing, then reordered), never
+the whole file; a background thread reads the next batches while the current trains.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..errors import DataError
+from ..models.zoo import InputSpec
+
+
+@dataclass(frozen=True)
+class DatasetInfo:
+    path: str
+    train_size: int
+    val_size: int
+    input_spec: InputSpec
+    x_dtype: str
+    attrs: dict
+
+
+def inspect_dataset(path: str | Path) -> DatasetInfo:
+    """Open, check the layout and describe the dataset; DataError names what is wrong."""
+    path = Path(path)
+    if not path.exists():
+        raise DataError(f"dataset file not found: {path}")
+    try:
+        with h5py.File(path, "r") as f:
+            for key in ("train/x", "train/y", "val/x", "val/y"):
+                if key not in f:
+                    raise DataError(
+                        f"{path}: missing dataset /{key} (expected /train/x, "
+                        "/train/y, /val/x, /val/y)"
+                    )
+            tx, ty, vx, vy = f["train/x"], f["train/y"], f["val/x"], f["val/y"]
+            if tx.shape[0] != ty.shape[0] or vx.shape[0] != vy.shape[0]:
+                raise DataError(
+                    f"{path}: x and y have different numbers of rows "
+                    f"(train {tx.shape[0]} vs {ty.shape[0]}, val {vx.shape[0]} "
+                    f"vs {vy.shape[0]})"
+                )
+            if tx.shape[1:] != vx.shape[1:]:
+                raise DataError(
+                    f"{path}: train samples {tx.shape[1:]} and val samples "
+                    f"{vx.shape[1:]} differ in shape"
+                )
+            if tx.shape[0] == 0:
+                raise DataError(f"{path}: the training split is empty")
+            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+            tokens = np.issubdtype(tx.dtype, np.integer)
+            if "classes" in attrs:
+                classes = int(attrs["classes"])
+            else:  # labels are small: one pass over y is cheap compared to x
+                classes = int(max(ty[...].max(), vy[...].max() if vy.shape[0] else 0)) + 1
+            return DatasetInfo(
+                str(path),
+                tx.shape[0],
+                vx.shape[0],
+                InputSpec(tuple(tx.shape[1:]), classes, tokens),
+                str(tx.dtype),
+                attrs,
+            )
+    except DataError:
+        raise
+    except OSError as exc:
+        raise DataError(f"cannot read dataset {path}: {exc}") from None
+
+
+def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
+    """The same permutation on every rank: a function of (seed, epoch) only."""
+    return np.random.default_rng([seed, epoch]).permutation(n)
+
+
+def _read_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
+    order = np.argsort(rows, kind="stable")
+    sorted_rows = rows[order]
+    out = np.empty((len(rows), *ds.shape[1:]), dtype=ds.dtype)
+    if len(np.unique(sorted_rows)) == len(sorted_rows):
+        out[order] = ds[sorted_rows]
+    else:  # h5py refuses repeated indices; never happens with a permutation
+        for i, r in enumerate(rows):
+            out[i] = ds[int(r)]
+    return out
+
+
+class ShardedTrainData:
+    """Per-rank micro-batches of the training split, in step order, prefetched."""
+
+    def __init__(
+        self,
+        info: DatasetInfo,
+        rank: int,
+        size: int,
+        batch_size: int,
+        grad_accum: int,
+        seed: int,
+        prefetch: int = 2,
+    ):
+        self.info, self.rank, self.size = info, rank, size
+        self.batch, self.accum, self.seed = batch_size, grad_accum, seed
+        self.global_batch = batch_size * grad_accum * size
+        self.steps_per_epoch = info.train_size // self.global_batch
+        if self.steps_per_epoch == 0:
+            raise DataError(
+                f"{info.path}: {info.train_size} training samples do not fill one global batch "
+                f"of {self.global_batch} (batch_size {batch_size} x grad_accum {grad_accum} x "
+                f"{size} ranks)"
+            )
+        self.prefetch = prefetch
+
+    def micro_batch_rows(self, epoch: int, position: int, perm=None) -> list[np.ndarray]:
+        """Rows of this rank's micro-batches for the step starting at sample `position`."""
+        perm = epoch_permutation(self.info.train_size, self.seed, epoch) if perm is None else perm
+        rows = []
+        for m in range(self.accum):
+            start = position + (m * self.size + self.rank) * self.batch
+            rows.append(perm[start : start + self.batch])
+        return rows
+
+    def steps_left(self, position: int) -> int:
+        return (self.info.train_size - position) // self.global_batch
+
+    def iterate(self, epoch: int, position: int = 0):
+        """Yield lists of (x, y) micro-batches, one list per step, from `position` on."""
+        steps = self.steps_left(position)
+        if self.prefetch <= 0:
+            with h5py.File(self.info.path, "r") as f:
+                perm = epoch_permutation(self.info.train_size, self.seed, epoch)
+                for s in range(steps):
+                    yield self._load(f, epoch, position + s * self.global_batch, perm)
+            return
+        q: queue.Queue = queue.Queue(maxsize=self.prefetch)
+        stop = threading.Event()
+
+        def producer():
+            try:
+                with h5py.File(self.info.path, "r") as f:
+                    perm = epoch_permutation(self.info.train_size, self.seed, epoch)
+                    for s in range(steps):
+                        if stop.is_set():
+                            return
+                        q.put(self._load(f, epoch, position + s * self.global_batch, perm))
+            except BaseException as exc:  # noqa: BLE001 - handed to the consumer
+                q.put(exc)
+                return
+            q.put(None)
+
+        thread = threading.Thread(target=producer, name="hpctrain-prefetch", daemon=True)
+        thread.start()
+        try:
+            while True:
+                item = q.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise DataError(f"reading {self.info.path}: {item}") from item
+                yield item
+        finally:
+            stop.set()
+            while thread.is_alive():  # unblock a producer waiting on a full queue
+                try:
+                    q.get_nowait()
+                except queue.Empty:
+                    thread.join(timeout=0.05)
+
+    def _load(self, f, epoch, position, perm):
+        out = []
+        for rows in self.micro_batch_rows(epoch, position, perm):
+            out.append((_read_rows(f["train/x"], rows), _read_rows(f["train/y"], rows)))
+        return out
+
+
+def val_block(val_size: int, rank: int, size: int) -> tuple[int, int]:
+    """Contiguous [start, stop) of the validation rows this rank evaluates."""
+    bounds = np.linspace(0, val_size, size + 1).astype(np.int64)
+    return int(bounds[rank]), int(bounds[rank + 1])
+
+
+def iterate_val(info: DatasetInfo, rank: int, size: int, batch_size: int):
+    """This rank's validation rows in batches (possibly none on tiny sets)."""
+    start, stop = val_block(info.val_size, rank, size)
+    with h5py.File(info.path, "r") as f:
+        for lo in range(start, stop, batch_size):
+            hi = min(lo + batch_size, stop)
+            yield f["val/x"][lo:hi], f["val/y"][lo:hi]
+
+
+class BenchmarkData:
+    """Horovod's synthetic-benchmark mode: one fixed random batch, reused every step."""
+
+    def __init__(
+        self,
+        inp: InputSpec,
+        batch_size: int,
+        grad_accum: int,
+        size: int,
+        seed: int,
+        steps_per_epoch: int,
+    ):
+        rng = np.random.default_rng(seed)
+        if inp.tokens:
+            x = rng.integers(0, inp.classes, (batch_size, *inp.shape))
+            y = rng.integers(0, inp.classes, (batch_size, *inp.shape))
+        else:
+            x = rng.standard_normal((batch_size, *inp.shape)).astype(np.float32)
+            y = rng.integers(0, inp.classes, batch_size)
+        self.batch = [(x, y.astype(np.int64))] * grad_accum
+        self.steps_per_epoch = steps_per_epoch
+        self.global_batch = batch_size * grad_accum * size
+
+    def steps_left(self, position: int) -> int:
+        return self.steps_per_epoch - position // self.global_batch
+
+    def iterate(self, epoch: int, position: int = 0):
+        for _ in range(self.steps_left(position)):
+            yield self.batch

@@ -1,0 +1,116 @@
+"""`hpctrain doctor`: is the whole stack here, and how are the ranks laid out?
+
+Checks each piece a run needs (Python, numpy, mpi4py and its MPI library, h5py, torch,
+TensorFlow, Horovod and what it was built with) and, under a launcher, prints the
+layout every rank sees. Exits non-zero naming whatever is missing.
+"""
+
+from __future__ import annotations
+
+import importlib
+import platform
+import sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def _pkg_version(dist: str) -> str | None:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return None
+
+
+def _check_core() -> tuple[list[tuple[str, str]], list[str]]:
+    rows, missing = [("python", f"{platform.python_version()} ({sys.executable})")], []
+    for dist in ("numpy", "pyyaml", "tqdm"):
+        v = _pkg_version(dist)
+        rows.append((dist, v or "MISSING"))
+        if v is None:
+            missing.append(dist)
+    try:
+        import mpi4py
+        from mpi4py import MPI
+
+        lib = MPI.Get_library_version().strip().splitlines()[0]
+        threads = {
+            MPI.THREAD_MULTIPLE: "multiple",
+            MPI.THREAD_SERIALIZED: "serialized",
+            MPI.THREAD_FUNNELED: "funneled",
+            MPI.THREAD_SINGLE: "single",
+        }
+        rows.append(
+            (
+                "mpi4py",
+                f"{mpi4py.__version__}; {lib}; MPI {MPI.Get_version()[0]}."
+                f"{MPI.Get_version()[1]}; threads "
+                f"{threads.get(MPI.Query_thread(), '?')}",
+            )
+        )
+    except Exception as exc:  # noqa: BLE001 - report any import failure
+        rows.append(("mpi4py", f"MISSING ({exc})"))
+        missing.append("mpi4py")
+    try:
+        import h5py
+
+        cfg = h5py.get_config()
+        rows.append(
+            (
+                "h5py",
+                f"{h5py.__version__}; HDF5 {h5py.version.hdf5_version}; "
+                f"parallel HDF5 {'yes' if cfg.mpi else 'no (serial; rank 0 writes)'}",
+            )
+        )
+    except Exception as exc:  # noqa: BLE001
+        rows.append(("h5py", f"MISSING ({exc})"))
+        missing.append("h5py")
+    return rows, missing
+
+
+def _check_backend(name: str) -> tuple[list[tuple[str, str]], list[str]]:
+    """Versions and Horovod build of one framework backend (imports it)."""
+    module = importlib.import_module(f"hpctrain.backends.{name}")
+    try:
+        info = module.probe()
+    except Exception as exc:  # noqa: BLE001
+        return [(name, f"MISSING ({type(exc).__name__}: {exc})")], [name]
+    rows = [(name, info["framework"]), (f"horovod[{name}]", info["horovod"])]
+    missing = [f"{name}: {m}" for m in info.get("missing", [])]
+    return rows, missing
+
+
+def run_doctor(quiet: bool = False) -> int:
+    from .runtime import world
+
+    rows, missing = _check_core()
+    for backend in ("torch", "tensorflow"):
+        r, m = _check_backend(backend)
+        rows += r
+        missing += m
+    w = world() if "mpi4py" not in missing else None
+    if w is not None:
+        layouts = w.gather_object(w.layout.as_dict(), what="doctor: gather layouts")
+        failures = w.gather_object(missing, what="doctor: gather problems")
+    else:
+        layouts, failures = None, [missing]
+    if w is not None and not w.is_root:
+        return 1 if missing else 0
+    width = max(len(k) for k, _ in rows)
+    if not quiet:
+        print("hpctrain doctor")
+        for key, value in rows:
+            print(f"  {key:<{width}}  {value}")
+    if layouts is not None and not quiet:
+        print(f"\n  {len(layouts)} rank(s), launcher: {layouts[0]['launcher']}")
+        print("  rank  local  local_size  node  host")
+        for lay in layouts:
+            print(
+                f"  {lay['rank']:>4}  {lay['local_rank']:>5}  {lay['local_size']:>10}  "
+                f"{lay['node']:>4}  {lay['hostname']}"
+            )
+    problems = sorted({p for rank_missing in failures for p in rank_missing})
+    if problems:
+        print("\ndoctor: MISSING: " + "; ".join(problems), file=sys.stderr)
+        return 1
+    if not quiet:
+        print("\ndoctor: all checks passed")
+    return 0

@@ -1,0 +1,68 @@
+"""Errors a user can act on.
+
+Anything derived from HpctrainError is a problem with the user's input or environment
+(bad config, missing file, NaN loss...). The CLI prints it as one clear line on every
+rank and exits with status 2; any other exception is a bug and aborts the whole job.
+"""
+
+
+class HpctrainError(Exception):
+    """A problem the user can fix; printed without a traceback.
+
+    `agreed` is True once every rank is known to raise it (World.agree); an error only
+    one rank raised must instead abort the job, or the other ranks would wait forever.
+    """
+
+    agreed = False
+
+
+class ConfigError(HpctrainError):
+    """An invalid configuration value (the message names the key)."""
+
+
+class DataError(HpctrainError):
+    """A missing, unreadable or inconsistent dataset."""
+
+
+class CheckpointError(HpctrainError):
+    """A checkpoint that cannot be written, found, verified or loaded."""
+
+
+class LaunchError(HpctrainError):
+    """The launcher's view of the job disagrees with MPI's, or a launch value is invalid."""
+
+
+class TrainingDiverged(HpctrainError):
+    """The loss became NaN or infinite."""
+
+
+class RankErrors(HpctrainError):
+    """Errors reported by one or more ranks, gathered so that every rank can print them all.
+
+    Identical messages are grouped ("rank(s) 0-511: ..."), so a large job stays readable.
+    """
+
+    def __init__(self, errors: dict[int, str]):
+        self.errors = dict(sorted(errors.items()))
+        groups: dict[str, list[int]] = {}
+        for rank, msg in self.errors.items():
+            groups.setdefault(msg, []).append(rank)
+        lines = [f"rank(s) {rank_ranges(ranks)}: {msg}" for msg, ranks in groups.items()]
+        super().__init__(lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines))
+
+
+def rank_ranges(ranks: list[int]) -> str:
+    """[0, 1, 2, 5] -> '0-2,5' so that a 512-rank job's message stays one line."""
+    out: list[str] = []
+    start = prev = None
+    for r in sorted(ranks):
+        if start is None:
+            start = prev = r
+        elif r == prev + 1:
+            prev = r
+        else:
+            out.append(f"{start}-{prev}" if prev != start else f"{start}")
+            start = prev = r
+    if start is not None:
+        out.append(f"{start}-{prev}" if prev != start else f"{start}")
+    return ",".join(out)

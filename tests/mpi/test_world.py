@@ -1,0 +1,55 @@
+"""Inside every rank: the World's layout equals what MPI and Open MPI's launcher say."""
+
+import os
+
+import numpy as np
+from mpi4py import MPI
+
+from hpctrain.runtime import world
+
+
+def test_rank_discovery_matches_mpi():
+    w = world()
+    comm = MPI.COMM_WORLD
+    assert (w.rank, w.size) == (comm.Get_rank(), comm.Get_size())
+    assert w.rank == int(os.environ["OMPI_COMM_WORLD_RANK"])
+    assert w.size == int(os.environ["OMPI_COMM_WORLD_SIZE"])
+    assert w.local_rank == int(os.environ["OMPI_COMM_WORLD_LOCAL_RANK"])
+    assert w.local_size == int(os.environ["OMPI_COMM_WORLD_LOCAL_SIZE"])
+    assert w.layout.node == 0 and w.layout.nodes == 1  # one machine
+    assert w.layout.launcher == "mpirun (Open MPI)"
+    # Every rank holds a distinct rank number: their sum is 0 + 1 + ... + (size - 1).
+    total = w.allreduce_array(np.array([w.rank], dtype=np.int64), "sum")
+    assert total[0] == w.size * (w.size - 1) // 2
+
+
+def test_role_split_gives_sub_communicators():
+    w = world()
+    sub = w.split("test-parity", w.rank % 2)
+    assert sub.Get_size() == (w.size + 1 - w.rank % 2) // 2
+    assert w.split("test-parity", 0) is sub  # cached by name
+
+
+def test_agree_raises_on_every_rank_with_the_failing_ranks_message():
+    w = world()
+    err = "disk full" if w.rank == w.size - 1 else None
+    try:
+        w.agree(err)
+    except Exception as exc:  # noqa: BLE001
+        assert f"rank(s) {w.size - 1}: disk full" in str(exc)
+        assert exc.agreed
+    else:
+        raise AssertionError("agree() did not raise")
+
+
+def test_check_uniform_names_the_odd_rank():
+    w = world()
+    shape = (17, 3) if w.rank != 1 else (17, 4)
+    try:
+        w.check_uniform(shape, "gradient shape")
+    except Exception as exc:  # noqa: BLE001
+        assert "gradient shape differs between ranks" in str(exc)
+        assert "(17, 4) on rank(s) 1" in str(exc)
+    else:
+        raise AssertionError("check_uniform() did not raise")
+    w.check_uniform((5, 5), "same everywhere")

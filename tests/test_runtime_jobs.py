@@ -1,0 +1,89 @@
+"""The runtime layer under real mpirun jobs: fail-together, watchdog, doctor, launch checks."""
+
+import re
+
+from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
+
+SCRIPTS = ROOT / "tests" / "scripts"
+
+
+def test_exception_on_one_rank_ends_the_job_quickly_with_its_message():
+    job = mpirun(2, PYTHON, str(SCRIPTS / "raise_on_rank.py"), env={"RAISE_RANK": "1"}, timeout=120)
+    assert job.returncode != 0
+    assert job.seconds < 30, f"took {job.seconds:.1f} s"
+    assert job.output.count("RuntimeError: boom from rank 1") == 1, job.output
+    assert "[rank 1/2] FATAL" in job.output
+
+
+def test_exception_on_rank_zero_of_four_ends_all_ranks():
+    job = mpirun(4, PYTHON, str(SCRIPTS / "raise_on_rank.py"), env={"RAISE_RANK": "0"}, timeout=120)
+    assert job.returncode != 0
+    assert job.seconds < 30, f"took {job.seconds:.1f} s"
+    assert "boom from rank 0" in job.output
+
+
+def test_watchdog_names_the_rank_that_never_arrived():
+    job = mpirun(
+        4,
+        PYTHON,
+        str(SCRIPTS / "skip_collective.py"),
+        env={"SKIP_RANK": "2", "TIMEOUT": "3"},
+        timeout=120,
+    )
+    assert job.returncode != 0
+    assert job.seconds < 40, f"took {job.seconds:.1f} s"
+    assert re.search(r"'test barrier' .* within 3 s: rank\(s\) 2 never arrived", job.output), (
+        job.output
+    )
+
+
+def test_watchdog_reports_missing_rank_zero():
+    job = mpirun(
+        2,
+        PYTHON,
+        str(SCRIPTS / "skip_collective.py"),
+        env={"SKIP_RANK": "0", "TIMEOUT": "3"},
+        timeout=120,
+    )
+    assert job.returncode != 0
+    assert "rank 0 never arrived" in job.output, job.output
+
+
+def test_doctor_shows_four_ranks_and_both_frameworks():
+    job = mpirun(4, HPCTRAIN, "doctor", timeout=240)
+    assert job.returncode == 0, job.output
+    assert "4 rank(s)" in job.output
+    rows = re.findall(r"^\s+(\d)\s+(\d)\s+4\s+0\s+\S+$", job.output, re.M)
+    assert sorted(rows) == [(str(r), str(r)) for r in range(4)], job.output
+    for piece in (
+        "torch",
+        "tensorflow",
+        "horovod[torch]",
+        "horovod[tensorflow]",
+        "mpi4py",
+        "h5py",
+        "Open MPI",
+    ):
+        assert piece in job.output, piece
+    assert "MPI, Gloo" in job.output
+    assert "doctor: all checks passed" in job.output
+
+
+def test_launcher_variables_that_disagree_with_mpi_are_refused():
+    # Simulate a broken launch: every rank told it is rank 0 by a stale variable.
+    job = mpirun(2, "-x", "HOROVOD_RANK=0", "-x", "HOROVOD_SIZE=2", HPCTRAIN, "doctor", timeout=120)
+    assert job.returncode == 2, job.output
+    assert "launcher variables disagree with MPI" in job.output
+    assert "HOROVOD_RANK=0 (horovodrun) but MPI says rank=1" in job.output
+    assert job.output.count("error: ") == 2  # one line on every rank
+
+
+def test_invalid_config_is_reported_on_every_rank_before_work():
+    job = mpirun(
+        2, HPCTRAIN, "train", "--set", "train.batch_size=0", "--set", "optimizr.lr=1", timeout=120
+    )
+    assert job.returncode == 2, job.output
+    for rank in (0, 1):
+        assert f"[rank {rank}/2] error: " in job.output
+    assert job.output.count("train.batch_size: must be >= 1, got 0") == 2
+    assert job.output.count("optimizr: unknown key") == 2
