@@ -8,11 +8,16 @@ other ranks waiting.
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 import textwrap
 
 from .version import __version__
+
+# Feature packages that add subcommands: each module has
+# `register(subparsers) -> {command name: handler(args) -> exit code}`.
+COMMAND_MODULES: list[str] = []
 
 LAUNCH_HELP = """\
 launch:
@@ -116,6 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--channels", type=int, default=3)
     s.add_argument("--seq-len", type=int, default=32)
     s.add_argument("--vocab", type=int, default=64)
+    for module_name in COMMAND_MODULES:
+        COMMANDS.update(importlib.import_module(module_name).register(sub))
     return parser
 
 

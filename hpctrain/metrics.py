@@ -11,6 +11,7 @@ import json
 import math
 import sys
 import time
+import types
 from pathlib import Path
 
 CORE_KEYS = ("event", "epoch", "step", "loss", "val_loss", "val_accuracy", "samples_per_sec")
@@ -38,6 +39,10 @@ class MetricsWriter:
         if jsonl:
             self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
         if tensorboard:
+            # tensorboard imports TensorFlow when it is installed unless the module
+            # tensorboard.compat.notf exists; its stub writes the same event files, and a
+            # torch run should not pay 2 s and 500 MB for a TensorFlow it never uses.
+            sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
             self._tb = EventFileWriter(str(run_dir / "tb"))

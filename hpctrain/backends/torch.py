@@ -241,7 +241,7 @@ class TorchBackend(BackendBase):
         self.model.train()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad(set_to_none=False)
+        self.optimizer.zero_grad()
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         loss_sum, correct = 0.0, 0
         for x, y in micro_batches:
