@@ -8,7 +8,9 @@ one message that names each offending key, so a job never starts with a typo.
 from __future__ import annotations
 
 import copy
+import json
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -139,6 +141,28 @@ SCHEMA: dict[str, Any] = {
 }
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML with YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-4` as a string."""
+
+
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(
+        r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
+        |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
+        |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
+        |[-+]?\.(?:inf|Inf|INF)
+        |\.(?:nan|NaN|NAN))$""",
+        re.X,
+    ),
+    list("-+0123456789."),
+)
+
+
+def _yaml_load(text: str):
+    return yaml.load(text, Loader=_Loader)  # noqa: S506 - a SafeLoader subclass
+
+
 def _defaults(schema: dict) -> dict:
     out = {}
     for key, spec in schema.items():
@@ -204,7 +228,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if not all(parts):
         raise ConfigError(f"--set {text!r}: empty key component")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = _yaml_load(raw) if raw.strip() else ""
     except yaml.YAMLError as exc:
         raise ConfigError(f"--set {text!r}: value is not valid YAML ({exc})") from None
     return parts, value
@@ -242,7 +266,7 @@ class Config:
             except OSError as exc:
                 raise ConfigError(f"cannot read config file {path}: {exc}") from None
             try:
-                values = yaml.safe_load(text) or {}
+                values = _yaml_load(text) or {}
             except yaml.YAMLError as exc:
                 raise ConfigError(f"{path}: not valid YAML: {exc}") from None
             if not isinstance(values, dict):
@@ -308,6 +332,17 @@ def _cross_checks(v: dict) -> list[str]:
     return problems
 
 
+def _show(value) -> str:
+    """A default as a user would type it in YAML."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, dict)):
+        return json.dumps(value).replace('"', "")
+    return str(value)
+
+
 def describe_schema(schema: dict | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
     """(key, default, doc) rows for --help and the README."""
     rows = []
@@ -320,5 +355,5 @@ def describe_schema(schema: dict | None = None, prefix: str = "") -> list[tuple[
                 doc = f"{spec.doc} ({' | '.join(map(str, spec.choices))})"
             else:
                 doc = spec.doc
-            rows.append((prefix + key, yaml.safe_dump(default).strip().removesuffix("..."), doc))
+            rows.append((prefix + key, _show(default), doc))
     return rows

@@ -214,7 +214,7 @@ class Trainer:
             [stats.loss_sum if not bad else 0.0, stats.correct, stats.count, bad], dtype=np.float64
         )
         totals = self.world.allreduce_array(local, "sum", "step metrics")
-        if totals[3] > 0:
+        if totals[3] > 0 and self.cfg.train["nan_check"]:
             flags = self.world.comm.allgather(bool(bad)) if self.world.size > 1 else [bool(bad)]
             ranks = [r for r, f in enumerate(flags) if f]
             exc = TrainingDiverged(

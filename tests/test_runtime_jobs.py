@@ -87,3 +87,20 @@ def test_invalid_config_is_reported_on_every_rank_before_work():
         assert f"[rank {rank}/2] error: " in job.output
     assert job.output.count("train.batch_size: must be >= 1, got 0") == 2
     assert job.output.count("optimizr: unknown key") == 2
+
+
+def test_gloo_style_launch_without_mpi_is_explained():
+    import os
+    import subprocess
+
+    env = dict(
+        os.environ,
+        HOROVOD_RANK="0",
+        HOROVOD_SIZE="2",
+        HOROVOD_LOCAL_RANK="0",
+        HOROVOD_LOCAL_SIZE="2",
+    )
+    job = subprocess.run([HPCTRAIN, "doctor"], env=env, capture_output=True, text=True, timeout=120)
+    assert job.returncode == 2
+    assert "each one is a separate MPI job of size 1" in job.stderr
+    assert "horovodrun without --gloo" in job.stderr

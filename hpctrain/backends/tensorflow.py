@@ -289,11 +289,33 @@ class TensorFlowBackend(BackendBase):
         self.compression = (
             hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
         )
-        everything = list(self.net.vars.values()) + list(self.net.buffers.values())
-        if hvd.size() > 1:
-            hvd.broadcast_variables(everything, root_rank=0)
+        self.broadcast_from_root()
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
         self._eval_fn = tf.function(self._eval, reduce_retracing=True)
+
+    def broadcast_from_root(self) -> None:
+        """Every replica takes rank 0's variables and optimizer state.
+
+        Horovod's broadcast_variables runs in a tf.function that fails on Keras 3
+        variables ('SymbolicTensor' object has no attribute 'assign'), so each variable is
+        broadcast eagerly and assigned here; this works for tf.Variable and Keras alike.
+        """
+        if self.hvd.size() == 1:
+            return
+        opt = self.optimizer
+        everything = [
+            *self.net.vars.values(),
+            *self.net.buffers.values(),
+            *(v for slot in opt.slots.values() for v in slot.values()),
+            opt.step,
+            opt.started,
+        ]
+        for i, var in enumerate(everything):
+            var.assign(
+                self.hvd.broadcast(
+                    tf.convert_to_tensor(var), root_rank=0, name=f"hpctrain.bcast.{i}"
+                )
+            )
 
     # --- training ---------------------------------------------------------------
     def _grads(self, x, y, scale):

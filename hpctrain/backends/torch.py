@@ -228,10 +228,22 @@ class TorchBackend(BackendBase):
             backward_passes_per_step=self.accum,
             op=hvd.Average,
         )
-        hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
-        hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        self.broadcast_from_root()
         self.clip = cfg.train["clip_norm"]
         self.tokens = inp.tokens
+
+    def broadcast_from_root(self) -> None:
+        """Make every replica start from rank 0's parameters and optimizer state.
+
+        Horovod's broadcast_optimizer_state initialises an empty optimizer by taking a
+        zero-gradient step; for Adam that advances the step count to 1 and changes the bias
+        correction of every later step. A fresh optimizer has nothing to broadcast, so the
+        state is only broadcast once it exists (after a resume).
+        """
+        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        # Rank 0 decides for everyone: the branch must be the same on every rank.
+        if self.hvd.broadcast_object(bool(self.optimizer.state), root_rank=0, name="has_state"):
+            self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
 
     # --- training ---------------------------------------------------------------
     def _loss(self, logits, y):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from ..errors import DataError
@@ -50,7 +51,8 @@ def prepare_dataset(cfg, world, run_dir: Path) -> DatasetInfo:
                 error = f"could not write synthetic dataset {path}: {exc}"
         world.agree(error)
     else:
-        path = Path(dcfg["path"])
+        # $VARS expand per rank: node-local paths like $TMPDIR/train.h5 work on clusters.
+        path = Path(os.path.expandvars(dcfg["path"]))
     info = None
     try:
         info = inspect_dataset(path)

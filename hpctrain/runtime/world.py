@@ -70,6 +70,16 @@ class World:
         self._abort_lock = threading.Lock()
         self.watchdog = Watchdog(self.comm, collective_timeout, self.abort)
         problems = launcher.disagreements(self.layout.as_dict(), views)
+        launched_size = max((v.values.get("size", 1) for v in views), default=1)
+        if self.size == 1 and launched_size > 1:
+            problems.insert(
+                0,
+                f"the launcher started {launched_size} processes but each one is "
+                "a separate MPI job of size 1 (e.g. `horovodrun --gloo`, or an "
+                "MPI library other than the one mpi4py was built with); hpctrain "
+                "needs an MPI launch: mpirun, srun --mpi=pmix, or horovodrun "
+                "without --gloo",
+            )
         self.agree(
             "; ".join(problems) if problems else None,
             prefix="launcher variables disagree with MPI: ",

@@ -1,0 +1,87 @@
+"""Config validation names every offending key; overrides parse like YAML."""
+
+import pytest
+
+from hpctrain.config import Config, parse_override
+from hpctrain.errors import ConfigError
+from hpctrain.schedule import lr_at
+
+
+def test_defaults_validate_and_overrides_apply(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("backend: tensorflow\ntrain:\n  batch_size: 32\n")
+    cfg = Config.load(path, ["train.batch_size=16", "optimizer.lr=1e-4", "model.hidden=[8, 4]"])
+    assert cfg.backend == "tensorflow"
+    assert cfg.train["batch_size"] == 16 and cfg.optimizer["lr"] == 1e-4
+    assert cfg.model["hidden"] == [8, 4]
+
+
+def test_all_problems_are_reported_together_naming_each_key():
+    with pytest.raises(ConfigError) as err:
+        Config.load(
+            None,
+            [
+                "train.epochs=0",
+                "train.bogus=1",
+                "optimizer.lr_scaling=cubic",
+                "train.clip_norm=-1",
+                "model.hidden=[]",
+                "train.batch_size=true",
+            ],
+        )
+    text = str(err.value)
+    for fragment in (
+        "train.epochs: must be >= 1",
+        "train.bogus: unknown key",
+        "optimizer.lr_scaling: 'cubic' is not one of none, linear, sqrt",
+        "train.clip_norm: must be > 0",
+        "model.hidden: expected a non-empty list",
+        "train.batch_size: expected int, got bool",
+    ):
+        assert fragment in text
+
+
+def test_model_and_task_must_fit():
+    with pytest.raises(ConfigError, match="data.task: model cnn needs data.task images"):
+        Config.load(None, ["model.name=cnn"])
+    with pytest.raises(ConfigError, match="model.n_heads: d_model=10 is not divisible"):
+        Config.load(
+            None,
+            ["model.name=transformer", "data.task=tokens", "model.d_model=10", "model.n_heads=4"],
+        )
+
+
+def test_missing_and_malformed_files(tmp_path):
+    with pytest.raises(ConfigError, match="config file not found"):
+        Config.load(tmp_path / "none.yaml")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("train: [1, 2\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        Config.load(bad)
+
+
+def test_override_parsing():
+    assert parse_override("a.b=1e-3") == (["a", "b"], 1e-3)
+    assert parse_override("x=null") == (["x"], None)
+    with pytest.raises(ConfigError, match="expected key=value"):
+        parse_override("novalue")
+
+
+def test_lr_warmup_scaling_and_cosine():
+    o = {"lr": 0.1, "lr_scaling": "linear", "warmup_epochs": 1, "schedule": "cosine"}
+    assert lr_at(0, o, 4, 10, 100) == pytest.approx(0.1)
+    assert lr_at(5, o, 4, 10, 100) == pytest.approx(0.25)
+    assert lr_at(10, o, 4, 10, 100) == pytest.approx(0.4)
+    assert lr_at(100, o, 4, 10, 100) == pytest.approx(0.0, abs=1e-12)
+    o.update(lr_scaling="sqrt", warmup_epochs=0, schedule="constant")
+    assert lr_at(7, o, 4, 10, 100) == pytest.approx(0.2)
+
+
+def test_readme_documents_every_config_key():
+    from pathlib import Path
+
+    from hpctrain.config import describe_schema
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    missing = [key for key, _, _ in describe_schema() if f"`{key}`" not in readme]
+    assert not missing, f"README lacks config keys: {missing}"

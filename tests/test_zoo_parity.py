@@ -1,0 +1,103 @@
+"""Every zoo model is the same network in both backends: identical weights give the same
+outputs, and one training step moves the weights the same way."""
+
+import numpy as np
+import pytest
+
+from hpctrain import Config
+from hpctrain.models import zoo
+
+CASES = {
+    "mlp": (["model.name=mlp"], zoo.InputSpec((12,), 5)),
+    "cnn": (["model.name=cnn", "data.task=images"], zoo.InputSpec((3, 8, 8), 4)),
+    "resnet": (
+        ["model.name=resnet", "data.task=images", "model.width=4"],
+        zoo.InputSpec((3, 8, 8), 4),
+    ),
+    "transformer": (
+        [
+            "model.name=transformer",
+            "data.task=tokens",
+            "model.d_model=16",
+            "model.n_heads=2",
+            "model.d_ff=32",
+        ],
+        zoo.InputSpec((6,), 11, tokens=True),
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def world():
+    from hpctrain.runtime import world
+
+    return world()
+
+
+def _backends(world, overrides, inp):
+    from hpctrain.backends.tensorflow import TensorFlowBackend
+    from hpctrain.backends.torch import TorchBackend
+
+    cfg = Config.load(None, [*overrides, "optimizer.name=sgd", "optimizer.lr=0.1"])
+    return TorchBackend(cfg, world, inp, 1), TensorFlowBackend(cfg, world, inp, 1)
+
+
+def _batch(inp, n, seed):
+    rng = np.random.default_rng(seed)
+    if inp.tokens:
+        x = rng.integers(0, inp.classes, (n, *inp.shape))
+        return x, rng.integers(0, inp.classes, (n, *inp.shape))
+    return rng.standard_normal((n, *inp.shape)).astype(np.float32), rng.integers(0, inp.classes, n)
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_same_weights_same_outputs_and_same_step(world, name):
+    overrides, inp = CASES[name]
+    bt, bf = _backends(world, overrides, inp)
+    wt, wf = bt.get_weights(), bf.get_weights()
+    assert sorted(wt) == sorted(wf)  # the same canonical names
+    for k in wt:
+        np.testing.assert_array_equal(wt[k], wf[k], err_msg=k)  # same initial values
+    x, y = _batch(inp, 8, 1)
+    out_t, out_f = bt.predict(x), bf.predict(x)
+    expected = (8, *inp.shape, inp.classes) if inp.tokens else (8, inp.classes)
+    assert out_t.shape == out_f.shape == expected
+    np.testing.assert_allclose(out_t, out_f, atol=1e-5)
+    for step in range(2):
+        st = bt.train_step([_batch(inp, 8, 10 + step)], 0.1)
+        sf = bf.train_step([_batch(inp, 8, 10 + step)], 0.1)
+        assert abs(st.loss_sum - sf.loss_sum) / st.count < 1e-5
+    wt, wf = bt.get_weights(), bf.get_weights()
+    moved = max(
+        np.abs(wt[k] - v).max()
+        for k, v in zoo.init_weights(
+            zoo.build_layers(bt.cfg.model, inp), bt.cfg.train["seed"]
+        ).items()
+    )
+    assert moved > 1e-3
+    for k in wt:
+        np.testing.assert_allclose(wt[k], wf[k], atol=2e-5, err_msg=k)
+    np.testing.assert_allclose(bt.predict(x), bf.predict(x), atol=1e-4)
+
+
+def test_weights_from_one_backend_load_into_the_other(world):
+    overrides, inp = CASES["cnn"]
+    bt, bf = _backends(world, overrides, inp)
+    x, y = _batch(inp, 8, 3)
+    bt.train_step([(x, y)], 0.1)
+    bf.set_weights(bt.get_weights())
+    np.testing.assert_allclose(bt.predict(x), bf.predict(x), atol=1e-5)
+
+
+def test_wrong_architecture_is_refused_with_names_and_shapes(world):
+    overrides, inp = CASES["mlp"]
+    bt, _ = _backends(world, overrides, inp)
+    weights = bt.get_weights()
+    weights["fc1.weight"] = weights["fc1.weight"][:, :3]
+    del weights["head.bias"]
+    weights["extra.weight"] = np.zeros(2, np.float32)
+    with pytest.raises(ValueError) as err:
+        bt.set_weights(weights)
+    text = str(err.value)
+    assert "missing ['head.bias']" in text and "unexpected ['extra.weight']" in text
+    assert "fc1.weight: file (128, 3) vs model (128, 12)" in text
