@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .strategies import RUNNERS
 
 
 @dataclass(frozen=True)
@@ -44,7 +45,7 @@ NONNEG = {"minimum": 0}
 
 SCHEMA: dict[str, Any] = {
     "backend": _f("torch", str, "deep-learning framework", choices=("torch", "tensorflow")),
-    "strategy": _f("data_parallel", str, "how ranks share the work", choices=("data_parallel",)),
+    "strategy": _f("data_parallel", str, "how ranks share the work", choices=tuple(RUNNERS)),
     "model": _f({"name": "mlp"}, dict, "model.name plus that model's options", free_form=True),
     "data": {
         "source": _f(
