@@ -54,17 +54,31 @@ class LauncherView:
     variables: dict[str, str] = field(default_factory=dict)
 
 
+def _pmi_is_sruns(env: os._Environ | dict) -> bool:
+    """True when PMI_RANK/PMI_SIZE were set by srun's own PMI-2 plugin (`--mpi=pmi2`).
+
+    srun then also sets PMI_JOBID=<job id>.<step id>; MPICH's hydra, whose proxies run
+    as srun tasks inside an allocation, sets PMI_RANK but not that PMI_JOBID.
+    """
+    job = env.get("SLURM_JOB_ID") or env.get("SLURM_JOBID")
+    step = env.get("SLURM_STEP_ID")
+    return bool(job and step) and env.get("PMI_JOBID") == f"{job}.{step}"
+
+
 def _slurm_step_is_ours(env: os._Environ | dict) -> bool:
     """True when SLURM_* describe this process's own srun step.
 
     Inside an sbatch script the batch shell exports SLURM_PROCID=0 and SLURM_NTASKS for
     the whole allocation; mpirun started from it passes those on to every rank, and Open
     MPI's daemons are themselves srun tasks (one per node). Only a direct `srun` launch,
-    with no Open MPI or hydra variables, makes SLURM_PROCID the MPI rank.
+    with no Open MPI, Horovod or hydra variables (PMI_* set by srun itself are fine),
+    makes SLURM_PROCID the MPI rank.
     """
     if "SLURM_STEP_ID" not in env or "SLURM_PROCID" not in env:
         return False
-    return not any(k in env for k in ("OMPI_COMM_WORLD_RANK", "PMI_RANK", "HOROVOD_RANK"))
+    if any(k in env for k in ("OMPI_COMM_WORLD_RANK", "HOROVOD_RANK")):
+        return False
+    return "PMI_RANK" not in env or _pmi_is_sruns(env)
 
 
 def launcher_views(env: os._Environ | dict | None = None) -> list[LauncherView]:
@@ -74,6 +88,8 @@ def launcher_views(env: os._Environ | dict | None = None) -> list[LauncherView]:
     for name, mapping in _SCHEMES:
         if name.startswith("srun") and not _slurm_step_is_ours(env):
             continue
+        if name.startswith("hydra") and _pmi_is_sruns(env):
+            continue  # srun --mpi=pmi2 sets PMI_*: the srun view above already has them
         if mapping["rank"] not in env:
             continue
         values, variables = {}, {}

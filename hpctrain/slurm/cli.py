@@ -1,0 +1,220 @@
+"""`hpctrain slurm render|submit`: sbatch scripts that launch every rank with srun.
+
+Neither action starts MPI: they run on a login node, validate everything a job would
+otherwise trip over in the queue, and either print/write the script or hand it to
+`sbatch --parsable`, printing only the job id on stdout (so `JOB=$(hpctrain slurm
+submit ...)` works in scripts).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import subprocess
+import sys
+from datetime import datetime, timezone
+from pathlib import Path
+
+from ..errors import ConfigError, LaunchError
+from .templates import MPI_PLUGINS, JobSpec, Rendered, render, template_names
+
+SBATCH_TIMEOUT_S = 60
+
+EPILOG = """\
+example:
+  hpctrain slurm render train --nodes 2 --ntasks-per-node 4 --cpus-per-task 8 \\
+      --time 12:00:00 --config configs/demo.yaml -o train-demo.sbatch
+  sbatch train-demo.sbatch
+  (or, in one step: hpctrain slurm submit train ... with the same options)
+
+templates ({names}) use {{{{placeholders}}}}: see hpctrain/slurm/templates.py.
+"""
+
+
+def _add_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("template", help=f"a template name ({', '.join(template_names())}) or a file")
+    req = p.add_argument_group("required")
+    req.add_argument("--nodes", required=True, metavar="N", help="nodes to allocate")
+    req.add_argument(
+        "--ntasks-per-node", required=True, metavar="T", help="ranks (SLURM tasks) per node"
+    )
+    req.add_argument("--time", required=True, metavar="TIME", help="[D-]HH:MM:SS or minutes")
+    req.add_argument("--config", "-c", required=True, metavar="FILE", help="hpctrain config")
+    p.add_argument("--cpus-per-task", default="1", metavar="C", help="CPUs per rank (default 1)")
+    p.add_argument("--gpus-per-node", metavar="G", help="adds --gres=gpu:G (default: no GPUs)")
+    p.add_argument("--partition", metavar="P", help="adds --partition=P (default: site default)")
+    p.add_argument(
+        "--mpi",
+        default="pmix",
+        metavar="PLUGIN",
+        help=f"srun --mpi plugin: {' or '.join(MPI_PLUGINS)} (pmix for Open MPI, the "
+        "default; pmi2 for MPICH / Intel MPI builds)",
+    )
+    p.add_argument(
+        "--set",
+        "-s",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="config override passed to the job (validated now; repeatable)",
+    )
+    p.add_argument("--job-name", metavar="NAME", help="default hpctrain-<template>")
+    p.add_argument(
+        "--log-dir",
+        default=".",
+        metavar="DIR",
+        help="where %%x-%%j.out/.err go, relative to the submit directory (default .)",
+    )
+    p.add_argument(
+        "--run-root",
+        default="runs",
+        metavar="DIR",
+        help="run directories go to DIR/<job name>-<job id> (default runs)",
+    )
+    p.add_argument(
+        "--results-dir",
+        default="benchmarks/results",
+        metavar="DIR",
+        help="sweep results root (default benchmarks/results)",
+    )
+    p.add_argument(
+        "--hpctrain", metavar="CMD", help="hpctrain command the job runs (default: this one)"
+    )
+    p.add_argument("--output", "-o", metavar="FILE", help="write the script here (chmod +x)")
+
+
+def register(subparsers) -> dict:
+    """Add `hpctrain slurm` (hook of hpctrain.cli.COMMAND_MODULES)."""
+    p = subparsers.add_parser(
+        "slurm",
+        help="render or submit sbatch scripts (srun direct launch, USR1 requeue)",
+        description="Fill a SLURM batch template with validated values. The scripts "
+        "launch one rank per task with `srun --mpi=pmix` and requeue on SIGUSR1.",
+    )
+    sub = p.add_subparsers(dest="slurm_command", metavar="ACTION", required=True)
+    epilog = EPILOG.format(names=", ".join(template_names()))
+    for action, text in (
+        ("render", "print the filled script, or write it with -o"),
+        ("submit", "render, then sbatch it; prints the job id"),
+    ):
+        s = sub.add_parser(
+            action,
+            help=text,
+            description=text[0].upper() + text[1:] + ". Exits 2 on any invalid value.",
+            epilog=epilog,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_options(s)
+    return {"slurm": _cmd_slurm}
+
+
+def _spec(args) -> JobSpec:
+    return JobSpec(
+        template=args.template,
+        nodes=args.nodes,
+        ntasks_per_node=args.ntasks_per_node,
+        time=args.time,
+        config=args.config,
+        cpus_per_task=args.cpus_per_task,
+        gpus_per_node=args.gpus_per_node,
+        partition=args.partition,
+        mpi=args.mpi,
+        overrides=args.overrides,
+        job_name=args.job_name,
+        log_dir=args.log_dir,
+        run_root=args.run_root,
+        results_dir=args.results_dir,
+        hpctrain=args.hpctrain,
+        command=_command_line(args),
+    )
+
+
+def _command_line(args) -> str:
+    """The render command that reproduces this script (recorded in its header)."""
+    words = ["hpctrain", "slurm", "render", args.template]
+    for option in (
+        "nodes",
+        "ntasks_per_node",
+        "cpus_per_task",
+        "gpus_per_node",
+        "partition",
+        "time",
+        "mpi",
+        "config",
+        "job_name",
+        "log_dir",
+        "run_root",
+        "results_dir",
+    ):
+        value = getattr(args, option)
+        if value is not None:
+            words += [f"--{option.replace('_', '-')}", str(value)]
+    for override in args.overrides:
+        words += ["--set", override]
+    return shlex.join(words)
+
+
+def _write(path: Path, rendered: Rendered) -> Path:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(rendered.text)
+        path.chmod(0o755)
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc}") from None
+    return path
+
+
+def sbatch(script: Path, timeout: float = SBATCH_TIMEOUT_S) -> str:
+    """Submit `script` with `sbatch --parsable`; the job id, or a LaunchError."""
+    try:
+        proc = subprocess.run(
+            ["sbatch", "--parsable", str(script)],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    except FileNotFoundError:
+        raise LaunchError(
+            "sbatch not found on PATH: submit from a SLURM login node, or write the "
+            "script with `hpctrain slurm render ... -o FILE`"
+        ) from None
+    except subprocess.TimeoutExpired:
+        raise LaunchError(
+            f"sbatch did not answer within {timeout:g} s (is slurmctld up? try `sinfo`)"
+        ) from None
+    if proc.returncode != 0:
+        detail = (proc.stderr.strip() or proc.stdout.strip() or "no message").splitlines()[-1]
+        raise LaunchError(f"sbatch {script} failed (exit {proc.returncode}): {detail}")
+    job_id = proc.stdout.strip().splitlines()[-1].split(";")[0] if proc.stdout.strip() else ""
+    if not job_id.isdigit():
+        raise LaunchError(f"sbatch {script}: unexpected answer {proc.stdout.strip()!r}")
+    return job_id
+
+
+def _cmd_slurm(args) -> int:
+    rendered = render(_spec(args))
+    for note in rendered.warnings:
+        print(f"[hpctrain] warning: {note}", file=sys.stderr)
+    if args.slurm_command == "render":
+        if args.output is None:
+            sys.stdout.write(rendered.text)
+        else:
+            path = _write(Path(args.output), rendered)
+            print(f"wrote {path} (submit with: sbatch {shlex.quote(str(path))})")
+        return 0
+    log_dir = Path(args.log_dir)
+    if args.output is not None:
+        script = Path(args.output)
+    else:
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+        script = log_dir / f"{rendered.job_name}-{stamp}.sbatch"
+    _write(script, rendered)
+    try:
+        log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create --output dirs
+    except OSError as exc:
+        raise ConfigError(f"--log-dir {log_dir}: cannot create it: {exc}") from None
+    job_id = sbatch(script)
+    print(f"[hpctrain] submitted {script} as job {job_id}", file=sys.stderr)
+    print(job_id)
+    return 0

@@ -1,0 +1,239 @@
+"""Fill hpctrain's sbatch templates, after checking every value a job would trip over.
+
+A mistyped time limit or config key found by `sbatch` costs a queue wait; found here it
+costs nothing. Templates are plain bash with `{{name}}` placeholders:
+
+- `{{name}}` is replaced by its value (already shell-quoted where it sits in a command);
+  an unknown name is an error, so a typo in a custom template is caught at once.
+- A line holding a placeholder whose optional value was not given (`gpus_per_node`,
+  `partition`) is dropped, e.g. `#SBATCH --gres=gpu:{{gpus_per_node}}` without GPUs.
+- `# hpctrain-template: strategy=NAME` makes the config's `strategy` mandatory and
+  `# hpctrain-template: set=KEY=VALUE` adds an override the script itself passes, so
+  that the config is validated exactly as the job will load it.
+
+The canonical templates live in `hpctrain/slurm/templates/` (installed with the
+package); the repository's `slurm/` directory links to them.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..errors import ConfigError
+
+TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
+SUFFIX = ".sbatch"
+MPI_PLUGINS = ("pmix", "pmi2")  # Open MPI needs pmix; MPICH and Intel MPI want pmi2
+SIGNAL_LEAD_S = 90  # the templates' --signal=USR1@90
+
+_PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
+_META = re.compile(r"^#\s*hpctrain-template:\s*([\w-]+)=(\S+)\s*$", re.M)
+_TIME_HMS = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
+_NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
+_PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
+
+
+def template_names() -> list[str]:
+    """The templates shipped with hpctrain, by name (`train`, `ps`, ...)."""
+    return sorted(p.name[: -len(SUFFIX)] for p in TEMPLATE_DIR.glob(f"*{SUFFIX}"))
+
+
+def find_template(name_or_path: str) -> Path:
+    """A shipped template by name (`train`, `train.sbatch`) or any file by path."""
+    stem = name_or_path[: -len(SUFFIX)] if name_or_path.endswith(SUFFIX) else name_or_path
+    if "/" not in name_or_path and (TEMPLATE_DIR / f"{stem}{SUFFIX}").is_file():
+        return TEMPLATE_DIR / f"{stem}{SUFFIX}"
+    path = Path(name_or_path)
+    if path.is_file():
+        return path
+    raise ConfigError(
+        f"template {name_or_path!r}: not a file and not one of {', '.join(template_names())}"
+    )
+
+
+def positive_int(option: str, value) -> int:
+    """`value` as an integer >= 1, or a ConfigError naming the option."""
+    try:
+        number = int(str(value).strip())
+    except ValueError:
+        number = 0
+    if number < 1 or str(value).strip().lstrip("+") != str(number):
+        raise ConfigError(f"{option} must be a positive integer, got {value!r}")
+    return number
+
+
+def parse_time(value: str) -> int:
+    """A SLURM time limit, `[D-]HH:MM:SS` or whole minutes, in seconds (must be > 0)."""
+    text = str(value).strip()
+    seconds = None
+    if text.isdigit():
+        seconds = int(text) * 60
+    elif m := _TIME_HMS.match(text):
+        days, hours, minutes, secs = (int(g) if g else 0 for g in m.groups())
+        if minutes < 60 and secs < 60 and (m.group(1) is None or hours < 24):
+            seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
+    if not seconds:
+        raise ConfigError(
+            f"--time {value!r}: expected [D-]HH:MM:SS or whole minutes, greater than zero "
+            "(e.g. 02:00:00, 1-12:00:00 or 90)"
+        )
+    return seconds
+
+
+def sweep_points(nodes: int, ntasks_per_node: int) -> list[tuple[int, int]]:
+    """(nodes, ranks) points of a scaling sweep: 1, 2, 4... ranks on one node, then
+    1, 2, 4... full nodes, always ending with the whole allocation."""
+    points = []
+    r = 1
+    while r < ntasks_per_node:
+        points.append((1, r))
+        r *= 2
+    n = 1
+    while n < nodes:
+        points.append((n, n * ntasks_per_node))
+        n *= 2
+    points.append((nodes, nodes * ntasks_per_node))
+    return sorted(set(points), key=lambda p: (p[1], p[0]))
+
+
+def template_meta(text: str) -> dict[str, list[str]]:
+    """`# hpctrain-template: key=value` lines of a template, as {key: [values]}."""
+    meta: dict[str, list[str]] = {}
+    for key, value in _META.findall(text):
+        meta.setdefault(key, []).append(value)
+    return meta
+
+
+def fill(text: str, values: dict[str, str | None], source: str = "template") -> str:
+    """Replace `{{name}}`; drop lines whose placeholders include an unset (None) value."""
+    out = []
+    for lineno, line in enumerate(text.splitlines(keepends=True), 1):
+        names = _PLACEHOLDER.findall(line)
+        unknown = sorted(set(names) - set(values))
+        if unknown:
+            raise ConfigError(
+                f"{source}:{lineno}: unknown placeholder {{{{{unknown[0]}}}}} "
+                f"(known: {', '.join(sorted(values))})"
+            )
+        if any(values[n] is None for n in names):
+            continue
+        out.append(_PLACEHOLDER.sub(lambda m: str(values[m.group(1)]), line))
+    return "".join(out)
+
+
+def default_hpctrain() -> str:
+    """The hpctrain command of this installation, so the job runs the same one."""
+    beside = Path(sys.executable).parent / "hpctrain"
+    if beside.is_file():
+        return str(beside)
+    return shutil.which("hpctrain") or "hpctrain"
+
+
+@dataclass
+class JobSpec:
+    """What `hpctrain slurm render` was asked for, as given on the command line."""
+
+    template: str
+    nodes: str | int
+    ntasks_per_node: str | int
+    time: str
+    config: str
+    cpus_per_task: str | int = 1
+    gpus_per_node: str | int | None = None
+    partition: str | None = None
+    mpi: str = "pmix"
+    overrides: list[str] = field(default_factory=list)
+    job_name: str | None = None
+    log_dir: str = "."
+    run_root: str = "runs"
+    results_dir: str = "benchmarks/results"
+    hpctrain: str | None = None
+    command: str = "hpctrain slurm render"
+
+
+@dataclass
+class Rendered:
+    """A filled template, with the notes worth telling the user."""
+
+    text: str
+    template: Path
+    job_name: str
+    warnings: list[str] = field(default_factory=list)
+
+
+def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str) -> Path:
+    from ..config import Config
+
+    path = Path(spec.config).expanduser()
+    if not path.is_file():
+        raise ConfigError(f"--config {spec.config}: no such file")
+    cfg = Config.load(path, list(spec.overrides) + meta.get("set", []))
+    for wanted in meta.get("strategy", []):
+        if cfg["strategy"] != wanted:
+            raise ConfigError(
+                f"template {template} runs strategy {wanted!r} but the config has "
+                f"strategy {cfg['strategy']!r} (set `strategy: {wanted}` in {path})"
+            )
+    return path.resolve()
+
+
+def render(spec: JobSpec) -> Rendered:
+    """Validate every value of `spec`, then fill its template. Raises ConfigError."""
+    template = find_template(spec.template)
+    text = template.read_text()
+    nodes = positive_int("--nodes", spec.nodes)
+    per_node = positive_int("--ntasks-per-node", spec.ntasks_per_node)
+    cpus = positive_int("--cpus-per-task", spec.cpus_per_task)
+    gpus = (
+        None if spec.gpus_per_node is None else positive_int("--gpus-per-node", spec.gpus_per_node)
+    )
+    seconds = parse_time(spec.time)
+    if spec.mpi not in MPI_PLUGINS:
+        raise ConfigError(
+            f"--mpi {spec.mpi!r}: expected pmix (Open MPI) or pmi2 (MPICH, Intel MPI)"
+        )
+    if spec.partition is not None and not _PARTITION.match(spec.partition):
+        raise ConfigError(f"--partition {spec.partition!r}: expected a name like 'gpu' or 'a,b'")
+    stem = template.name[: -len(SUFFIX)] if template.name.endswith(SUFFIX) else template.stem
+    job_name = spec.job_name or f"hpctrain-{stem}"
+    if not _NAME.match(job_name):
+        raise ConfigError(f"--job-name {job_name!r}: use letters, digits and _.+- only")
+    if not spec.log_dir or re.search(r"[\s%]", spec.log_dir):
+        raise ConfigError(f"--log-dir {spec.log_dir!r}: must be non-empty, without spaces or %")
+    meta = template_meta(text)
+    config = _check_config(spec, meta, template.name)
+    config_args = ["--config", str(config)]
+    for override in spec.overrides:
+        config_args += ["--set", override]
+    points = sweep_points(nodes, per_node)
+    values: dict[str, str | None] = {
+        "generated": f"rendered by: {spec.command}",
+        "job_name": job_name,
+        "nodes": str(nodes),
+        "ntasks_per_node": str(per_node),
+        "cpus_per_task": str(cpus),
+        "gpus_per_node": None if gpus is None else str(gpus),
+        "partition": spec.partition,
+        "time": spec.time.strip(),
+        "mpi": spec.mpi,
+        "log_dir": spec.log_dir.rstrip("/") or "/",
+        "run_root": shlex.quote(spec.run_root),
+        "results_dir": shlex.quote(spec.results_dir),
+        "hpctrain": shlex.quote(spec.hpctrain or default_hpctrain()),
+        "config_args": shlex.join(config_args),
+        "sweep_nodes": " ".join(str(n) for n, _ in points),
+        "sweep_ranks": " ".join(str(r) for _, r in points),
+        "sweep_last": str(len(points) - 1),
+    }
+    warnings = []
+    if seconds <= SIGNAL_LEAD_S:
+        warnings.append(
+            f"--time {spec.time} is not longer than the {SIGNAL_LEAD_S} s warning "
+            "(--signal=USR1@90): the job is told to checkpoint and requeue as it starts"
+        )
+    return Rendered(fill(text, values, str(template)), template, job_name, warnings)

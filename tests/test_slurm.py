@@ -1,0 +1,371 @@
+"""hpctrain on a real (one-node, loopback) SLURM: sbatch templates, srun rank mapping,
+requeue, and the renderer's validation.
+
+Rendering tests need no SLURM. The others use the `slurm` fixture (tests/slurm_cluster.py),
+which starts munged/slurmctld/slurmd and is skipped, saying why, if it cannot.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from mpirun import HPCTRAIN, PYTHON
+from slurm_cluster import SlurmUnavailable, start_cluster
+
+from hpctrain import config as config_module
+from hpctrain.runtime.launcher import launcher_views
+from hpctrain.slurm import templates
+from hpctrain.slurm.templates import JobSpec, render, sweep_points, template_names
+
+TINY = ["--set", "train.epochs=1", "--set", "data.train_samples=1024"]
+TINY += ["--set", "data.val_samples=256", "--set", "metrics.tensorboard=false"]
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory, request):
+    try:
+        cluster = start_cluster(tmp_path_factory.mktemp("slurm"))
+    except SlurmUnavailable as exc:
+        message = f"SLURM tests skipped: cannot start a test cluster: {exc}"
+        # Said on the terminal at once (not only in -rs summaries): `make test` runs -q.
+        plugins = request.config.pluginmanager
+        reporter = plugins.get_plugin("terminalreporter")
+        capture = plugins.get_plugin("capturemanager")
+        if reporter is not None and capture is not None:
+            with capture.global_and_fixture_disabled():
+                reporter.write_line(f"\n{message}", yellow=True, bold=True)
+        pytest.skip(message)
+    yield cluster
+    cluster.stop()
+
+
+@pytest.fixture
+def config_file(tmp_path) -> Path:
+    path = tmp_path / "tiny.yaml"
+    path.write_text("model:\n  name: mlp\ntrain:\n  batch_size: 32\n")
+    return path
+
+
+def hpctrain(*args: str, cwd=None, env=None, timeout: float = 60):
+    return subprocess.run(
+        [HPCTRAIN, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
+    )
+
+
+def render_args(name: str, config: Path, *extra: str) -> list[str]:
+    return [
+        "slurm",
+        "render",
+        name,
+        "--nodes",
+        "2",
+        "--ntasks-per-node",
+        "4",
+        "--cpus-per-task",
+        "3",
+        "--time",
+        "1-02:00:00",
+        "--config",
+        str(config),
+        *extra,
+    ]
+
+
+# --- rendering (no SLURM needed) ---------------------------------------------------------
+
+
+def _strategy_supported(name: str) -> bool:
+    meta = templates.template_meta(templates.find_template(name).read_text())
+    choices = config_module.SCHEMA["strategy"].choices
+    return all(s in choices for s in meta.get("strategy", []))
+
+
+@pytest.mark.parametrize("name", template_names())
+def test_every_template_renders_to_valid_bash(name, config_file, tmp_path, monkeypatch):
+    meta = templates.template_meta(templates.find_template(name).read_text())
+    if _strategy_supported(name):
+        sets = [f"strategy={s}" for s in meta.get("strategy", [])]
+    else:
+        # The config schema does not know this template's strategy yet: check the
+        # script itself, without validating the config against it.
+        monkeypatch.setattr(templates, "_check_config", lambda spec, m, t: Path(spec.config))
+        sets = []
+    spec = JobSpec(name, 2, 4, "1-02:00:00", str(config_file), cpus_per_task=3)
+    spec.overrides = sets + ["train.batch_size=16"]
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text(render(spec).text)
+    text = script.read_text()
+    assert not re.search(r"\{\{\s*\w+\s*\}\}", text)
+    for directive in (
+        "--nodes=2",
+        "--ntasks-per-node=4",
+        "--cpus-per-task=3",
+        "--time=1-02:00:00",
+        "--signal=USR1@90",
+        "--requeue",
+        "--open-mode=append",
+    ):
+        assert f"#SBATCH {directive}\n" in text, directive
+    assert re.search(r"^#SBATCH --output=\./%x-%(j|A_%a)\.out$", text, re.M)
+    assert "--gres" not in text and "--partition" not in text  # only when asked
+    assert 'srun --mpi="$MPI_PLUGIN"' in text and "MPI_PLUGIN=${MPI_PLUGIN:-pmix}" in text
+    assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in text
+    assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}" in text
+    assert "# module load" in text and "HPCTRAIN_EXTRA_ARGS" in text
+    code = [line for line in text.splitlines() if not line.lstrip().startswith("#")]
+    assert not [line for line in code if re.search(r"\b(mpirun|mpiexec|ssh|horovodrun)\b", line)]
+    assert "--set train.batch_size=16" in text
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    if shutil.which("shellcheck"):
+        lint = subprocess.run(
+            ["shellcheck", "--shell=bash", str(script)], capture_output=True, text=True, timeout=60
+        )
+        assert lint.returncode == 0, lint.stdout
+
+
+def test_repo_slurm_dir_links_to_the_packaged_templates():
+    repo_dir = Path(__file__).resolve().parents[1] / "slurm"
+    linked = sorted(p.name for p in repo_dir.glob("*.sbatch"))
+    assert linked == [f"{name}.sbatch" for name in template_names()]
+    for name in linked:
+        assert (repo_dir / name).resolve() == templates.TEMPLATE_DIR / name  # one copy
+
+
+def test_render_cli_writes_an_executable_script_with_gpus_and_partition(config_file, tmp_path):
+    out = tmp_path / "job.sbatch"
+    args = render_args("train", config_file, "--gpus-per-node", "4", "--partition", "gpu")
+    result = hpctrain(*args, "--mpi", "pmi2", "--job-name", "resnet", "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out}" in result.stdout
+    assert out.stat().st_mode & 0o111 == 0o111
+    text = out.read_text()
+    assert "#SBATCH --gres=gpu:4\n" in text and "#SBATCH --partition=gpu\n" in text
+    assert "#SBATCH --job-name=resnet\n" in text and "MPI_PLUGIN=${MPI_PLUGIN:-pmi2}" in text
+    assert f"--config {config_file.resolve()}" in text
+    assert "# rendered by: hpctrain slurm render train --nodes 2" in text
+    printed = hpctrain(*render_args("train", config_file))
+    assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash\n")
+
+
+def test_sweep_covers_one_node_then_whole_nodes(config_file):
+    assert sweep_points(1, 2) == [(1, 1), (1, 2)]
+    assert sweep_points(4, 4) == [(1, 1), (1, 2), (1, 4), (2, 8), (4, 16)]
+    assert sweep_points(3, 1) == [(1, 1), (2, 2), (3, 3)]
+    result = hpctrain(*render_args("sweep", config_file))
+    assert result.returncode == 0, result.stderr
+    assert "#SBATCH --array=0-3%1\n" in result.stdout
+    assert "SWEEP_NODES=(1 1 1 2)\nSWEEP_RANKS=(1 2 4 8)\n" in result.stdout
+    assert "--set data.source=benchmark" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--time", "2:00"], "--time '2:00': expected [D-]HH:MM:SS or whole minutes"),
+        (["--time", "00:61:00"], "--time '00:61:00': expected"),
+        (["--time", "0"], "greater than zero"),
+        (["--nodes", "0"], "--nodes must be a positive integer, got '0'"),
+        (["--ntasks-per-node", "two"], "--ntasks-per-node must be a positive integer"),
+        (["--cpus-per-task", "-1"], "--cpus-per-task must be a positive integer"),
+        (["--gpus-per-node", "0"], "--gpus-per-node must be a positive integer"),
+        (["--mpi", "openmpi"], "--mpi 'openmpi': expected pmix (Open MPI) or pmi2"),
+        (["--config", "/no/such/config.yaml"], "--config /no/such/config.yaml: no such file"),
+        (["--set", "train.epoch=3"], "train.epoch: unknown key"),
+        (["--set", "train.batch_size=0"], "train.batch_size: must be >= 1"),
+        (["--partition", "a b"], "--partition 'a b'"),
+        (["--log-dir", "my logs"], "--log-dir 'my logs'"),
+    ],
+)
+def test_render_rejects_bad_values_with_one_clear_message(change, message, config_file):
+    args = render_args("train", config_file)
+    if change[0] in args:
+        args[args.index(change[0]) + 1] = change[1]
+    else:
+        args += change
+    result = hpctrain(*args)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stdout == ""
+    assert message in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert result.stderr.startswith("[hpctrain] error: ")
+
+
+def test_render_names_unknown_templates_and_placeholders(config_file, tmp_path):
+    result = hpctrain(*render_args("trian", config_file))
+    assert result.returncode == 2
+    assert "template 'trian': not a file and not one of moe, pipeline, ps, sweep, train" in (
+        result.stderr
+    )
+    custom = tmp_path / "mine.sbatch"
+    custom.write_text("#!/bin/bash\n#SBATCH --nodes={{nodes}}\nsrun {{hpctrain}} {{nodez}}\n")
+    result = hpctrain(*render_args(str(custom), config_file))
+    assert result.returncode == 2
+    assert f"{custom}:3: unknown placeholder {{{{nodez}}}}" in result.stderr
+
+
+def test_template_strategy_must_match_the_config(config_file):
+    result = hpctrain(*render_args("pipeline", config_file))
+    assert result.returncode == 2
+    assert "strategy" in result.stderr and "pipeline" in result.stderr, result.stderr
+
+
+def test_submit_without_sbatch_says_where_to_run_it(config_file, tmp_path):
+    env = {"PATH": str(tmp_path), "HOME": str(tmp_path)}
+    args = render_args("train", config_file, "--log-dir", str(tmp_path / "logs"))
+    args[1] = "submit"
+    result = hpctrain(*args, env=env)
+    assert result.returncode == 2, result.stderr
+    assert "sbatch not found on PATH" in result.stderr
+
+
+# --- srun rank mapping ---------------------------------------------------------------------
+
+
+def test_srun_pmi2_launch_is_recognised_as_srun():
+    # Task 1's variables as `srun --mpi=pmi2 -n 2` (job 1, step 0) sets them here: its
+    # PMI_* are srun's own, not MPICH hydra's, so the srun view (and its checks) applies.
+    env = {
+        "SLURM_JOB_ID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "1",
+        "SLURM_LOCALID": "1",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "PMI_FD": "13",
+        "PMI_JOBID": "1.0",
+        "PMI_RANK": "1",
+        "PMI_SIZE": "2",
+    }
+    views = launcher_views(env)
+    assert [v.name for v in views] == ["srun (SLURM)"]
+    assert views[0].values == {"rank": 1, "size": 2, "local_rank": 1, "node": 0}
+    # hydra inside an allocation: its proxy is srun task 0, the rank comes from PMI.
+    hydra = dict(env, SLURM_PROCID="0", SLURM_LOCALID="0", PMI_RANK="3", PMI_SIZE="4")
+    del hydra["PMI_JOBID"]
+    assert [v.name for v in launcher_views(hydra)] == ["hydra (MPICH)"]
+
+
+# --- on a real SLURM -----------------------------------------------------------------------
+
+
+def test_srun_rank_mapping_matches_mpi(slurm):
+    job = slurm.run("srun", "--mpi=pmix", "-n", "2", HPCTRAIN, "doctor", timeout=240)
+    out = job.stdout + job.stderr
+    assert job.returncode == 0, out
+    assert "2 rank(s), launcher: srun (SLURM)" in out
+    rows = re.findall(r"^\s+(\d)\s+(\d)\s+2\s+0\s+\S+$", out, re.M)
+    assert sorted(rows) == [("0", "0"), ("1", "1")], out
+    assert "doctor: all checks passed" in out
+
+
+def test_a_stale_slurm_procid_is_refused_on_every_rank(slurm):
+    # The classic broken template: the batch shell's SLURM_PROCID=0 given to every task.
+    job = slurm.run(
+        "srun", "--mpi=pmix", "-n", "2", "env", "SLURM_PROCID=0", HPCTRAIN, "doctor", timeout=240
+    )
+    out = job.stdout + job.stderr
+    assert job.returncode != 0, out
+    assert "SLURM_PROCID=0 (srun (SLURM)) but MPI says rank=1" in out, out
+    assert out.count("launcher variables disagree with MPI") == 2, out
+
+
+def _job_logs(directory: Path) -> str:
+    return "\n".join(f"--- {p.name}\n{p.read_text()}" for p in sorted(directory.glob("*.*")))
+
+
+@pytest.mark.timeout(420)
+def test_sbatch_of_the_rendered_train_template_trains_on_two_ranks(slurm, config_file, tmp_path):
+    logs, runs = tmp_path / "logs", tmp_path / "runs"
+    args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2"]
+    args += ["--time", "00:10:00", "--config", str(config_file), *TINY]
+    args += ["--log-dir", str(logs), "--run-root", str(runs)]
+    submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    assert job_id.isdigit(), submitted.stdout
+    info = slurm.wait_job(job_id, timeout=360)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, _job_logs(logs))
+    metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+    summary = json.loads(metrics.read_text().splitlines()[-1])
+    assert summary["event"] == "summary" and summary["world_size"] == 2, summary
+    out = (logs / f"hpctrain-train-{job_id}.out").read_text()
+    assert f"job {job_id} (restart 0): 2 ranks on localhost" in out
+
+
+REQUEUE_JOB = f"""#!/bin/bash
+#SBATCH --time=00:05:00
+#SBATCH --output={{log}}
+#SBATCH --open-mode=append
+if [ "${{{{SLURM_RESTART_COUNT:-0}}}}" = 0 ]; then
+    if {PYTHON} -c '
+import sys
+from hpctrain.runtime.preemption import Preemption
+ok = Preemption().requeue()
+print("requeued:", ok, flush=True)
+sys.exit(0 if ok else 3)'; then
+        sleep 60  # scontrol requeue ends this run long before
+    fi
+fi
+echo finished
+"""
+
+
+@pytest.mark.parametrize(
+    "sbatch_args, requeued",
+    [(["--requeue"], True), (["--requeue", "--array=3-3"], True), (["--no-requeue"], False)],
+    ids=["job", "array-task", "no-requeue"],
+)
+def test_requeue_puts_the_running_job_back_in_the_queue(slurm, tmp_path, sbatch_args, requeued):
+    log = tmp_path / "job.out"
+    script = tmp_path / "job.sbatch"
+    script.write_text(REQUEUE_JOB.format(log=log))
+    sub = slurm.run("sbatch", "--parsable", *sbatch_args, str(script), cwd=tmp_path)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    if "--array=3-3" in sbatch_args:
+        job_id = f"{job_id}_3"
+    try:
+        if requeued:
+            deadline_info = {}
+            for _ in range(60):
+                deadline_info = slurm.job(job_id)
+                if deadline_info.get("Restarts") == "1":
+                    break
+                subprocess.run(["sleep", "1"], timeout=5)
+            assert deadline_info.get("Restarts") == "1", (deadline_info, log.read_text())
+            assert deadline_info["JobState"] in ("PENDING", "REQUEUED", "RUNNING")
+            assert "requeued: True" in log.read_text()
+        else:
+            info = slurm.wait_job(job_id, timeout=120)
+            text = log.read_text()
+            assert info["JobState"] == "COMPLETED" and info["Restarts"] == "0", info
+            assert "requeued: False" in text and "finished" in text
+            assert f"`scontrol requeue {job_id}` failed" in text
+            assert "submitted without --requeue" in text
+    finally:
+        slurm.run("scancel", job_id, timeout=20)
+
+
+@pytest.mark.timeout(420)
+def test_sweep_array_runs_every_point_into_the_results_dir(slurm, config_file, tmp_path):
+    logs, results = tmp_path / "logs", tmp_path / "results"
+    args = ["slurm", "submit", "sweep", "--nodes", "1", "--ntasks-per-node", "2"]
+    args += ["--time", "10", "--config", str(config_file), *TINY]
+    args += ["--log-dir", str(logs), "--results-dir", str(results)]
+    submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
+    assert submitted.returncode == 0, submitted.stderr
+    array_id = submitted.stdout.strip()
+    for task in (0, 1):
+        info = slurm.wait_job(f"{array_id}_{task}", timeout=300)
+        assert info["JobState"] == "COMPLETED", (info, _job_logs(logs))
+    for ranks in (1, 2):
+        metrics = results / f"hpctrain-sweep-{array_id}" / f"nodes1-ranks{ranks}" / "metrics.jsonl"
+        summary = json.loads(metrics.read_text().splitlines()[-1])
+        assert summary["world_size"] == ranks and summary["samples_per_sec"] > 0, summary
+    assert (logs / f"hpctrain-sweep-{array_id}_1.out").is_file()
