@@ -33,6 +33,17 @@ demo: install
 demo-tf: install
 	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo-tf.yaml --run-dir runs/demo-tf
 
+## Scaling vs raw Horovod and mpi4py, allreduce microbenchmark, ablation, α–β projection
+## and the features' own benchmarks: benchmarks/results/<UTC>/ (report.md, results.json,
+## PNGs), benchmarks/latest points at it. Every mpirun inside has its own hard timeout.
+## Extra options: make bench BENCH_ARGS="--network 25GbE-TCP".
+BENCH_TIMEOUT ?= 1800
+bench: install
+	$(MPIRUN_KILL) $(BENCH_TIMEOUT) $(PY) benchmarks/run.py $(BENCH_ARGS)
+
+bench-quick: install
+	$(MPIRUN_KILL) 600 $(PY) benchmarks/run.py --quick $(BENCH_ARGS)
+
 lint:
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .

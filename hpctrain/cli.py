@@ -17,7 +17,11 @@ from .version import __version__
 
 # Feature packages that add subcommands: each module has
 # `register(subparsers) -> {command name: handler(args) -> exit code}`.
-COMMAND_MODULES: list[str] = []
+COMMAND_MODULES: list[str] = [
+    "hpctrain.slurm.cli",
+    "hpctrain.checkpoint.cli",
+    "hpctrain.strategies.ps.cli",
+]
 
 LAUNCH_HELP = """\
 launch:
@@ -150,10 +154,10 @@ def _load_config_everywhere(args):
 
 
 def _cmd_train(args) -> int:
-    from .trainer import Trainer
+    from .strategies import runner_class
 
     cfg = _load_config_everywhere(args)
-    Trainer(cfg, run_dir=args.run_dir, verbose=args.verbose).fit()
+    runner_class(cfg.strategy)(cfg, run_dir=args.run_dir, verbose=args.verbose).fit()
     return 0
 
 

@@ -134,6 +134,49 @@ SCHEMA: dict[str, Any] = {
             True, bool, "Open MPI yields the core while waiting (oversubscription)"
         ),
     },
+    "ps": {
+        "servers": _f(
+            1, int, "parameter-server ranks (the last ones; the rest are workers)", **POS_INT
+        ),
+        "mode": _f("sync", str, "consistency of the updates", choices=("sync", "async", "bounded")),
+        "staleness_bound": _f(
+            10, int, "bounded: reject gradients more versions old than this", **NONNEG
+        ),
+        "staleness_decay": _f(
+            0.1,
+            (int, float),
+            "bounded: a gradient s versions old is scaled by 1/(1+decay*s)",
+            **NONNEG,
+        ),
+        "heartbeat_timeout": _f(
+            60.0,
+            (int, float),
+            "seconds without a message before a worker is dropped",
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "chunk_bytes": _f(
+            1 << 20, int, "tensors larger than this are split across servers", minimum=4
+        ),
+        "poll_max_sleep_ms": _f(
+            1.0,
+            (int, float),
+            "longest sleep between polls while waiting (no busy-wait)",
+            **NONNEG,
+        ),
+        "backends": _f(
+            None,
+            list,
+            "per-worker backends, cycled (default: every worker uses `backend`)",
+            nullable=True,
+        ),
+    },
+    "pipeline": {
+        "stages": _f(2, int, "pipeline stages P (ranks = P x data-parallel replicas)", **POS_INT),
+        "microbatches": _f(4, int, "micro-batches m per step (train.batch_size each)", **POS_INT),
+        "schedule": _f("1f1b", str, "micro-batch schedule", choices=("gpipe", "1f1b")),
+        "partition": _f("parameters", (str, list), "parameters | time | [layers per stage, ...]"),
+    },
     "metrics": {
         "jsonl": _f(True, bool, "write <run-dir>/metrics.jsonl"),
         "tensorboard": _f(True, bool, "write TensorBoard scalars under <run-dir>/tb"),

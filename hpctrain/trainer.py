@@ -176,6 +176,7 @@ class Trainer:
                             samples_per_sec=sps,
                             samples_per_sec_per_rank=sps / w.size,
                             comm_share=stats.comm_seconds / dt,
+                            **self._mean_extra(stats.extra),
                         )
                     progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
                     if st.step >= self.total_steps:
@@ -225,6 +226,21 @@ class Trainer:
             exc.agreed = True
             raise exc
         return totals
+
+    def _mean_extra(self, extra: dict) -> dict:
+        """A backend's optional step metrics (StepStats.extra) averaged over ranks."""
+        if not extra:
+            return {}
+        keys = sorted(extra)
+        parts = [np.atleast_1d(np.asarray(extra[k], dtype=np.float64)) for k in keys]
+        flat = self.world.allreduce_array(np.concatenate(parts), "sum", "extra step metrics")
+        flat /= self.world.size
+        out, i = {}, 0
+        for k, part in zip(keys, parts, strict=True):
+            value = flat[i : i + part.size]
+            out[k] = [float(v) for v in value] if isinstance(extra[k], list) else float(value[0])
+            i += part.size
+        return out
 
     def _end_of_epoch(self, epoch_loss, epoch_count, t_epoch, progress) -> dict:
         st = self.state

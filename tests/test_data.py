@@ -68,3 +68,16 @@ def test_synthetic_tasks_are_deterministic_and_learnable_in_shape():
         assert len(s1["val"][0]) == 16 and a1["classes"] >= 2
     _, attrs = generate("tokens", 64, 16, seed=9)
     assert 0.1 < attrs["bayes_accuracy"] <= 1.0
+
+
+@pytest.mark.parametrize("val_size,size,batch", [(1001, 4, 256), (257, 2, 256), (5, 4, 2)])
+def test_every_rank_runs_the_same_number_of_validation_batches(tmp_path, val_size, size, batch):
+    from hpctrain.data.sharded import iterate_val
+
+    splits, attrs = generate("vectors", 64, val_size, seed=1, features=4, classes=3)
+    path = write_dataset(tmp_path / "v.h5", splits, attrs)
+    info = DatasetInfo(str(path), 64, val_size, InputSpec((4,), 3), "float32", {})
+    per_rank = [list(iterate_val(info, r, size, batch)) for r in range(size)]
+    assert len({len(batches) for batches in per_rank}) == 1
+    rows = np.concatenate([x for batches in per_rank for x, _ in batches])
+    np.testing.assert_array_equal(rows, splits["val"][0])  # every sample exactly once

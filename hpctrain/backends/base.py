@@ -11,7 +11,7 @@ through these methods, exchanging numpy arrays under canonical names:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -26,6 +26,9 @@ class StepStats:
     correct: int
     count: int  # samples (tokens for language models)
     comm_seconds: float  # time spent waiting for the gradient allreduce
+    # Optional strategy metrics (numbers or lists of numbers, the same keys on every
+    # rank, e.g. MoE load): the trainer averages them over ranks into metrics.jsonl.
+    extra: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -22,6 +22,8 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up ban
 import tensorflow as tf  # noqa: E402
 
 from ..models import zoo
+from ..strategies.moe.parallel import is_expert_param, local_layers
+from . import tensorflow_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
 
@@ -133,7 +135,7 @@ class ZooNet(tf.Module):
             elif kind == "layernorm":
                 x = _layer_norm(x, v["weight"], v["bias"])
             elif kind == "block":
-                x = self._block(x, v, a["n_heads"])
+                x = self._block(x, v, a["n_heads"], spec, training)
             else:
                 raise ValueError(f"unknown layer kind {kind!r}")
         return x
@@ -148,7 +150,7 @@ class ZooNet(tf.Module):
             )
         return tf.nn.relu(out + x)
 
-    def _block(self, x, v, heads):
+    def _block(self, x, v, heads, spec=None, training=False):
         shape = tf.shape(x)
         n, t, d = shape[0], shape[1], x.shape[-1]
         dh = d // heads
@@ -168,6 +170,8 @@ class ZooNet(tf.Module):
         y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, d])
         x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
         h = _layer_norm(x, v["ln2.weight"], v["ln2.bias"])
+        if spec is not None and "moe" in spec.attrs:  # mixture of experts: tensorflow_moe.py
+            return x + tensorflow_moe.moe_ffn(self, spec, v, h, training)
         h = _dense(
             tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"])),
             v["ffn.fc2.weight"],
@@ -192,7 +196,8 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int):
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         layers = zoo.build_layers(model_cfg, inp)
-        return ZooNet(layers, zoo.init_weights(layers, seed))
+        # Initial values of all experts, then only this rank's experts (MoE).
+        return ZooNet(local_layers(layers, seed), zoo.init_weights(layers, seed))
     import keras
 
     module_name, fn_name = name.split(":", 1)
@@ -303,10 +308,10 @@ class TensorFlowBackend(BackendBase):
         if self.hvd.size() == 1:
             return
         opt = self.optimizer
-        everything = [
-            *self.net.vars.values(),
+        everything = [  # MoE experts differ per rank: never broadcast
+            *(v for k, v in self.net.vars.items() if not is_expert_param(k)),
             *self.net.buffers.values(),
-            *(v for slot in opt.slots.values() for v in slot.values()),
+            *(v for slot in opt.slots.values() for k, v in slot.items() if not is_expert_param(k)),
             opt.step,
             opt.started,
         ]
@@ -324,6 +329,9 @@ class TensorFlowBackend(BackendBase):
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
             loss_sum = tf.reduce_sum(losses)
             scaled = loss_sum * scale
+            aux = tensorflow_moe.aux_loss(self.net)  # MoE load balancing, weighted per token
+            if aux is not None:
+                scaled += aux * tf.cast(tf.size(y), tf.float32) * scale
         grads = tape.gradient(scaled, list(self.net.vars.values()))
         grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
@@ -336,6 +344,7 @@ class TensorFlowBackend(BackendBase):
         return tf.reduce_sum(losses), correct
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
+        t_step = time.perf_counter()
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)
         acc, loss_sum, correct = None, 0.0, 0
@@ -345,13 +354,16 @@ class TensorFlowBackend(BackendBase):
             loss_sum += float(loss)
             correct += int(corr)
         t0 = time.perf_counter()
-        if self.hvd.size() > 1:
-            acc = self.hvd.grouped_allreduce(acc, op=self.hvd.Average, compression=self.compression)
+        names = list(self.net.vars)  # MoE experts: local, divided by ranks, not allreduced
+        acc = tensorflow_moe.average_gradients(self.hvd, acc, names, self.compression)
         comm = time.perf_counter() - t0
-        if self.clip is not None:
+        if self.clip is not None and tensorflow_moe.has_experts(names):
+            acc = tensorflow_moe.clip_like_torch(acc, names, float(self.clip))
+        elif self.clip is not None:
             acc = _clip_like_torch(acc, float(self.clip))
         self.optimizer.apply(acc, tf.constant(lr, tf.float32))
-        return StepStats(loss_sum, correct, total, comm)
+        extra = tensorflow_moe.step_extra(self.net, time.perf_counter() - t_step)
+        return StepStats(loss_sum, correct, total, comm, extra)
 
     def evaluate(self, x, y) -> EvalStats:
         loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import zoo
+from ..strategies.moe.parallel import is_expert_param, local_layers
+from . import torch_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
 
@@ -129,6 +131,8 @@ class _Layer(nn.Module):
         y = (att @ v).transpose(1, 2).reshape(n, t, d)
         x = x + F.linear(y, p["attn.proj.weight"], p["attn.proj.bias"])
         h = F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
+        if "moe" in self.spec.attrs:  # mixture-of-experts feed-forward: torch_moe.py
+            return x + torch_moe.moe_ffn(self, h)
         h = F.linear(
             F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"])),
             p["ffn.fc2.weight"],
@@ -163,8 +167,8 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         layers = zoo.build_layers(model_cfg, inp)
-        model = ZooNet(layers)
-        weights = zoo.init_weights(layers, seed)
+        weights = zoo.init_weights(layers, seed)  # all experts: the same at any world size
+        model = ZooNet(local_layers(layers, seed))  # only this rank's experts (MoE)
         with torch.no_grad():
             for key, tensor in model.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(weights[key]))
@@ -204,7 +208,8 @@ class TorchBackend(BackendBase):
         self.model = build_model(cfg.model, inp, seed)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         ocfg = cfg.optimizer
-        params = list(self.model.parameters())
+        dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
+        params = [p for _, p in dense]
         if ocfg["name"] == "sgd":
             opt = torch.optim.SGD(
                 params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
@@ -223,11 +228,12 @@ class TorchBackend(BackendBase):
         )
         self.optimizer = hvd.DistributedOptimizer(
             opt,
-            named_parameters=self.model.named_parameters(),
+            named_parameters=dense,
             compression=compression,
             backward_passes_per_step=self.accum,
             op=hvd.Average,
         )
+        torch_moe.add_expert_params(self.optimizer, self.model)  # local, never allreduced
         self.broadcast_from_root()
         self.clip = cfg.train["clip_norm"]
         self.tokens = inp.tokens
@@ -240,7 +246,10 @@ class TorchBackend(BackendBase):
         correction of every later step. A fresh optimizer has nothing to broadcast, so the
         state is only broadcast once it exists (after a resume).
         """
-        self.hvd.broadcast_parameters(self.model.state_dict(), root_rank=0)
+        state = self.model.state_dict()
+        self.hvd.broadcast_parameters(
+            {k: v for k, v in state.items() if not is_expert_param(k)}, root_rank=0
+        )
         # Rank 0 decides for everyone: the branch must be the same on every rank.
         if self.hvd.broadcast_object(bool(self.optimizer.state), root_rank=0, name="has_state"):
             self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
@@ -251,6 +260,7 @@ class TorchBackend(BackendBase):
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
         self.model.train()
+        t_step = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
@@ -260,17 +270,20 @@ class TorchBackend(BackendBase):
             xt, yt = torch.from_numpy(x), torch.from_numpy(y)
             logits = self.model(xt)
             loss = self._loss(logits, yt)
-            (loss / total).backward()  # mean over all the step's samples on this rank
+            aux = torch_moe.aux_loss(self.model)  # MoE load balancing, weighted per token
+            term = loss if aux is None else loss + aux * yt.numel()
+            (term / total).backward()  # mean over all the step's samples on this rank
             loss_sum += float(loss.detach())
             correct += int((logits.detach().argmax(-1) == yt).sum())
         t0 = time.perf_counter()
         self.optimizer.synchronize()
         comm = time.perf_counter() - t0
         if self.clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.clip)
+            torch_moe.clip_grad_norm_(self.model, self.clip)
         with self.optimizer.skip_synchronize():
             self.optimizer.step()
-        return StepStats(loss_sum, correct, total, comm)
+        extra = torch_moe.step_extra(self.model, time.perf_counter() - t_step)
+        return StepStats(loss_sum, correct, total, comm, extra)
 
     @torch.no_grad()
     def evaluate(self, x, y) -> EvalStats:

@@ -197,11 +197,18 @@ def val_block(val_size: int, rank: int, size: int) -> tuple[int, int]:
 
 
 def iterate_val(info: DatasetInfo, rank: int, size: int, batch_size: int):
-    """This rank's validation rows in batches (possibly none on tiny sets)."""
+    """This rank's validation rows in batches.
+
+    Every rank yields the same number of batches (its block split evenly), because
+    layers that communicate inside the forward pass (MoE all-to-all) need every rank to
+    run the same number of forwards; a rank with fewer rows gets slightly smaller batches.
+    """
     start, stop = val_block(info.val_size, rank, size)
+    largest = -(-info.val_size // size)
+    n_batches = -(-largest // batch_size)
+    bounds = np.linspace(start, stop, n_batches + 1).astype(np.int64) if n_batches else []
     with h5py.File(info.path, "r") as f:
-        for lo in range(start, stop, batch_size):
-            hi = min(lo + batch_size, stop)
+        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
             yield f["val/x"][lo:hi], f["val/y"][lo:hi]
 
 

@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ..strategies.moe.options import is_moe_block, moe_options, validate_moe
+
 # Options of each zoo model and their defaults; `model.<option>` in the config.
 MODEL_OPTIONS: dict[str, dict] = {
     "mlp": {"hidden": [128, 128]},
     "cnn": {"channels": [16, 32, 64]},
     "resnet": {"depth": 8, "width": 16},
-    "transformer": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128},
+    "transformer": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "moe": None},
 }
 # The data task each zoo model expects.
 MODEL_TASK = {
@@ -89,7 +91,9 @@ def validate_model_options(model_cfg: dict) -> list[str]:
             )
             continue
         default = known[key]
-        if isinstance(default, list):
+        if key == "moe":  # nested mapping: hpctrain/strategies/moe/options.py
+            problems += validate_moe(value)
+        elif isinstance(default, list):
             if not (
                 isinstance(value, list)
                 and value
@@ -204,9 +208,16 @@ def _transformer(opts, inp: InputSpec) -> list[LayerSpec]:
     """A small pre-LayerNorm causal language model (GPT-2 style)."""
     if not inp.tokens:
         raise ValueError("transformer needs token data (data.task: tokens)")
-    d, seq, vocab = opts["d_model"], inp.shape[0], inp.classes
+    d, seq, vocab, ff = opts["d_model"], inp.shape[0], inp.classes, opts["d_ff"]
     layers = [LayerSpec("embed", "embed", {"tok.weight": (vocab, d), "pos.weight": (seq, d)})]
+    moe = moe_options(opts["moe"])
     for i in range(opts["n_layers"]):
+        ffn = {"fc1.weight": (ff, d), "fc1.bias": (ff,), "fc2.weight": (d, ff), "fc2.bias": (d,)}
+        if is_moe_block(moe, i):  # router + E experts with global indices (all ranks' experts)
+            mlp = {f"moe.experts.{e}.{k}": s for e in range(moe["experts"]) for k, s in ffn.items()}
+            mlp = {"moe.router.weight": (moe["experts"], d), **mlp}
+        else:
+            mlp = {f"ffn.{k}": s for k, s in ffn.items()}
         layers.append(
             LayerSpec(
                 "block",
@@ -220,12 +231,12 @@ def _transformer(opts, inp: InputSpec) -> list[LayerSpec]:
                     "attn.proj.bias": (d,),
                     "ln2.weight": (d,),
                     "ln2.bias": (d,),
-                    "ffn.fc1.weight": (opts["d_ff"], d),
-                    "ffn.fc1.bias": (opts["d_ff"],),
-                    "ffn.fc2.weight": (d, opts["d_ff"]),
-                    "ffn.fc2.bias": (d,),
+                    **mlp,
                 },
-                attrs={"n_heads": opts["n_heads"]},
+                attrs={
+                    "n_heads": opts["n_heads"],
+                    **({"moe": moe} if "moe.router.weight" in mlp else {}),
+                },
             )
         )
     layers.append(LayerSpec("layernorm", "ln_f", {"weight": (d,), "bias": (d,)}))
@@ -260,9 +271,9 @@ def init_weights(layers: list[LayerSpec], seed: int) -> OrderedDict[str, np.ndar
                 value = rng.normal(0.0, 0.02, size=shape)
             else:
                 fan_in = int(np.prod(shape[1:]))
-                relu_after = layer.attrs.get(
-                    "relu", layer.kind in ("resblock", "conv_bn")
-                ) or pname.startswith("ffn.fc1")
+                relu_after = layer.attrs.get("relu", layer.kind in ("resblock", "conv_bn")) or (
+                    layer.kind == "block" and parent.endswith("fc1")
+                )
                 if relu_after:
                     value = rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
                 else:

@@ -13,6 +13,8 @@ import importlib
 # strategy name -> "module:Class"
 RUNNERS: dict[str, str] = {
     "data_parallel": "hpctrain.trainer:Trainer",
+    "pipeline": "hpctrain.strategies.pipeline:PipelineTrainer",
+    "parameter_server": "hpctrain.strategies.ps.runner:ParameterServerRunner",
 }
 
 

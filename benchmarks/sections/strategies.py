@@ -1,0 +1,154 @@
+"""Slot for the other features' own benchmarks (checkpoint, parameter server, ...).
+
+Why: each feature's engineer owns a `benchmarks/bench_<feature>.py` that writes its
+figures with `--json OUT`; `make bench` should report them next to the scaling numbers
+without knowing their insides. Each script that exists is run (with `--quick` when the
+run is quick, or when little time is left and the script accepts it), its JSON is kept
+verbatim in results.json, and the report renders it generically: lists of records as
+tables, other values as key: value lines. Add a feature by adding a line to SCRIPTS.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import time
+
+from .. import common
+
+TITLE = "Strategy benchmarks"
+# (name, script, full-run timeout s, quick-run timeout s); a missing script is skipped.
+SCRIPTS = [
+    ("checkpoint", "bench_checkpoint.py", 240, 90),
+    ("parameter server", "bench_ps.py", 300, 120),
+    ("pipeline", "bench_pipeline.py", 300, 120),
+    ("mixture of experts", "bench_moe.py", 300, 120),
+]
+
+
+def _accepts(script, flag: str) -> bool:
+    try:
+        help_text = subprocess.run(
+            [common.PYTHON, str(script), "--help"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=common.ROOT,
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return flag in help_text
+
+
+def run_script(ctx, name, script, timeout_full, timeout_quick) -> dict:
+    path = common.BENCH / script
+    if not path.exists():
+        return {"name": name, "script": script, "status": "absent"}
+    out = ctx.scratch("strategy-" + script.removesuffix(".py")) / "out.json"
+    quick = ctx.quick or ctx.time_left() < timeout_full + 60
+    args = [common.PYTHON, str(path), "--json", str(out)]
+    if quick and _accepts(path, "--quick"):
+        args.append("--quick")
+    timeout = timeout_quick if quick else timeout_full
+    full_env = dict(common.MPI_ENV, PYTHONUNBUFFERED="1", TF_CPP_MIN_LOG_LEVEL="2")
+    t0 = time.monotonic()
+    proc = subprocess.Popen(
+        args,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        cwd=common.ROOT,
+        env={**os.environ, **full_env},
+        start_new_session=True,
+    )
+    try:
+        log, _ = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        log, _ = proc.communicate()
+        code = 124
+    seconds = time.monotonic() - t0
+    record = {"command": " ".join(args), "returncode": code, "seconds": round(seconds, 1)}
+    ctx.jobs.append(record)
+    print(f"[bench] {seconds:6.1f} s rc={code}: {record['command']}", flush=True)
+    data = common.read_json(out)
+    return {
+        "name": name,
+        "script": script,
+        "status": "ok" if code == 0 and data is not None else f"failed (rc {code})",
+        "quick": "--quick" in args,
+        "seconds": seconds,
+        "command": record["command"],
+        "data": data,
+        "log_tail": "\n".join(log.splitlines()[-20:]) if code else "",
+        "pngs": sorted(str(p.relative_to(ctx.out)) for p in out.parent.glob("*.png")),
+    }
+
+
+def run(ctx) -> dict:
+    return {"scripts": [run_script(ctx, *entry) for entry in SCRIPTS]}
+
+
+# --- generic rendering of someone else's JSON -------------------------------------------
+def _cell(v) -> str:
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    if isinstance(v, (dict, list)):
+        text = json.dumps(v)
+        return text if len(text) <= 60 else text[:57] + "..."
+    return str(v)
+
+
+def _table(records: list[dict]) -> list[str]:
+    keys: list[str] = []
+    for r in records:
+        for k, v in r.items():
+            if k not in keys and not isinstance(v, (dict, list)):
+                keys.append(k)
+    lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
+    for r in records:
+        lines.append("| " + " | ".join(_cell(r.get(k, "")) for k in keys) + " |")
+    return lines
+
+
+def render(value, title: str = "", depth: int = 0) -> list[str]:
+    """Lists of records become tables, mappings nest as bold headings, the rest k: v."""
+    lines: list[str] = []
+    if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
+        if title:
+            lines += [f"*{title}*", ""]
+        return lines + _table(value) + [""]
+    if isinstance(value, dict):
+        scalars = {k: v for k, v in value.items() if not isinstance(v, (dict, list))}
+        nested = {k: v for k, v in value.items() if isinstance(v, (dict, list))}
+        if title and depth > 0:
+            lines += [f"*{title}*", ""]
+        if scalars:
+            lines += [f"- {k}: {_cell(v)}" for k, v in scalars.items()] + [""]
+        for k, v in nested.items():
+            if depth >= 3:
+                lines += [f"- {k}: {_cell(v)}"]
+            else:
+                lines += render(v, f"{title} / {k}" if title and depth else k, depth + 1)
+        return lines
+    return lines + [f"- {title}: {_cell(value)}", ""]
+
+
+def markdown(data, ctx) -> str:
+    out = []
+    for s in data["scripts"]:
+        out.append(f"### {s['name']} (`benchmarks/{s['script']}`)")
+        out.append("")
+        if s["status"] == "absent":
+            out += ["Not present in this tree yet.", ""]
+            continue
+        mode = " with --quick" if s.get("quick") else ""
+        out += [f"Status: {s['status']}, {s['seconds']:.0f} s{mode}. `{s['command']}`", ""]
+        if s.get("data") is not None:
+            out += render(s["data"])
+        elif s.get("log_tail"):
+            out += ["```", s["log_tail"], "```", ""]
+        out += [f"![{s['name']}]({p})" for p in s.get("pngs", [])]
+    return "\n".join(out)

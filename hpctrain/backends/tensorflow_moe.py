@@ -1,0 +1,163 @@
+"""The TensorFlow half of the MoE layer: gate, gather/scatter, custom gradient for the all-to-all.
+
+Same math as torch_moe.py on raw tf ops. The backend runs the model inside a
+tf.function, so the framework-neutral routing and the MPI exchanges run as
+`tf.numpy_function`s: they are stateful ops, which tf.function executes in program
+order, so every rank issues its all-to-alls (forward, then the backward ones that
+`tf.custom_gradient` adds) in the same order. Expert variables stay out of Horovod's
+grouped allreduce and their gradients are divided by the number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import numpy as np
+import tensorflow as tf
+
+from ..strategies.moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+
+# net -> {layer name: MoELayer}; net -> {layer name: aux loss of the latest call}
+_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _runtime(net, spec) -> MoELayer:
+    per_net = _layers.setdefault(net, {})
+    if spec.name not in per_net:
+        per_net[spec.name] = MoELayer(spec.attrs["moe"])
+    return per_net[spec.name]
+
+
+def _all_to_all(moe: MoELayer, x, send_rows, recv_rows, record: bool):
+    """Alltoallv of rows whose gradient is the reverse Alltoallv."""
+
+    def run(a, s, r):
+        return moe.exchange(a, s, r, record)
+
+    @tf.custom_gradient
+    def exchange(x):
+        y = tf.numpy_function(run, [x, send_rows, recv_rows], tf.float32)
+        y.set_shape([None, x.shape[-1]])
+
+        def grad(dy):
+            dy = tf.convert_to_tensor(dy)  # a gather's gradient arrives as IndexedSlices
+            g = tf.numpy_function(run, [dy, recv_rows, send_rows], tf.float32)
+            g.set_shape(x.shape)
+            return g
+
+        return y, grad
+
+    return exchange(x)
+
+
+def _timed(moe: MoELayer, start: bool):
+    """A numpy_function marking the expert compute's start or end (training calls only)."""
+
+    def mark(*_):
+        now = time.perf_counter()
+        if start:
+            moe._t_expert = now
+        else:
+            moe.stats.expert_s += now - getattr(moe, "_t_expert", now)
+        return np.float32(0)
+
+    return mark
+
+
+def moe_ffn(net, spec, v, h, training: bool):
+    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]."""
+    moe = _runtime(net, spec)
+    record = bool(training)  # fixed per traced graph: only training calls are counted
+    opts = moe.opts
+    d = h.shape[-1]
+    x = tf.reshape(h, [-1, d])
+    xr = x
+    if training and opts["jitter"] > 0:
+        noise = tf.numpy_function(moe.jitter_noise, [tf.shape(x)], tf.float32)
+        xr = x * tf.reshape(noise, tf.shape(x))
+    probs = tf.nn.softmax(tf.linalg.matmul(xr, v["moe.router.weight"], transpose_b=True), -1)
+    out_types = [tf.int64] * 8 + [tf.float32]
+    plan = tf.numpy_function(
+        lambda p: moe.plan(p, record).arrays(), [tf.stop_gradient(probs)], out_types
+    )
+    experts, token, slot, send_rows, recv_rows, perm, inv_perm, expert_rows, frac = plan
+    experts.set_shape([None, moe.k])
+    for t in (token, slot, perm, inv_perm):
+        t.set_shape([None])
+    for t, n in ((send_rows, moe.group.size), (recv_rows, moe.group.size)):
+        t.set_shape([n])
+    expert_rows.set_shape([moe.per_rank])
+    frac.set_shape([moe.E])
+    top = tf.gather(probs, experts, batch_dims=1)
+    gates = top if moe.k == 1 else top / tf.reduce_sum(top, axis=-1, keepdims=True)
+    recv = _all_to_all(moe, tf.gather(x, token), send_rows, recv_rows, record)
+    if record:
+        with tf.control_dependencies([tf.numpy_function(_timed(moe, True), [recv], tf.float32)]):
+            recv = tf.identity(recv)
+    grouped = tf.gather(recv, perm)
+    outs = []
+    for j, rows in enumerate(tf.split(grouped, expert_rows, num=moe.per_rank)):
+        e = f"moe.experts.{moe.first + j}"
+        hidden = tf.nn.relu(
+            tf.linalg.matmul(rows, v[f"{e}.fc1.weight"], transpose_b=True) + v[f"{e}.fc1.bias"]
+        )
+        outs.append(
+            tf.linalg.matmul(hidden, v[f"{e}.fc2.weight"], transpose_b=True) + v[f"{e}.fc2.bias"]
+        )
+    out = tf.gather(tf.concat(outs, 0), inv_perm)
+    if record:
+        with tf.control_dependencies([tf.numpy_function(_timed(moe, False), [out], tf.float32)]):
+            out = tf.identity(out)
+    back = _all_to_all(moe, out, recv_rows, send_rows, record)
+    coef = tf.gather_nd(gates, tf.stack([token, slot], axis=1))
+    y = tf.math.unsorted_segment_sum(back * coef[:, None], token, tf.shape(x)[0])
+    aux = opts["aux_loss"] * moe.E * tf.reduce_sum(frac * tf.reduce_mean(probs, axis=0))
+    _aux.setdefault(net, {})[spec.name] = aux
+    return tf.reshape(y, tf.shape(h))
+
+
+def aux_loss(net):
+    """Sum of the load-balancing losses of the net's latest call (None without MoE)."""
+    losses = list(_aux.get(net, {}).values())
+    return tf.add_n(losses) if losses else None
+
+
+def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
+    """Horovod average of the dense gradients; local experts' gradients divided by ranks."""
+    if hvd.size() == 1:
+        return grads
+    dense = [i for i, n in enumerate(names) if not is_expert_param(n)]
+    if len(dense) == len(grads):
+        return hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression)
+    out = [g / float(hvd.size()) for g in grads]
+    if dense:
+        avg = hvd.grouped_allreduce(
+            [grads[i] for i in dense], op=hvd.Average, compression=compression
+        )
+        for i, g in zip(dense, avg, strict=True):
+            out[i] = g
+    return out
+
+
+def clip_like_torch(grads: list, names: list[str], max_norm: float) -> list:
+    """torch.nn.utils.clip_grad_norm_ on the global model (expert norms summed over ranks)."""
+    sq_dense = sum(
+        float(tf.reduce_sum(g * g)) for g, n in zip(grads, names) if not is_expert_param(n)
+    )
+    sq_expert = sum(float(tf.reduce_sum(g * g)) for g, n in zip(grads, names) if is_expert_param(n))
+    if any(is_expert_param(n) for n in names):
+        sq_expert = expert_group().allreduce_sum(sq_expert)
+    coef = min(max_norm / ((sq_dense + sq_expert) ** 0.5 + 1e-6), 1.0)
+    return [g * coef for g in grads]
+
+
+def has_experts(names) -> bool:
+    return any(is_expert_param(n) for n in names)
+
+
+def step_extra(net, step_seconds: float) -> dict:
+    """This step's MoE metrics (empty without MoE); resets the counters."""
+    layers = list(_layers.get(net, {}).values())
+    return step_metrics(layers, step_seconds, expert_group().size) if layers else {}

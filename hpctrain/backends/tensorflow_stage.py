@@ -1,0 +1,171 @@
+"""One pipeline stage in TensorFlow: a contiguous slice of a zoo model and its optimizer.
+
+The slice is the backend's own `ZooNet` built from the stage's layers, so variables
+carry canonical names and torch's update rules (`_Optimizer`) apply. Each forward runs
+under its own `GradientTape`, kept with the micro-batch until its backward, which is
+`tape.gradient(output, variables + [input], output_gradients=grad_from_next_stage)`.
+
+Layout: ZooNet takes canonical NCHW images and switches to NHWC at its first conv-type
+layer. Between stages activations always travel NCHW, so a stage whose output is still
+an image transposes it back before sending (inside the tape, so the gradient it gets
+back is NCHW too); the next stage's ZooNet then switches to NHWC again by itself.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+
+import numpy as np
+
+from .tensorflow import ZooNet, _Optimizer, configure_threads, tf
+
+# Kinds at which ZooNet moves images from NCHW to NHWC (see ZooNet.__call__).
+_NHWC_KINDS = ("conv", "conv_bn", "resblock", "gap")
+
+
+def init_replicas(comm, groups: list[list[int]], mine: int):
+    """Horovod with one process set per stage; see torch_stage.init_replicas."""
+    import horovod.tensorflow as hvd
+
+    if hvd.is_initialized():
+        raise RuntimeError("Horovod is already initialised; the pipeline needs its own init")
+    if len(groups) == 1:
+        hvd.init(comm=comm)
+        return hvd, hvd.global_process_set
+    sets = [hvd.ProcessSet(g) for g in groups]
+    hvd.init(comm=comm, process_sets=sets)
+    return hvd, sets[mine]
+
+
+def _run_nchw(net: ZooNet, x, training: bool):
+    """net(x) with an image output returned in the canonical NCHW layout."""
+    out = net(x, training=training)
+    if len(out.shape) == 4 and any(spec.kind in _NHWC_KINDS for spec in net.layers):
+        out = tf.transpose(out, [0, 3, 1, 2])
+    return out
+
+
+class TensorFlowStage:
+    """Layers [start, stop) of the model; see the module docstring."""
+
+    def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
+        configure_threads(threads, cfg.train["deterministic"])
+        seed = cfg.train["seed"]
+        tf.random.set_seed(seed + rank)
+        np.random.seed((seed + rank) % 2**32)
+        random.seed(seed + rank)
+        self.first, self.last = first, last
+        self.net = ZooNet(layers, weights)
+        self.opt = _Optimizer(cfg.optimizer, self.net.vars)
+        self._vars = list(self.net.vars.values())
+        self.acc: list | None = None
+        self.stash: dict[int, tuple] = {}
+        self.peak_stash = 0
+        self.loss_sum, self.correct = 0.0, 0
+        self.hvd = self.process_set = None
+
+    def attach_replicas(self, hvd, process_set) -> None:
+        self.hvd, self.process_set = hvd, process_set
+
+    # --- the schedule's two actions --------------------------------------------
+    def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
+        """Run micro-batch `micro`; returns the activation to send (None on the last stage)."""
+        xt = tf.constant(x)
+        with tf.GradientTape() as tape:
+            if not self.first:
+                tape.watch(xt)
+            out = _run_nchw(self.net, xt, training=True)
+            if self.last:
+                losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), out)
+                loss = tf.reduce_sum(losses)
+                target = loss * scale
+        if self.last:
+            self.loss_sum += float(loss)
+            self.correct += int(np.sum(np.argmax(out.numpy(), -1) == y))
+            out = target
+        self.stash[micro] = (tape, xt, out)
+        self.peak_stash = max(self.peak_stash, len(self.stash))
+        return None if self.last else out.numpy()
+
+    def backward(self, micro: int, grad: np.ndarray | None):
+        """Backward of `micro`; returns the gradient for the previous stage (None on the first)."""
+        tape, xt, out = self.stash.pop(micro)
+        sources = self._vars + ([] if self.first else [xt])
+        upstream = None if self.last else tf.constant(grad)
+        grads = tape.gradient(out, sources, output_gradients=upstream)
+        grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
+        n = len(self._vars)
+        self.acc = (
+            grads[:n]
+            if self.acc is None
+            else [a + g for a, g in zip(self.acc, grads[:n], strict=True)]
+        )
+        return None if self.first else grads[n].numpy()
+
+    # --- the step ----------------------------------------------------------------
+    def grad_square_sum(self) -> float:
+        return float(sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc))
+
+    def average_grads(self) -> float:
+        """Average gradients over this stage's replicas (Horovod); returns seconds spent."""
+        if self.hvd is None or self.process_set.size() == 1:
+            return 0.0
+        t0 = time.perf_counter()
+        self.acc = self.hvd.grouped_allreduce(
+            self.acc, op=self.hvd.Average, process_set=self.process_set
+        )
+        return time.perf_counter() - t0
+
+    def apply(self, lr: float, clip_coef: float = 1.0) -> None:
+        """One optimizer step with the accumulated (averaged, clipped) gradients."""
+        acc = self.acc if clip_coef >= 1.0 else [g * clip_coef for g in self.acc]
+        self.opt.apply(acc, tf.constant(lr, tf.float32))
+        self.acc = None
+
+    def take_stats(self) -> tuple[float, int]:
+        out = (self.loss_sum, self.correct)
+        self.loss_sum, self.correct = 0.0, 0
+        return out
+
+    # --- forward only ------------------------------------------------------------
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        """Eval-mode forward (shape probing, validation); last stage returns logits."""
+        return _run_nchw(self.net, tf.constant(x), training=False).numpy()
+
+    def average_buffers(self) -> None:
+        if self.hvd is None or self.process_set.size() == 1 or not self.net.buffers:
+            return
+        names = list(self.net.buffers)
+        avg = self.hvd.grouped_allreduce(
+            [self.net.buffers[n] for n in names], op=self.hvd.Average, process_set=self.process_set
+        )
+        for n, value in zip(names, avg, strict=True):
+            self.net.buffers[n].assign(value)
+
+    # --- canonical state ------------------------------------------------------------
+    def get_weights(self) -> OrderedDict[str, np.ndarray]:
+        out = OrderedDict((k, v.numpy().copy()) for k, v in self.net.vars.items())
+        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+        return out
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        for k, v in list(self.net.vars.items()) + list(self.net.buffers.items()):
+            v.assign(np.asarray(weights[k], dtype=np.float32))
+
+
+def layer_forward_seconds(layers, weights, x: np.ndarray, repeats: int = 3) -> list[float]:
+    """Median forward time of each layer on input `x` (for `partition: time`)."""
+    out = []
+    for spec in layers:
+        net = ZooNet([spec], weights)
+        xt = tf.constant(x)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            y = _run_nchw(net, xt, training=False)
+            times.append(time.perf_counter() - t0)
+        out.append(float(np.median(times)))
+        x = y.numpy()
+    return out

@@ -1,0 +1,133 @@
+"""The torch half of the MoE layer: gate, gather/scatter and autograd through the all-to-all.
+
+Routing decisions and the MPI exchanges are framework-neutral
+(hpctrain/strategies/moe); here they become differentiable: `_AllToAll` is an
+autograd.Function whose backward is the reverse Alltoallv, so gradients reach both the
+tokens on their home rank and the experts on their owner rank. Expert parameters are
+local to a rank: they are kept out of Horovod (a separate optimizer param group, see
+`add_expert_params`) and their gradient, a sum over every rank's tokens, is divided by
+the number of ranks so it matches the data-parallel average of the dense parameters.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+
+import torch
+import torch.nn.functional as F
+
+from ..strategies.moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+
+_layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
+_aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
+
+
+class _AllToAll(torch.autograd.Function):
+    """Alltoallv of rows; the gradient goes back along the same rows in reverse."""
+
+    @staticmethod
+    def forward(ctx, x, moe, send_rows, recv_rows, record):
+        ctx.moe, ctx.rows, ctx.record = moe, (send_rows, recv_rows), record
+        return torch.from_numpy(moe.exchange(x.detach().numpy(), send_rows, recv_rows, record))
+
+    @staticmethod
+    def backward(ctx, grad):
+        send_rows, recv_rows = ctx.rows
+        back = ctx.moe.exchange(grad.contiguous().numpy(), recv_rows, send_rows, ctx.record)
+        return torch.from_numpy(back), None, None, None, None
+
+
+def _runtime(layer) -> MoELayer:
+    if layer not in _layers:
+        _layers[layer] = MoELayer(layer.spec.attrs["moe"])
+    return _layers[layer]
+
+
+def moe_ffn(layer, h: torch.Tensor) -> torch.Tensor:
+    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]."""
+    moe = _runtime(layer)
+    opts, p = moe.opts, layer.p
+    record = layer.training  # only training calls count in the step's metrics
+    shape, d = h.shape, h.shape[-1]
+    x = h.reshape(-1, d)
+    xr = x
+    if layer.training and opts["jitter"] > 0:
+        xr = x * torch.from_numpy(moe.jitter_noise(x.shape))
+    probs = torch.softmax(F.linear(xr, p["moe.router.weight"]), dim=-1)
+    plan = moe.plan(probs.detach().numpy(), record)
+    top = probs.gather(1, torch.from_numpy(plan.experts))
+    gates = top if moe.k == 1 else top / top.sum(dim=-1, keepdim=True)
+    token = torch.from_numpy(plan.send_token)
+    recv = _AllToAll.apply(x[token], moe, plan.send_rows, plan.recv_rows, record)
+    t0 = time.perf_counter()
+    grouped = recv[torch.from_numpy(plan.perm)]
+    outs = []
+    for j, rows in enumerate(grouped.split(plan.expert_rows.tolist())):
+        e = f"moe.experts.{moe.first + j}"
+        hidden = F.relu(F.linear(rows, p[f"{e}.fc1.weight"], p[f"{e}.fc1.bias"]))
+        outs.append(F.linear(hidden, p[f"{e}.fc2.weight"], p[f"{e}.fc2.bias"]))
+    out = torch.cat(outs)[torch.from_numpy(plan.inv_perm)] if outs else grouped
+    if record:
+        moe.stats.expert_s += time.perf_counter() - t0
+    back = _AllToAll.apply(out, moe, plan.recv_rows, plan.send_rows, record)
+    coef = gates[token, torch.from_numpy(plan.send_slot)]
+    y = torch.zeros_like(x).index_add(0, token, back * coef[:, None])
+    frac = torch.from_numpy(plan.fractions)
+    _aux[layer] = opts["aux_loss"] * moe.E * (frac * probs.mean(dim=0)).sum()
+    return y.reshape(shape)
+
+
+def _moe_modules(model) -> list:
+    return [m for m in model.modules() if "moe" in getattr(getattr(m, "spec", None), "attrs", {})]
+
+
+def aux_loss(model) -> torch.Tensor | None:
+    """Sum of the load-balancing losses of the model's last forward (None without MoE)."""
+    losses = [_aux[m] for m in _moe_modules(model) if m in _aux]
+    return torch.stack(losses).sum() if losses else None
+
+
+def dense_named_parameters(model) -> list:
+    """(name, parameter) pairs Horovod averages: everything but the experts."""
+    return [(n, p) for n, p in model.named_parameters() if not is_expert_param(n)]
+
+
+def add_expert_params(optimizer, model) -> None:
+    """Give the local experts to the optimizer as their own group, outside Horovod.
+
+    Horovod's DistributedOptimizer allreduces exactly the parameters it was built with;
+    a group added afterwards is stepped by the same torch optimizer (same lr, same
+    state layout for checkpoints) but never allreduced or broadcast. Each expert
+    gradient sums every rank's tokens, so it is divided by the number of ranks.
+    """
+    experts = [p for n, p in model.named_parameters() if is_expert_param(n)]
+    if not experts:
+        return
+    scale = 1.0 / expert_group().size
+    for p in experts:
+        p.register_hook(lambda g: g * scale)
+    optimizer.add_param_group({"params": experts})
+
+
+def clip_grad_norm_(model, max_norm: float) -> None:
+    """torch's clip_grad_norm_ over the global model: expert norms summed over ranks."""
+    named = list(model.named_parameters())
+    if not any(is_expert_param(n) for n, _ in named):
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+        return
+    sq = {True: 0.0, False: 0.0}
+    for n, p in named:
+        if p.grad is not None:
+            sq[is_expert_param(n)] += float(p.grad.detach().double().pow(2).sum())
+    total = (sq[False] + expert_group().allreduce_sum(sq[True])) ** 0.5
+    coef = min(max_norm / (total + 1e-6), 1.0)
+    for _, p in named:
+        if p.grad is not None:
+            p.grad.mul_(coef)
+
+
+def step_extra(model, step_seconds: float) -> dict:
+    """This step's MoE metrics (empty without MoE); resets the counters."""
+    layers = [_layers[m] for m in _moe_modules(model) if m in _layers]
+    return step_metrics(layers, step_seconds, expert_group().size) if layers else {}

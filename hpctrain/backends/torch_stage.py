@@ -1,0 +1,188 @@
+"""One pipeline stage in torch: a contiguous slice of a zoo model and its optimizer.
+
+The slice is built from the backend's own `ZooNet`/`_Layer`, so its parameters carry
+the canonical names of a full model (`fc2.weight`, `layer2.0.conv1.weight`) and a
+pipeline checkpoint is a data-parallel checkpoint cut into pieces. A forward keeps the
+micro-batch's stage input (a leaf that requires grad) and output until its backward,
+which is `torch.autograd.backward(output, gradient_from_next_stage)`; the input's
+`.grad` is what goes to the previous stage. Gradients accumulate over the step's
+micro-batches and the optimizer steps once, with torch's own SGD/Adam.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections import OrderedDict
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from .torch import ZooNet
+
+
+def init_replicas(comm, groups: list[list[int]], mine: int):
+    """Horovod with one process set per stage (the ranks holding that stage).
+
+    Horovod 0.28.1 registers static process sets at `hvd.init(process_sets=...)`, which
+    every rank must call with the same list; collectives then take `process_set=`.
+    """
+    import horovod.torch as hvd
+
+    if hvd.is_initialized():
+        raise RuntimeError("Horovod is already initialised; the pipeline needs its own init")
+    if len(groups) == 1:
+        hvd.init(comm=comm)
+        return hvd, hvd.global_process_set
+    sets = [hvd.ProcessSet(g) for g in groups]
+    hvd.init(comm=comm, process_sets=sets)
+    return hvd, sets[mine]
+
+
+class TorchStage:
+    """Layers [start, stop) of the model; see the module docstring."""
+
+    def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
+        torch.set_num_threads(threads)
+        if cfg.train["deterministic"]:
+            torch.use_deterministic_algorithms(True)
+        seed = cfg.train["seed"]
+        torch.manual_seed(seed + rank)
+        np.random.seed((seed + rank) % 2**32)
+        random.seed(seed + rank)
+        self.first, self.last = first, last
+        self.net = ZooNet(layers)
+        self.set_weights(weights)
+        ocfg = cfg.optimizer
+        params = list(self.net.parameters())
+        if ocfg["name"] == "sgd":
+            self.opt = torch.optim.SGD(
+                params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
+            )
+        else:
+            self.opt = torch.optim.Adam(
+                params,
+                lr=ocfg["lr"],
+                betas=tuple(ocfg["betas"]),
+                eps=ocfg["eps"],
+                weight_decay=ocfg["weight_decay"],
+            )
+        self.stash: dict[int, tuple] = {}
+        self.peak_stash = 0
+        self.loss_sum, self.correct = 0.0, 0
+        self.hvd = self.process_set = None
+
+    def attach_replicas(self, hvd, process_set) -> None:
+        self.hvd, self.process_set = hvd, process_set
+
+    # --- the schedule's two actions --------------------------------------------
+    def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
+        """Run micro-batch `micro`; returns the activation to send (None on the last stage)."""
+        self.net.train()
+        xt = torch.from_numpy(x)
+        if not self.first:
+            xt.requires_grad_(True)
+        out = self.net(xt)
+        if self.last:
+            yt = torch.from_numpy(y)
+            loss = _loss(out, yt)
+            self.loss_sum += float(loss.detach())
+            self.correct += int((out.detach().argmax(-1) == yt).sum())
+            out = loss * scale  # this rank's share of the step's mean loss
+        self.stash[micro] = (xt, out)
+        self.peak_stash = max(self.peak_stash, len(self.stash))
+        return None if self.last else out.detach().numpy()
+
+    def backward(self, micro: int, grad: np.ndarray | None):
+        """Backward of `micro`; returns the gradient for the previous stage (None on the first)."""
+        xt, out = self.stash.pop(micro)
+        if self.last:
+            torch.autograd.backward(out)
+        else:
+            torch.autograd.backward(out, torch.from_numpy(grad))
+        return None if self.first else xt.grad.numpy()
+
+    # --- the step ----------------------------------------------------------------
+    def grad_square_sum(self) -> float:
+        return float(sum(float((p.grad.double() ** 2).sum()) for p in self._grads()))
+
+    def average_grads(self) -> float:
+        """Average gradients over this stage's replicas (Horovod); returns seconds spent."""
+        if self.hvd is None or self.process_set.size() == 1:
+            return 0.0
+        t0 = time.perf_counter()
+        params = self._grads()
+        avg = self.hvd.grouped_allreduce(
+            [p.grad for p in params], op=self.hvd.Average, process_set=self.process_set
+        )
+        for p, g in zip(params, avg, strict=True):
+            p.grad.copy_(g)
+        return time.perf_counter() - t0
+
+    def apply(self, lr: float, clip_coef: float = 1.0) -> None:
+        """One optimizer step with the accumulated (averaged, clipped) gradients."""
+        if clip_coef < 1.0:
+            for p in self._grads():
+                p.grad.mul_(clip_coef)
+        for group in self.opt.param_groups:
+            group["lr"] = lr
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+
+    def _grads(self):
+        return [p for p in self.net.parameters() if p.grad is not None]
+
+    def take_stats(self) -> tuple[float, int]:
+        out = (self.loss_sum, self.correct)
+        self.loss_sum, self.correct = 0.0, 0
+        return out
+
+    # --- forward only ------------------------------------------------------------
+    @torch.no_grad()
+    def infer(self, x: np.ndarray) -> np.ndarray:
+        """Eval-mode forward (shape probing, validation); last stage returns logits."""
+        self.net.eval()
+        return self.net(torch.from_numpy(x)).numpy()
+
+    def average_buffers(self) -> None:
+        if self.hvd is None or self.process_set.size() == 1:
+            return
+        for name, buf in self.net.named_buffers():
+            buf.copy_(
+                self.hvd.allreduce(
+                    buf, name=f"buffer.{name}", op=self.hvd.Average, process_set=self.process_set
+                )
+            )
+
+    # --- canonical state ------------------------------------------------------------
+    def get_weights(self) -> OrderedDict[str, np.ndarray]:
+        return OrderedDict((k, v.detach().numpy().copy()) for k, v in self.net.state_dict().items())
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        with torch.no_grad():
+            for key, tensor in self.net.state_dict(keep_vars=True).items():
+                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+
+
+def _loss(logits, y):
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
+
+
+def layer_forward_seconds(layers, weights, x: np.ndarray, repeats: int = 3) -> list[float]:
+    """Median forward time of each layer on input `x` (for `partition: time`)."""
+    net = ZooNet(layers)
+    with torch.no_grad():
+        for key, tensor in net.state_dict(keep_vars=True).items():
+            tensor.copy_(torch.from_numpy(weights[key]))
+    net.train()
+    out, xt = [], torch.from_numpy(x)
+    for layer in net.seq:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            y = layer(xt)
+            times.append(time.perf_counter() - t0)
+        out.append(float(np.median(times)))
+        xt = y.detach()
+    return out

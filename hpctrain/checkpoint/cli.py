@@ -1,0 +1,148 @@
+"""`hpctrain ckpt inspect | verify | export`: look into, check and leave checkpoints.
+
+None of these start MPI; they run on a login node as well as inside a job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from ..errors import CheckpointError, rank_ranges
+from . import reader
+
+EXPORT_HELP = """\
+torch: a torch.save() file of an OrderedDict {canonical name: tensor} (the model's
+       state_dict in torch layouts); load with torch.load(OUT, weights_only=True).
+keras: an HDF5 file, one dataset per weight in Keras layouts (dense kernel [in, out],
+       conv kernel [kh, kw, in, out]); its attribute keras_layers lists, per layer,
+       the datasets in layer.set_weights() order.
+Only model weights are exported: no optimizer, trainer or random state."""
+
+
+def register(subparsers) -> dict:
+    p = subparsers.add_parser(
+        "ckpt",
+        help="inspect, verify and export checkpoints",
+        description="Tools for hpctrain's HDF5 checkpoints (ckpt-<step>.h5).",
+    )
+    sub = p.add_subparsers(dest="ckpt_command", metavar="ACTION", required=True)
+    s = sub.add_parser(
+        "inspect",
+        help="show what a checkpoint holds",
+        description="Verify a checkpoint, then show its step, run facts, trainer and "
+        "random state, every dataset (dtype, shape, size) and the run's config.",
+    )
+    s.add_argument("file", metavar="FILE", help="a checkpoint (ckpt-<step>.h5)")
+    s.add_argument("--no-config", action="store_true", help="leave the config out")
+    s = sub.add_parser(
+        "verify",
+        help="check checksums of one or more checkpoints",
+        description="One line per file; exit status 0 only when every file verifies.",
+    )
+    s.add_argument("files", nargs="+", metavar="FILE")
+    s = sub.add_parser(
+        "export",
+        help="write the model weights as a plain torch or Keras file",
+        description="Export a verified checkpoint's model weights.",
+        epilog=EXPORT_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    s.add_argument("file", metavar="FILE", help="a checkpoint (ckpt-<step>.h5)")
+    s.add_argument("--to", required=True, choices=("torch", "keras"), help="output kind")
+    s.add_argument("out", metavar="OUT", help="file to write (replaced atomically)")
+    s.add_argument(
+        "--keep-layout",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="keras: 2-D weights matching this glob are lookup tables, not kernels "
+        "(kept [rows, dim]); zoo models need none",
+    )
+    return {"ckpt": run}
+
+
+def run(args) -> int:
+    return {"inspect": _inspect, "verify": _verify, "export": _export}[args.ckpt_command](args)
+
+
+def _mb(n: int) -> str:
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
+
+
+def _verify(args) -> int:
+    bad = 0
+    for name in args.files:
+        try:
+            s = reader.verify(name)
+            print(f"OK    {name}: step {s.step}, {s.datasets} datasets, {_mb(s.nbytes)}")
+        except CheckpointError as exc:
+            bad += 1
+            print(f"FAIL  {exc}")
+    return 1 if bad else 0
+
+
+def _inspect(args) -> int:
+    try:
+        ck = reader.load(args.file)
+    except CheckpointError as exc:
+        print(f"verified    NO: {exc}")
+        return 1
+    a = dict(ck.attrs)
+    rows = [
+        ("file", f"{ck.path} ({_mb(ck.path.stat().st_size)} on disk)"),
+        ("verified", "yes (file digest, manifest and every dataset's SHA-256)"),
+        (
+            "format",
+            f"{a.pop('format')} (hpctrain {a.pop('hpctrain_version')}, "
+            f"h5py {a.pop('h5py_version')}, HDF5 {a.pop('hdf5_version')})",
+        ),
+        ("created", a.pop("created_utc")),
+        ("step", a.pop("step")),
+    ]
+    config = a.pop("config_yaml", None)
+    for key in ("backend", "framework", "horovod", "world_size"):
+        if key in a:
+            rows.append((key.replace("_", " "), a.pop(key)))
+    metrics = {k: a.pop(k) for k in list(a) if k.startswith("metric.")}
+    if metrics:
+        rows.append(("metrics", ", ".join(f"{k[7:]}={v:.6g}" for k, v in metrics.items())))
+    rows += [(k, v) for k, v in sorted(a.items())]
+    if ck.trainer:
+        rows.append(("trainer", ", ".join(f"{k}={v!r}" for k, v in ck.trainer.items())))
+    if ck.rng:
+        keys = sorted({k for r in ck.rng.values() for k in r})
+        rows.append(("rng", f"rank(s) {rank_ranges(list(ck.rng))}: {', '.join(keys)}"))
+    state_bytes = sum(arr.nbytes for arr in ck.state.values())
+    rows.append(
+        ("state", f"{len(ck.state)} arrays, {_mb(state_bytes)} (file data {_mb(ck.nbytes)})")
+    )
+    for key, value in rows:
+        print(f"{key:<11} {value}")
+    width = max((len(k) for k in ck.state), default=4)
+    print(f"  {'NAME':<{width}}  {'DTYPE':<8} {'SHAPE':<18} SIZE")
+    for key, arr in ck.state.items():
+        print(f"  {key:<{width}}  {str(arr.dtype):<8} {str(arr.shape):<18} {_mb(arr.nbytes)}")
+    if config and not args.no_config:
+        print("config:")
+        print(textwrap.indent(config.rstrip("\n"), "  "))
+    return 0
+
+
+def _export(args) -> int:
+    from ..backends import export
+
+    ck = reader.load(args.file)
+    weights = ck.model_weights()
+    if not weights:
+        raise CheckpointError(f"{ck.path}: holds no model weights to export")
+    if args.to == "torch":
+        out = export.write_torch(weights, args.out)
+        what = f"torch state_dict of {len(weights)} tensors"
+    else:
+        out = export.write_keras(
+            weights, args.out, ck.config_yaml, args.keep_layout, source=str(ck.path)
+        )
+        what = f"Keras-layout weights of {len(weights)} arrays"
+    print(f"wrote {out}: {what} from step {ck.step} ({_mb(out.stat().st_size)})")
+    return 0

@@ -1,0 +1,176 @@
+"""The on-disk format's fixed parts: names, the 512-byte header, and the digests.
+
+A checkpoint is an HDF5 file created with a 512-byte user block (HDF5 leaves those bytes
+alone and finds its superblock at offset 512). After the HDF5 file is closed the header
+is written into the user block: a magic line, the format version, the SHA-256 of every
+byte after the header and the file's length. So every byte of the file is covered: a
+flip after the header breaks the digest, a flip inside it breaks the exact rebuild of
+the header. The digests inside the file (per dataset and over the manifest) then name
+which dataset is damaged when the file was changed and re-stamped, and catch writer bugs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import numpy as np
+
+from ..errors import CheckpointError
+
+FORMAT = "hpctrain-ckpt-1"
+MAGIC = b"HPCTRAIN CHECKPOINT\n"
+HEADER_SIZE = 512  # the HDF5 user block; must be a power of two >= 512
+HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
+NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
+TEMP_RE = re.compile(r"^\.ckpt-\d{8,}\.h5\.tmp-\d+$")
+ALLOWED_KINDS = "biufc"  # bool, signed/unsigned int, float, complex: plain numbers only
+_CHUNK = 8 << 20
+
+
+class DigestMismatch(CheckpointError):
+    """The header is intact but the bytes after it are not the ones that were written."""
+
+
+def checkpoint_name(step: int) -> str:
+    """ckpt-00000120.h5: zero-padded so that names sort in step order."""
+    if step < 0:
+        raise CheckpointError(f"checkpoint step must be >= 0, got {step}")
+    return f"ckpt-{step:08d}.h5"
+
+
+def step_of(name: str) -> int | None:
+    """The step of a checkpoint file name, or None for any other file (temps included)."""
+    m = NAME_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
+def temp_name(final_name: str, pid: int) -> str:
+    """Hidden, per-process name in the same directory, so os.replace stays atomic."""
+    return f".{final_name}.tmp-{pid}"
+
+
+def is_temp_name(name: str) -> bool:
+    return bool(TEMP_RE.match(name))
+
+
+def check_array(where: str, arr) -> np.ndarray:
+    """A plain numeric ndarray in little-endian byte order (what the digest is defined on)."""
+    arr = np.asarray(arr)
+    if arr.dtype.kind not in ALLOWED_KINDS or arr.dtype.fields is not None:
+        raise CheckpointError(
+            f"{where}: dtype {arr.dtype} is not a plain number type (bool, int, uint, "
+            "float, complex); checkpoints store no objects, strings or records"
+        )
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return arr
+
+
+def dataset_digest(path: str, arr: np.ndarray, kind: str = "") -> str:
+    """SHA-256 over the dataset's path, dtype, shape, kind tag and raw bytes.
+
+    The path is part of it, so a renamed or swapped dataset fails its own digest.
+    """
+    arr = np.asarray(arr, order="C")  # ascontiguousarray would make 0-d arrays 1-d
+    h = hashlib.sha256()
+    h.update(f"{FORMAT}\0{path}\0{arr.dtype.str}\0{list(arr.shape)}\0{kind}\0".encode())
+    if arr.size:
+        h.update(arr.reshape(-1).view(np.uint8))
+    return h.hexdigest()
+
+
+def sha256_bytes(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+# --- the header in the HDF5 user block -------------------------------------------------
+def make_header(digest: str, length: int, fmt: str = FORMAT) -> bytes:
+    text = MAGIC + f"format: {fmt}\nsha256: {digest}\nbytes: {length}\n".encode()
+    if len(text) > HEADER_SIZE:
+        raise CheckpointError("internal error: checkpoint header too long")
+    return text + b"\0" * (HEADER_SIZE - len(text))
+
+
+def _hash_file_tail(fh, length: int) -> str:
+    h = hashlib.sha256()
+    fh.seek(HEADER_SIZE)
+    remaining = length - HEADER_SIZE
+    buf = bytearray(_CHUNK)
+    view = memoryview(buf)
+    while remaining > 0:
+        n = fh.readinto(view[: min(_CHUNK, remaining)])
+        if not n:
+            break
+        h.update(view[:n])
+        remaining -= n
+    return h.hexdigest()
+
+
+def stamp_header(path: str | Path) -> str:
+    """Hash the closed HDF5 file, write the header into its user block and fsync it."""
+    with open(path, "r+b") as fh:
+        length = os.fstat(fh.fileno()).st_size
+        digest = _hash_file_tail(fh, length)
+        fh.seek(0)
+        fh.write(make_header(digest, length))
+        fh.flush()
+        os.fsync(fh.fileno())
+    return digest
+
+
+def check_header(path: str | Path) -> str:
+    """Refuse anything but an intact, complete hpctrain checkpoint; return its digest.
+
+    Reads only plain bytes: a damaged file is never handed to the HDF5 library first.
+    """
+    try:
+        with open(path, "rb") as fh:
+            length = os.fstat(fh.fileno()).st_size
+            raw = fh.read(HEADER_SIZE)
+            if length == 0:
+                raise CheckpointError(f"{path}: empty file (a write that never finished?)")
+            if not raw.startswith(MAGIC):
+                if raw.startswith(HDF5_SIGNATURE):
+                    raise CheckpointError(
+                        f"{path}: an HDF5 file without an hpctrain checkpoint header "
+                        "(not written by hpctrain, or rewritten by another tool)"
+                    )
+                raise CheckpointError(f"{path}: not an hpctrain checkpoint (no header)")
+            fmt, digest, recorded = _parse_header(path, raw)
+            if length != recorded:
+                what = "truncated" if length < recorded else "has extra bytes"
+                raise CheckpointError(
+                    f"{path}: file {what}: {length} bytes, {recorded} were written"
+                )
+            if _hash_file_tail(fh, length) != digest:
+                raise DigestMismatch(
+                    f"{path}: file digest mismatch: bytes changed after the checkpoint was written"
+                )
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    return digest
+
+
+def _parse_header(path, raw: bytes) -> tuple[str, str, int]:
+    lines = raw[len(MAGIC) :].split(b"\n")
+    fmt_line = lines[0].decode("ascii", "replace")
+    if not fmt_line.startswith("format: "):
+        raise CheckpointError(f"{path}: checkpoint header damaged (no format line)")
+    fmt = fmt_line[len("format: ") :]
+    if fmt != FORMAT:
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format version {fmt!r} (this hpctrain reads {FORMAT})"
+        )
+    try:
+        digest = lines[1].decode("ascii").removeprefix("sha256: ")
+        length = int(lines[2].decode("ascii").removeprefix("bytes: "))
+        if len(digest) != 64 or length < HEADER_SIZE:
+            raise ValueError
+    except (IndexError, ValueError, UnicodeDecodeError):
+        raise CheckpointError(f"{path}: checkpoint header damaged") from None
+    if make_header(digest, length, fmt) != raw:
+        raise CheckpointError(f"{path}: checkpoint header damaged")
+    return fmt, digest, length

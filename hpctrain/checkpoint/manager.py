@@ -1,0 +1,153 @@
+"""The trainer's side: save on schedule, synchronously or in the background, then prune.
+
+At most one background write is in flight: a new save first joins the previous one.
+An error in a background write is kept and re-raised by the next `maybe_save`, `save`
+or `wait`, so a failed checkpoint is never silently lost.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+from ..errors import CheckpointError
+from . import reader, writer
+from .policy import CheckpointPolicy, Entry
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+
+class Checkpointer:
+    """Owns a policy; on the writer rank (rank 0) writes files and applies retention."""
+
+    def __init__(self, policy: CheckpointPolicy, is_writer: bool = True):
+        self.policy = policy
+        self.is_writer = is_writer
+        self.last_path: Path | None = None
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._error_step: int | None = None
+        self._metrics: dict[Path, float | None] = {}
+
+    # --- saving ---------------------------------------------------------------------
+    def maybe_save(self, step: int, collect, epoch_end=False, final=False, agree=None) -> bool:
+        """Save if the policy says so; call on every rank with the same arguments.
+
+        collect() gathers what to save and returns save()'s keyword arguments (state,
+        trainer_state, rng_by_rank, attrs, metrics) on the writer, None elsewhere; it
+        runs only when a save is due, so it may hold collectives. agree(bool) -> bool
+        makes the decision identical on every rank (e.g. World.any_flag).
+        """
+        self.raise_pending()
+        due = self.policy.due(step, epoch_end=epoch_end, final=final)
+        if agree is not None:
+            due = bool(agree(due))
+        if not due:
+            return False
+        payload = collect()
+        self.policy.mark_saved(step)
+        if self.is_writer and payload is not None:
+            self.save(step, **payload)
+        return True
+
+    def save(
+        self, step, state, trainer_state=None, rng_by_rank=None, attrs=None, metrics=None
+    ) -> Path | None:
+        """Save now (writer only). Sync: returns the path. Async: copies the arrays on
+        this thread, writes in the background and returns None (see `wait`)."""
+        self.wait()
+        async_save = self.policy.async_save
+        snap = writer.snapshot(
+            step, state, trainer_state, rng_by_rank, attrs, metrics, copy=async_save
+        )
+        self.policy.mark_saved(step)
+        if not async_save:
+            return self._write(snap)
+        self._thread = threading.Thread(
+            target=self._background, args=(snap,), name="hpctrain-checkpoint", daemon=False
+        )
+        self._thread.start()
+        return None
+
+    def _background(self, snap: writer.Snapshot) -> None:
+        try:
+            self._write(snap)
+        except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
+            self._error, self._error_step = exc, snap.step
+
+    def _write(self, snap: writer.Snapshot) -> Path:
+        path = writer.write(self.policy.dir, snap)
+        self.last_path = path
+        self._metrics[path] = snap.attrs.get(f"metric.{self.policy.best_metric}")
+        self.prune(path)
+        return path
+
+    # --- waiting and errors ---------------------------------------------------------
+    def raise_pending(self) -> None:
+        """Re-raise the error of a finished background write, once."""
+        if self._thread is not None and not self._thread.is_alive():
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            exc, step = self._error, self._error_step
+            self._error = self._error_step = None
+            raise CheckpointError(f"background save of step {step} failed: {exc}") from exc
+
+    def wait(self) -> Path | None:
+        """Block until a background write is finished; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join()
+        self.raise_pending()
+        return self.last_path
+
+    close = wait
+
+    # --- retention -----------------------------------------------------------------
+    def _metric(self, path: Path) -> float | None:
+        if path not in self._metrics:
+            try:
+                attrs = reader.verify(path).attrs
+                self._metrics[path] = attrs.get(f"metric.{self.policy.best_metric}")
+            except CheckpointError:
+                self._metrics[path] = None
+        return self._metrics[path]
+
+    def prune(self, written: Path) -> list[Path]:
+        """Delete what the policy does not keep; never `written` nor newer files.
+
+        Files with a step above the one just written come from an abandoned timeline
+        (a resume from an older checkpoint): they are left alone, not counted.
+        """
+        step = writer.fmt.step_of(written.name)
+        entries = []
+        for s, path in reader.list_checkpoints(self.policy.dir):
+            if s > step:
+                continue
+            metric = self._metric(path) if self.policy.keep_best else None
+            entries.append(Entry(s, path, metric))
+        removed = []
+        for path in self.policy.to_delete(entries):
+            if path == written:
+                continue
+            try:
+                path.unlink()
+                removed.append(path)
+                self._metrics.pop(path, None)
+            except FileNotFoundError:
+                pass
+        if removed:
+            log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
+        return removed
+
+
+def resume_checkpoint(policy: CheckpointPolicy) -> reader.Checkpoint | None:
+    """What `checkpoint.resume` asks for: the newest valid file (auto), none, or one file.
+
+    An explicitly named file must verify; 'auto' skips damaged files with a warning.
+    """
+    if policy.resume == "never":
+        return None
+    if policy.resume == "auto":
+        return reader.find_latest_valid(policy.dir)
+    return reader.load(policy.resume)

@@ -1,0 +1,146 @@
+"""When to save and which checkpoints to keep, from the config's `checkpoint:` section.
+
+Pure decisions, no I/O: `due()` answers "save now?" from the step, epoch end and wall
+time; `to_delete()` picks the files outside "the last K plus the best K by a metric".
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+# key: (default, doc); the config schema mirrors this table.
+DEFAULTS: dict[str, tuple] = {
+    "enabled": (True, "write checkpoints at all"),
+    "dir": (None, "checkpoint directory (default <run-dir>/checkpoints)"),
+    "every_steps": (None, "save every N optimizer steps (null: off)"),
+    "every_minutes": (30.0, "save when this many minutes passed since the last save (null: off)"),
+    "at_epoch_end": (True, "save at the end of every epoch"),
+    "keep_last": (3, "keep the newest N checkpoints (null: keep all)"),
+    "keep_best": (0, "also keep the best N by best_metric"),
+    "best_metric": ("val_loss", "metric that ranks checkpoints for keep_best"),
+    "best_mode": ("min", "min or max: which end of best_metric is best"),
+    "async": (False, "write in a background thread (the caller only copies the arrays)"),
+    "resume": ("auto", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
+}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One checkpoint on disk as retention sees it."""
+
+    step: int
+    path: Path
+    metric: float | None = None
+
+
+def _problem(key, value, want) -> str:
+    return f"checkpoint.{key}: expected {want}, got {value!r}"
+
+
+def _validate(values: dict) -> list[str]:
+    problems = []
+    for key in values:
+        if key not in DEFAULTS:
+            problems.append(f"checkpoint.{key}: unknown key (known: {', '.join(sorted(DEFAULTS))})")
+
+    def is_int(v):
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    v = values
+    for key in ("enabled", "at_epoch_end", "async"):
+        if key in v and not isinstance(v[key], bool):
+            problems.append(_problem(key, v[key], "true or false"))
+    if v.get("every_steps") is not None and not (is_int(v["every_steps"]) and v["every_steps"] > 0):
+        problems.append(_problem("every_steps", v["every_steps"], "a positive integer or null"))
+    em = v.get("every_minutes")
+    if em is not None and not (
+        isinstance(em, (int, float)) and not isinstance(em, bool) and math.isfinite(em) and em > 0
+    ):
+        problems.append(_problem("every_minutes", em, "a positive number or null"))
+    if v.get("keep_last") is not None and not (is_int(v["keep_last"]) and v["keep_last"] > 0):
+        problems.append(_problem("keep_last", v["keep_last"], "a positive integer or null"))
+    if "keep_best" in v and not (is_int(v["keep_best"]) and v["keep_best"] >= 0):
+        problems.append(_problem("keep_best", v["keep_best"], "an integer >= 0"))
+    if "best_mode" in v and v["best_mode"] not in ("min", "max"):
+        problems.append(_problem("best_mode", v["best_mode"], "min or max"))
+    for key in ("best_metric", "resume"):
+        if key in v and not (isinstance(v[key], str) and v[key]):
+            problems.append(_problem(key, v[key], "a non-empty string"))
+    if v.get("dir") is not None and not isinstance(v["dir"], str):
+        problems.append(_problem("dir", v["dir"], "a path or null"))
+    return problems
+
+
+class CheckpointPolicy:
+    """The `checkpoint:` section, validated, plus the time and step of the last save."""
+
+    def __init__(self, section: dict | None = None, run_dir: str | Path = "."):
+        values = dict(section or {})
+        problems = _validate(values)
+        if problems:
+            raise ConfigError("invalid checkpoint configuration:\n  " + "\n  ".join(problems))
+        merged = {k: values.get(k, default) for k, (default, _) in DEFAULTS.items()}
+        self.enabled: bool = merged["enabled"]
+        self.dir = Path(merged["dir"]) if merged["dir"] else Path(run_dir) / "checkpoints"
+        self.every_steps: int | None = merged["every_steps"]
+        self.every_minutes: float | None = merged["every_minutes"]
+        self.at_epoch_end: bool = merged["at_epoch_end"]
+        self.keep_last: int | None = merged["keep_last"]
+        self.keep_best: int = merged["keep_best"]
+        self.best_metric: str = merged["best_metric"]
+        self.best_mode: str = merged["best_mode"]
+        self.async_save: bool = merged["async"]
+        self.resume: str = merged["resume"]
+        self.last_step: int | None = None
+        self.last_time = time.monotonic()
+
+    @classmethod
+    def from_config(cls, cfg, run_dir: str | Path) -> CheckpointPolicy:
+        """From a Config (or a plain dict) holding a `checkpoint` section."""
+        try:
+            section = cfg["checkpoint"]
+        except (KeyError, TypeError):
+            section = {}
+        return cls(section, run_dir)
+
+    def due(
+        self, step: int, epoch_end: bool = False, final: bool = False, now: float | None = None
+    ) -> bool:
+        """Should a checkpoint of `step` be written now? Never twice for the same step.
+
+        Under MPI the time rule can differ between ranks: agree on the answer (e.g.
+        `world.any_flag(policy.due(...))`) before anyone gathers state.
+        """
+        if not self.enabled or step == self.last_step:
+            return False
+        if final or (epoch_end and self.at_epoch_end):
+            return True
+        if self.every_steps and step % self.every_steps == 0:
+            return True
+        now = time.monotonic() if now is None else now
+        return bool(self.every_minutes and now - self.last_time >= self.every_minutes * 60)
+
+    def mark_saved(self, step: int, now: float | None = None) -> None:
+        self.last_step = step
+        self.last_time = time.monotonic() if now is None else now
+
+    def to_delete(self, entries: list[Entry]) -> list[Path]:
+        """Paths outside the newest `keep_last` and the best `keep_best` by the metric.
+
+        Entries without the metric (or with NaN) never count as best.
+        """
+        if self.keep_last is None:
+            return []
+        by_step = sorted(entries, key=lambda e: e.step)
+        keep = {e.path for e in by_step[-self.keep_last :]}
+        if self.keep_best:
+            scored = [e for e in entries if e.metric is not None and not math.isnan(e.metric)]
+            sign = 1.0 if self.best_mode == "min" else -1.0
+            scored.sort(key=lambda e: (sign * e.metric, -e.step))
+            keep.update(e.path for e in scored[: self.keep_best])
+        return [e.path for e in by_step if e.path not in keep]

@@ -1,0 +1,306 @@
+"""Reading checkpoints back, verifying every byte before any value is used.
+
+Order of checks: the header and the whole-file digest on plain bytes (so a damaged file
+reaches the HDF5 library only to name the damage), then the manifest digest, the set of
+datasets, each dataset's dtype, shape and SHA-256, and the root attributes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..errors import CheckpointError
+from . import format as fmt
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+
+@dataclass
+class Checkpoint:
+    """A verified checkpoint: arrays under their canonical keys plus what the run recorded."""
+
+    path: Path
+    step: int
+    state: dict[str, np.ndarray]  # 'model/<name>', 'optimizer/<slot>/<name>', 'optimizer/step'
+    trainer: dict  # the flat trainer state, Python scalars
+    rng: dict[int, dict[str, np.ndarray]]  # per rank: capture_process_rng() + backend keys
+    attrs: dict  # format, versions, backend, world_size, config_yaml, created_utc, ...
+    nbytes: int = 0
+
+    @property
+    def config_yaml(self) -> str | None:
+        return self.attrs.get("config_yaml")
+
+    @property
+    def metrics(self) -> dict[str, float]:
+        return {k[len("metric.") :]: v for k, v in self.attrs.items() if k.startswith("metric.")}
+
+    def model_weights(self) -> dict[str, np.ndarray]:
+        """Parameters and buffers by canonical name (the 'model/' prefix removed)."""
+        return {k[len("model/") :]: v for k, v in self.state.items() if k.startswith("model/")}
+
+
+@dataclass
+class Summary:
+    """What `verify` learned about a file without keeping its arrays."""
+
+    path: Path
+    step: int
+    datasets: int
+    nbytes: int
+    attrs: dict = field(default_factory=dict)
+
+
+def _py(value):
+    """An HDF5 attribute as a plain Python value."""
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8", "replace")  # damage shows as a changed value
+    if isinstance(value, np.bool_):
+        return bool(value)
+    if isinstance(value, np.integer):
+        return int(value)
+    if isinstance(value, np.floating):
+        return float(value)
+    if isinstance(value, np.ndarray):
+        return value.tolist()
+    return value
+
+
+def _trainer_value(kind: str, arr: np.ndarray):
+    if kind == "int":
+        return int(arr)
+    if kind == "float":
+        return float(arr)
+    if kind == "bool":
+        return bool(arr)
+    if kind == "none":
+        return None
+    if kind == "str":
+        return arr.tobytes().decode("utf-8")
+    raise CheckpointError(f"unknown trainer value kind {kind!r}")
+
+
+def _list_datasets(f: h5py.File) -> list[str]:
+    names: list[str] = []
+    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
+    return names
+
+
+def _names(items: list[str], limit: int = 5) -> str:
+    shown = ", ".join("/" + n for n in items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def _read_open(path: Path, f: h5py.File, keep: bool) -> tuple[dict, dict, int, int]:
+    """Verify an open file's contents; return (arrays or {}, attrs, dataset count, bytes)."""
+    if "manifest" not in f or not isinstance(f["manifest"], h5py.Dataset):
+        raise CheckpointError(f"{path}: missing dataset /manifest")
+    text = np.asarray(f["manifest"][()], dtype=np.uint8).tobytes()
+    if fmt.sha256_bytes(text) != _py(f.attrs.get("content_sha256", b"")):
+        raise CheckpointError(f"{path}: checksum mismatch in dataset /manifest (the dataset list)")
+    try:
+        manifest = json.loads(text)
+        expected: dict = manifest["datasets"]
+        order: list = manifest["order"]
+        recorded_attrs: dict = manifest["attrs"]
+        if sorted(order) != sorted(expected) or not all(
+            isinstance(e, list) and len(e) == 4 and isinstance(e[1], list)
+            for e in expected.values()
+        ):
+            raise ValueError
+    except (ValueError, KeyError, TypeError):
+        raise CheckpointError(f"{path}: /manifest is not a valid manifest") from None
+    if manifest.get("format") != fmt.FORMAT:
+        raise CheckpointError(
+            f"{path}: unknown checkpoint format version {manifest.get('format')!r} "
+            f"(this hpctrain reads {fmt.FORMAT})"
+        )
+    present = set(_list_datasets(f)) - {"manifest"}
+    missing = sorted(set(expected) - present)
+    if missing:
+        raise CheckpointError(f"{path}: missing dataset(s) {_names(missing)}")
+    unexpected = sorted(present - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{path}: unexpected dataset(s) {_names(unexpected)}")
+    arrays, nbytes, pending = {}, 0, deque()
+    # a helper thread hashes (GIL released) while HDF5 reads the next dataset
+    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
+        for name in order:
+            dtype_str, shape, kind, digest = expected[name]
+            ds = f[name]
+            arr = np.asarray(ds[()])
+            if arr.dtype.str != dtype_str or list(arr.shape) != shape:
+                raise CheckpointError(
+                    f"{path}: dataset /{name} is {arr.dtype.str}{list(arr.shape)}, the "
+                    f"manifest says {dtype_str}{shape}"
+                )
+            stored = _py(ds.attrs.get("sha256", b""))
+            if _py(ds.attrs.get("kind", b"")) != kind or stored != digest:
+                raise CheckpointError(f"{path}: attributes of dataset /{name} were changed")
+            pending.append((name, digest, pool.submit(fmt.dataset_digest, name, arr, kind)))
+            while pending and (pending[0][2].done() or (not keep and len(pending) > 4)):
+                _check_digest(path, *pending.popleft())
+            nbytes += arr.nbytes
+            if keep:
+                arrays[name] = (arr, kind)
+        while pending:
+            _check_digest(path, *pending.popleft())
+    attrs = {k: _py(v) for k, v in f.attrs.items() if k != "content_sha256"}
+    # compared as JSON text, where NaN equals NaN (a NaN metric is legitimate)
+    if json.dumps(attrs, sort_keys=True) != json.dumps(recorded_attrs, sort_keys=True):
+        keys = sorted(set(attrs) | set(recorded_attrs))
+        changed = [k for k in keys if json.dumps(attrs.get(k)) != json.dumps(recorded_attrs.get(k))]
+        raise CheckpointError(f"{path}: root attribute(s) changed: {', '.join(changed)}")
+    return arrays, attrs, len(expected), nbytes
+
+
+def _check_digest(path: Path, name: str, digest: str, computed) -> None:
+    if computed.result() != digest:
+        raise CheckpointError(f"{path}: checksum mismatch in dataset /{name}")
+
+
+def _diagnose(path: Path) -> str:
+    """After a whole-file digest mismatch: which part is damaged, if HDF5 can still tell."""
+    try:
+        with h5py.File(path, "r", locking=False) as f:
+            _read_open(path, f, keep=False)
+    except CheckpointError as exc:
+        return str(exc).removeprefix(f"{path}: ")
+    except Exception as exc:  # noqa: BLE001 - any parse failure means damaged metadata
+        return f"HDF5 metadata damaged ({type(exc).__name__}: {str(exc)[:120]})"
+    return "every dataset still matches its digest: the damage is in HDF5 metadata or unused space"
+
+
+def _open_and_read(path: str | Path, keep: bool):
+    path = Path(path)
+    try:
+        fmt.check_header(path)
+    except fmt.DigestMismatch as exc:
+        raise CheckpointError(f"{exc}; {_diagnose(path)}") from None
+    try:
+        f = h5py.File(path, "r", locking=False)  # files never change after the rename
+    except OSError as exc:
+        raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
+    with f:
+        return path, _read_open(path, f, keep)
+
+
+def verify(path: str | Path) -> Summary:
+    """Check every byte and digest of a checkpoint; raise CheckpointError naming the problem."""
+    path, (_, attrs, count, nbytes) = _open_and_read(path, keep=False)
+    return Summary(path, int(attrs.get("step", -1)), count, nbytes, attrs)
+
+
+def load(path: str | Path) -> Checkpoint:
+    """Read and verify a checkpoint; raise CheckpointError naming the file and the problem."""
+    path, (arrays, attrs, _, nbytes) = _open_and_read(path, keep=True)
+    state, trainer, rng = {}, {}, {}
+    for name, (arr, kind) in arrays.items():
+        if name.startswith(("model/", "optimizer/")):
+            state[name] = arr
+        elif name.startswith("trainer/"):
+            trainer[name[len("trainer/") :]] = _trainer_value(kind, arr)
+        elif name.startswith("rng/rank"):
+            rank, key = name[len("rng/rank") :].split("/", 1)
+            rng.setdefault(int(rank), {})[key] = arr
+    return Checkpoint(path, int(attrs["step"]), state, trainer, rng, attrs, nbytes)
+
+
+def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:
+    """(step, path) of every file named like a checkpoint, oldest first; temps excluded."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in os.scandir(directory):
+        step = fmt.step_of(entry.name)
+        if step is not None and entry.is_file():
+            found.append((step, Path(entry.path)))
+    return sorted(found)
+
+
+def find_latest_valid(directory: str | Path) -> Checkpoint | None:
+    """The newest checkpoint in `directory` that verifies, loaded; None when there is none.
+
+    Files that fail verification are skipped with a warning on 'hpctrain.checkpoint'.
+    """
+    for _, path in reversed(list_checkpoints(directory)):
+        try:
+            return load(path)
+        except CheckpointError as exc:
+            log.warning("skipping checkpoint: %s", exc)
+    return None
+
+
+@dataclass
+class Mismatch:
+    """How a checkpoint's weights differ from a model: empty lists mean compatible."""
+
+    missing: list[str]
+    unexpected: list[str]
+    wrong_shape: list[str]
+
+    def __bool__(self) -> bool:
+        return bool(self.missing or self.unexpected or self.wrong_shape)
+
+    def message(self) -> str:
+        parts = []
+        if self.missing:
+            parts.append(f"missing {_list(self.missing)}")
+        if self.unexpected:
+            parts.append(f"unexpected {_list(self.unexpected)}")
+        if self.wrong_shape:
+            parts.append(f"wrong shape {_list(self.wrong_shape)}")
+        return "; ".join(parts)
+
+
+def _list(items: list[str], limit: int = 8) -> str:
+    shown = ", ".join(items[:limit])
+    return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
+
+
+def check_compatible(state: dict[str, np.ndarray], expected_shapes: dict[str, tuple]) -> Mismatch:
+    """Compare a checkpoint's state with a model's `weight_shapes()` (canonical names).
+
+    Model weights are matched by name and shape; optimizer slots must belong to a
+    known weight and have its shape.
+    """
+    weights = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+    missing = sorted(set(expected_shapes) - set(weights))
+    unexpected = sorted(set(weights) - set(expected_shapes))
+    wrong = [
+        f"{k} (checkpoint {tuple(weights[k].shape)}, model {tuple(expected_shapes[k])})"
+        for k in sorted(set(weights) & set(expected_shapes))
+        if tuple(weights[k].shape) != tuple(expected_shapes[k])
+    ]
+    for key in sorted(state):
+        parts = key.split("/", 2)
+        if parts[0] != "optimizer" or len(parts) != 3:
+            continue
+        name = parts[2]
+        if name not in expected_shapes:
+            unexpected.append(key)
+        elif tuple(state[key].shape) != tuple(expected_shapes[name]):
+            wrong.append(
+                f"{key} (checkpoint {tuple(state[key].shape)}, model {tuple(expected_shapes[name])})"
+            )
+    return Mismatch(missing, unexpected, wrong)
+
+
+def require_compatible(ckpt: Checkpoint, expected_shapes: dict[str, tuple]) -> None:
+    """Refuse, in one line naming the file, a checkpoint saved from another architecture."""
+    mismatch = check_compatible(ckpt.state, expected_shapes)
+    if mismatch:
+        raise CheckpointError(
+            f"{ckpt.path}: does not fit this model (wrong architecture or options?): "
+            f"{mismatch.message()}"
+        )

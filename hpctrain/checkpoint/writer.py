@@ -1,0 +1,291 @@
+"""Writing one checkpoint file atomically (rank 0 writes; the caller gathers the state).
+
+The file is built under a hidden temporary name in the target directory, closed,
+stamped with its whole-file digest, fsynced, renamed into place with `os.replace` and
+the directory fsynced. A crash at any moment leaves either the old set of checkpoints
+or the old set plus one complete new file, never a partial file under a checkpoint name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import json
+import logging
+import os
+import signal
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+
+import h5py
+import numpy as np
+
+from ..errors import CheckpointError
+from ..version import __version__
+from . import format as fmt
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+# Test-only: SIGKILL the writing process after this many datasets reached the temp file
+# (a number above the dataset count kills after the fsync, just before the rename).
+KILL_HOOK_ENV = "HPCTRAIN_TEST_KILL_DURING_SAVE"
+LIBVER = ("v110", "v110")  # checksummed metadata; readable by HDF5 >= 1.10
+# No HDF5 file locks: the temp file is private and finished files never change, and
+# locking fails on some parallel filesystems ("unable to lock file", Lustre, NFS).
+STATE_PREFIXES = ("model/", "optimizer/")
+_in_flight: set[str] = set()  # temp files being written by this process right now
+_in_flight_lock = threading.Lock()
+
+
+@dataclass
+class Snapshot:
+    """Everything one checkpoint file holds, validated; arrays may be private copies."""
+
+    step: int
+    datasets: list[tuple[str, np.ndarray, str]]  # (HDF5 path, array, kind tag)
+    attrs: dict = field(default_factory=dict)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for _, a, _ in self.datasets)
+
+
+def _check_path(where: str, path: str) -> None:
+    parts = path.split("/")
+    if any(p in ("", ".", "..") for p in parts):
+        raise CheckpointError(f"{where}: invalid name {path!r} (empty, '.' or '..' component)")
+
+
+def _trainer_dataset(key: str, value) -> tuple[np.ndarray, str]:
+    """A flat trainer-state value as a numeric dataset plus a kind tag that restores it."""
+    if isinstance(value, (bool, np.bool_)):
+        return np.array(bool(value)), "bool"
+    if isinstance(value, (int, np.integer)):
+        if not -(2**63) <= int(value) < 2**63:
+            raise CheckpointError(f"trainer state {key!r}: {value} does not fit in int64")
+        return np.array(int(value), dtype=np.int64), "int"
+    if isinstance(value, (float, np.floating)):
+        return np.array(float(value), dtype=np.float64), "float"
+    if value is None:
+        return np.zeros(0, dtype=np.int8), "none"
+    if isinstance(value, str):
+        return np.frombuffer(value.encode("utf-8"), dtype=np.uint8).copy(), "str"
+    raise CheckpointError(
+        f"trainer state {key!r}: expected int, float, bool, str or None, got "
+        f"{type(value).__name__} (the trainer state is a flat dict of scalars)"
+    )
+
+
+def _attr_value(key: str, value):
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)):
+        return int(value)
+    if isinstance(value, (float, np.floating)):
+        return float(value)
+    if isinstance(value, str):
+        return value
+    raise CheckpointError(
+        f"checkpoint attribute {key!r}: expected str, int, float or bool, got {type(value).__name__}"
+    )
+
+
+def snapshot(
+    step: int,
+    state: dict[str, np.ndarray],
+    trainer_state: dict | None = None,
+    rng_by_rank: dict[int, dict[str, np.ndarray]] | list | None = None,
+    attrs: dict | None = None,
+    metrics: dict[str, float] | None = None,
+    copy: bool = False,
+) -> Snapshot:
+    """Validate what will be saved; with copy=True take private copies of every array.
+
+    The copy is what lets an asynchronous save run while training changes the weights.
+    """
+    if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
+    datasets: list[tuple[str, np.ndarray, str]] = []
+
+    def add(path: str, value, kind: str = "") -> None:
+        _check_path("checkpoint dataset", path)
+        arr = fmt.check_array(f"checkpoint dataset {path!r}", value)
+        datasets.append((path, np.array(arr, copy=True) if copy else arr, kind))
+
+    for key in state:  # the caller's order (the model's) is kept and restored on load
+        if not key.startswith(STATE_PREFIXES):
+            raise CheckpointError(
+                f"state key {key!r}: expected 'model/<name>' or 'optimizer/...' "
+                "(the backends' export_state() keys)"
+            )
+        add(key, state[key])
+    for key in trainer_state or {}:
+        if not isinstance(key, str) or not key or "/" in key:
+            raise CheckpointError(f"trainer state key {key!r}: must be a non-empty str without '/'")
+        arr, kind = _trainer_dataset(key, trainer_state[key])
+        add(f"trainer/{key}", arr, kind)
+    ranks = dict(enumerate(rng_by_rank)) if isinstance(rng_by_rank, list) else rng_by_rank or {}
+    for rank in sorted(ranks):
+        for key in ranks[rank] or {}:
+            if "/" in key:
+                raise CheckpointError(f"random state key {key!r}: must not contain '/'")
+            add(f"rng/rank{int(rank)}/{key}", ranks[rank][key])
+    meta = {
+        "format": fmt.FORMAT,
+        "hpctrain_version": __version__,
+        "h5py_version": h5py.version.version,
+        "hdf5_version": h5py.version.hdf5_version,
+        "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "step": int(step),
+    }
+    for key, value in (attrs or {}).items():
+        if key in meta or key == "content_sha256" or key.startswith("metric."):
+            raise CheckpointError(f"checkpoint attribute {key!r} is reserved")
+        if value is not None:
+            meta[key] = _attr_value(key, value)
+    for key, value in (metrics or {}).items():
+        if value is not None:
+            meta[f"metric.{key}"] = float(value)
+    return Snapshot(int(step), datasets, meta)
+
+
+def _kill_after() -> int | None:
+    raw = os.environ.get(KILL_HOOK_ENV)
+    return int(raw) if raw not in (None, "") else None
+
+
+def _die() -> None:
+    """The test hook's crash: no cleanup, no flush, exactly like kill -9 from outside."""
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _store_attr(target, key: str, value) -> None:
+    if isinstance(value, str):
+        # fixed-length bytes: stored inline in the checksummed object header
+        data = value.encode("utf-8")
+        target.attrs.create(key, np.array(data, dtype=f"S{max(1, len(data))}"))
+    else:
+        target.attrs[key] = value
+
+
+def fsync_dir(directory: Path) -> None:
+    """Make the rename durable; some filesystems cannot fsync a directory (ignored)."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP, errno.EBADF):
+            raise
+    finally:
+        os.close(fd)
+
+
+def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
+    manifest = {}
+    # hashing releases the GIL: a helper thread hashes while HDF5 writes
+    with (
+        ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool,
+        h5py.File(tmp, "w", userblock_size=fmt.HEADER_SIZE, libver=LIBVER, locking=False) as f,
+    ):
+        digests = [pool.submit(fmt.dataset_digest, *item) for item in snap.datasets]
+        for i, (path, arr, _) in enumerate(snap.datasets):
+            if kill_after is not None and i >= kill_after:
+                f.flush()
+                _die()
+            f.create_dataset(path, data=arr)
+        for (path, arr, kind), digest in zip(snap.datasets, digests):
+            ds = f[path]
+            _store_attr(ds, "sha256", digest.result())
+            if kind:
+                _store_attr(ds, "kind", kind)
+            manifest[path] = [arr.dtype.str, list(arr.shape), kind, digest.result()]
+        if kill_after is not None and kill_after == len(snap.datasets):
+            f.flush()
+            _die()
+        text = json.dumps(
+            {
+                "format": fmt.FORMAT,
+                "datasets": manifest,
+                "order": [path for path, _, _ in snap.datasets],
+                "attrs": snap.attrs,
+            },
+            sort_keys=True,
+        ).encode("utf-8")
+        f.create_dataset("manifest", data=np.frombuffer(text, dtype=np.uint8))
+        for key, value in snap.attrs.items():
+            _store_attr(f, key, value)
+        _store_attr(f, "content_sha256", fmt.sha256_bytes(text))
+
+
+def write(directory: str | Path, snap: Snapshot) -> Path:
+    """Write `snap` as <directory>/ckpt-<step>.h5 atomically; return the final path."""
+    directory = Path(directory)
+    final = directory / fmt.checkpoint_name(snap.step)
+    tmp = directory / fmt.temp_name(final.name, os.getpid())
+    kill_after = _kill_after()
+    with _in_flight_lock:
+        _in_flight.add(str(tmp))
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_hdf5(tmp, snap, kill_after)
+        fmt.stamp_header(tmp)
+        if kill_after is not None and kill_after > len(snap.datasets):
+            _die()
+        os.replace(tmp, final)
+        fsync_dir(directory)
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        if isinstance(exc, OSError):
+            raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
+        raise
+    finally:
+        with _in_flight_lock:
+            _in_flight.discard(str(tmp))
+    remove_stale_temps(directory)
+    log.info("saved %s (%.1f MB)", final, final.stat().st_size / 1e6)
+    return final
+
+
+def remove_stale_temps(directory: Path) -> list[Path]:
+    """Delete temp files left by writers that crashed (never one being written now).
+
+    Matched by exact path, not by pid: a restarted job in a container often gets the
+    crashed one's pid back.
+    """
+    with _in_flight_lock:
+        busy = set(_in_flight)
+    removed = []
+    for entry in os.scandir(directory):
+        if fmt.is_temp_name(entry.name) and str(directory / entry.name) not in busy:
+            try:
+                os.unlink(entry.path)
+                removed.append(Path(entry.path))
+            except FileNotFoundError:
+                pass
+    if removed:
+        log.info("removed %d leftover temporary file(s) in %s", len(removed), directory)
+    return removed
+
+
+def save(
+    directory: str | Path,
+    step: int,
+    state: dict[str, np.ndarray],
+    trainer_state: dict | None = None,
+    rng_by_rank: dict[int, dict[str, np.ndarray]] | list | None = None,
+    attrs: dict | None = None,
+    metrics: dict[str, float] | None = None,
+) -> Path:
+    """Save a full checkpoint now, on the calling thread (call on rank 0 only).
+
+    state: `backend.export_state()` ('model/...', 'optimizer/...'); trainer_state: flat
+    dict of scalars; rng_by_rank: {rank: {key: array}} gathered from every rank; attrs:
+    run facts (backend, framework, world_size, config_yaml, ...); metrics: values used
+    by `keep_best`.
+    """
+    snap = snapshot(step, state, trainer_state, rng_by_rank, attrs, metrics, copy=False)
+    return write(directory, snap)

@@ -1,0 +1,309 @@
+"""Expert parallelism over mpi4py: which rank owns which expert, and the all-to-alls.
+
+All ranks of the job form one expert-parallel group; E experts are split into equal
+contiguous blocks (rank r owns experts r*E/R ... (r+1)*E/R - 1), so rows packed by expert
+are also packed by destination rank. One MoE layer's forward is one `Alltoall` of
+per-expert row counts and two `Alltoallv`s of contiguous float32 rows (dispatch, then
+combine in reverse); its backward is the same two `Alltoallv`s with the directions
+swapped. Every call is under the World's watchdog, so a rank that never arrives ends
+the job instead of hanging it. Framework code (backends/*_moe.py) calls `MoELayer`.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import routing
+from .options import capacity
+
+EXPERT_MARK = ".moe.experts."  # canonical names of expert parameters contain this
+
+
+def is_expert_param(name: str) -> bool:
+    """Expert parameters live on one rank each: never averaged, never broadcast."""
+    return EXPERT_MARK in name
+
+
+class ExpertGroup:
+    """The expert-parallel ranks (the whole job) on their own communicator."""
+
+    def __init__(self, world):
+        self.world = world
+        self.comm = world.split("moe.experts", 0)
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.MPI = world.MPI
+
+    def alltoall_counts(self, send: np.ndarray) -> np.ndarray:
+        """send [R, n] int64 (row r goes to rank r) -> [R, n] (row s came from rank s)."""
+        send = np.ascontiguousarray(send, dtype=np.int64)
+        recv = np.empty_like(send)
+        with self.world.watchdog.guard("MoE Alltoall of row counts"):
+            self.comm.Alltoall(send, recv)
+        return recv
+
+    def alltoallv(self, x: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray):
+        """Rows of x (packed by destination) to their ranks; returns the received rows."""
+        x = np.ascontiguousarray(x, dtype=np.float32)
+        width = int(np.prod(x.shape[1:]))
+        out = np.empty((int(recv_rows.sum()), *x.shape[1:]), dtype=np.float32)
+        sc, rc = send_rows.astype(np.int64) * width, recv_rows.astype(np.int64) * width
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
+        f = self.MPI.FLOAT
+        with self.world.watchdog.guard("MoE Alltoallv of token rows"):
+            self.comm.Alltoallv([x, (sc, sd), f], [out, (rc, rd), f])
+        return out
+
+    def allreduce_sum(self, value: float) -> float:
+        buf = np.array([value], dtype=np.float64)
+        if self.size > 1:
+            with self.world.watchdog.guard("MoE allreduce"):
+                self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        return float(buf[0])
+
+
+_group: ExpertGroup | None = None
+
+
+def expert_group() -> ExpertGroup:
+    """The job's expert-parallel group (created on first use; collective then)."""
+    global _group
+    if _group is None:
+        from ...runtime import world
+
+        _group = ExpertGroup(world())
+    return _group
+
+
+def local_layers(layers: list, seed: int) -> list:
+    """The layer specs with only this rank's experts (other layers unchanged).
+
+    Initial values are drawn from the global specs before this (zoo.init_weights), so
+    expert e starts the same at any world size and its canonical name
+    (`blocks.0.moe.experts.3.fc1.weight`) is portable between world sizes. Raises
+    ConfigError on every rank when E is not divisible by the number of ranks.
+    """
+    if not any("moe" in spec.attrs for spec in layers):
+        return layers
+    from ...errors import ConfigError
+
+    group = expert_group()
+    experts = next(spec.attrs["moe"]["experts"] for spec in layers if "moe" in spec.attrs)
+    problem = None
+    if experts % group.size:
+        problem = (
+            f"model.moe.experts={experts} cannot be split evenly over {group.size} "
+            f"expert-parallel ranks (one per MPI process): use a multiple of {group.size}"
+        )
+    group.world.agree(problem, error_type=ConfigError)
+    per_rank = experts // group.size
+    first = group.rank * per_rank
+    mine = {f"moe.experts.{e}." for e in range(first, first + per_rank)}
+    out = []
+    for spec in layers:
+        if "moe" not in spec.attrs:
+            out.append(spec)
+            continue
+        local = copy.copy(spec)
+        local.params = {
+            k: s
+            for k, s in spec.params.items()
+            if not k.startswith("moe.experts.") or any(k.startswith(m) for m in mine)
+        }
+        local.attrs = {
+            **spec.attrs,
+            "moe": {
+                **spec.attrs["moe"],
+                "first_expert": first,
+                "local_experts": per_rank,
+                "seed": int(seed),
+            },
+        }
+        out.append(local)
+    return out
+
+
+@dataclass
+class Plan:
+    """Index arrays of one layer call: what the framework gathers, sends and scatters."""
+
+    experts: np.ndarray  # [T, k] chosen experts
+    send_token: np.ndarray  # [S] token of each dispatched row (rows packed by expert)
+    send_slot: np.ndarray  # [S] its choice slot
+    send_rows: np.ndarray  # [R] rows to each rank
+    recv_rows: np.ndarray  # [R] rows from each rank
+    perm: np.ndarray  # received row order -> grouped by local expert: grouped = recv[perm]
+    inv_perm: np.ndarray  # grouped -> received order
+    expert_rows: np.ndarray  # [E/R] rows per local expert
+    fractions: np.ndarray  # [E] f_i of the load-balancing loss (float32)
+
+    def arrays(self) -> list[np.ndarray]:
+        return [
+            self.experts,
+            self.send_token,
+            self.send_slot,
+            self.send_rows,
+            self.recv_rows,
+            self.perm,
+            self.inv_perm,
+            self.expert_rows,
+            self.fractions,
+        ]
+
+
+@dataclass
+class LayerStats:
+    """What one layer did on this rank since the last `take` (training calls only)."""
+
+    calls: int = 0
+    tokens: int = 0
+    choices: int = 0
+    dropped: int = 0
+    routed: np.ndarray | None = None
+    kept: np.ndarray | None = None
+    capacity_sum: int = 0
+    aux_loss: float = 0.0
+    routing_s: float = 0.0
+    alltoall_s: float = 0.0
+    expert_s: float = 0.0
+    sent_bytes: int = 0
+    extra: dict = field(default_factory=dict)
+
+
+class MoELayer:
+    """The framework-neutral half of one MoE layer on this rank: route, exchange, count."""
+
+    def __init__(self, opts: dict, group: ExpertGroup | None = None):
+        self.opts = opts
+        self.group = group or expert_group()
+        self.E, self.k = opts["experts"], opts["top_k"]
+        self.per_rank = self.E // self.group.size
+        self.first = opts.get("first_expert", self.group.rank * self.per_rank)
+        self.rng = np.random.default_rng([opts.get("seed", 0), self.group.rank, 0x6D6F65])
+        self.stats = LayerStats()  # counts training calls only (record=True)
+
+    def jitter_noise(self, shape) -> np.ndarray:
+        """Multiplicative router-input noise U(1-eps, 1+eps) (Switch), from this rank's rng."""
+        eps = self.opts["jitter"]
+        return self.rng.uniform(1.0 - eps, 1.0 + eps, size=tuple(int(s) for s in shape)).astype(
+            np.float32
+        )
+
+    def plan(self, probs: np.ndarray, record: bool = False) -> Plan:
+        """Route this rank's tokens and exchange row counts with every rank (collective)."""
+        t0 = time.perf_counter()
+        probs = np.asarray(probs, dtype=np.float32)
+        tokens = probs.shape[0]
+        o = self.opts
+        cap = capacity(
+            tokens, self.E, self.k, o["capacity_factor"], o["min_capacity"], o["drop_tokens"]
+        )
+        r = routing.route(probs, self.k, cap)
+        R, n = self.group.size, self.per_rank
+        t1 = time.perf_counter()
+        recv_counts = self.group.alltoall_counts(r.kept_counts.reshape(R, n))  # [R src, n]
+        t2 = time.perf_counter()
+        recv_rows = recv_counts.sum(axis=1)
+        # Received rows: source-major, then local expert; regroup expert-major.
+        start = np.concatenate([[0], np.cumsum(recv_counts.reshape(-1))[:-1]]).reshape(R, n)
+        perm = np.concatenate(
+            [
+                np.arange(start[s, j], start[s, j] + recv_counts[s, j])
+                for j in range(n)
+                for s in range(R)
+            ]
+            or [np.zeros(0)]
+        ).astype(np.int64)
+        inv = np.empty_like(perm)
+        inv[perm] = np.arange(perm.size)
+        plan = Plan(
+            experts=r.experts,
+            send_token=r.send_token,
+            send_slot=r.send_slot,
+            send_rows=r.kept_counts.reshape(R, n).sum(axis=1),
+            recv_rows=recv_rows.astype(np.int64),
+            perm=perm,
+            inv_perm=inv,
+            expert_rows=recv_counts.sum(axis=0).astype(np.int64),
+            fractions=routing.load_fractions(r.routed, tokens, self.k),
+        )
+        if record:
+            s = self.stats
+            s.calls += 1
+            s.tokens += tokens
+            s.choices += tokens * self.k
+            s.dropped += r.dropped
+            s.routed = r.routed if s.routed is None else s.routed + r.routed
+            s.kept = r.kept_counts if s.kept is None else s.kept + r.kept_counts
+            s.capacity_sum += cap
+            s.aux_loss += routing.aux_loss(probs, r.routed, self.k, o["aux_loss"])
+            s.routing_s += (t1 - t0) + (time.perf_counter() - t2)
+            s.alltoall_s += t2 - t1
+        return plan
+
+    def exchange(self, x, send_rows, recv_rows, record: bool = False) -> np.ndarray:
+        """One Alltoallv of rows (dispatch, combine, or either one's gradient)."""
+        t0 = time.perf_counter()
+        out = self.group.alltoallv(x, np.asarray(send_rows), np.asarray(recv_rows))
+        if record:
+            self.stats.alltoall_s += time.perf_counter() - t0
+            self.stats.sent_bytes += int(np.asarray(x).nbytes)
+        return out
+
+
+def step_metrics(layers: list[MoELayer], step_seconds: float, world_size: int) -> dict:
+    """The step's MoE numbers for metrics.jsonl (averaged over ranks by the trainer)."""
+    recorded = [m for m in layers if m.stats.calls]
+    if not layers:
+        return {}
+    E = layers[0].E
+    routed = sum((m.stats.routed for m in recorded), np.zeros(E, np.int64))
+    kept = sum((m.stats.kept for m in recorded), np.zeros(E, np.int64))
+    choices = sum(m.stats.choices for m in recorded)
+    calls = sum(m.stats.calls for m in recorded)
+    per_expert = choices / E if choices else 1.0
+    tokens = sum(m.stats.tokens for m in recorded) / max(1, len(layers))
+    a2a = sum(m.stats.alltoall_s for m in recorded)
+    out = {
+        "moe_tokens_per_sec": tokens * world_size / step_seconds if step_seconds > 0 else 0.0,
+        "moe_load": [float(v) for v in routed / per_expert],  # 1.0 = perfectly balanced
+        "moe_load_max": float((routed / per_expert).max()) if choices else 0.0,
+        "moe_kept_load_max": float((kept / per_expert).max()) if choices else 0.0,
+        "moe_capacity_load": float(
+            sum(m.stats.capacity_sum for m in recorded) * E / max(1, choices)
+        ),
+        "moe_drop_rate": float(sum(m.stats.dropped for m in recorded) / max(1, choices)),
+        "moe_dropped": float(sum(m.stats.dropped for m in recorded)),
+        "moe_aux_loss": float(
+            sum(m.stats.aux_loss for m in recorded) / max(1, calls) * len(layers)
+        ),
+        "moe_alltoall_share": a2a / step_seconds if step_seconds > 0 else 0.0,
+        "moe_alltoall_seconds": a2a,
+        "moe_routing_seconds": sum(m.stats.routing_s for m in recorded),
+        "moe_expert_seconds": sum(m.stats.expert_s for m in recorded),
+    }
+    for m in layers:
+        m.stats = LayerStats()
+    return out
+
+
+def gather_expert_weights(weights: dict, root: int = 0) -> dict | None:
+    """Every rank's expert tensors merged into one dict on `root` (None elsewhere).
+
+    A rank holds only its own experts; this gives the full, world-size-independent set
+    of canonical names (for checkpoints and tests). Non-expert tensors come from root.
+    """
+    group = expert_group()
+    mine = {k: v for k, v in weights.items() if is_expert_param(k)}
+    parts = group.world.gather_object(mine, root, "gather MoE experts")
+    if group.rank != root:
+        return None
+    full = {k: v for k, v in weights.items() if not is_expert_param(k)}
+    for part in parts:
+        full.update(part)
+    return full

@@ -1,0 +1,114 @@
+"""The wire format between workers and servers, and waiting without burning a core.
+
+Every message is a numpy buffer sent with mpi4py's upper-case (buffer) API, never a
+pickle. A data message is one uint8 buffer: a fixed 64-byte header of int64/float64
+fields followed by the float32 payload, both numpy views of the same memory, so a push
+or a reply is a single MPI message with no copy. Control messages are 8 int64s.
+
+Tags: PUSH (worker -> server: header + gradient), PULL (worker -> server: request the
+current parameters), CTRL (worker -> server: heartbeat, done), REPLY (server -> worker:
+header + parameters, carrying the server's version).
+
+MPI's blocking waits spin (Open MPI polls, at best yielding), which on an oversubscribed
+node steals the core a worker needs for its gradients. `poll` instead tests the posted
+requests, spinning for 200 us after the last event (replies usually come that fast) and
+then sleeping with exponential backoff (50 us doubling up to `ps.poll_max_sleep_ms`)
+while nothing arrives; the cap bounds the added latency.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+TAG_PUSH, TAG_PULL, TAG_CTRL, TAG_REPLY = 7101, 7102, 7103, 7104
+HEARTBEAT, DONE = 1, 2  # CTRL ops
+OK, REJECTED, STOPPED = 0, 1, 2  # REPLY status
+
+HEADER_BYTES = 64
+# int64 header fields (index into the 8-int64 header view)
+H_WORKER, H_VERSION, H_STEP, H_STATUS, H_STALENESS, H_PUSHES, H_REJECTED = range(7)
+H_LR = 7  # float64 in the last slot (a reply's learning rate)
+
+
+class Message:
+    """A header + float32 payload sharing one contiguous uint8 buffer."""
+
+    def __init__(self, n: int):
+        self.buf = np.zeros(HEADER_BYTES + 4 * n, dtype=np.uint8)
+        self.header = self.buf[:HEADER_BYTES].view(np.int64)
+        self.payload = self.buf[HEADER_BYTES:].view(np.float32)
+
+    @property
+    def lr(self) -> float:
+        return float(self.header[H_LR:].view(np.float64)[0])
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        self.header[H_LR:].view(np.float64)[0] = value
+
+    @property
+    def nbytes(self) -> int:
+        return self.buf.nbytes
+
+
+def ctrl(op: int, worker: int, value: int = 0) -> np.ndarray:
+    msg = np.zeros(8, dtype=np.int64)
+    msg[0], msg[1], msg[2] = op, worker, value
+    return msg
+
+
+class Backoff:
+    """Poll without sleeping for `spin_s` after the last event (a reply usually follows
+    within microseconds), then sleep a little longer each idle poll, up to `max_sleep_s`.
+
+    max_sleep_s=0 polls without ever sleeping (lowest latency, one busy core per rank).
+    """
+
+    def __init__(self, max_sleep_s: float, spin_s: float = 200e-6, first_s: float = 50e-6):
+        self.max, self.spin, self.first = max_sleep_s, spin_s, first_s
+        self.cur = 0.0
+        self.since = None
+
+    def idle(self) -> None:
+        if self.max <= 0:
+            return
+        now = time.perf_counter()
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.spin:
+            return
+        time.sleep(self.cur)
+        self.cur = min(self.max, self.first if self.cur == 0 else self.cur * 2)
+
+    def reset(self) -> None:
+        self.cur = 0.0
+        self.since = None
+
+
+def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> list[int]:
+    """Indices of requests that completed, waiting (with backoff) until at least one has.
+
+    Returns [] when `deadline` (time.monotonic) passes first, or when none is active.
+    """
+    while True:
+        done = MPI.Request.Testsome(requests)
+        if done is None:
+            return []
+        if done:
+            backoff.reset()
+            return list(done)
+        if deadline is not None and time.monotonic() >= deadline:
+            return []
+        backoff.idle()
+
+
+def wait_all(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> bool:
+    """Wait for every request with backoff; False if the deadline passed first."""
+    while not MPI.Request.Testall(requests):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        backoff.idle()
+    backoff.reset()
+    return True

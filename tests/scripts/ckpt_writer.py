@@ -1,0 +1,36 @@
+"""Save checkpoints in a loop (killed from outside, or by the test-only kill hook).
+
+usage: ckpt_writer.py DIR FIRST_STEP COUNT MB; prints 'saved <step>' after each save.
+"""
+
+import sys
+
+import numpy as np
+
+from hpctrain.checkpoint import capture_process_rng, save
+
+
+def state_of(step: int, mb: float) -> dict:
+    """Arrays whose contents depend on the step, so files of different steps differ."""
+    rng = np.random.default_rng(step)
+    n = max(1, int(mb * 1e6 / 4 / 8))
+    state = {f"model/layer{i}.weight": rng.standard_normal(n).astype(np.float32) for i in range(8)}
+    state["optimizer/step"] = np.array(step)
+    return state
+
+
+def main() -> None:
+    directory, first, count, mb = (
+        sys.argv[1],
+        int(sys.argv[2]),
+        int(sys.argv[3]),
+        float(sys.argv[4]),
+    )
+    for k in range(count):
+        step = first + 10 * k
+        save(directory, step, state_of(step, mb), {"step": step}, {0: capture_process_rng()})
+        print(f"saved {step}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Train with the parameter server and dump worker 0's final weights (pickle-free npz).
+
+usage: ps_dump.py OUT.npz [--set key=value ...]   (strategy is set to parameter_server)
+Every worker checks that it holds the same final weights (allreduce MIN = MAX of
+checksums over all ranks; servers contribute the workers' values through worker 0).
+"""
+
+import sys
+
+import numpy as np
+
+from hpctrain import Config
+from hpctrain.runtime import run_fail_together
+from hpctrain.strategies.ps.runner import ParameterServerRunner
+
+
+def main():
+    out, overrides = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
+    runner = ParameterServerRunner(
+        Config.load(None, [*overrides, "strategy=parameter_server"]), run_dir=out + ".run"
+    )
+    runner.fit()
+    w = runner.world
+    weights = getattr(runner, "final_weights", None)
+    n = len(runner.shapes) * 2
+    sums = (
+        np.zeros(n)
+        if weights is None
+        else np.array(
+            [
+                np.float64(v.astype(np.float64).sum())
+                for k, v in weights.items()
+                if k in runner.shapes
+            ]
+            + [
+                np.float64((v.astype(np.float64) ** 2).sum())
+                for k, v in weights.items()
+                if k in runner.shapes
+            ]
+        )
+    )
+    big = np.full(n, np.inf)
+    lo = w.allreduce_array(big if weights is None else sums, "min", "checksum min")
+    hi = w.allreduce_array(-big if weights is None else sums, "max", "checksum max")
+    if not np.array_equal(lo, hi):
+        raise SystemExit("workers hold different final weights")
+    if w.rank == 0:
+        np.savez(out, **weights)
+        print(f"WORKERS IDENTICAL over {runner.n_workers} worker(s): {len(weights)} tensors")
+
+
+sys.exit(run_fail_together(main))

@@ -1,0 +1,184 @@
+"""When checkpoints are written and kept, and how a background save reports failures."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hpctrain.checkpoint import (
+    Checkpointer,
+    CheckpointPolicy,
+    Entry,
+    list_checkpoints,
+    load,
+    resume_checkpoint,
+    save,
+)
+from hpctrain.checkpoint import writer as writer_mod
+from hpctrain.errors import CheckpointError, ConfigError
+
+
+def steps_in(directory) -> list[int]:
+    return [s for s, _ in list_checkpoints(directory)]
+
+
+def state(step: int) -> dict:
+    return {"model/w": np.full((4, 4), step, np.float32), "optimizer/step": np.array(step)}
+
+
+def test_defaults_and_config_errors(tmp_path):
+    p = CheckpointPolicy.from_config({}, tmp_path)
+    assert p.dir == tmp_path / "checkpoints"
+    assert (p.enabled, p.every_steps, p.every_minutes, p.at_epoch_end) == (True, None, 30.0, True)
+    assert (p.keep_last, p.keep_best, p.best_metric, p.best_mode) == (3, 0, "val_loss", "min")
+    assert (p.async_save, p.resume) == (False, "auto")
+    with pytest.raises(ConfigError) as info:
+        CheckpointPolicy(
+            {"every_steps": 0, "best_mode": "lowest", "keep_last": 1.5, "async": "yes", "typo": 1}
+        )
+    msg = str(info.value)
+    for key in ("every_steps", "best_mode", "keep_last", "async", "typo: unknown key"):
+        assert f"checkpoint.{key}" in msg, msg
+
+
+def test_due_by_steps_epochs_time_and_final():
+    p = CheckpointPolicy({"every_steps": 50, "every_minutes": 10, "at_epoch_end": True})
+    t0 = p.last_time
+    assert not p.due(10, now=t0 + 1)
+    assert p.due(50, now=t0 + 1)
+    assert p.due(51, epoch_end=True, now=t0 + 1)
+    assert p.due(52, now=t0 + 601)  # ten minutes since the last save
+    p.mark_saved(52, now=t0 + 601)
+    assert not p.due(52, final=True, now=t0 + 601), "never twice for the same step"
+    assert not p.due(53, now=t0 + 700)
+    assert p.due(53, final=True, now=t0 + 700)
+    off = CheckpointPolicy({"enabled": False})
+    assert not off.due(100, epoch_end=True, final=True)
+    only_steps = CheckpointPolicy({"every_minutes": None, "at_epoch_end": False, "every_steps": 7})
+    assert [s for s in range(1, 30) if only_steps.due(s, epoch_end=True, now=1e9)] == [
+        7,
+        14,
+        21,
+        28,
+    ]
+
+
+def test_retention_keeps_last_k_plus_best():
+    p = CheckpointPolicy({"keep_last": 2, "keep_best": 2, "best_mode": "max"})
+    metrics = [0.1, 0.9, None, 0.8, float("nan"), 0.2, 0.3]
+    entries = [Entry(10 * i, Path(f"c{i}"), m) for i, m in enumerate(metrics)]
+    kept = {e.path for e in entries} - set(p.to_delete(entries))
+    assert sorted(str(k) for k in kept) == ["c1", "c3", "c5", "c6"]  # best 0.9, 0.8; last two
+    p_min = CheckpointPolicy({"keep_last": 1, "keep_best": 1, "best_mode": "min"})
+    kept = {e.path for e in entries} - set(p_min.to_delete(entries))
+    assert sorted(str(k) for k in kept) == ["c0", "c6"]
+    assert CheckpointPolicy({"keep_last": None}).to_delete(entries) == []
+
+
+def test_checkpointer_applies_retention_on_disk_and_after_restart(tmp_path):
+    cfg = {"dir": str(tmp_path), "keep_last": 2, "keep_best": 1, "best_metric": "val_loss"}
+    ck = Checkpointer(CheckpointPolicy(cfg))
+    losses = {10: 0.9, 20: 0.3, 30: 0.5, 40: 0.6, 50: 0.7}
+    for step, loss in losses.items():
+        path = ck.save(step, state(step), {"step": step}, metrics={"val_loss": loss})
+        assert path == tmp_path / f"ckpt-{step:08d}.h5"
+    assert steps_in(tmp_path) == [20, 40, 50]
+    # a restarted job learns the metrics of existing files from the files themselves
+    again = Checkpointer(CheckpointPolicy(cfg))
+    again.save(60, state(60), metrics={"val_loss": 0.8})
+    assert steps_in(tmp_path) == [20, 50, 60]
+    assert load(tmp_path / "ckpt-00000020.h5").metrics == {"val_loss": 0.3}
+
+
+def test_newer_files_from_an_abandoned_timeline_are_left_alone(tmp_path):
+    for step in (10, 20, 30):
+        save(tmp_path, step, state(step))
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "keep_last": 1}))
+    ck.save(15, state(15))  # resumed from step 10, say
+    assert steps_in(tmp_path) == [15, 20, 30]
+
+
+def test_maybe_save_collects_only_when_due_and_writer_only_writes(tmp_path):
+    calls = []
+
+    def collect():
+        calls.append(1)
+        return {"state": state(5), "trainer_state": {"step": 5}}
+
+    cfg = {"dir": str(tmp_path), "every_steps": 5, "every_minutes": None}
+    writer = Checkpointer(CheckpointPolicy(cfg), is_writer=True)
+    other = Checkpointer(CheckpointPolicy(cfg), is_writer=False)
+    assert not writer.maybe_save(4, collect)
+    assert calls == []
+    assert writer.maybe_save(4, collect, agree=lambda due: True)  # another rank said yes
+    assert other.maybe_save(5, lambda: None)
+    assert steps_in(tmp_path) == [4]
+    assert writer.maybe_save(5, collect)
+    assert not writer.maybe_save(5, collect, epoch_end=True)
+    assert steps_in(tmp_path) == [4, 5] and len(calls) == 2
+
+
+def test_async_save_copies_then_writes_in_background(tmp_path):
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}))
+    st = state(7)
+    assert ck.save(7, st, {"step": 7}) is None
+    st["model/w"][:] = -1  # training continues and changes the weights at once
+    path = ck.wait()
+    assert path == tmp_path / "ckpt-00000007.h5"
+    assert np.all(load(path).state["model/w"] == 7)
+    ck.save(8, state(8))
+    ck.save(9, state(9))  # joins the previous write first
+    assert ck.wait().name == "ckpt-00000009.h5"
+    assert steps_in(tmp_path) == [7, 8, 9]
+
+
+def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
+    target = tmp_path / "ckpts"
+    ck = Checkpointer(CheckpointPolicy({"dir": str(target), "async": True, "every_steps": 1}))
+    target.write_text("a file where the directory should be")  # real failure: mkdir fails
+    ck.save(1, state(1))
+    ck._thread.join()
+    with pytest.raises(CheckpointError, match="background save of step 1 failed") as info:
+        ck.maybe_save(2, lambda: {"state": state(2)})
+    assert "ckpts" in str(info.value)
+    target.unlink()
+    assert ck.maybe_save(2, lambda: {"state": state(2)})  # reported once, then cleared
+    assert ck.wait() == target / "ckpt-00000002.h5"
+
+    def boom(directory, snap):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_mod, "write", boom)
+    ck.save(3, state(3))
+    with pytest.raises(CheckpointError, match=r"step 3 failed: .*No space left"):
+        ck.wait()
+    assert ck.wait() == target / "ckpt-00000002.h5"
+
+
+def test_failed_sync_save_leaves_no_temp(tmp_path, monkeypatch):
+    def broken_stamp(path):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(writer_mod.fmt, "stamp_header", broken_stamp)
+    with pytest.raises(CheckpointError, match="cannot write checkpoint .*Input/output error"):
+        save(tmp_path, 3, state(3))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resume_choices(tmp_path):
+    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path)})) is None
+    save(tmp_path, 10, state(10))
+    save(tmp_path, 20, state(20))
+    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path)})).step == 20
+    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path), "resume": "never"})) is None
+    one = str(tmp_path / "ckpt-00000010.h5")
+    assert resume_checkpoint(CheckpointPolicy({"resume": one})).step == 10
+    shutil.copy(tmp_path / "ckpt-00000010.h5", tmp_path / "x.h5")
+    with open(tmp_path / "x.h5", "r+b") as fh:
+        fh.seek(-10, 2)
+        fh.write(b"XXXX")
+    with pytest.raises(CheckpointError, match="x.h5: file digest mismatch"):
+        resume_checkpoint(CheckpointPolicy({"resume": str(tmp_path / "x.h5")}))

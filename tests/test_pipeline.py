@@ -1,0 +1,184 @@
+"""Pipeline parallelism: the schedules and partitioner alone, then real mpirun jobs showing
+that P stages x D replicas compute exactly what single-process training computes."""
+
+import json
+
+import numpy as np
+import pytest
+from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
+
+from hpctrain.models import zoo
+from hpctrain.pipeline.partition import balanced_counts, check_partition, stage_bounds
+from hpctrain.pipeline.schedule import bubble_theory, peak_in_flight, stage_actions
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "pipeline_dump.py")
+# A CNN, so stage boundaries fall after convolutions (TensorFlow's NHWC inside a stage).
+MODEL = [
+    "model.name=cnn",
+    "model.channels=[4,8,8]",
+    "data.task=images",
+    "data.image_size=8",
+    "data.train_samples=256",
+    "data.val_samples=64",
+    "optimizer.lr_scaling=none",
+    "metrics.tensorboard=false",
+    "data.prefetch=1",
+]
+ONE_SGD_STEP = ["train.max_steps=1", "optimizer.momentum=0", "optimizer.lr=0.2"]
+# Global batch 32 everywhere: single process 32; pipelines 8 x 4 (D=1) and 4 x 4 x 2 (D=2).
+PIPE = ["strategy=pipeline", "train.batch_size=4", "pipeline.microbatches=8"]
+
+
+# --- framework-free pieces ---------------------------------------------------------------
+@pytest.mark.parametrize("stages,micro", [(2, 1), (2, 8), (4, 3), (4, 8), (3, 16)])
+def test_schedules_run_every_micro_batch_once_and_1f1b_bounds_memory(stages, micro):
+    for s in range(stages):
+        for name in ("gpipe", "1f1b"):
+            acts = stage_actions(name, s, stages, micro)
+            assert sorted(i for k, i in acts if k == "F") == list(range(micro))
+            assert [i for k, i in acts if k == "B"] == list(range(micro))  # same order everywhere
+            for k, i in acts:  # a backward never precedes its forward
+                if k == "B":
+                    assert acts.index(("F", i)) < acts.index(("B", i))
+        assert peak_in_flight(stage_actions("gpipe", s, stages, micro)) == micro
+        assert peak_in_flight(stage_actions("1f1b", s, stages, micro)) == min(stages - s, micro)
+    assert bubble_theory(4, 8) == pytest.approx(3 / 11)
+
+
+def test_partition_balances_costs_and_covers_every_layer_once():
+    assert balanced_counts([1, 1, 1, 1], 2) == [2, 2]
+    assert balanced_counts([10, 1, 1, 1, 1, 10], 3) == [1, 4, 1]
+    assert balanced_counts([0, 5, 5, 0, 1], 2) == [2, 3]
+    assert balanced_counts([3, 3, 3], 3) == [1, 1, 1]
+    layers = zoo.build_layers({"name": "resnet", "depth": 20}, zoo.InputSpec((3, 8, 8), 10))
+    counts = balanced_counts([lay.param_count() for lay in layers], 4)
+    bounds = stage_bounds(counts)
+    assert bounds[0][0] == 0 and bounds[-1][1] == len(layers) and min(counts) >= 1
+    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
+    cost = [sum(lay.param_count() for lay in layers[a:b]) for a, b in bounds]
+    assert max(cost) < 0.5 * sum(cost)  # balanced, not one heavy stage
+
+
+def test_partition_problems_are_named():
+    assert "more than the model's 3 layers" in check_partition("parameters", 3, 4)
+    assert "sums to 4 layers but the model has 5" in check_partition([2, 2], 5, 2)
+    assert "2 entries for pipeline.stages=3" in check_partition([2, 3], 5, 3)
+    assert "at least one layer" in check_partition([0, 5], 5, 2)
+    assert "not one of" in check_partition("flops", 5, 2)
+    assert check_partition([2, 3], 5, 2) is None and check_partition("time", 5, 2) is None
+
+
+# --- real mpirun jobs ------------------------------------------------------------------------
+def _runs(out, np_, runs, timeout):
+    args = [SCRIPT, str(out)] + [f"{name}:" + ";".join(o) for name, o in runs]
+    job = mpirun(np_, PYTHON, *args, timeout=timeout)
+    assert job.returncode == 0, job.output
+    summaries = {}
+    for line in job.output.splitlines():
+        if line.startswith("SUMMARY "):
+            _, name, text = line.split(" ", 2)
+            summaries[name] = json.loads(text)
+    result = {}
+    for name, _ in runs:
+        with np.load(out / f"{name}.npz") as f:
+            result[name] = ({k: f[k] for k in f.files}, summaries[name])
+    return result
+
+
+@pytest.fixture(scope="module", params=["torch", "tensorflow"])
+def runs(request, tmp_path_factory):
+    """All the jobs of one backend: a single-process reference, np=2 and np=4 pipelines."""
+    backend = request.param
+    out = tmp_path_factory.mktemp(f"pipe-{backend}")
+    common = [*MODEL, f"backend={backend}"]
+    res = _runs(
+        out,
+        1,
+        [
+            ("ref1", [*common, "train.batch_size=32", *ONE_SGD_STEP]),
+            ("ref3", [*common, "train.batch_size=32", "train.max_steps=3"]),  # momentum 0.9
+        ],
+        240,
+    )
+    pipe = [*common, *PIPE, *ONE_SGD_STEP]
+    res |= _runs(
+        out,
+        2,
+        [
+            ("P2-gpipe", [*pipe, "pipeline.schedule=gpipe", "pipeline.partition=[2,3]"]),
+            ("P2-1f1b", [*pipe, "pipeline.schedule=1f1b"]),
+        ],
+        240,
+    )
+    res |= _runs(
+        out,
+        4,
+        [
+            ("P4-gpipe", [*pipe, "pipeline.stages=4", "pipeline.schedule=gpipe"]),
+            ("P4-1f1b", [*pipe, "pipeline.stages=4", "pipeline.schedule=1f1b"]),
+            # Last: Horovod (process sets per stage) is initialised once per process.
+            (
+                "P2xD2",
+                [*common, "strategy=pipeline", "train.batch_size=4", "pipeline.microbatches=4"]
+                + ["train.max_steps=3", "pipeline.partition=time"],
+            ),
+        ],
+        360,
+    )
+    return res
+
+
+def _max_diff(a, b):
+    assert a.keys() == b.keys()  # canonical names: a pipeline checkpoint is a DP checkpoint
+    return max(float(np.abs(a[k] - b[k]).max()) for k in a)
+
+
+@pytest.mark.parametrize("name", ["P2-gpipe", "P2-1f1b", "P4-gpipe", "P4-1f1b"])
+def test_one_pipelined_sgd_step_equals_the_full_batch_gradient_step(runs, name):
+    ref, ref_summary = runs["ref1"]
+    got, summary = runs[name]
+    init = zoo.init_weights(
+        zoo.build_layers({"name": "cnn", "channels": [4, 8, 8]}, zoo.InputSpec((3, 8, 8), 10)), 0
+    )
+    assert _max_diff(dict(init), ref) > 1e-3  # the step moved the weights
+    # plain SGD, momentum 0: w1 = w0 - lr * g, so equal weights (1e-5 / lr) = equal gradients
+    assert _max_diff(got, ref) < 1e-5
+    assert summary["loss"] == pytest.approx(ref_summary["loss"], abs=1e-5)
+    assert summary["stages"] == int(name[1]) and summary["replicas"] == 1
+
+
+def test_two_stages_by_two_replicas_equal_single_process_training_after_k_steps(runs):
+    got, summary = runs["P2xD2"]
+    ref, ref_summary = runs["ref3"]
+    assert summary["stages"] == 2 and summary["replicas"] == 2 and summary["steps"] == 3
+    assert _max_diff(got, ref) < 1e-5
+    assert summary["val_accuracy"] == pytest.approx(ref_summary["val_accuracy"], abs=1e-6)
+    assert summary["val_samples"] == 64  # every validation sample once, over replicas
+
+
+def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_holds_m(runs):
+    assert runs["P4-1f1b"][1]["stage_peak_microbatches"] == [4, 3, 2, 1]  # m = 8 > P = 4
+    assert runs["P4-gpipe"][1]["stage_peak_microbatches"] == [8, 8, 8, 8]
+    assert runs["P2-1f1b"][1]["stage_peak_microbatches"] == [2, 1]
+    assert runs["P2-gpipe"][1]["stage_peak_microbatches"] == [8, 8]
+    s = runs["P4-1f1b"][1]
+    assert len(s["stage_busy_sec"]) == len(s["stage_idle_sec"]) == 4
+    assert s["bubble_theory"] == pytest.approx(3 / 11)
+
+
+BAD = [
+    (2, ["pipeline.stages=3"], "world size 2 is not divisible by pipeline.stages=3"),
+    (2, ["pipeline.stages=2", "pipeline.partition=[1,1]"], "sums to 2 layers but the model has 3"),
+    (2, ["pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1, got 0"),
+    (4, ["pipeline.stages=4", "model.hidden=[8]"], "pipeline.stages=4 is more than the model's 2"),
+]
+
+
+@pytest.mark.parametrize("np_,overrides,message", BAD)
+def test_bad_pipeline_input_is_reported_on_every_rank(tmp_path, np_, overrides, message):
+    args = [HPCTRAIN, "train", "--run-dir", str(tmp_path / "run")]
+    for o in ["strategy=pipeline", "data.train_samples=256", *overrides]:
+        args += ["--set", o]
+    job = mpirun(np_, *args, timeout=120)
+    assert job.returncode == 2, job.output
+    assert job.output.count(message) == np_, job.output
