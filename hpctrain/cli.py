@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import inspect
+import logging
 import os
 import sys
 import textwrap
@@ -93,6 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--run-dir", metavar="DIR", help="output directory (default runs/<config name>-<UTC time>)"
     )
     p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
+    p.add_argument(
+        "--resume",
+        metavar="auto|never|FILE",
+        help="continue from a checkpoint: 'auto' takes the newest one in the checkpoint "
+        "directory that verifies (skipping damaged ones), FILE takes that one "
+        "(default: checkpoint.resume, which is 'never')",
+    )
 
     p = sub.add_parser(
         "config",
@@ -154,10 +163,23 @@ def _load_config_everywhere(args):
 
 
 def _cmd_train(args) -> int:
+    from .errors import ConfigError
     from .strategies import runner_class
 
     cfg = _load_config_everywhere(args)
-    runner_class(cfg.strategy)(cfg, run_dir=args.run_dir, verbose=args.verbose).fit()
+    runner = runner_class(cfg.strategy)
+    kwargs = {}
+    if args.resume is not None:
+        if "resume" in inspect.signature(runner).parameters:
+            kwargs["resume"] = args.resume
+        elif args.resume not in ("auto", "never"):
+            raise ConfigError(f"--resume {args.resume}: strategy {cfg.strategy} cannot resume "
+                              "from a checkpoint yet")
+        else:
+            logging.getLogger("hpctrain").warning(
+                "--resume %s: strategy %s does not resume from checkpoints yet; starting fresh",
+                args.resume, cfg.strategy)
+    runner(cfg, run_dir=args.run_dir, verbose=args.verbose, **kwargs).fit()
     return 0
 
 

@@ -177,6 +177,26 @@ SCHEMA: dict[str, Any] = {
         "schedule": _f("1f1b", str, "micro-batch schedule", choices=("gpipe", "1f1b")),
         "partition": _f("parameters", (str, list), "parameters | time | [layers per stage, ...]"),
     },
+    "checkpoint": {
+        "enabled": _f(True, bool, "write checkpoints at all"),
+        "dir": _f(None, str, "checkpoint directory (default <run-dir>/checkpoints)", nullable=True),
+        "every_steps": _f(None, int, "save every N optimizer steps", nullable=True, **POS_INT),
+        "every_minutes": _f(
+            30.0, (int, float), "save when N minutes passed since the last save",
+            nullable=True, minimum=0, exclusive_min=True,
+        ),
+        "at_epoch_end": _f(True, bool, "save at the end of every epoch"),
+        "keep_last": _f(
+            3, int, "keep the newest N checkpoints (null: keep all)", nullable=True, **POS_INT
+        ),
+        "keep_best": _f(0, int, "also keep the best N by checkpoint.best_metric", **NONNEG),
+        "best_metric": _f("val_loss", str, "metric that ranks checkpoints for keep_best"),
+        "best_mode": _f("min", str, "which end of best_metric is best", choices=("min", "max")),
+        "async": _f(False, bool, "write in a background thread; the step only copies the arrays"),
+        "resume": _f(
+            "never", str, "auto: newest valid checkpoint in dir | never | a file (--resume)"
+        ),
+    },
     "metrics": {
         "jsonl": _f(True, bool, "write <run-dir>/metrics.jsonl"),
         "tensorboard": _f(True, bool, "write TensorBoard scalars under <run-dir>/tb"),

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import runtime
 from .backends import load_backend
+from .checkpoint.session import TrainerCheckpoints
 from .config import Config
 from .data import (
     BenchmarkData,
@@ -33,6 +34,7 @@ from .data import (
 )
 from .errors import TrainingDiverged
 from .metrics import MetricsWriter, Progress
+from .runtime.preemption import Preemption
 from .schedule import lr_at
 
 log = logging.getLogger("hpctrain.trainer")
@@ -45,7 +47,6 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch (0-based)
     position: int = 0  # samples of this epoch's permutation already consumed
-    best_metric: float | None = None
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -65,7 +66,13 @@ def prepare_process(cfg: Config):
 class Trainer:
     """Builds data, backend and metrics for one run; `fit()` trains and returns a summary."""
 
-    def __init__(self, cfg: Config, run_dir: str | Path | None = None, verbose: bool = False):
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path | None = None,
+        verbose: bool = False,
+        resume: str | None = None,
+    ):
         self.cfg = cfg
         self.world = prepare_process(cfg)
         w = self.world
@@ -111,6 +118,8 @@ class Trainer:
         cls = backend_cls.TorchBackend if cfg.backend == "torch" else backend_cls.TensorFlowBackend
         self.backend = cls(cfg, w, inp, threads)
         self.state = TrainState()
+        self.checkpoints = TrainerCheckpoints(self)
+        self.resumed_from = self.checkpoints.resume(resume)
         self.steps_per_epoch = self.data.steps_per_epoch
         total = self.steps_per_epoch * tcfg["epochs"]
         self.total_steps = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
@@ -133,18 +142,21 @@ class Trainer:
     # --- the loop ---------------------------------------------------------------
     def fit(self) -> dict:
         w, cfg, st = self.world, self.cfg, self.state
+        max_steps = cfg.train["max_steps"]
         progress = Progress(
             w.is_root,
-            self.total_steps - st.step,
+            max(0, self.total_steps - st.step),
             log,
             cfg.train["log_every"],
             cfg.metrics["progress_bar"],
         )
         t_start = time.perf_counter()
         samples_done, comm_total, compute_total = 0, 0.0, 0.0
-        last_eval = {}
+        last_eval: dict = {}
+        preempted = None
+        pre = Preemption().install()
         try:
-            while st.step < self.total_steps and st.epoch < cfg.train["epochs"]:
+            while st.epoch < cfg.train["epochs"] and not (max_steps and st.step >= max_steps):
                 epoch_loss, epoch_count = 0.0, 0
                 t_epoch = time.perf_counter()
                 for micro in self.data.iterate(st.epoch, st.position):
@@ -153,7 +165,8 @@ class Trainer:
                         st.step, cfg.optimizer, w.size, self.steps_per_epoch, self.total_steps
                     )
                     stats = self.backend.train_step(micro, lr)
-                    totals = self._reduce_step(stats)
+                    save_due = self.checkpoints.due_locally(st.step + 1)
+                    totals = self._reduce_step(stats, pre.requested, save_due)
                     dt = time.perf_counter() - t0
                     st.step += 1
                     st.position += self.data.global_batch
@@ -165,7 +178,7 @@ class Trainer:
                     comm_total += stats.comm_seconds
                     compute_total += dt
                     sps = n_samples / dt
-                    if st.step % cfg.train["log_every"] == 0 or st.step == self.total_steps:
+                    if st.step % cfg.train["log_every"] == 0 or st.step == max_steps:
                         self.metrics.write(
                             "step",
                             epoch=st.epoch,
@@ -179,15 +192,26 @@ class Trainer:
                             **self._mean_extra(stats.extra),
                         )
                     progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
-                    if st.step >= self.total_steps:
+                    if totals[4] > 0:  # a rank was signalled: every rank stops here
+                        preempted = self._preempt(pre, progress)
                         break
+                    self.checkpoints.maybe_save(st.step, agreed_due=bool(totals[5]))
+                    if max_steps and st.step >= max_steps:
+                        break
+                if preempted:
+                    break
                 epoch_done = self.data.steps_left(st.position) == 0
-                if epoch_done or st.step >= self.total_steps:
+                if epoch_done or (max_steps and st.step >= max_steps):
                     last_eval = self._end_of_epoch(epoch_loss, epoch_count, t_epoch, progress)
                 if epoch_done:
                     st.epoch += 1
                     st.position = 0
+                    self.checkpoints.maybe_save(st.step, epoch_end=True, metrics=last_eval)
+            if not preempted:
+                self.checkpoints.maybe_save(st.step, final=True, metrics=last_eval)
+            self.checkpoints.close()
         finally:
+            pre.uninstall()
             progress.close()
         elapsed = time.perf_counter() - t_start
         summary = {
@@ -200,6 +224,8 @@ class Trainer:
             "samples_per_sec_per_rank": samples_done / elapsed / w.size if elapsed > 0 else None,
             "comm_share": comm_total / compute_total if compute_total else None,
             "elapsed_sec": elapsed,
+            "resumed_from": self.resumed_from,
+            "preempted": preempted,
             **last_eval,
         }
         self.metrics.write("summary", epoch=st.epoch, step=st.step, **summary)
@@ -208,11 +234,31 @@ class Trainer:
             log.info("done: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
 
-    def _reduce_step(self, stats) -> np.ndarray:
-        """Global (loss_sum, correct, count, non-finite flag); stop everyone on NaN/inf."""
+    def _preempt(self, pre: Preemption, progress) -> str:
+        """Every rank got here at the same step: checkpoint, then ask SLURM to requeue."""
+        w = self.world
+        names = w.gather_object(pre.signal_name, what="gather preemption signals")
+        signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
+        path = self.checkpoints.save_now()
+        if w.is_root:
+            where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
+            progress.message(f"{signal} received: stopped at step {self.state.step}, {where}")
+            if path is not None and pre.requeue():
+                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
+        w.barrier("preemption checkpoint written")
+        return w.bcast_object(signal, what="agree on the preemption signal")
+
+    def _reduce_step(self, stats, preempt: bool = False, save_due: bool = False) -> np.ndarray:
+        """Global (loss_sum, correct, count, non-finite, preempt, save-due); stop on NaN/inf.
+
+        One small allreduce per step carries the metrics and every per-rank decision
+        (NaN, a preemption signal, a time-based checkpoint), so all ranks act alike.
+        """
         bad = 0.0 if math.isfinite(stats.loss_sum) else 1.0
         local = np.array(
-            [stats.loss_sum if not bad else 0.0, stats.correct, stats.count, bad], dtype=np.float64
+            [stats.loss_sum if not bad else 0.0, stats.correct, stats.count, bad,
+             float(preempt), float(save_due)],
+            dtype=np.float64,
         )
         totals = self.world.allreduce_array(local, "sum", "step metrics")
         if totals[3] > 0 and self.cfg.train["nan_check"]:

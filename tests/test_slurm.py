@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from mpirun import HPCTRAIN, PYTHON
-from slurm_cluster import SlurmUnavailable, start_cluster
+from slurm_cluster import TERMINAL_STATES, SlurmUnavailable, start_cluster
 
 from hpctrain import config as config_module
 from hpctrain.runtime.launcher import launcher_views
@@ -369,3 +369,91 @@ def test_sweep_array_runs_every_point_into_the_results_dir(slurm, config_file, t
         summary = json.loads(metrics.read_text().splitlines()[-1])
         assert summary["world_size"] == ranks and summary["samples_per_sec"] > 0, summary
     assert (logs / f"hpctrain-sweep-{array_id}_1.out").is_file()
+
+
+PREEMPT_CONFIG = """\
+model: {name: mlp, hidden: [256, 256]}
+data: {train_samples: 65536, val_samples: 1024}
+optimizer: {name: adam, lr: 0.001, lr_scaling: none}
+train: {epochs: 3, batch_size: 64, log_every: 1}
+metrics: {tensorboard: false}
+"""
+
+
+def _final_model(run_dir: Path) -> dict:
+    from hpctrain.checkpoint import find_latest_valid
+
+    ckpt = find_latest_valid(run_dir / "checkpoints")
+    assert ckpt is not None, f"no checkpoint in {run_dir}"
+    return ckpt.step, {k: v for k, v in ckpt.state.items() if k.startswith("model/")}
+
+
+@pytest.mark.timeout(600)
+def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(
+    slurm, tmp_path
+):
+    import time
+
+    import numpy as np
+    from mpirun import mpirun
+
+    config = tmp_path / "preempt.yaml"
+    config.write_text(PREEMPT_CONFIG)
+    # The uninterrupted reference, same config, same 2 ranks.
+    ref = tmp_path / "ref"
+    job = mpirun(2, HPCTRAIN, "train", "--config", str(config), "--run-dir", str(ref),
+                 timeout=300)
+    assert job.returncode == 0, job.output
+    logs, runs = tmp_path / "logs", tmp_path / "runs"
+    args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2", "--time",
+            "00:10:00", "--config", str(config), "--log-dir", str(logs), "--run-root", str(runs)]
+    submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + 240
+        steps = 0
+        while time.monotonic() < deadline and steps < 40:
+            if metrics.exists():
+                steps = sum(1 for line in metrics.open() if '"event": "step"' in line)
+            time.sleep(0.2)
+        assert steps >= 40, _job_logs(logs)
+        # What SLURM does 90 s before the time limit (--signal=USR1@90), sent now.
+        sig = slurm.run("scancel", "--signal=USR1", job_id, timeout=20)
+        assert sig.returncode == 0, sig.stderr
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and slurm.job(job_id).get("Restarts") != "1":
+            time.sleep(0.5)
+        assert slurm.job(job_id).get("Restarts") == "1", _job_logs(logs)
+        # Once the first run has ended and the job is pending again, let it start now
+        # (a requeued job otherwise waits ~2 minutes, Reason=BeginTime).
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and slurm.job(job_id).get("JobState") != "PENDING":
+            time.sleep(0.5)
+        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+        out_file = logs / f"hpctrain-train-{job_id}.out"
+        deadline = time.monotonic() + 360
+        info = {}
+        while time.monotonic() < deadline:
+            info = slurm.job(job_id)
+            rerun = "(restart 1)" in out_file.read_text()
+            if rerun and info.get("JobState") in TERMINAL_STATES:
+                break
+            time.sleep(1.0)
+    finally:
+        slurm.run("scancel", job_id, timeout=20)
+    out = _job_logs(logs)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert "SIGUSR1 received: stopped at step" in out, out
+    assert "job requeued" in out and "(restart 1)" in out, out
+    assert "resumed from" in out, out
+    lines = [json.loads(x) for x in metrics.open()]
+    summaries = [x for x in lines if x["event"] == "summary"]
+    assert summaries[0]["preempted"] == "SIGUSR1" and summaries[-1]["preempted"] is None
+    assert summaries[-1]["resumed_from"]
+    ref_step, ref_model = _final_model(ref)
+    step, model = _final_model(runs / f"hpctrain-train-{job_id}")
+    assert step == ref_step == 3 * 65536 // 128
+    for k in ref_model:
+        np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)

@@ -189,6 +189,26 @@ class World:
         with self.watchdog.guard(what):
             return self.comm.gather(obj, root=root)
 
+    def gather_bytes(self, data: np.ndarray, root: int = 0, what: str = "gather bytes"):
+        """Gather one uint8 buffer per rank (any lengths) to `root` without pickle.
+
+        Returns the list of per-rank buffers on `root`, None elsewhere.
+        """
+        buf = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        if self.size == 1:
+            return [buf.copy()]
+        n = np.array([buf.size], dtype=np.int64)
+        counts = np.zeros(self.size, dtype=np.int64) if self.rank == root else None
+        with self.watchdog.guard(what):
+            self.comm.Gather(n, counts, root=root)
+            if self.rank != root:
+                self.comm.Gatherv(buf, None, root=root)
+                return None
+            recv = np.empty(int(counts.sum()), dtype=np.uint8)
+            self.comm.Gatherv(buf, (recv, counts), root=root)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        return [recv[bounds[r] : bounds[r + 1]].copy() for r in range(self.size)]
+
     # --- ending the job ------------------------------------------------------------
     def abort(self, message: str, code: int = 1):
         """Print `message` once from this rank and end every rank of the job now."""

@@ -1,0 +1,164 @@
+"""The data-parallel trainer's checkpoints: what goes in, when, and how a run resumes.
+
+Saving: every rank takes part (its random state is gathered to rank 0 as bytes, and
+BatchNorm statistics are averaged first, so the saved model is what every replica
+agrees on); rank 0 writes. Resuming: rank 0 picks the file (`--resume auto` takes the
+newest that verifies), every rank reads that same file (a shared file system, as for
+the run directory), and any rank's problem with it stops every rank with one message.
+
+Bit-for-bit resume at the same world size follows because everything a step depends
+on is restored or is a pure function of the step: weights, optimizer slots and step
+counter, the data position (samples into the epoch's seeded permutation), the lr
+(a function of the step), and each rank's Python/numpy/framework random state.
+At another world size the sample position carries over (no sample skipped or
+repeated); random streams are re-seeded, which the zoo models do not use in training.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..errors import CheckpointError
+from .manager import Checkpointer, resume_checkpoint
+from .policy import CheckpointPolicy
+from .reader import load, require_compatible
+from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
+
+log = logging.getLogger("hpctrain.checkpoint")
+
+TRAINER_KEYS = ("step", "epoch", "position")
+
+
+class TrainerCheckpoints:
+    """Checkpoint policy + writer bound to one Trainer (world, backend, config)."""
+
+    def __init__(self, trainer):
+        self.trainer = trainer
+        w = trainer.world
+        self.policy = CheckpointPolicy.from_config(trainer.cfg, trainer.run_dir)
+        self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
+        self.disabled_reason = None
+        if self.policy.enabled and w.size > 1 and _has_experts(trainer.backend):
+            # Experts live on different ranks; gathering their optimizer state is not
+            # written yet, and a partial file must never be named as a checkpoint.
+            self.disabled_reason = "expert-parallel MoE runs are not checkpointed yet"
+            log.warning("checkpoints disabled: %s", self.disabled_reason)
+            self.policy.enabled = False
+
+    @property
+    def enabled(self) -> bool:
+        return self.policy.enabled
+
+    # --- saving ---------------------------------------------------------------------
+    def due_locally(self, step: int) -> bool:
+        """This rank's view of the step/time rules (agreed through the step allreduce)."""
+        return self.policy.due(step)
+
+    def maybe_save(self, step: int, agreed_due: bool | None = None, epoch_end=False,
+                   final=False, metrics: dict | None = None) -> bool:
+        """Save when due; every rank calls this with the same arguments."""
+        if agreed_due is not None:
+            agree = lambda _due: agreed_due  # noqa: E731 - decided by the step allreduce
+        else:
+            agree = lambda due: self.trainer.world.any_flag(due, "agree on saving")  # noqa: E731
+        return self.checkpointer.maybe_save(
+            step, lambda: self._collect(metrics), epoch_end=epoch_end, final=final, agree=agree
+        )
+
+    def save_now(self, metrics: dict | None = None) -> Path | None:
+        """Save unconditionally (preemption); returns the path on rank 0 once written."""
+        if not self.enabled:
+            return None
+        payload = self._collect(metrics)
+        if payload is None:
+            return None
+        self.checkpointer.save(self.trainer.state.step, **payload)
+        return self.checkpointer.wait()
+
+    def close(self) -> None:
+        self.checkpointer.wait()
+
+    def _collect(self, metrics: dict | None):
+        """Everything a checkpoint holds; collective (every rank calls it)."""
+        t, w = self.trainer, self.trainer.world
+        t.backend.average_buffers()
+        rng = {**capture_process_rng(), **t.backend.rng_state()}
+        gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
+        if not w.is_root:
+            return None
+        st = t.state
+        return {
+            "state": t.backend.export_state(),
+            "trainer_state": {
+                "step": st.step,
+                "epoch": st.epoch,
+                "position": st.position,
+                "world_size": w.size,
+                "global_batch": t.data.global_batch,
+            },
+            "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered)},
+            "attrs": {
+                "backend": t.cfg.backend,
+                **t.backend.versions(),
+                "world_size": w.size,
+                "config_yaml": t.cfg.to_yaml(),
+            },
+            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        }
+
+    # --- resuming -------------------------------------------------------------------
+    def resume(self, resume: str | None) -> str | None:
+        """Restore from `resume` ('auto', 'never' or a file); returns the file used."""
+        t, w = self.trainer, self.trainer.world
+        if resume is not None:
+            self.policy.resume = resume
+        if self.policy.resume == "never":
+            return None
+        chosen, error = None, None
+        if w.is_root:
+            try:
+                ckpt = resume_checkpoint(self.policy)
+                chosen = str(ckpt.path) if ckpt is not None else None
+            except CheckpointError as exc:
+                error = str(exc)
+        w.agree(error)
+        chosen = w.bcast_object(chosen, what="agree on the checkpoint to resume")
+        if chosen is None:
+            log.info("no checkpoint to resume from in %s: starting fresh", self.policy.dir)
+            return None
+        ckpt, error = None, None
+        try:
+            ckpt = load(chosen)
+            require_compatible(ckpt, t.backend.weight_shapes())
+            t.backend.import_state(ckpt.state)
+            missing = [k for k in TRAINER_KEYS if k not in ckpt.trainer]
+            if missing:
+                raise CheckpointError(f"{chosen}: trainer state lacks {missing}")
+        except CheckpointError as exc:
+            error = str(exc)
+        except (ValueError, KeyError) as exc:
+            error = f"{chosen}: cannot load into this run: {exc}"
+        w.agree(error)
+        st = t.state
+        st.step, st.epoch, st.position = (int(ckpt.trainer[k]) for k in TRAINER_KEYS)
+        saved_size = int(ckpt.trainer.get("world_size", w.size))
+        if saved_size == w.size and w.rank in ckpt.rng:
+            rng = ckpt.rng[w.rank]
+            restore_process_rng(rng)
+            t.backend.set_rng_state(rng)
+        elif saved_size != w.size:
+            log.warning(
+                "resuming a %d-rank checkpoint on %d ranks: continuing at sample %d of epoch "
+                "%d; random streams are re-seeded", saved_size, w.size, st.position, st.epoch
+            )
+        self.policy.mark_saved(st.step)
+        log.info("resumed from %s at step %d (epoch %d, sample %d)", chosen, st.step, st.epoch,
+                 st.position)
+        return chosen
+
+
+def _has_experts(backend) -> bool:
+    from ..strategies.moe.parallel import is_expert_param
+
+    return any(is_expert_param(k) for k in backend.weight_shapes())
