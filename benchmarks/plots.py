@@ -16,6 +16,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 COLORS = {"hpctrain": "tab:blue", "raw_horovod": "tab:orange", "mpi4py": "tab:green"}
 
 
+def _rank_axis(ax, ranks) -> None:
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(ranks))
+    ax.set_xticklabels([str(r) for r in ranks])
+    ax.minorticks_off()
+
+
 def _save(fig, out: Path, name: str) -> str:
     path = out / name
     fig.tight_layout()
@@ -68,7 +75,7 @@ def scaling(data, out: Path, labels: dict) -> list[str]:
                 if over:
                     cores = min(over)
             for ax in (ax_t, ax_e):
-                ax.set_xscale("log", base=2)
+                _rank_axis(ax, data["plan"]["ranks"])
                 ax.set_xlabel("ranks (1 thread each)")
                 ax.grid(True, alpha=0.3)
                 if cores:
@@ -128,7 +135,7 @@ def projection(data, out: Path) -> list[str]:
         for ax, model in zip(axes[0], models):
             for mode, effs in proj["models"][model].items():
                 ax.plot(proj["ranks"], [100 * e for e in effs], marker=".", label=mode)
-            ax.set_xscale("log", base=2)
+            _rank_axis(ax, [r for r in proj["ranks"] if r in (1, 4, 16, 64, 256, 512)])
             ax.set_ylim(0, 105)
             ax.axhline(90, color="gray", ls=":", lw=1)
             ax.set_xlabel("ranks")
@@ -139,3 +146,30 @@ def projection(data, out: Path) -> list[str]:
         fig.suptitle(f"Weak-scaling projection: {name}", fontsize=11)
         files.append(_save(fig, out, f"projection_{i}.png"))
     return files
+
+
+def published_check(rows: list[dict], out: Path) -> list[str]:
+    """The model's no-overlap..overlap range per published Horovod figure, and the figure."""
+    fig, ax = plt.subplots(figsize=(8, 3.8))
+    labels = []
+    for i, r in enumerate(rows):
+        p = r["predicted"]
+        lo, hi = p["fusion, no overlap"], p["fusion + overlap"]
+        ax.plot(
+            [i, i],
+            [100 * lo, 100 * hi],
+            color="tab:blue",
+            lw=6,
+            alpha=0.5,
+            label="model: fusion, no overlap .. + overlap" if i == 0 else None,
+        )
+        ax.plot(i, 100 * r["published"], "r*", ms=12, label="published" if i == 0 else None)
+        labels.append(f"{r['model']}\n{r['ranks']} {r['network']}")
+    ax.set_xticks(range(len(rows)))
+    ax.set_xticklabels(labels, fontsize=8)
+    ax.set_ylabel("efficiency %")
+    ax.set_ylim(0, 105)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    ax.set_title("α–β model vs Horovod's published scaling (assumed P100 step times)")
+    return [_save(fig, out, "projection_published.png")]

@@ -122,3 +122,17 @@ def test_crossover():
     assert (
         ab.crossover_ranks(ab.Workload("tiny", 1.0, [4.0]), 0.0, 1e-9, "fusion, no overlap") is None
     )
+
+
+def test_implied_step_inverts_efficiency():
+    w = ab.Workload.uniform("vgg", 0.25, 138e6, 32)
+    a, b = ab.NETWORKS["25GbE-RoCE"]["alpha"], ab.NETWORKS["25GbE-RoCE"]["beta"]
+    for mode in ("fusion, no overlap", "fusion + overlap"):
+        step = ab.implied_step(w, 512, a, b, mode, 0.68)
+        back = ab.efficiency(ab.Workload("vgg", step, w.tensor_bytes), 512, a, b, mode)
+        assert back == pytest.approx(0.68, rel=1e-6)
+    # overlap hides communication, so it reaches 68% with a shorter step
+    assert ab.implied_step(w, 512, a, b, "fusion + overlap", 0.68) < ab.implied_step(
+        w, 512, a, b, "fusion, no overlap", 0.68
+    )
+    assert ab.implied_step(w, 512, a, b, "fusion, no overlap", 1.5) is None

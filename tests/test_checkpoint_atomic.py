@@ -74,7 +74,11 @@ def test_kill_9_from_outside_at_random_moments(tmp_path):
     """A writer saving 8 MB checkpoints back to back is killed at random times."""
     rnd = random.Random(1234)
     seen_steps, mid_write = set(), 0
-    for round_ in range(6):
+    # At least 6 rounds, and on until 2 kills have landed inside a write (how often a
+    # random moment does depends on the machine's load; 20 rounds is the limit).
+    for round_ in range(20):
+        if round_ >= 6 and mid_write >= 2:
+            break
         job = run_writer(tmp_path, 1000 * (round_ + 1), 50, 8.0)
         # wait for the first save, then kill somewhere inside a later one
         assert job.stdout.readline().startswith("saved"), "writer did not start"
@@ -90,4 +94,4 @@ def test_kill_9_from_outside_at_random_moments(tmp_path):
         assert len(left) <= 1
         mid_write += bool(left)
     assert len(seen_steps) >= 6
-    assert mid_write >= 2, "the kills should mostly land inside a write"
+    assert mid_write >= 2, "no kill landed inside a write in 20 rounds"

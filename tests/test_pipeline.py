@@ -182,3 +182,56 @@ def test_bad_pipeline_input_is_reported_on_every_rank(tmp_path, np_, overrides, 
     job = mpirun(np_, *args, timeout=120)
     assert job.returncode == 2, job.output
     assert job.output.count(message) == np_, job.output
+
+
+# --- checkpoints -----------------------------------------------------------------------------
+# Global batch 16 both ways: pipeline 2 stages x (4 x 4 micro-batches); data parallel 2 x 8.
+CKPT = [
+    *MODEL,
+    "optimizer.name=adam",
+    "optimizer.lr=0.01",
+    "train.epochs=1",  # 256 / 16 = 16 steps
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=null",
+]
+PIPE2 = ["strategy=pipeline", "pipeline.stages=2", "train.batch_size=4", "pipeline.microbatches=4"]
+
+
+def _train(run, *overrides, resume=None):
+    args = ["train", "--run-dir", str(run)] + (["--resume", resume] if resume else [])
+    for o in [*CKPT, *overrides]:
+        args += ["--set", o]
+    job = mpirun(2, HPCTRAIN, *args, timeout=120)
+    assert job.returncode == 0, job.output
+    return job
+
+
+def test_pipeline_checkpoints_resume_exactly_and_move_to_and_from_data_parallel(tmp_path):
+    from hpctrain.checkpoint import list_checkpoints, load
+
+    def final(run):
+        return load(run / "checkpoints" / "ckpt-00000016.h5")
+
+    ref, part, dp = tmp_path / "ref", tmp_path / "part", tmp_path / "dp"
+    _train(ref, *PIPE2)
+    _train(part, *PIPE2, "train.max_steps=6")
+    assert [s for s, _ in list_checkpoints(part / "checkpoints")] == [4, 6]
+    job = _train(part, *PIPE2, resume="auto")
+    assert "resumed from" in job.output and "ckpt-00000006.h5" in job.output, job.output
+    want, got = final(ref), final(part)
+    assert got.state.keys() == want.state.keys()
+    for k in want.state:  # same stages, same order of operations: bit for bit
+        np.testing.assert_array_equal(got.state[k], want.state[k], err_msg=k)
+    # A pipeline checkpoint continues as data-parallel training (2 ranks x batch 8)...
+    job = _train(dp, "train.batch_size=8", resume=str(part / "checkpoints" / "ckpt-00000004.h5"))
+    assert "resumed from" in job.output, job.output
+    dp_final = final(dp)
+    assert dp_final.model_weights().keys() == want.model_weights().keys()
+    for k, v in want.model_weights().items():
+        np.testing.assert_allclose(dp_final.model_weights()[k], v, rtol=0, atol=1e-5, err_msg=k)
+    # ...and a data-parallel checkpoint continues as a pipeline.
+    back = tmp_path / "back"
+    job = _train(back, *PIPE2, resume=str(dp / "checkpoints" / "ckpt-00000008.h5"))
+    assert "resumed from" in job.output, job.output
+    for k, v in want.model_weights().items():
+        np.testing.assert_allclose(final(back).model_weights()[k], v, rtol=0, atol=1e-5, err_msg=k)

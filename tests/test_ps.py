@@ -1,7 +1,8 @@
 """The parameter server: sharding and optimizer math in-process, the protocol under real
 mpirun (3 and 4 ranks): sync equals data-parallel SGD, async/bounded converge, staleness
 is scaled and rejected as configured, a silent worker is dropped (async) or ends the job
-(sync), and impossible layouts are refused on every rank."""
+(sync), impossible layouts are refused on every rank, and checkpoints resume bit for bit
+(sync) and continue as data-parallel training."""
 
 import json
 import zlib
@@ -243,3 +244,61 @@ def test_more_servers_than_ranks_is_refused_on_every_rank(tmp_path):
     )
     assert job.returncode == 2, job.output
     assert job.output.count("ps.servers=2 leaves no worker in a job of 2 rank(s)") == 2, job.output
+
+
+# --- checkpoints ----------------------------------------------------------------------
+RESUME = [
+    *[o for o in SMALL if not o.startswith("train.max_steps")],
+    "optimizer.name=adam",
+    "train.epochs=1",  # 512 / (16 x 2 workers) = 16 steps
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=null",
+]
+
+
+def _cli(cmd, run, *overrides, resume=None, np_=3):
+    args = [cmd, "--run-dir", str(run)]
+    if resume:
+        args += ["--resume", resume]
+    for o in overrides:
+        args += ["--set", o]
+    job = mpirun(np_, HPCTRAIN, *args, timeout=120)
+    assert job.returncode == 0, job.output
+    return job
+
+
+def test_sync_ps_resumes_bit_for_bit_and_its_checkpoint_continues_data_parallel(tmp_path):
+    from hpctrain.checkpoint import list_checkpoints, load, verify
+
+    ref, run = tmp_path / "ref", tmp_path / "run"
+    _cli("ps", ref, *RESUME)
+    # Interrupted: 7 steps (saves at 3, 6 by the policy, 7 at the end), then resumed
+    # through `hpctrain train` with the strategy in the config.
+    _cli("ps", run, *RESUME, "train.max_steps=7")
+    assert [s for s, _ in list_checkpoints(run / "checkpoints")] == [3, 6, 7]
+    job = _cli("train", run, *RESUME, "strategy=parameter_server", resume="auto")
+    assert "resumed from" in job.output and "ckpt-00000007.h5" in job.output, job.output
+    steps = [s for s, _ in list_checkpoints(run / "checkpoints")]
+    assert steps == [3, 6, 7, 9, 12, 15, 16]
+    for _, path in list_checkpoints(run / "checkpoints"):
+        verify(path)  # what `hpctrain ckpt verify` checks
+    want = load(ref / "checkpoints" / "ckpt-00000016.h5")
+    got = load(run / "checkpoints" / "ckpt-00000016.h5")
+    assert got.state.keys() == want.state.keys()
+    assert {"model/fc1.weight", "optimizer/exp_avg/fc1.weight", "optimizer/step"} <= set(got.state)
+    for k in want.state:  # sync PS sums gradients in worker order: deterministic
+        np.testing.assert_array_equal(got.state[k], want.state[k], err_msg=k)
+    assert got.trainer["step"] == 16 and got.trainer["ps_version_0"] == 16
+    # A PS checkpoint (2 workers) continues as 2-rank data-parallel training: same
+    # names, same Adam slots, same data position; the end equals the PS run's end.
+    mid = run / "checkpoints" / "ckpt-00000006.h5"
+    out = tmp_path / "dp-resumed.npz"
+    args = [str(out), "--run-dir", str(tmp_path / "dprun"), "--resume", str(mid)]
+    job = mpirun(2, PYTHON, DP_SCRIPT, *args, *sum((["--set", o] for o in RESUME), []), timeout=120)
+    assert job.returncode == 0, job.output
+    assert "resumed from" in job.output and "ckpt-00000006.h5" in job.output
+    with np.load(out) as f:
+        resumed = {k: f[k] for k in f.files}
+    final = want.model_weights()
+    for k in final:
+        np.testing.assert_allclose(resumed[k], final[k], rtol=0, atol=1e-5, err_msg=k)

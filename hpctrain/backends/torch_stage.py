@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from .base import OPTIMIZER_SLOTS
 from .torch import ZooNet
 
 
@@ -163,6 +164,49 @@ class TorchStage:
         with torch.no_grad():
             for key, tensor in self.net.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """This stage's part of a checkpoint, in the data-parallel backend's layout."""
+        state = {f"model/{k}": v for k, v in self.get_weights().items()}
+        kind, step = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam", 0
+        for name, param in self.net.named_parameters():
+            st = self.opt.state.get(param, {})
+            for slot in OPTIMIZER_SLOTS[kind]:
+                value = st.get(slot)
+                state[f"optimizer/{slot}/{name}"] = (
+                    np.zeros(tuple(param.shape), np.float32)
+                    if value is None
+                    else value.detach().numpy().copy()
+                )
+            if "step" in st:
+                step = int(float(st["step"]))
+        if kind == "adam":
+            state["optimizer/step"] = np.array(step, dtype=np.int64)
+        return state
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
+        self.set_weights(
+            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+        )
+        kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
+        step = int(state.get("optimizer/step", 0))
+        for name, param in self.net.named_parameters():
+            st = self.opt.state[param]
+            for slot in OPTIMIZER_SLOTS[kind]:
+                key = f"optimizer/{slot}/{name}"
+                if key not in state:
+                    raise ValueError(f"optimizer state {key} missing")
+                st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
+            if kind == "adam":
+                st["step"] = torch.tensor(float(step))
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {"torch": torch.get_rng_state().numpy().copy()}
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        if "torch" in state:
+            torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
 
 
 def _loss(logits, y):

@@ -25,6 +25,8 @@ import numpy as np
 from .. import runtime
 from ..backends.base import cross_entropy_np
 from ..backends.horovod_env import apply_horovod_env
+from ..checkpoint.rng import capture_process_rng, rng_from_bytes, rng_to_bytes
+from ..checkpoint.session import TrainerCheckpoints
 from ..config import Config
 from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, iterate_val
 from ..data.sharded import val_block
@@ -36,6 +38,7 @@ from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
 from ..pipeline.schedule import bubble_theory, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import pipeline_grid
+from ..runtime.preemption import Preemption
 from ..schedule import lr_at
 from ..trainer import TrainState, default_run_dir, prepare_dataset, prepare_process
 
@@ -67,6 +70,7 @@ class PipelineTrainer:
         run_dir: str | Path | None = None,
         verbose: bool = False,
         layers: list[zoo.LayerSpec] | None = None,
+        resume: str | None = None,
     ):
         self.cfg = cfg
         self.world = w = prepare_process(cfg)
@@ -117,6 +121,7 @@ class PipelineTrainer:
         )
         weights = zoo.init_weights(self.layers, tcfg["seed"])
         self.canonical_names = list(weights)
+        self.canonical_shapes = {k: tuple(v.shape) for k, v in weights.items()}
         self.counts = self._partition(mod, weights, inp)
         start, stop = stage_bounds(self.counts)[g.stage]
         stage_cls = mod.TorchStage if cfg.backend == "torch" else mod.TensorFlowStage
@@ -137,6 +142,9 @@ class PipelineTrainer:
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * b * (inp.shape[0] if inp.tokens else 1)
         self.state = TrainState()
+        self.backend = _StageBackend(self)  # what TrainerCheckpoints asks of a backend
+        self.checkpoints = PipelineCheckpoints(self)
+        self.resumed_from = self.checkpoints.resume(resume)
         self.steps_per_epoch = self.data.steps_per_epoch
         total = self.steps_per_epoch * tcfg["epochs"]
         self.total_steps = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
@@ -195,6 +203,8 @@ class PipelineTrainer:
         t_start = time.perf_counter()
         samples_done, busy_total, wall_total, last_eval = 0, np.zeros(self.stages), 0.0, {}
         busy_wall = np.zeros(self.stages)
+        preempted = None
+        pre = Preemption().install()
         try:
             while st.step < self.total_steps and st.epoch < cfg.train["epochs"]:
                 epoch_loss, epoch_count = 0.0, 0
@@ -207,7 +217,8 @@ class PipelineTrainer:
                     lr = lr_at(
                         st.step, cfg.optimizer, g.replicas, self.steps_per_epoch, self.total_steps
                     )
-                    totals, busy, wall = self._train_step(batch, lr)
+                    save_due = self.checkpoints.due_locally(st.step + 1)
+                    totals, busy, wall, flags = self._train_step(batch, lr, pre.requested, save_due)
                     dt = time.perf_counter() - t0
                     st.step += 1
                     st.position += self.data.global_batch
@@ -233,8 +244,14 @@ class PipelineTrainer:
                             bubble_fraction=float(np.mean(1 - busy / wall)),
                         )
                     progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
+                    if flags[0] > 0:  # a rank was signalled: every rank stops here
+                        preempted = self._preempt(pre, progress)
+                        break
+                    self.checkpoints.maybe_save(st.step, agreed_due=bool(flags[1]))
                     if st.step >= self.total_steps:
                         break
+                if preempted:
+                    break
                 epoch_done = self.data.steps_left(st.position) == 0
                 if epoch_done or st.step >= self.total_steps:
                     last_eval = {"loss": epoch_loss / max(1, epoch_count)}
@@ -246,7 +263,12 @@ class PipelineTrainer:
                 if epoch_done:
                     st.epoch += 1
                     st.position = 0
+                    self.checkpoints.maybe_save(st.step, epoch_end=True, metrics=last_eval)
+            if not preempted:
+                self.checkpoints.maybe_save(st.step, final=True, metrics=last_eval)
+            self.checkpoints.close()
         finally:
+            pre.uninstall()
             progress.close()
         elapsed = time.perf_counter() - t_start
         peaks = np.zeros(self.stages, dtype=np.int64)
@@ -272,6 +294,8 @@ class PipelineTrainer:
             "bubble_fraction": float(np.mean(1 - busy_total / np.maximum(busy_wall, 1e-12))),
             "bubble_theory": bubble_theory(self.stages, self.micro),
             "stage_peak_microbatches": [int(v) for v in peaks],
+            "resumed_from": self.resumed_from,
+            "preempted": preempted,
             **last_eval,
         }
         self.metrics.write("summary", epoch=st.epoch, step=st.step, **summary)
@@ -280,8 +304,25 @@ class PipelineTrainer:
             log.info("done: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
         return summary
 
-    def _train_step(self, batch, lr: float):
-        """One optimizer step on this rank; returns the world's summed step numbers."""
+    def _preempt(self, pre: Preemption, progress) -> str:
+        """Every rank got here at the same step: checkpoint, then ask SLURM to requeue."""
+        w = self.world
+        names = w.gather_object(pre.signal_name, what="gather preemption signals")
+        signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
+        path = self.checkpoints.save_now()
+        if w.is_root:
+            where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
+            progress.message(f"{signal} received: stopped at step {self.state.step}, {where}")
+            if path is not None and pre.requeue():
+                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
+        w.barrier("preemption checkpoint written")
+        return w.bcast_object(signal, what="agree on the preemption signal")
+
+    def _train_step(self, batch, lr: float, preempt: bool = False, save_due: bool = False):
+        """One optimizer step on this rank; returns the world's summed step numbers.
+
+        The same allreduce carries every rank's preemption flag and time-based
+        checkpoint wish (the last two values), so all ranks act at the same step."""
         g, P = self.grid, self.stages
         timing = run_step(self.stage, self.link, self.actions, batch, self.micro, 1.0 / self.terms)
         loss_sum, correct = self.stage.take_stats()
@@ -295,11 +336,12 @@ class PipelineTrainer:
             coef = min(float(clip) / (math.sqrt(sq[0]) + 1e-6), 1.0)
         self.stage.apply(lr, coef)
         bad = 0.0 if math.isfinite(loss_sum) else 1.0
-        local = np.zeros(4 + 2 * P)
+        local = np.zeros(6 + 2 * P)
         if g.last:
             local[:4] = (0.0 if bad else loss_sum, correct, self.terms, bad)
         local[4 + g.stage] = timing.busy
         local[4 + P + g.stage] = timing.wall
+        local[4 + 2 * P :] = (float(preempt), float(save_due))
         totals = self.world.allreduce_array(local, "sum", "pipeline step metrics")
         if totals[3] > 0 and self.cfg.train["nan_check"]:
             exc = TrainingDiverged(
@@ -309,8 +351,8 @@ class PipelineTrainer:
             exc.agreed = True
             raise exc
         busy = totals[4 : 4 + P] / g.replicas
-        wall = totals[4 + P :] / g.replicas
-        return totals[:4], busy, wall
+        wall = totals[4 + P : 4 + 2 * P] / g.replicas
+        return totals[:4], busy, wall, totals[4 + 2 * P :]
 
     def evaluate(self) -> dict:
         """Validation through the pipeline (eval mode), each replica on its own block."""
@@ -362,3 +404,85 @@ class PipelineTrainer:
         if missing:
             raise ValueError(f"weights do not match the model: missing {missing}")
         self.stage.set_weights(weights)
+
+
+# --- checkpoints --------------------------------------------------------------------
+class _StageBackend:
+    """The backend surface TrainerCheckpoints uses, for a pipeline: the full canonical
+    model is described on every rank, and each rank imports only its stage's part."""
+
+    def __init__(self, trainer: PipelineTrainer):
+        self.t = trainer
+
+    def weight_shapes(self) -> dict[str, tuple]:
+        return dict(self.t.canonical_shapes)
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        self.t.stage.import_state(state)
+
+    def average_buffers(self) -> None:
+        self.t.stage.average_buffers()
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return self.t.stage.rng_state()
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        self.t.stage.set_rng_state(state)
+
+    def versions(self) -> dict[str, str]:
+        import horovod
+
+        name = "torch" if self.t.cfg.backend == "torch" else "tensorflow"
+        framework = importlib.import_module(name)
+        return {"framework": f"{name} {framework.__version__}", "horovod": horovod.__version__}
+
+
+class PipelineCheckpoints(TrainerCheckpoints):
+    """The data-parallel trainer's policy, files and resume, with the state gathered
+    from the stages: replica 0's stages send their tensors and optimizer slots to rank 0,
+    which writes them under canonical names (`/model/<name>` exactly as a data-parallel
+    run writes them), so checkpoints move between the two strategies both ways."""
+
+    def _collect(self, metrics: dict | None):
+        t, w = self.trainer, self.trainer.world
+        t.stage.average_buffers()
+        rng = {**capture_process_rng(), **t.stage.rng_state()}
+        gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
+        mine = t.stage.export_state() if t.grid.replica == 0 else None
+        parts = w.gather_object(mine, what="gather pipeline state")
+        if not w.is_root:
+            return None
+        merged: dict[str, np.ndarray] = {}
+        steps = []
+        for part in parts:
+            for k, v in (part or {}).items():
+                if k == "optimizer/step":
+                    steps.append(int(v))
+                else:
+                    merged[k] = v
+        state = {f"model/{k}": merged[f"model/{k}"] for k in t.canonical_names}
+        for key in sorted(k for k in merged if k.startswith("optimizer/")):
+            state[key] = merged[key]
+        if steps:  # every stage steps once per optimizer step: all equal
+            state["optimizer/step"] = np.array(max(steps), dtype=np.int64)
+        st = t.state
+        return {
+            "state": state,
+            "trainer_state": {
+                "step": st.step,
+                "epoch": st.epoch,
+                "position": st.position,
+                "world_size": w.size,
+                "global_batch": t.data.global_batch,
+            },
+            "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered)},
+            "attrs": {
+                "backend": t.cfg.backend,
+                **t.backend.versions(),
+                "strategy": "pipeline",
+                "pipeline_stages": t.stages,
+                "world_size": w.size,
+                "config_yaml": t.cfg.to_yaml(),
+            },
+            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
+        }

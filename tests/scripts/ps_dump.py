@@ -1,6 +1,6 @@
 """Train with the parameter server and dump worker 0's final weights (pickle-free npz).
 
-usage: ps_dump.py OUT.npz [--set key=value ...]   (strategy is set to parameter_server)
+usage: ps_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key=value ...]   (strategy is set to parameter_server)
 Every worker checks that it holds the same final weights (allreduce MIN = MAX of
 checksums over all ranks; servers contribute the workers' values through worker 0).
 """
@@ -15,9 +15,18 @@ from hpctrain.strategies.ps.runner import ParameterServerRunner
 
 
 def main():
-    out, overrides = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
+    out, rest = sys.argv[1], sys.argv[2:]
+    opts = {}
+    for flag in ("--resume", "--run-dir"):
+        if flag in rest:
+            i = rest.index(flag)
+            opts[flag] = rest[i + 1]
+            del rest[i : i + 2]
+    overrides = [a for a in rest if a != "--set"]
     runner = ParameterServerRunner(
-        Config.load(None, [*overrides, "strategy=parameter_server"]), run_dir=out + ".run"
+        Config.load(None, [*overrides, "strategy=parameter_server"]),
+        run_dir=opts.get("--run-dir", out + ".run"),
+        resume=opts.get("--resume"),
     )
     runner.fit()
     w = runner.world

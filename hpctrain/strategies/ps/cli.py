@@ -26,6 +26,13 @@ def register(subparsers) -> dict:
     _add_config_args(p)
     p.add_argument("--run-dir", metavar="DIR", help="output directory")
     p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
+    p.add_argument(
+        "--resume",
+        metavar="auto|never|FILE",
+        help="continue from a checkpoint (a parameter-server or data-parallel one): 'auto' "
+        "takes the newest valid one in the checkpoint directory, FILE that one "
+        "(default: checkpoint.resume)",
+    )
     return {"ps": _cmd_ps}
 
 
@@ -35,5 +42,5 @@ def _cmd_ps(args) -> int:
 
     args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
-    ParameterServerRunner(cfg, run_dir=args.run_dir, verbose=args.verbose).fit()
+    ParameterServerRunner(cfg, run_dir=args.run_dir, verbose=args.verbose, resume=args.resume).fit()
     return 0

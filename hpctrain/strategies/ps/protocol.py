@@ -1,7 +1,7 @@
 """The wire format between workers and servers, and waiting without burning a core.
 
 Every message is a numpy buffer sent with mpi4py's upper-case (buffer) API, never a
-pickle. A data message is one uint8 buffer: a fixed 64-byte header of int64/float64
+pickle. A data message is one uint8 buffer: a fixed 128-byte header of int64/float64
 fields followed by the float32 payload, both numpy views of the same memory, so a push
 or a reply is a single MPI message with no copy. Control messages are 8 int64s.
 
@@ -26,10 +26,15 @@ TAG_PUSH, TAG_PULL, TAG_CTRL, TAG_REPLY = 7101, 7102, 7103, 7104
 HEARTBEAT, DONE = 1, 2  # CTRL ops
 OK, REJECTED, STOPPED = 0, 1, 2  # REPLY status
 
-HEADER_BYTES = 64
-# int64 header fields (index into the 8-int64 header view)
+HEADER_BYTES = 128
+# int64 header fields (index into the 16-int64 header view)
 H_WORKER, H_VERSION, H_STEP, H_STATUS, H_STALENESS, H_PUSHES, H_REJECTED = range(7)
-H_LR = 7  # float64 in the last slot (a reply's learning rate)
+H_LR = 7  # float64 (a reply's learning rate)
+H_FLAGS = 8  # push: what this worker asks for; reply: what every rank does after this step
+# H_FLAGS bits. A push carries its worker's wish (a checkpoint is due by its clock, or it
+# got a preemption signal); in sync mode the server ORs the wishes of one version's pushes
+# and returns the result in every reply of that version, so all ranks act at the same step.
+FLAG_SAVE, FLAG_PREEMPT = 1, 2
 
 
 class Message:

@@ -7,6 +7,15 @@ on them. Worker w reads exactly the rows data-parallel rank w of a `workers`-ran
 reads (the same `ShardedTrainData`), which is what makes sync mode comparable with
 allreduce training step for step. At the end the servers broadcast their shards, the
 workers evaluate, rank 0 (worker 0) writes metrics.jsonl and a final HDF5 checkpoint.
+
+Checkpoints use the data-parallel trainer's names and layout (`ckpt-<step>.h5`,
+`/model/<canonical name>`, `/optimizer/<slot>/<name>`, trainer step/epoch/position), so
+`hpctrain ckpt verify` reads them and `hpctrain train --resume FILE` continues from one
+with data parallelism (and a data-parallel checkpoint resumes here). Sync mode saves on
+the `checkpoint:` policy at a step every rank agrees on (the wishes travel in the push
+and reply headers, see protocol.py) and resumes bit for bit; async/bounded save at the
+end of the run and when preempted. On preemption (SIGUSR1/SIGTERM on any rank) every
+worker stops after its next exchange, the run saves, and rank 0 requeues the job.
 """
 
 from __future__ import annotations
@@ -20,10 +29,20 @@ import numpy as np
 
 from ... import runtime
 from ...backends import BACKENDS
+from ...backends.base import OPTIMIZER_SLOTS
+from ...checkpoint import Checkpointer, CheckpointPolicy, load, resume_checkpoint
+from ...checkpoint.reader import check_compatible
+from ...checkpoint.rng import (
+    capture_process_rng,
+    restore_process_rng,
+    rng_from_bytes,
+    rng_to_bytes,
+)
 from ...data import ShardedTrainData, iterate_val, prepare_dataset
-from ...errors import ConfigError
+from ...errors import CheckpointError, ConfigError
 from ...metrics import MetricsWriter
 from ...models import zoo
+from ...runtime.preemption import Preemption
 from ...schedule import lr_at
 from ...trainer import default_run_dir, prepare_process
 from . import protocol as P
@@ -72,9 +91,15 @@ def _make_model(backend: str, cfg, inp, threads: int, rank: int):
 
 
 class ParameterServerRunner:
-    """Same surface as Trainer: `(cfg, run_dir, verbose)`, then `fit() -> summary`."""
+    """Same surface as Trainer: `(cfg, run_dir, verbose, resume)`, then `fit() -> summary`."""
 
-    def __init__(self, cfg, run_dir: str | Path | None = None, verbose: bool = False):
+    def __init__(
+        self,
+        cfg,
+        run_dir: str | Path | None = None,
+        verbose: bool = False,
+        resume: str | None = None,
+    ):
         self.cfg = cfg
         w = self.world = prepare_process(cfg)
         runtime.setup_logging(w.rank, w.size, verbose)
@@ -96,6 +121,8 @@ class ParameterServerRunner:
         layers = zoo.build_layers(cfg.model, inp)
         init = zoo.init_weights(layers, tcfg["seed"])
         self.shapes = OrderedDict((n, init[n].shape) for n in zoo.param_names(layers))
+        # every tensor a data-parallel checkpoint holds (parameters and buffers), in order
+        self.model_shapes = OrderedDict((k, tuple(v.shape)) for k, v in init.items())
         self.plan = plan_shards(self.shapes, self.n_servers, cfg.ps["chunk_bytes"])
         global_batch = tcfg["batch_size"] * tcfg["grad_accum"] * self.n_workers
         self.steps_per_epoch = self.dataset.train_size // global_batch
@@ -133,6 +160,17 @@ class ParameterServerRunner:
                 cfg.data["prefetch"],
             )
         w.agree(error)
+        self.policy = CheckpointPolicy.from_config(cfg, self.run_dir)
+        self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
+        if self.policy.enabled and cfg.ps["mode"] != "sync" and self.policy.every_steps:
+            log.warning(
+                "ps.mode=%s: checkpoints are written at the end of the run (and on "
+                "preemption) only; checkpoint.every_steps needs ps.mode=sync",
+                cfg.ps["mode"],
+            )
+        self.start = (0, 0, 0)  # (step, epoch, position)
+        self.server_state = None  # a server's restored shard state
+        self.resumed_from = self._resume(resume)
         log.info(
             "parameter server (%s): %d server(s), %d worker(s), %d tensors in %d chunks, "
             "%d steps per worker, run dir %s",
@@ -185,36 +223,75 @@ class ParameterServerRunner:
         w, cfg = self.world, self.cfg
         w.barrier("parameter server: every rank ready")
         t0 = time.perf_counter()
-        if self.is_server:
-            self.server = Server(
-                w, self.index, list(range(self.n_workers)), self.params, cfg, self.lr_of
+        pre = Preemption().install()
+        preempted = False
+        try:
+            if self.is_server:
+                self.server = Server(
+                    w, self.index, list(range(self.n_workers)), self.params, cfg, self.lr_of,
+                    preemption=pre, on_checkpoint=lambda _s: self._save_in_loop(),
+                )  # fmt: skip
+                if self.server_state is not None:
+                    self.server.opt.load(self.server_state["opt"])
+                    self.server.version = self.server_state["version"]
+                stats = self.server.run()
+                preempted = bool(self.server.sticky_flags & P.FLAG_PREEMPT) or pre.requested
+            else:
+                self.worker = Worker(
+                    w,
+                    self.index,
+                    self.server_ranks,
+                    self.plan,
+                    self.model,
+                    self.data,
+                    cfg,
+                    self.total_steps,
+                    self._on_step,
+                    start=self.start,
+                    wants_save=lambda step, end: self.policy.due(step, epoch_end=end),
+                    preemption=pre,
+                    on_checkpoint=lambda wk: self._save_in_loop(wk),
+                )
+                stats = self.worker.run()
+                preempted = self.worker.preempted
+            # Finished ranks (and a worker a test hook silenced) wait here without spinning.
+            P.wait_all(w.MPI, [w.comm.Ibarrier()], P.Backoff(0.01))
+            elapsed = time.perf_counter() - t0
+            preempted = w.any_flag(preempted, "agree on preemption")
+            final = self._final_weights()
+            result = {} if preempted else self._evaluate(final)
+            everyone = w.gather_object(stats, what="parameter server statistics")
+            workers = [s for s in everyone if "worker" in s] if w.is_root else []
+            position = self._position_of(self.worker) if not self.is_server else None
+            step, epoch, pos = w.bcast_object(
+                (max(s["steps"] for s in workers), *position) if w.is_root else None,
+                what="agree on the final step",
             )
-            stats = self.server.run()
-        else:
-            stats = Worker(
-                w,
-                self.index,
-                self.server_ranks,
-                self.plan,
-                self.model,
-                self.data,
-                cfg,
-                self.total_steps,
-                self._on_step,
-            ).run()
-        # Finished ranks (and a worker a test hook silenced) wait here without spinning.
-        P.wait_all(w.MPI, [w.comm.Ibarrier()], P.Backoff(0.01))
-        elapsed = time.perf_counter() - t0
-        final = self._final_weights()
-        result = self._evaluate(final)
-        everyone = w.gather_object(stats, what="parameter server statistics")
-        state = self._gather_state(final)
-        summary = None
-        if w.is_root:
-            summary = self._report(everyone, result, elapsed)
-            self._checkpoint(state, everyone, summary)
+            summary = None
+            if w.is_root:
+                summary = self._report(everyone, result, elapsed)
+                summary["resumed_from"] = self.resumed_from
+                summary["preempted"] = preempted
+            metrics = {k: v for k, v in result.items() if k in ("val_loss", "val_accuracy")}
+            self.checkpointer.maybe_save(
+                step,
+                lambda: self._collect(step, epoch, pos, metrics, average_buffers=False),
+                final=True,
+                agree=lambda due: due,  # the same policy state on every rank
+            )
+            path = self.checkpointer.wait()
+            if preempted and w.is_root:
+                log.warning("preempted: stopped at step %d, checkpoint %s", step, path)
+                if path is not None and pre.requeue():
+                    log.warning("job requeued: it resumes from this checkpoint (--resume auto)")
+        finally:
+            pre.uninstall()
         self.metrics.close()
         return w.bcast_object(summary, what="parameter server summary")
+
+    @staticmethod
+    def _position_of(worker) -> tuple[int, int]:
+        return (worker.epoch, worker.position)
 
     def _final_weights(self) -> dict[str, np.ndarray] | None:
         """Every server broadcasts its shard; workers assemble the full parameters."""
@@ -229,17 +306,25 @@ class ParameterServerRunner:
             with w.watchdog.guard("parameter server: final parameters"):
                 w.comm.Bcast(buf, root=root)
             self.plan.scatter(s, buf, full)
+        buffers = self._average_buffers()  # BatchNorm statistics stay per worker
         if self.is_server:
             return None
         self.model.set_params(full)
-        buffers = self.model.get_buffers()
-        for v in buffers.values():  # BatchNorm statistics stay per worker: average them
-            with w.watchdog.guard("parameter server: average buffers"):
-                self.role_comm.Allreduce(w.MPI.IN_PLACE, v, op=w.MPI.SUM)
-            v /= self.n_workers
-        self.model.set_buffers(buffers)
         self.final_weights = {**full, **buffers}
         return self.final_weights
+
+    def _average_buffers(self) -> dict[str, np.ndarray]:
+        """Workers average their buffers and keep the mean (every rank calls this: the
+        watchdog's guard is entered by all ranks; servers return {})."""
+        w = self.world
+        buffers = {} if self.is_server else self.model.get_buffers()
+        with w.watchdog.guard("parameter server: average buffers"):
+            for v in buffers.values():
+                self.role_comm.Allreduce(w.MPI.IN_PLACE, v, op=w.MPI.SUM)
+                v /= self.n_workers
+        if buffers:
+            self.model.set_buffers(buffers)
+        return buffers
 
     def _evaluate(self, final) -> dict:
         sums = np.zeros(3)
@@ -256,33 +341,6 @@ class ParameterServerRunner:
             "val_accuracy": total[1] / total[2],
             "val_samples": int(total[2]),
         }
-
-    def _gather_state(self, final) -> dict | None:
-        """Optimizer slots from every server to rank 0 (buffer API, no pickle)."""
-        w = self.world
-        slots = {}
-        for s, root in enumerate(self.server_ranks):
-            opt_state = self.server.opt.state() if self.is_server and self.index == s else None
-            names = sorted(k for k in (opt_state or {}) if k != "step")
-            names = w.bcast_object(names, root=root, what="optimizer slot names")
-            for name in names:
-                buf = opt_state[name] if opt_state is not None else None
-                if w.rank == root and root != 0:
-                    w.comm.Send(buf, dest=0, tag=P.TAG_CTRL + 100)
-                elif w.rank == 0:
-                    buf = np.empty(self.plan.server_size(s), np.float32)
-                    w.comm.Recv(buf, source=root, tag=P.TAG_CTRL + 100)
-                if w.rank == 0:
-                    full = slots.setdefault(
-                        name, {k: np.zeros(v, np.float32) for k, v in self.shapes.items()}
-                    )
-                    self.plan.scatter(s, buf, full)
-        if w.rank != 0:
-            return None
-        state = {f"model/{k}": v for k, v in final.items()}
-        for name, arrays in slots.items():
-            state.update({f"optimizer/{name}/{k}": v for k, v in arrays.items()})
-        return state
 
     def _report(self, everyone: list[dict], result: dict, elapsed: float) -> dict:
         servers = [s for s in everyone if "server" in s]
@@ -355,32 +413,187 @@ class ParameterServerRunner:
         log.info("done: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
         return summary
 
-    def _checkpoint(self, state: dict, everyone: list[dict], summary: dict) -> None:
-        """Parameters, optimizer slots and server versions through hpctrain.checkpoint."""
-        try:
-            from ...checkpoint import writer
-        except ImportError:  # pragma: no cover - the checkpoint package is optional here
-            log.warning("hpctrain.checkpoint is not available: no PS checkpoint written")
-            return
-        servers = [s for s in everyone if "server" in s]
+    # --- checkpoints -----------------------------------------------------------------
+    def _save_in_loop(self, worker: Worker | None = None) -> None:
+        """Sync mode, at a step whose replies carried FLAG_SAVE: every rank saves."""
+        w = self.world
+        step = worker.stats["steps"] if worker is not None else None
+        step = w.bcast_object(step if w.is_root else None, what="agree on the checkpoint step")
+        epoch, pos = w.bcast_object(
+            self._position_of(worker) if w.is_root else None, what="agree on the data position"
+        )
+        self.checkpointer.maybe_save(
+            step, lambda: self._collect(step, epoch, pos, {}), agree=lambda _due: True
+        )
+
+    def _collect(self, step, epoch, position, metrics, average_buffers=True) -> dict | None:
+        """Every rank: servers send their shards (parameters, slots, version) to rank 0,
+        workers average BatchNorm buffers (as the data-parallel trainer does at a save)
+        and their random states; rank 0 returns save()'s arguments, the others None."""
+        w = self.world
+        slot_names = OPTIMIZER_SLOTS[self.cfg.optimizer["name"]]
+        if average_buffers:
+            buffers = self._average_buffers()
+        else:
+            buffers = {} if self.is_server else self.model.get_buffers()
+        rng = capture_process_rng() if not self.is_server else {}
+        if not self.is_server and self.backend == "torch":
+            import torch
+
+            rng["torch"] = torch.get_rng_state().numpy().copy()
+        gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
+        full = {k: np.zeros(v, np.float32) for k, v in self.shapes.items()}
+        slots = {
+            n: {k: np.zeros(v, np.float32) for k, v in self.shapes.items()} for n in slot_names
+        }
+        meta = {}
+        tag = P.TAG_CTRL + 100
+        # one guard every rank enters (the watchdog counts guards per rank)
+        with w.watchdog.guard("parameter server: gather shards for a checkpoint"):
+            for s, root in enumerate(self.server_ranks):
+                if self.is_server and self.index == s:
+                    opt = self.server.opt
+                    info = np.array([self.server.version, opt.step], np.int64)
+                    w.comm.Send(info, dest=0, tag=tag)
+                    w.comm.Send(self.params, dest=0, tag=tag)
+                    for n in slot_names:
+                        w.comm.Send(opt.slots[n], dest=0, tag=tag)
+                elif w.is_root:
+                    info = np.empty(2, np.int64)
+                    buf = np.empty(self.plan.server_size(s), np.float32)
+                    w.comm.Recv(info, source=root, tag=tag)
+                    w.comm.Recv(buf, source=root, tag=tag)
+                    self.plan.scatter(s, buf, full)
+                    for n in slot_names:
+                        w.comm.Recv(buf, source=root, tag=tag)
+                        self.plan.scatter(s, buf, slots[n])
+                    meta[s] = (int(info[0]), int(info[1]))
+        if not w.is_root:
+            return None
+        model = {**full, **buffers}
+        state = {f"model/{k}": model[k] for k in self.model_shapes}
+        for n in slot_names:
+            state.update({f"optimizer/{n}/{k}": v for k, v in slots[n].items()})
         if self.cfg.optimizer["name"] == "adam":
-            state["optimizer/step"] = np.array(max(s["version"] for s in servers), np.int64)
-        trainer = {f"ps_version_{s['server']}": int(s["version"]) for s in servers}
-        trainer["step"] = int(self.total_steps)
-        path = writer.save(
-            self.run_dir / "checkpoints",
-            int(max(s["version"] for s in servers)),
-            state,
-            trainer_state=trainer,
-            attrs={
+            state["optimizer/step"] = np.array(max(u for _, u in meta.values()), np.int64)
+        trainer = {
+            "step": int(step),
+            "epoch": int(epoch),
+            "position": int(position),
+            # the data-parallel equivalent: worker w reads what DP rank w of n_workers reads
+            "world_size": self.n_workers,
+            "global_batch": self.data.global_batch,
+        }
+        for s, (version, updates) in sorted(meta.items()):
+            trainer[f"ps_version_{s}"] = version
+            trainer[f"ps_updates_{s}"] = updates
+        return {
+            "state": state,
+            "trainer_state": trainer,
+            # keyed by worker index (= the data-parallel rank reading the same rows)
+            "rng_by_rank": {r: rng_from_bytes(gathered[r]) for r in range(self.n_workers)},
+            "attrs": {
+                "backend": self.cfg.backend,
                 "strategy": "parameter_server",
                 "ps_mode": self.cfg.ps["mode"],
+                "ps_servers": self.n_servers,
+                "ps_workers": self.n_workers,
                 "world_size": self.world.size,
                 "config_yaml": self.cfg.to_yaml(),
             },
-            metrics={k: summary[k] for k in ("val_loss", "val_accuracy") if k in summary},
-        )
-        log.info("checkpoint %s", path)
+            "metrics": metrics,
+        }
+
+    def _resume(self, resume: str | None) -> str | None:
+        """Servers take their shard of parameters, slots and version; workers their data
+        position, buffers and random state. Any rank's problem stops every rank."""
+        w = self.world
+        if resume is not None:
+            self.policy.resume = resume
+        if self.policy.resume == "never":
+            return None
+        chosen, error = None, None
+        if w.is_root:
+            try:
+                ckpt = resume_checkpoint(self.policy)
+                chosen = str(ckpt.path) if ckpt is not None else None
+            except CheckpointError as exc:
+                error = str(exc)
+        w.agree(error)
+        chosen = w.bcast_object(chosen, what="agree on the checkpoint to resume")
+        if chosen is None:
+            log.info("no checkpoint to resume from in %s: starting fresh", self.policy.dir)
+            return None
+        ckpt, error = None, None
+        try:
+            ckpt = load(chosen)
+            self._restore(ckpt)
+        except CheckpointError as exc:
+            error = str(exc)
+        except (ValueError, KeyError) as exc:
+            error = f"{chosen}: cannot load into this run: {exc}"
+        w.agree(error)
+        self.policy.mark_saved(self.start[0])
+        log.info("resumed from %s at step %d (epoch %d, sample %d)", chosen, *self.start)
+        return chosen
+
+    def _restore(self, ckpt) -> None:
+        mismatch = check_compatible(ckpt.state, self.model_shapes)
+        if mismatch:
+            raise CheckpointError(
+                f"{ckpt.path}: does not fit this model (wrong architecture or options?): "
+                f"{mismatch.message()}"
+            )
+        missing = [k for k in ("step", "epoch", "position") if k not in ckpt.trainer]
+        if missing:
+            raise CheckpointError(f"{ckpt.path}: trainer state lacks {missing}")
+        tr = ckpt.trainer
+        self.start = (int(tr["step"]), int(tr["epoch"]), int(tr["position"]))
+        weights = ckpt.model_weights()
+        kind = self.cfg.optimizer["name"]
+        if self.is_server:
+            slot_names = OPTIMIZER_SLOTS[kind]
+            absent = [
+                f"optimizer/{n}/..."
+                for n in slot_names
+                if any(f"optimizer/{n}/{k}" not in ckpt.state for k in self.shapes)
+            ]
+            if absent:
+                raise CheckpointError(
+                    f"{ckpt.path}: optimizer state {', '.join(absent)} missing (saved with "
+                    f"another optimizer than optimizer.name={kind}?)"
+                )
+            self.plan.gather(self.index, weights, self.params)
+            size = self.plan.server_size(self.index)
+            opt = {
+                n: self.plan.gather(
+                    self.index,
+                    {k: ckpt.state[f"optimizer/{n}/{k}"] for k in self.shapes},
+                    np.zeros(size, np.float32),
+                )
+                for n in slot_names
+            }
+            step = self.start[0]
+            updates = tr.get(f"ps_updates_{self.index}")
+            if updates is None:  # a data-parallel checkpoint: one update per step
+                updates = int(ckpt.state.get("optimizer/step", step))
+            opt["step"] = np.array(int(updates), np.int64)
+            self.server_state = {
+                "opt": opt,
+                "version": int(tr.get(f"ps_version_{self.index}", step)),
+            }
+        else:
+            buffers = {k: weights[k] for k in self.model.get_buffers()}
+            if buffers:
+                self.model.set_buffers(buffers)
+            saved_workers = int(tr.get("world_size", -1))
+            if saved_workers == self.n_workers and self.index in ckpt.rng:
+                rng = ckpt.rng[self.index]
+                restore_process_rng(rng)
+                if self.backend == "torch" and "torch" in rng:
+                    import torch
+
+                    torch.set_rng_state(torch.from_numpy(np.asarray(rng["torch"], np.uint8)))
 
 
 def _keys_to_str(hist: dict) -> dict:

@@ -30,8 +30,15 @@ log = logging.getLogger("hpctrain.ps")
 
 
 class Server:
-    def __init__(self, world, index: int, workers: list[int], params: np.ndarray, cfg, lr_of):
+    def __init__(
+        self, world, index: int, workers: list[int], params: np.ndarray, cfg, lr_of,
+        preemption=None, on_checkpoint=None,
+    ):  # fmt: skip
+        """preemption: a Preemption (its signal is passed on to the workers in H_FLAGS);
+        on_checkpoint(server): the collective save every rank joins (sync mode)."""
         self.world, self.comm, self.MPI = world, world.comm, world.MPI
+        self.preemption, self.on_checkpoint = preemption, on_checkpoint
+        self.sticky_flags = 0  # async/bounded: a preemption, once seen, goes to everyone
         self.index, self.workers = index, workers
         self.params = params
         self.opt = FlatOptimizer(cfg.optimizer, params)
@@ -124,11 +131,15 @@ class Server:
             r.Free()
 
     # --- messages ---------------------------------------------------------------------
-    def _send_reply(self, w: int, status: int, staleness: int = 0) -> None:
+    def _own_flags(self) -> int:
+        return P.FLAG_PREEMPT if self.preemption is not None and self.preemption.requested else 0
+
+    def _send_reply(self, w: int, status: int, staleness: int = 0, flags: int = 0) -> None:
         P.wait_all(self.MPI, [self.reply_req[w]], self.backoff)
         msg = self.reply[w]
         h = msg.header
         h[P.H_VERSION], h[P.H_STATUS], h[P.H_STALENESS] = self.version, status, staleness
+        h[P.H_FLAGS] = flags
         h[P.H_PUSHES], h[P.H_REJECTED] = self.stats["pushes"], self.stats["rejected"]
         msg.lr = self.lr_of(self.version)
         msg.payload[...] = self.params
@@ -169,16 +180,20 @@ class Server:
         if self.mode == "bounded" and staleness > self.bound:
             st["rejected"] += 1
             _count(st["staleness_rejected"], staleness)
-            self._send_reply(w, P.REJECTED, staleness)
+            self.sticky_flags |= (int(msg.header[P.H_FLAGS]) | self._own_flags()) & P.FLAG_PREEMPT
+            self._send_reply(w, P.REJECTED, staleness, self.sticky_flags)
             self._post(w)
             return
+        # async/bounded: no common step to save at; a preemption stops every worker at
+        # its next exchange (the run then saves at its end)
+        self.sticky_flags |= (int(msg.header[P.H_FLAGS]) | self._own_flags()) & P.FLAG_PREEMPT
         scale = 1.0 / (1.0 + self.decay * staleness) if self.mode == "bounded" else 1.0
         _count(st["staleness_accepted"], staleness)
         st["scale_sum"] += scale
         grad = msg.payload if scale == 1.0 else msg.payload * np.float32(scale)
         self.opt.apply(grad, self.lr_of(self.version))
         self.version += 1
-        self._send_reply(w, P.OK, staleness)
+        self._send_reply(w, P.OK, staleness, self.sticky_flags)
         self._post(w)
 
     def _maybe_advance(self) -> None:
@@ -197,9 +212,16 @@ class Server:
         self.opt.apply(total, self.lr_of(self.version))
         self.version += 1
         self.waiting = []
+        flags = self._own_flags()
+        for w in order:  # every pusher of this version gets the same flags
+            flags |= int(self.push[w].header[P.H_FLAGS])
         for w in order:
-            self._send_reply(w, P.OK)
+            self._send_reply(w, P.OK, flags=flags)
             self._post(w)
+        if flags & P.FLAG_SAVE and not flags & P.FLAG_PREEMPT and self.on_checkpoint:
+            # the workers join the same collective once they have these replies
+            self.on_checkpoint(self)
+            self.last_seen = [time.monotonic()] * len(self.workers)
 
     def _check_heartbeats(self, now: float) -> None:
         for w in range(len(self.workers)):

@@ -37,11 +37,22 @@ def test_hook(name: str, worker: int) -> float | None:
 
 
 class Worker:
-    def __init__(self, world, index, servers, plan, model, data, cfg, total_steps, on_step):
+    def __init__(
+        self, world, index, servers, plan, model, data, cfg, total_steps, on_step,
+        start=(0, 0, 0), wants_save=None, preemption=None, on_checkpoint=None,
+    ):  # fmt: skip
+        """start: (step, epoch, position) to continue from; wants_save(step, epoch_end)
+        is this worker's view of the checkpoint policy; on_checkpoint(worker) is the
+        collective save every rank joins when a reply carries FLAG_SAVE."""
         self.world, self.comm, self.MPI = world, world.comm, world.MPI
         self.index, self.servers, self.plan = index, servers, plan
         self.model, self.data, self.cfg = model, data, cfg
         self.total_steps, self.on_step = total_steps, on_step
+        self.wants_save, self.preemption = wants_save, preemption
+        self.on_checkpoint = on_checkpoint
+        self.epoch, self.position = int(start[1]), int(start[2])
+        self.flags = 0  # H_FLAGS of the last replies (OR over servers)
+        self.preempted = False
         pcfg = cfg.ps
         self.timeout = float(pcfg["heartbeat_timeout"])
         self.backoff = P.Backoff(float(pcfg["poll_max_sleep_ms"]) / 1000.0)
@@ -58,7 +69,7 @@ class Worker:
             "worker": index,
             "rank": world.rank,
             "backend": model.name,
-            "steps": 0,
+            "steps": int(start[0]),
             "samples": 0,
             "rejected": 0,
             "compute_seconds": 0.0,
@@ -89,6 +100,7 @@ class Worker:
                     self.versions[s],
                     self.stats["steps"],
                 )
+                h[P.H_FLAGS] = self._wishes()
                 reqs.append(self.comm.Isend(self.push[s].buf, dest=r, tag=P.TAG_PUSH))
             else:
                 reqs.append(self.comm.Isend(P.ctrl(0, self.index), dest=r, tag=P.TAG_PULL))
@@ -100,8 +112,10 @@ class Worker:
                 f"{limit:.0f} s: a server died or hangs, ending the job"
             )
         statuses = []
+        self.flags = 0
         for s, m in enumerate(self.reply):
             statuses.append(int(m.header[P.H_STATUS]))
+            self.flags |= int(m.header[P.H_FLAGS])
             self.versions[s] = int(m.header[P.H_VERSION])
             self.plan.scatter(s, m.payload, self.weights)
         self.model.set_params(self.weights)
@@ -125,10 +139,22 @@ class Worker:
         st["samples_per_sec"] = st["samples"] / st["seconds"] if st["seconds"] > 0 else None
         return st
 
+    def _wishes(self) -> int:
+        """H_FLAGS of the next push: a checkpoint due after it, a preemption signal."""
+        flags = 0
+        nxt = self.stats["steps"] + 1
+        if self.wants_save is not None and self.wants_save(
+            nxt, self.data.steps_left(self.position + self.data.global_batch) == 0
+        ):
+            flags |= P.FLAG_SAVE
+        if self.preemption is not None and self.preemption.requested:
+            flags |= P.FLAG_PREEMPT
+        return flags
+
     def _loop(self, st: dict) -> None:
-        epoch = 0
         while st["steps"] < self.total_steps:
-            for micro in self.data.iterate(epoch):
+            epoch, position = self.epoch, self.position
+            for micro in self.data.iterate(epoch, position):
                 if self.stop_at is not None and st["steps"] >= self.stop_at:
                     st["stopped_by_test_hook"] = True
                     log.warning("worker %d: test hook stops it at step %d", self.index, st["steps"])
@@ -146,6 +172,9 @@ class Worker:
                 st["wait_seconds"] += time.perf_counter() - t1
                 st["compute_seconds"] += compute
                 st["steps"] += 1
+                self.position += self.data.global_batch
+                if self.data.steps_left(self.position) == 0:
+                    self.epoch, self.position = epoch + 1, 0
                 st["samples"] += count
                 st["rejected"] += sum(x == P.REJECTED for x in statuses)
                 self.on_step(self, loss_sum / count, correct / count, time.perf_counter() - t0)
@@ -153,6 +182,13 @@ class Worker:
                     st["stopped_by_server"] = True
                     log.warning("worker %d: a server dropped it; stopping", self.index)
                     return
+                if self.flags & P.FLAG_PREEMPT:
+                    # every worker stops after this step; the run saves at its end
+                    self.preempted = True
+                    return
+                if self.flags & P.FLAG_SAVE and self.on_checkpoint is not None:
+                    self.on_checkpoint(self)
                 if st["steps"] >= self.total_steps:
                     return
-            epoch += 1
+            if self.epoch == epoch:  # the epoch ended without a full last batch
+                self.epoch, self.position = epoch + 1, 0
