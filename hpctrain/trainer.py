@@ -193,7 +193,7 @@ class Trainer:
                         )
                     progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
                     if totals[4] > 0:  # a rank was signalled: every rank stops here
-                        preempted = self._preempt(pre, progress)
+                        preempted = self.checkpoints.preempt(pre, progress)
                         break
                     self.checkpoints.maybe_save(st.step, agreed_due=bool(totals[5]))
                     if max_steps and st.step >= max_steps:
@@ -233,20 +233,6 @@ class Trainer:
         if w.is_root:
             log.info("done: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
-
-    def _preempt(self, pre: Preemption, progress) -> str:
-        """Every rank got here at the same step: checkpoint, then ask SLURM to requeue."""
-        w = self.world
-        names = w.gather_object(pre.signal_name, what="gather preemption signals")
-        signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
-        path = self.checkpoints.save_now()
-        if w.is_root:
-            where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
-            progress.message(f"{signal} received: stopped at step {self.state.step}, {where}")
-            if path is not None and pre.requeue():
-                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
-        w.barrier("preemption checkpoint written")
-        return w.bcast_object(signal, what="agree on the preemption signal")
 
     def _reduce_step(self, stats, preempt: bool = False, save_due: bool = False) -> np.ndarray:
         """Global (loss_sum, correct, count, non-finite, preempt, save-due); stop on NaN/inf.

@@ -79,6 +79,24 @@ class TrainerCheckpoints:
     def close(self) -> None:
         self.checkpointer.wait()
 
+    def preempt(self, pre, progress) -> str:
+        """Every rank reached the same step after a signal: checkpoint, then requeue.
+
+        Returns the signal's name on every rank. `pre` is a runtime Preemption,
+        `progress` the rank-0 progress display.
+        """
+        w, step = self.trainer.world, self.trainer.state.step
+        names = w.gather_object(pre.signal_name, what="gather preemption signals")
+        signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
+        path = self.save_now()
+        if w.is_root:
+            where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
+            progress.message(f"{signal} received: stopped at step {step}, {where}")
+            if path is not None and pre.requeue():
+                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
+        w.barrier("preemption checkpoint written")
+        return w.bcast_object(signal, what="agree on the preemption signal")
+
     def _collect(self, metrics: dict | None):
         """Everything a checkpoint holds; collective (every rank calls it)."""
         t, w = self.trainer, self.trainer.world
@@ -111,35 +129,18 @@ class TrainerCheckpoints:
     def resume(self, resume: str | None) -> str | None:
         """Restore from `resume` ('auto', 'never' or a file); returns the file used."""
         t, w = self.trainer, self.trainer.world
-        if resume is not None:
-            self.policy.resume = resume
-        if self.policy.resume == "never":
-            return None
-        chosen, error = None, None
-        if w.is_root:
-            try:
-                ckpt = resume_checkpoint(self.policy)
-                chosen = str(ckpt.path) if ckpt is not None else None
-            except CheckpointError as exc:
-                error = str(exc)
-        w.agree(error)
-        chosen = w.bcast_object(chosen, what="agree on the checkpoint to resume")
-        if chosen is None:
-            log.info("no checkpoint to resume from in %s: starting fresh", self.policy.dir)
-            return None
-        ckpt, error = None, None
-        try:
-            ckpt = load(chosen)
+
+        def apply(ckpt):
             require_compatible(ckpt, t.backend.weight_shapes())
             t.backend.import_state(ckpt.state)
             missing = [k for k in TRAINER_KEYS if k not in ckpt.trainer]
             if missing:
-                raise CheckpointError(f"{chosen}: trainer state lacks {missing}")
-        except CheckpointError as exc:
-            error = str(exc)
-        except (ValueError, KeyError) as exc:
-            error = f"{chosen}: cannot load into this run: {exc}"
-        w.agree(error)
+                raise CheckpointError(f"{ckpt.path}: trainer state lacks {missing}")
+
+        ckpt = load_agreed(w, self.policy, resume, apply)
+        if ckpt is None:
+            return None
+        chosen = str(ckpt.path)
         st = t.state
         st.step, st.epoch, st.position = (int(ckpt.trainer[k]) for k in TRAINER_KEYS)
         saved_size = int(ckpt.trainer.get("world_size", w.size))
@@ -156,6 +157,41 @@ class TrainerCheckpoints:
         log.info("resumed from %s at step %d (epoch %d, sample %d)", chosen, st.step, st.epoch,
                  st.position)
         return chosen
+
+
+def load_agreed(world, policy: CheckpointPolicy, resume: str | None, apply):
+    """The checkpoint every rank resumes from, applied with `apply(ckpt)` on every rank.
+
+    Rank 0 picks the file (policy.resume, or `resume` when given: auto | never | FILE),
+    every rank reads it, and a problem on any rank (damaged file, wrong architecture)
+    stops every rank with that message. Returns None when there is nothing to resume.
+    """
+    if resume is not None:
+        policy.resume = resume
+    if policy.resume == "never":
+        return None
+    chosen, error = None, None
+    if world.is_root:
+        try:
+            found = resume_checkpoint(policy)
+            chosen = str(found.path) if found is not None else None
+        except CheckpointError as exc:
+            error = str(exc)
+    world.agree(error)
+    chosen = world.bcast_object(chosen, what="agree on the checkpoint to resume")
+    if chosen is None:
+        log.info("no checkpoint to resume from in %s: starting fresh", policy.dir)
+        return None
+    ckpt, error = None, None
+    try:
+        ckpt = load(chosen)
+        apply(ckpt)
+    except CheckpointError as exc:
+        error = str(exc)
+    except (ValueError, KeyError) as exc:
+        error = f"{chosen}: cannot load into this run: {exc}"
+    world.agree(error)
+    return ckpt
 
 
 def _has_experts(backend) -> bool:

@@ -245,7 +245,7 @@ class PipelineTrainer:
                         )
                     progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
                     if flags[0] > 0:  # a rank was signalled: every rank stops here
-                        preempted = self._preempt(pre, progress)
+                        preempted = self.checkpoints.preempt(pre, progress)
                         break
                     self.checkpoints.maybe_save(st.step, agreed_due=bool(flags[1]))
                     if st.step >= self.total_steps:
@@ -303,20 +303,6 @@ class PipelineTrainer:
         if w.is_root:
             log.info("done: %s", ", ".join(f"{k}={v}" for k, v in summary.items()))
         return summary
-
-    def _preempt(self, pre: Preemption, progress) -> str:
-        """Every rank got here at the same step: checkpoint, then ask SLURM to requeue."""
-        w = self.world
-        names = w.gather_object(pre.signal_name, what="gather preemption signals")
-        signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
-        path = self.checkpoints.save_now()
-        if w.is_root:
-            where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
-            progress.message(f"{signal} received: stopped at step {self.state.step}, {where}")
-            if path is not None and pre.requeue():
-                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
-        w.barrier("preemption checkpoint written")
-        return w.bcast_object(signal, what="agree on the preemption signal")
 
     def _train_step(self, batch, lr: float, preempt: bool = False, save_due: bool = False):
         """One optimizer step on this rank; returns the world's summed step numbers.

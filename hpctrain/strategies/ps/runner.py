@@ -30,7 +30,7 @@ import numpy as np
 from ... import runtime
 from ...backends import BACKENDS
 from ...backends.base import OPTIMIZER_SLOTS
-from ...checkpoint import Checkpointer, CheckpointPolicy, load, resume_checkpoint
+from ...checkpoint import Checkpointer, CheckpointPolicy
 from ...checkpoint.reader import check_compatible
 from ...checkpoint.rng import (
     capture_process_rng,
@@ -38,6 +38,7 @@ from ...checkpoint.rng import (
     rng_from_bytes,
     rng_to_bytes,
 )
+from ...checkpoint.session import load_agreed
 from ...data import ShardedTrainData, iterate_val, prepare_dataset
 from ...errors import CheckpointError, ConfigError
 from ...metrics import MetricsWriter
@@ -507,32 +508,10 @@ class ParameterServerRunner:
     def _resume(self, resume: str | None) -> str | None:
         """Servers take their shard of parameters, slots and version; workers their data
         position, buffers and random state. Any rank's problem stops every rank."""
-        w = self.world
-        if resume is not None:
-            self.policy.resume = resume
-        if self.policy.resume == "never":
+        ckpt = load_agreed(self.world, self.policy, resume, self._restore)
+        if ckpt is None:
             return None
-        chosen, error = None, None
-        if w.is_root:
-            try:
-                ckpt = resume_checkpoint(self.policy)
-                chosen = str(ckpt.path) if ckpt is not None else None
-            except CheckpointError as exc:
-                error = str(exc)
-        w.agree(error)
-        chosen = w.bcast_object(chosen, what="agree on the checkpoint to resume")
-        if chosen is None:
-            log.info("no checkpoint to resume from in %s: starting fresh", self.policy.dir)
-            return None
-        ckpt, error = None, None
-        try:
-            ckpt = load(chosen)
-            self._restore(ckpt)
-        except CheckpointError as exc:
-            error = str(exc)
-        except (ValueError, KeyError) as exc:
-            error = f"{chosen}: cannot load into this run: {exc}"
-        w.agree(error)
+        chosen = str(ckpt.path)
         self.policy.mark_saved(self.start[0])
         log.info("resumed from %s at step %d (epoch %d, sample %d)", chosen, *self.start)
         return chosen
