@@ -173,12 +173,16 @@ def _cmd_train(args) -> int:
         if "resume" in inspect.signature(runner).parameters:
             kwargs["resume"] = args.resume
         elif args.resume not in ("auto", "never"):
-            raise ConfigError(f"--resume {args.resume}: strategy {cfg.strategy} cannot resume "
-                              "from a checkpoint yet")
+            raise ConfigError(
+                f"--resume {args.resume}: strategy {cfg.strategy} cannot resume "
+                "from a checkpoint yet"
+            )
         else:
             logging.getLogger("hpctrain").warning(
                 "--resume %s: strategy %s does not resume from checkpoints yet; starting fresh",
-                args.resume, cfg.strategy)
+                args.resume,
+                cfg.strategy,
+            )
     runner(cfg, run_dir=args.run_dir, verbose=args.verbose, **kwargs).fit()
     return 0
 

@@ -182,8 +182,12 @@ SCHEMA: dict[str, Any] = {
         "dir": _f(None, str, "checkpoint directory (default <run-dir>/checkpoints)", nullable=True),
         "every_steps": _f(None, int, "save every N optimizer steps", nullable=True, **POS_INT),
         "every_minutes": _f(
-            30.0, (int, float), "save when N minutes passed since the last save",
-            nullable=True, minimum=0, exclusive_min=True,
+            30.0,
+            (int, float),
+            "save when N minutes passed since the last save",
+            nullable=True,
+            minimum=0,
+            exclusive_min=True,
         ),
         "at_epoch_end": _f(True, bool, "save at the end of every epoch"),
         "keep_last": _f(

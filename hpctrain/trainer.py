@@ -242,8 +242,14 @@ class Trainer:
         """
         bad = 0.0 if math.isfinite(stats.loss_sum) else 1.0
         local = np.array(
-            [stats.loss_sum if not bad else 0.0, stats.correct, stats.count, bad,
-             float(preempt), float(save_due)],
+            [
+                stats.loss_sum if not bad else 0.0,
+                stats.correct,
+                stats.count,
+                bad,
+                float(preempt),
+                float(save_due),
+            ],
             dtype=np.float64,
         )
         totals = self.world.allreduce_array(local, "sum", "step metrics")

@@ -53,8 +53,16 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     # 1. Train 30 steps and stop (checkpoints at 10, 20, 30).
     _run(tmp_path, "part1", 2, run_dir, *common, "train.max_steps=30")
     # 2. Resume, then die by SIGKILL in the middle of writing the step-40 checkpoint.
-    _, job = _run(tmp_path, "part2", 2, run_dir, *common, resume="auto",
-                  env={"HPCTRAIN_TEST_KILL_DURING_SAVE": "5"}, ok=False)
+    _, job = _run(
+        tmp_path,
+        "part2",
+        2,
+        run_dir,
+        *common,
+        resume="auto",
+        env={"HPCTRAIN_TEST_KILL_DURING_SAVE": "5"},
+        ok=False,
+    )
     assert job.returncode != 0
     ckpt_dir = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(ckpt_dir)] == [10, 20, 30]
@@ -79,12 +87,16 @@ def test_checkpoint_from_four_ranks_resumes_on_two_and_one_rank(tmp_path):
     _run(tmp_path, "np4", 4, first, "train.max_steps=5", "train.batch_size=8")
     _run(tmp_path, "ref-a", 1, ref_first, "train.max_steps=5", "train.batch_size=32")
     results = {}
-    for name, np_, batch, src in [("np2", 2, 8, first), ("np1", 1, 16, first),
-                                  ("ref", 1, 16, ref_first)]:
+    for name, np_, batch, src in [
+        ("np2", 2, 8, first),
+        ("np1", 1, 16, first),
+        ("ref", 1, 16, ref_first),
+    ]:
         run = tmp_path / f"cont-{name}"
         shutil.copytree(src / "checkpoints", run / "checkpoints")
-        weights, job = _run(tmp_path, name, np_, run, f"train.batch_size={batch}",
-                            "train.epochs=1", resume="auto")
+        weights, job = _run(
+            tmp_path, name, np_, run, f"train.batch_size={batch}", "train.epochs=1", resume="auto"
+        )
         assert "ckpt-00000005.h5" in job.output
         if src is first:
             assert f"resuming a 4-rank checkpoint on {np_} ranks" in job.output
@@ -94,8 +106,9 @@ def test_checkpoint_from_four_ranks_resumes_on_two_and_one_rank(tmp_path):
         results[name] = weights
     for name in ("np2", "np1"):
         for k in results["ref"]:
-            np.testing.assert_allclose(results[name][k], results["ref"][k], atol=1e-5,
-                                       err_msg=f"{name}: {k}")
+            np.testing.assert_allclose(
+                results[name][k], results["ref"][k], atol=1e-5, err_msg=f"{name}: {k}"
+            )
 
 
 def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tmp_path):
@@ -103,9 +116,20 @@ def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tm
     _run(tmp_path, "a", 2, run, "train.max_steps=20")
     ckpt = run / "checkpoints" / "ckpt-00000020.h5"
     # A different model: one line naming the file and the mismatching tensors.
-    job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(run), "--resume", str(ckpt),
-                 "--set", "model.hidden=[64]", "--set", "data.train_samples=640",
-                 timeout=120)
+    job = mpirun(
+        2,
+        HPCTRAIN,
+        "train",
+        "--run-dir",
+        str(run),
+        "--resume",
+        str(ckpt),
+        "--set",
+        "model.hidden=[64]",
+        "--set",
+        "data.train_samples=640",
+        timeout=120,
+    )
     assert job.returncode == 2, job.output
     assert job.output.count(f"{ckpt}: does not fit this model") == 2, job.output
     assert "fc1.weight" in job.output
@@ -113,9 +137,20 @@ def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tm
     raw = bytearray(ckpt.read_bytes())
     raw[len(raw) // 2] ^= 0xFF
     ckpt.write_bytes(bytes(raw))
-    job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(run), "--resume", str(ckpt),
-                 "--set", "model.hidden=[32]", "--set", "data.train_samples=640",
-                 timeout=120)
+    job = mpirun(
+        2,
+        HPCTRAIN,
+        "train",
+        "--run-dir",
+        str(run),
+        "--resume",
+        str(ckpt),
+        "--set",
+        "model.hidden=[32]",
+        "--set",
+        "data.train_samples=640",
+        timeout=120,
+    )
     assert job.returncode == 2, job.output
     assert job.output.count(str(ckpt)) >= 2, job.output
     _, job = _run(tmp_path, "b", 2, run, "train.max_steps=25", resume="auto")
@@ -126,8 +161,7 @@ def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tm
 
 @pytest.mark.parametrize("direction", ["torch->tensorflow", "tensorflow->torch"])
 @pytest.mark.parametrize("model", ["mlp", "cnn", "resnet", "transformer"])
-def test_checkpoint_moves_between_backends_with_the_same_predictions(tmp_path, model,
-                                                                      direction):
+def test_checkpoint_moves_between_backends_with_the_same_predictions(tmp_path, model, direction):
     from test_zoo_parity import CASES, _batch
 
     from hpctrain import Config
@@ -138,8 +172,11 @@ def test_checkpoint_moves_between_backends_with_the_same_predictions(tmp_path, m
 
     overrides, inp = CASES[model]
     cfg = Config.load(None, [*overrides, "optimizer.name=adam", "optimizer.lr=0.01"])
-    src_cls, dst_cls = (TorchBackend, TensorFlowBackend) if direction.startswith("torch") \
+    src_cls, dst_cls = (
+        (TorchBackend, TensorFlowBackend)
+        if direction.startswith("torch")
         else (TensorFlowBackend, TorchBackend)
+    )
     src = src_cls(cfg, world(), inp, 1)
     for i in range(2):
         src.train_step([_batch(inp, 8, i)], 0.01)

@@ -389,9 +389,7 @@ def _final_model(run_dir: Path) -> dict:
 
 
 @pytest.mark.timeout(600)
-def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(
-    slurm, tmp_path
-):
+def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(slurm, tmp_path):
     import time
 
     import numpy as np
@@ -401,12 +399,26 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     config.write_text(PREEMPT_CONFIG)
     # The uninterrupted reference, same config, same 2 ranks.
     ref = tmp_path / "ref"
-    job = mpirun(2, HPCTRAIN, "train", "--config", str(config), "--run-dir", str(ref),
-                 timeout=300)
+    job = mpirun(2, HPCTRAIN, "train", "--config", str(config), "--run-dir", str(ref), timeout=300)
     assert job.returncode == 0, job.output
     logs, runs = tmp_path / "logs", tmp_path / "runs"
-    args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2", "--time",
-            "00:10:00", "--config", str(config), "--log-dir", str(logs), "--run-root", str(runs)]
+    args = [
+        "slurm",
+        "submit",
+        "train",
+        "--nodes",
+        "1",
+        "--ntasks-per-node",
+        "2",
+        "--time",
+        "00:10:00",
+        "--config",
+        str(config),
+        "--log-dir",
+        str(logs),
+        "--run-root",
+        str(runs),
+    ]
     submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()

@@ -204,8 +204,7 @@ def test_demo_config_reaches_its_stated_accuracy(tmp_path, backend):
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_fp16_compression_trains_close_to_full_precision(tmp_path, backend):
-    common = [f"backend={backend}", "train.max_steps=6", "model.hidden=[32]",
-              "train.batch_size=16"]
+    common = [f"backend={backend}", "train.max_steps=6", "model.hidden=[32]", "train.batch_size=16"]
     full, _ = _train(tmp_path, f"fp32-{backend}", 2, *common)
     half, _ = _train(tmp_path, f"fp16-{backend}", 2, *common, "train.compression=fp16")
     diffs = [np.abs(full[k] - half[k]).max() for k in full]
@@ -216,13 +215,38 @@ def test_fp16_compression_trains_close_to_full_precision(tmp_path, backend):
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_transformer_language_model_learns_the_markov_chain(tmp_path, backend):
     run = tmp_path / "lm"
-    job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(run), "--set", f"backend={backend}",
-                 "--set", "model.name=transformer", "--set", "data.task=tokens", "--set",
-                 "data.vocab=16", "--set", "data.seq_len=16", "--set",
-                 "data.train_samples=2048", "--set", "data.val_samples=256", "--set",
-                 "optimizer.name=adam", "--set", "optimizer.lr=0.003", "--set",
-                 "train.epochs=3", "--set", "train.batch_size=32", "--set",
-                 "metrics.tensorboard=false", timeout=300)
+    job = mpirun(
+        2,
+        HPCTRAIN,
+        "train",
+        "--run-dir",
+        str(run),
+        "--set",
+        f"backend={backend}",
+        "--set",
+        "model.name=transformer",
+        "--set",
+        "data.task=tokens",
+        "--set",
+        "data.vocab=16",
+        "--set",
+        "data.seq_len=16",
+        "--set",
+        "data.train_samples=2048",
+        "--set",
+        "data.val_samples=256",
+        "--set",
+        "optimizer.name=adam",
+        "--set",
+        "optimizer.lr=0.003",
+        "--set",
+        "train.epochs=3",
+        "--set",
+        "train.batch_size=32",
+        "--set",
+        "metrics.tensorboard=false",
+        timeout=300,
+    )
     assert job.returncode == 0, job.output
     epochs = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     epochs = [x for x in epochs if x["event"] == "epoch"]

@@ -263,6 +263,35 @@ class _Optimizer:
                 denom = tf.sqrt(v) / tf.sqrt(bc2) + self.eps
                 var.assign_sub((lr / bc1) * m / denom)
 
+    def export_state(self) -> dict[str, np.ndarray]:
+        """Slots in torch's canonical layout (`optimizer/<slot>/<name>`, `optimizer/step`)."""
+        state = {}
+        started = bool(self.started.numpy()) or self.kind != "sgd"
+        for slot, values in self.slots.items():
+            for k, v in values.items():
+                # torch has no momentum buffer before the first step: export zeros then too
+                state[f"optimizer/{slot}/{k}"] = (
+                    v.numpy().copy() if started else np.zeros(v.shape, np.float32)
+                )
+        if self.kind == "adam":
+            state["optimizer/step"] = np.array(int(self.step.numpy()), dtype=np.int64)
+        return state
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        """The inverse of `export_state` (ValueError naming a missing slot)."""
+        for slot, values in self.slots.items():
+            for k, v in values.items():
+                key = f"optimizer/{slot}/{k}"
+                if key not in state:
+                    raise ValueError(f"optimizer state {key} missing")
+                v.assign(np.asarray(state[key], dtype=np.float32))
+        self.step.assign(int(state.get("optimizer/step", 0)))
+        # A restored SGD buffer (even all-zero after a step) continues as momentum.
+        self.started.assign(
+            self.kind == "sgd"
+            and any(np.any(state[f"optimizer/momentum_buffer/{k}"]) for k in self.variables)
+        )
+
 
 def _clip_like_torch(grads, max_norm):
     """torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6) when above it."""
@@ -402,36 +431,16 @@ class TensorFlowBackend(BackendBase):
             v.assign(np.asarray(weights[k], dtype=np.float32))
 
     def export_state(self) -> dict[str, np.ndarray]:
-        state = {f"model/{k}": v for k, v in self.get_weights().items()}
-        opt = self.optimizer
-        started = bool(opt.started.numpy()) or opt.kind != "sgd"
-        for slot, values in opt.slots.items():
-            for k, v in values.items():
-                # torch has no momentum buffer before the first step: export zeros then too
-                state[f"optimizer/{slot}/{k}"] = (
-                    v.numpy().copy() if started else np.zeros(v.shape, np.float32)
-                )
-        if opt.kind == "adam":
-            state["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
-        return state
+        return {
+            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **self.optimizer.export_state(),
+        }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(
             {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         )
-        opt = self.optimizer
-        for slot, values in opt.slots.items():
-            for k, v in values.items():
-                key = f"optimizer/{slot}/{k}"
-                if key not in state:
-                    raise ValueError(f"optimizer state {key} missing")
-                v.assign(np.asarray(state[key], dtype=np.float32))
-        opt.step.assign(int(state.get("optimizer/step", 0)))
-        # A restored SGD buffer (even all-zero after a step) continues as momentum.
-        opt.started.assign(
-            opt.kind == "sgd"
-            and any(np.any(state[f"optimizer/momentum_buffer/{k}"]) for k in opt.variables)
-        )
+        self.optimizer.import_state(state)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return {}  # the zoo draws no random numbers inside TF (weights come from numpy)

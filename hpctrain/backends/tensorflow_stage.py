@@ -156,35 +156,17 @@ class TensorFlowStage:
 
     def export_state(self) -> dict[str, np.ndarray]:
         """This stage's part of a checkpoint, in the data-parallel backend's layout."""
-        state = {f"model/{k}": v for k, v in self.get_weights().items()}
-        opt = self.opt
-        started = bool(opt.started.numpy()) or opt.kind != "sgd"
-        for slot, values in opt.slots.items():
-            for k, v in values.items():
-                state[f"optimizer/{slot}/{k}"] = (
-                    v.numpy().copy() if started else np.zeros(v.shape, np.float32)
-                )
-        if opt.kind == "adam":
-            state["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
-        return state
+        return {
+            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **self.opt.export_state(),
+        }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
         self.set_weights(
             {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         )
-        opt = self.opt
-        for slot, values in opt.slots.items():
-            for k, v in values.items():
-                key = f"optimizer/{slot}/{k}"
-                if key not in state:
-                    raise ValueError(f"optimizer state {key} missing")
-                v.assign(np.asarray(state[key], dtype=np.float32))
-        opt.step.assign(int(state.get("optimizer/step", 0)))
-        opt.started.assign(
-            opt.kind == "sgd"
-            and any(np.any(state[f"optimizer/momentum_buffer/{k}"]) for k in opt.variables)
-        )
+        self.opt.import_state(state)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return {}

@@ -185,6 +185,43 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
     return model
 
 
+def export_optimizer_state(optimizer, named_params, kind: str) -> dict[str, np.ndarray]:
+    """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
+
+    torch creates slots at the first step; before it they are exported as zeros, which is
+    what they would start from.
+    """
+    state, step = {}, 0
+    for name, param in named_params:
+        st = optimizer.state.get(param, {})
+        for slot in OPTIMIZER_SLOTS[kind]:
+            value = st.get(slot)
+            state[f"optimizer/{slot}/{name}"] = (
+                np.zeros(tuple(param.shape), np.float32)
+                if value is None
+                else value.detach().numpy().copy()
+            )
+        if "step" in st:
+            step = int(float(st["step"]))
+    if kind == "adam":
+        state["optimizer/step"] = np.array(step, dtype=np.int64)
+    return state
+
+
+def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> None:
+    """The inverse of `export_optimizer_state` (ValueError naming a missing slot)."""
+    step = int(state.get("optimizer/step", 0))
+    for name, param in named_params:
+        st = optimizer.state[param]
+        for slot in OPTIMIZER_SLOTS[kind]:
+            key = f"optimizer/{slot}/{name}"
+            if key not in state:
+                raise ValueError(f"optimizer state {key} missing")
+            st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
+        if kind == "adam":
+            st["step"] = torch.tensor(float(step))
+
+
 # --- the backend ------------------------------------------------------------------------
 class TorchBackend(BackendBase):
     name = "torch"
@@ -325,40 +362,18 @@ class TorchBackend(BackendBase):
                 tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
 
     def export_state(self) -> dict[str, np.ndarray]:
-        state = {f"model/{k}": v for k, v in self.get_weights().items()}
-        opt_name = self.cfg.optimizer["name"]
-        step = 0
-        for param, name in self._names.items():
-            st = self.optimizer.state.get(param, {})
-            for slot in OPTIMIZER_SLOTS[opt_name]:
-                value = st.get(slot)
-                arr = (
-                    np.zeros(tuple(param.shape), np.float32)
-                    if value is None
-                    else value.detach().numpy().copy()
-                )
-                state[f"optimizer/{slot}/{name}"] = arr
-            if "step" in st:
-                step = int(float(st["step"]))
-        if opt_name == "adam":
-            state["optimizer/step"] = np.array(step, dtype=np.int64)
-        return state
+        names = ((n, p) for p, n in self._names.items())
+        return {
+            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"]),
+        }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(
             {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         )
-        opt_name = self.cfg.optimizer["name"]
-        step = int(state.get("optimizer/step", 0))
-        for param, name in self._names.items():
-            st = self.optimizer.state[param]
-            for slot in OPTIMIZER_SLOTS[opt_name]:
-                key = f"optimizer/{slot}/{name}"
-                if key not in state:
-                    raise ValueError(f"optimizer state {key} missing")
-                st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
-            if opt_name == "adam":
-                st["step"] = torch.tensor(float(step))
+        names = ((n, p) for p, n in self._names.items())
+        import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return {"torch": torch.get_rng_state().numpy().copy()}

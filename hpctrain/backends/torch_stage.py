@@ -19,8 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .base import OPTIMIZER_SLOTS
-from .torch import ZooNet
+from .torch import ZooNet, export_optimizer_state, import_optimizer_state
 
 
 def init_replicas(comm, groups: list[list[int]], mine: int):
@@ -167,22 +166,11 @@ class TorchStage:
 
     def export_state(self) -> dict[str, np.ndarray]:
         """This stage's part of a checkpoint, in the data-parallel backend's layout."""
-        state = {f"model/{k}": v for k, v in self.get_weights().items()}
-        kind, step = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam", 0
-        for name, param in self.net.named_parameters():
-            st = self.opt.state.get(param, {})
-            for slot in OPTIMIZER_SLOTS[kind]:
-                value = st.get(slot)
-                state[f"optimizer/{slot}/{name}"] = (
-                    np.zeros(tuple(param.shape), np.float32)
-                    if value is None
-                    else value.detach().numpy().copy()
-                )
-            if "step" in st:
-                step = int(float(st["step"]))
-        if kind == "adam":
-            state["optimizer/step"] = np.array(step, dtype=np.int64)
-        return state
+        kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
+        return {
+            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **export_optimizer_state(self.opt, self.net.named_parameters(), kind),
+        }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
@@ -190,16 +178,7 @@ class TorchStage:
             {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         )
         kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
-        step = int(state.get("optimizer/step", 0))
-        for name, param in self.net.named_parameters():
-            st = self.opt.state[param]
-            for slot in OPTIMIZER_SLOTS[kind]:
-                key = f"optimizer/{slot}/{name}"
-                if key not in state:
-                    raise ValueError(f"optimizer state {key} missing")
-                st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
-            if kind == "adam":
-                st["step"] = torch.tensor(float(step))
+        import_optimizer_state(self.opt, self.net.named_parameters(), kind, state)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return {"torch": torch.get_rng_state().numpy().copy()}

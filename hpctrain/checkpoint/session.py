@@ -55,8 +55,14 @@ class TrainerCheckpoints:
         """This rank's view of the step/time rules (agreed through the step allreduce)."""
         return self.policy.due(step)
 
-    def maybe_save(self, step: int, agreed_due: bool | None = None, epoch_end=False,
-                   final=False, metrics: dict | None = None) -> bool:
+    def maybe_save(
+        self,
+        step: int,
+        agreed_due: bool | None = None,
+        epoch_end=False,
+        final=False,
+        metrics: dict | None = None,
+    ) -> bool:
         """Save when due; every rank calls this with the same arguments."""
         if agreed_due is not None:
             agree = lambda _due: agreed_due  # noqa: E731 - decided by the step allreduce
@@ -151,11 +157,20 @@ class TrainerCheckpoints:
         elif saved_size != w.size:
             log.warning(
                 "resuming a %d-rank checkpoint on %d ranks: continuing at sample %d of epoch "
-                "%d; random streams are re-seeded", saved_size, w.size, st.position, st.epoch
+                "%d; random streams are re-seeded",
+                saved_size,
+                w.size,
+                st.position,
+                st.epoch,
             )
         self.policy.mark_saved(st.step)
-        log.info("resumed from %s at step %d (epoch %d, sample %d)", chosen, st.step, st.epoch,
-                 st.position)
+        log.info(
+            "resumed from %s at step %d (epoch %d, sample %d)",
+            chosen,
+            st.step,
+            st.epoch,
+            st.position,
+        )
         return chosen
 
 
