@@ -82,12 +82,13 @@ def scaling(data, out: Path, labels: dict) -> list[str]:
                     ax.axvspan(cores / 1.2, cores * 1.2, color="red", alpha=0.08)
                     ax.text(
                         cores,
-                        ax.get_ylim()[1],
+                        0.03,
                         "oversubscribed",
                         ha="center",
-                        va="top",
+                        va="bottom",
                         fontsize=8,
                         color="darkred",
+                        transform=ax.get_xaxis_transform(),
                     )
             ax_t.set_ylabel("total img/s")
             ax_t.set_title(f"{backend} {model}: throughput")

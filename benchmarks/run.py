@@ -67,6 +67,16 @@ def headline(ctx) -> list[str]:
                     f"hpctrain/raw Horovod **{common.fmt_ratio(r.get('vs_raw_horovod'))}**, "
                     f"hpctrain/mpi4py **{common.fmt_ratio(r.get('vs_mpi4py'))}**"
                 )
+    ab_ = ctx.results.get("ablation")
+    if ab_ and "rows" in ab_:
+        for r in ab_["rows"]:
+            if r["label"] == "hpctrain defaults":
+                lines.append(
+                    f"- ablation, hpctrain defaults at np=2 ({ab_['repeats']} interleaved runs): "
+                    f"efficiency {common.fmt_pct(r['efficiency'])}, "
+                    f"{common.fmt_pct(r.get('vs_ceiling'))} of two non-communicating "
+                    "processes (the hardware's np=2 ceiling)"
+                )
     ar = ctx.results.get("allreduce")
     if ar:
         wrong = sum(r["wrong"] for res in ar["results"] for r in res["rows"])

@@ -43,6 +43,8 @@ def plan(quick: bool) -> dict:
             "warmup": 5,
             "iters": 6,
             "batches": {"cnn": 5},
+            "baseline_models": {"torch": ["cnn"], "tensorflow": []},
+            "baseline_ranks": [1, 2],
         }
     return {
         "models": ["cnn", "resnet", "mlp"],
@@ -51,10 +53,23 @@ def plan(quick: bool) -> dict:
         "warmup": 10,
         "iters": 10,
         "batches": {"cnn": 10, "resnet": 4, "mlp": 10},
+        # baselines where they answer a question: every torch model, TF's cnn, and not on
+        # the oversubscribed np=4 (keeps `make bench` under 15 minutes on 2 cores)
+        "baseline_models": {"torch": ["cnn", "resnet", "mlp"], "tensorflow": ["cnn"]},
+        "baseline_ranks": [1, 2],
     }
 
 
-def hpctrain_args(backend, model, np_, warmup, iters, batches, run_dir, extra=()) -> list[str]:
+def contenders(p, backend, model, np_) -> list[str]:
+    """Who runs at this point of the plan: hpctrain always, baselines where planned."""
+    if model in p["baseline_models"][backend] and np_ in p["baseline_ranks"]:
+        return list(CONTENDERS)
+    return ["hpctrain"]
+
+
+def hpctrain_args(
+    backend, model, np_, warmup, iters, batches, run_dir, extra=(), wrapper=None
+) -> list[str]:
     """`hpctrain train` on the benchmark data, one step record per iteration."""
     steps = warmup + iters * batches
     sets = [
@@ -70,7 +85,8 @@ def hpctrain_args(backend, model, np_, warmup, iters, batches, run_dir, extra=()
         *WORKLOADS[model].hpctrain_sets(),
         *extra,
     ]
-    args = [common.HPCTRAIN, "train", "--run-dir", str(run_dir)]
+    launcher = [common.PYTHON, wrapper] if wrapper else [common.HPCTRAIN]
+    args = [*launcher, "train", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     return args
@@ -87,7 +103,7 @@ def hpctrain_iterations(run_dir, warmup: int, batches: int) -> list[float]:
     out = []
     for a, b in zip(steps, steps[1:]):
         dt = b["time"] - a["time"]
-        if dt > 0:
+        if b["step"] > a["step"] and dt > 0:  # a second run in the same folder restarts
             out.append(BATCH * (b["step"] - a["step"]) / dt)
     return out
 
@@ -112,13 +128,19 @@ def baseline_args(kind, backend, model, warmup, iters, batches, json_out) -> lis
     ]
 
 
-def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="") -> dict:
+def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="", wrapper=None) -> dict:
     """One contender at one rank count: per-iteration per-rank img/s and the job record."""
     batches = p["batches"][model]
+    if np_ > ctx.cores:  # each step takes ~np/cores times longer: keep the run's length
+        batches = max(2, batches * ctx.cores // np_)
     name = f"{kind}-{backend}-{model}-np{np_}{tag}"
     work = ctx.scratch(name)
+    for old in ("metrics.jsonl", "out.json"):  # never read an earlier run's numbers
+        (work / old).unlink(missing_ok=True)
     if kind == "hpctrain":
-        args = hpctrain_args(backend, model, np_, p["warmup"], p["iters"], batches, work, extra)
+        args = hpctrain_args(
+            backend, model, np_, p["warmup"], p["iters"], batches, work, extra, wrapper
+        )
     else:
         args = baseline_args(
             kind, backend, model, p["warmup"], p["iters"], batches, work / "out.json"
@@ -156,7 +178,7 @@ def run(ctx) -> dict:
     for backend in p["backends"]:
         for model in p["models"]:
             for np_ in p["ranks"]:
-                for kind in CONTENDERS:
+                for kind in contenders(p, backend, model, np_):
                     rows.append(measure(ctx, kind, backend, model, np_, p))
     _derive(rows)
     return {
@@ -194,9 +216,11 @@ def markdown(data, ctx) -> str:
         f"{BATCH}, one compute thread per rank, fixed random batch (Horovod's synthetic "
         "benchmark). Img/sec per rank is the mean ± 1.96·std over iterations after "
         "warm-up; total = N × per rank; efficiency = T(N) / (N·T(1)) against the same "
-        "contender at np=1. `other load` is the mean number of cores busy with processes "
-        "outside the benchmark while the job ran (the machine is shared): above ~0.3 the "
-        "figure is depressed by others.",
+        "contender at np=1. One run per point: at np=2 whole runs differ by up to ~20% "
+        "(see the ablation's run means), more than the iterations of one run do. "
+        "`other load` is the mean number of cores busy with processes outside the "
+        "benchmark while the job ran (the machine is shared): above ~0.3 the figure is "
+        "depressed by others, np=2 more than np=1.",
         "",
     ]
     for model, desc in data["workloads"].items():

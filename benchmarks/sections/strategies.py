@@ -94,7 +94,7 @@ def _table(records: list[dict]) -> list[str]:
     keys: list[str] = []
     for r in records:
         for k, v in r.items():
-            if k not in keys and not isinstance(v, (dict, list)):
+            if k not in keys and not _nested(v):
                 keys.append(k)
     lines = ["| " + " | ".join(keys) + " |", "|" + "---|" * len(keys)]
     for r in records:
@@ -102,27 +102,40 @@ def _table(records: list[dict]) -> list[str]:
     return lines
 
 
-def render(value, title: str = "", depth: int = 0) -> list[str]:
-    """Lists of records become tables, mappings nest as bold headings, the rest k: v."""
-    lines: list[str] = []
+def _records(value) -> list[dict] | None:
+    """A list of records, or a mapping name -> record, as rows for one table."""
     if isinstance(value, list) and value and all(isinstance(r, dict) for r in value):
-        if title:
-            lines += [f"*{title}*", ""]
-        return lines + _table(value) + [""]
+        return value
+    rows = value.values() if isinstance(value, dict) else ()
+    if rows and all(isinstance(r, dict) and not any(map(_nested, r.values())) for r in rows):
+        return [{"name": k, **r} for k, r in value.items()]
+    return None
+
+
+def _nested(v) -> bool:
+    """Needs its own heading: a mapping, or a list holding mappings."""
+    return isinstance(v, dict) or (isinstance(v, list) and any(isinstance(x, dict) for x in v))
+
+
+def render(value, title: str = "", depth: int = 0) -> list[str]:
+    """Records become tables, other mappings nest under italic headings, the rest k: v."""
+    lines: list[str] = [f"*{title}*", ""] if title and depth > 0 else []
+    records = _records(value)
+    if records is not None:
+        return lines + _table(records) + [""]
     if isinstance(value, dict):
-        scalars = {k: v for k, v in value.items() if not isinstance(v, (dict, list))}
-        nested = {k: v for k, v in value.items() if isinstance(v, (dict, list))}
-        if title and depth > 0:
-            lines += [f"*{title}*", ""]
+        scalars = {k: v for k, v in value.items() if not _nested(v)}
         if scalars:
             lines += [f"- {k}: {_cell(v)}" for k, v in scalars.items()] + [""]
-        for k, v in nested.items():
+        for k, v in value.items():
+            if not _nested(v):
+                continue
             if depth >= 3:
-                lines += [f"- {k}: {_cell(v)}"]
+                lines += [f"- {k}: {_cell(v)}", ""]
             else:
-                lines += render(v, f"{title} / {k}" if title and depth else k, depth + 1)
+                lines += render(v, f"{title} / {k}" if title else k, depth + 1)
         return lines
-    return lines + [f"- {title}: {_cell(value)}", ""]
+    return lines + [f"- {_cell(value)}", ""]
 
 
 def markdown(data, ctx) -> str:
@@ -138,5 +151,5 @@ def markdown(data, ctx) -> str:
             out += render(s["data"])
         elif s.get("log_tail"):
             out += ["```", s["log_tail"], "```", ""]
-        out += [f"![{s['name']}]({p})" for p in s.get("pngs", [])]
+        out += [f"![{s['name']}]({p})" for p in s.get("pngs", [])] + [""]
     return "\n".join(out)
