@@ -71,11 +71,17 @@ def headline(ctx) -> list[str]:
     if ab_ and "rows" in ab_:
         for r in ab_["rows"]:
             if r["label"] == "hpctrain defaults":
+                n = ab_["repeats"]
+                ceiling = ""
+                if r.get("vs_ceiling"):
+                    ceiling = (
+                        f", {common.fmt_pct(r['vs_ceiling'])} of two non-communicating "
+                        "processes (this machine's np=2 ceiling)"
+                    )
                 lines.append(
-                    f"- ablation, hpctrain defaults at np=2 ({ab_['repeats']} interleaved runs): "
-                    f"efficiency {common.fmt_pct(r['efficiency'])}, "
-                    f"{common.fmt_pct(r.get('vs_ceiling'))} of two non-communicating "
-                    "processes (the hardware's np=2 ceiling)"
+                    f"- ablation, hpctrain defaults at np=2 ({n} interleaved run"
+                    f"{'s' if n > 1 else ''}): efficiency {common.fmt_pct(r['efficiency'])}"
+                    + ceiling
                 )
     ar = ctx.results.get("allreduce")
     if ar:
