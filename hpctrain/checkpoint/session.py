@@ -111,9 +111,13 @@ class TrainerCheckpoints:
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
         if not w.is_root:
             return None
-        st = t.state
+        return self.payload(t.backend.export_state(), gathered, metrics)
+
+    def payload(self, state: dict, gathered: list, metrics: dict | None, **attrs) -> dict:
+        """save()'s keyword arguments from the model/optimizer state and gathered rng."""
+        t, w, st = self.trainer, self.trainer.world, self.trainer.state
         return {
-            "state": t.backend.export_state(),
+            "state": state,
             "trainer_state": {
                 "step": st.step,
                 "epoch": st.epoch,
@@ -125,6 +129,7 @@ class TrainerCheckpoints:
             "attrs": {
                 "backend": t.cfg.backend,
                 **t.backend.versions(),
+                **attrs,
                 "world_size": w.size,
                 "config_yaml": t.cfg.to_yaml(),
             },

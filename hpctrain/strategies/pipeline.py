@@ -25,7 +25,7 @@ import numpy as np
 from .. import runtime
 from ..backends.base import cross_entropy_np
 from ..backends.horovod_env import apply_horovod_env
-from ..checkpoint.rng import capture_process_rng, rng_from_bytes, rng_to_bytes
+from ..checkpoint.rng import capture_process_rng, rng_to_bytes
 from ..checkpoint.session import TrainerCheckpoints
 from ..config import Config
 from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, iterate_val
@@ -451,24 +451,4 @@ class PipelineCheckpoints(TrainerCheckpoints):
             state[key] = merged[key]
         if steps:  # every stage steps once per optimizer step: all equal
             state["optimizer/step"] = np.array(max(steps), dtype=np.int64)
-        st = t.state
-        return {
-            "state": state,
-            "trainer_state": {
-                "step": st.step,
-                "epoch": st.epoch,
-                "position": st.position,
-                "world_size": w.size,
-                "global_batch": t.data.global_batch,
-            },
-            "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered)},
-            "attrs": {
-                "backend": t.cfg.backend,
-                **t.backend.versions(),
-                "strategy": "pipeline",
-                "pipeline_stages": t.stages,
-                "world_size": w.size,
-                "config_yaml": t.cfg.to_yaml(),
-            },
-            "metrics": {k: v for k, v in (metrics or {}).items() if isinstance(v, (int, float))},
-        }
+        return self.payload(state, gathered, metrics, strategy="pipeline", pipeline_stages=t.stages)
