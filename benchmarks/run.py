@@ -69,14 +69,16 @@ def headline(ctx) -> list[str]:
                 )
     ab_ = ctx.results.get("ablation")
     if ab_ and "rows" in ab_:
+        top = next((r for r in ab_["rows"] if r["label"].startswith("independent")), None)
         for r in ab_["rows"]:
             if r["label"] == "hpctrain defaults":
                 n = ab_["repeats"]
                 ceiling = ""
-                if r.get("vs_ceiling"):
+                if r.get("vs_ceiling") and top:
                     ceiling = (
                         f", {common.fmt_pct(r['vs_ceiling'])} of two non-communicating "
-                        "processes (this machine's np=2 ceiling)"
+                        "processes, whose own efficiency (this machine's np=2 ceiling) is "
+                        f"{common.fmt_pct(top['efficiency'])}"
                     )
                 lines.append(
                     f"- ablation, hpctrain defaults at np=2 ({n} interleaved run"

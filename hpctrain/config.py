@@ -106,6 +106,9 @@ SCHEMA: dict[str, Any] = {
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
         "log_every": _f(10, int, "log a progress line every N steps", **POS_INT),
         "nan_check": _f(True, bool, "stop with a clear error when the loss is NaN/inf"),
+        "overlap_step_metrics": _f(
+            True, bool, "reduce a step's loss and flags during the next step (one sync per step)"
+        ),
         "deterministic": _f(True, bool, "deterministic kernels (needed for bit-exact resume)"),
     },
     "horovod": {
@@ -132,6 +135,9 @@ SCHEMA: dict[str, Any] = {
         ),
         "mpi_yield_when_idle": _f(
             True, bool, "Open MPI yields the core while waiting (oversubscription)"
+        ),
+        "malloc_keep_freed": _f(
+            True, bool, "glibc malloc keeps freed memory for reuse (no page faults per step)"
         ),
     },
     "ps": {

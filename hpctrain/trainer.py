@@ -4,15 +4,15 @@
     Trainer(Config.load("configs/demo.yaml")).fit()
 
 Every rank runs this loop on its own shard; the backend averages gradients with
-Horovod. Per step the ranks exchange one small vector (loss, correct, count, a
-non-finite flag) so that progress shows global numbers and a NaN on any rank stops
-every rank at the same step with the same message.
+Horovod. Per step the ranks also exchange one small vector (loss, correct, count, a
+non-finite flag, preemption and checkpoint flags) so that progress shows global numbers
+and a NaN on any rank stops every rank at the same step with the same message. That
+vector is read one step later (`step_reports`), so it never adds a second wait per step.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -34,8 +34,10 @@ from .data import (
 )
 from .errors import TrainingDiverged
 from .metrics import MetricsWriter, Progress
+from .runtime import allocator
 from .runtime.preemption import Preemption
 from .schedule import lr_at
+from .step_reports import StepReducer
 
 log = logging.getLogger("hpctrain.trainer")
 
@@ -60,6 +62,8 @@ def prepare_process(cfg: Config):
         # Ranks waiting in MPI give their core to ranks still computing: essential when
         # ranks share cores, harmless otherwise (Open MPI reads this at MPI_Init).
         os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if cfg.runtime["malloc_keep_freed"]:
+        allocator.keep_freed_memory()
     return runtime.world(cfg.runtime["collective_timeout"])
 
 
@@ -77,6 +81,7 @@ class Trainer:
         self.world = prepare_process(cfg)
         w = self.world
         runtime.setup_logging(w.rank, w.size, verbose)
+        log.debug("allocator: %s", allocator.status())
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
         if w.is_root:
@@ -151,58 +156,58 @@ class Trainer:
             cfg.metrics["progress_bar"],
         )
         t_start = time.perf_counter()
-        samples_done, comm_total, compute_total = 0, 0.0, 0.0
+        self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "epoch_loss": 0.0, "count": 0}
         last_eval: dict = {}
         preempted = None
         pre = Preemption().install()
+        reducer = StepReducer(w, cfg.train["overlap_step_metrics"])
         try:
             while st.epoch < cfg.train["epochs"] and not (max_steps and st.step >= max_steps):
-                epoch_loss, epoch_count = 0.0, 0
+                self._run.update(epoch_loss=0.0, count=0)
                 t_epoch = time.perf_counter()
+                t_last = time.perf_counter()
                 for micro in self.data.iterate(st.epoch, st.position):
-                    t0 = time.perf_counter()
                     lr = lr_at(
                         st.step, cfg.optimizer, w.size, self.steps_per_epoch, self.total_steps
                     )
                     stats = self.backend.train_step(micro, lr)
-                    save_due = self.checkpoints.due_locally(st.step + 1)
-                    totals = self._reduce_step(stats, pre.requested, save_due)
-                    dt = time.perf_counter() - t0
                     st.step += 1
                     st.position += self.data.global_batch
-                    loss = totals[0] / totals[2]
-                    epoch_loss += totals[0]
-                    epoch_count += totals[2]
-                    n_samples = self.data.global_batch
-                    samples_done += n_samples
-                    comm_total += stats.comm_seconds
-                    compute_total += dt
-                    sps = n_samples / dt
-                    if st.step % cfg.train["log_every"] == 0 or st.step == max_steps:
-                        self.metrics.write(
-                            "step",
-                            epoch=st.epoch,
-                            step=st.step,
-                            loss=loss,
-                            lr=lr,
-                            accuracy=totals[1] / totals[2],
-                            samples_per_sec=sps,
-                            samples_per_sec_per_rank=sps / w.size,
-                            comm_share=stats.comm_seconds / dt,
-                            **self._mean_extra(stats.extra),
-                        )
-                    progress.update(st.step, f"epoch {st.epoch} loss {loss:.4f} lr {lr:.4g}")
-                    if totals[4] > 0:  # a rank was signalled: every rank stops here
+                    now = time.perf_counter()
+                    seconds, t_last = now - t_last, now
+                    flags = self._settle(
+                        reducer.push(
+                            st.step,
+                            stats,
+                            lr,
+                            seconds,
+                            pre.requested,
+                            self.checkpoints.due_locally(st.step),
+                        ),
+                        progress,
+                    )
+                    last = (max_steps and st.step >= max_steps) or self.data.steps_left(
+                        st.position
+                    ) == 0
+                    save = flags["save"] or self.checkpoints.due_by_step(st.step)
+                    if flags["preempt"] or save or last:  # these must see this step's result
+                        more = self._settle(reducer.drain(), progress)
+                        flags = {k: flags[k] or more[k] for k in flags}
+                        save = save or flags["save"]
+                    if flags["preempt"]:  # a rank was signalled: every rank stops here
                         preempted = self.checkpoints.preempt(pre, progress)
                         break
-                    self.checkpoints.maybe_save(st.step, agreed_due=bool(totals[5]))
+                    if save:
+                        self.checkpoints.maybe_save(st.step, agreed_due=True)
                     if max_steps and st.step >= max_steps:
                         break
                 if preempted:
                     break
                 epoch_done = self.data.steps_left(st.position) == 0
                 if epoch_done or (max_steps and st.step >= max_steps):
-                    last_eval = self._end_of_epoch(epoch_loss, epoch_count, t_epoch, progress)
+                    last_eval = self._end_of_epoch(
+                        self._run["epoch_loss"], self._run["count"], t_epoch, progress
+                    )
                 if epoch_done:
                     st.epoch += 1
                     st.position = 0
@@ -213,6 +218,8 @@ class Trainer:
         finally:
             pre.uninstall()
             progress.close()
+        samples_done = self._run["samples"]
+        comm_total, compute_total = self._run["comm"], self._run["compute"]
         elapsed = time.perf_counter() - t_start
         summary = {
             "steps": st.step,
@@ -234,51 +241,47 @@ class Trainer:
             log.info("done: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return summary
 
-    def _reduce_step(self, stats, preempt: bool = False, save_due: bool = False) -> np.ndarray:
-        """Global (loss_sum, correct, count, non-finite, preempt, save-due); stop on NaN/inf.
-
-        One small allreduce per step carries the metrics and every per-rank decision
-        (NaN, a preemption signal, a time-based checkpoint), so all ranks act alike.
-        """
-        bad = 0.0 if math.isfinite(stats.loss_sum) else 1.0
-        local = np.array(
-            [
-                stats.loss_sum if not bad else 0.0,
-                stats.correct,
-                stats.count,
-                bad,
-                float(preempt),
-                float(save_due),
-            ],
-            dtype=np.float64,
-        )
-        totals = self.world.allreduce_array(local, "sum", "step metrics")
-        if totals[3] > 0 and self.cfg.train["nan_check"]:
-            flags = self.world.comm.allgather(bool(bad)) if self.world.size > 1 else [bool(bad)]
-            ranks = [r for r, f in enumerate(flags) if f]
-            exc = TrainingDiverged(
-                f"loss became NaN/inf at step {self.state.step + 1} (epoch {self.state.epoch}) "
-                f"on rank(s) {ranks}: lower optimizer.lr, set train.clip_norm, or check the "
-                f"data for NaN/inf values"
-            )
-            exc.agreed = True
-            raise exc
-        return totals
-
-    def _mean_extra(self, extra: dict) -> dict:
-        """A backend's optional step metrics (StepStats.extra) averaged over ranks."""
-        if not extra:
-            return {}
-        keys = sorted(extra)
-        parts = [np.atleast_1d(np.asarray(extra[k], dtype=np.float64)) for k in keys]
-        flat = self.world.allreduce_array(np.concatenate(parts), "sum", "extra step metrics")
-        flat /= self.world.size
-        out, i = {}, 0
-        for k, part in zip(keys, parts, strict=True):
-            value = flat[i : i + part.size]
-            out[k] = [float(v) for v in value] if isinstance(extra[k], list) else float(value[0])
-            i += part.size
-        return out
+    def _settle(self, reports, progress) -> dict:
+        """Log settled step reports; stop on NaN/inf; return the agreed flags."""
+        flags = {"preempt": False, "save": False}
+        cfg, w = self.cfg, self.world
+        for r in reports:
+            if r.nonfinite and cfg.train["nan_check"]:
+                flags_by_rank = w.comm.allgather(r.local_nonfinite) if w.size > 1 else [True]
+                ranks = [rank for rank, f in enumerate(flags_by_rank) if f]
+                exc = TrainingDiverged(
+                    f"loss became NaN/inf at step {r.step} (epoch {self.state.epoch}) "
+                    f"on rank(s) {ranks}: lower optimizer.lr, set train.clip_norm, or check "
+                    f"the data for NaN/inf values"
+                )
+                exc.agreed = True
+                raise exc
+            n = self.data.global_batch
+            run = self._run
+            run["samples"] += n
+            run["comm"] += r.comm_seconds
+            run["compute"] += r.seconds
+            run["epoch_loss"] += r.loss_sum
+            run["count"] += r.count
+            sps = n / r.seconds if r.seconds > 0 else None
+            max_steps = cfg.train["max_steps"]
+            if r.step % cfg.train["log_every"] == 0 or r.step == max_steps:
+                self.metrics.write(
+                    "step",
+                    epoch=self.state.epoch,
+                    step=r.step,
+                    loss=r.loss,
+                    lr=r.lr,
+                    accuracy=r.accuracy,
+                    samples_per_sec=sps,
+                    samples_per_sec_per_rank=sps / w.size if sps else None,
+                    comm_share=r.comm_seconds / r.seconds if r.seconds > 0 else None,
+                    **r.extra,
+                )
+            progress.update(r.step, f"epoch {self.state.epoch} loss {r.loss:.4f} lr {r.lr:.4g}")
+            flags["preempt"] = flags["preempt"] or r.preempt
+            flags["save"] = flags["save"] or r.save_due
+        return flags
 
     def _end_of_epoch(self, epoch_loss, epoch_count, t_epoch, progress) -> dict:
         st = self.state

@@ -2,6 +2,7 @@
 both backends agree, replicas stay identical, and bad input stops every rank clearly."""
 
 import json
+import re
 
 import h5py
 import numpy as np
@@ -119,11 +120,26 @@ def test_dataset_present_on_only_some_ranks_is_reported_on_every_rank(tmp_path):
     )
 
 
-def test_nan_in_the_data_stops_every_rank_at_the_same_step(tmp_path):
+def test_overlapped_step_metrics_change_nothing_but_timing(tmp_path):
+    """Step metrics read one step late log the same steps, losses and final weights."""
+    common = ["train.max_steps=7", "model.hidden=[32]", "train.batch_size=16"]
+    runs = {}
+    for overlap in ("true", "false"):
+        name = f"overlap-{overlap}"
+        runs[overlap] = _train(tmp_path, name, 2, *common, f"train.overlap_step_metrics={overlap}")
+        lines = [json.loads(x) for x in (tmp_path / f"{name}.npz.run" / "metrics.jsonl").open()]
+        steps = [x["step"] for x in lines if x["event"] == "step"]
+        assert steps == list(range(1, 8)), steps
+    _assert_same_weights(runs["true"][0], runs["false"][0], 0)
+    assert runs["true"][1] == runs["false"][1]
+
+
+@pytest.mark.parametrize("overlap", ["true", "false"])
+def test_nan_in_the_data_stops_every_rank_at_the_same_step(tmp_path, overlap):
     path = tmp_path / "nan.h5"
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 8)).astype(np.float32)
-    x[100:] = np.nan  # the bad rows are reached after a few steps
+    x[248:] = np.nan  # few bad rows: reached after a few (shuffled) steps
     y = rng.integers(0, 3, 256)
     with h5py.File(path, "w") as f:
         for split in ("train", "val"):
@@ -142,11 +158,21 @@ def test_nan_in_the_data_stops_every_rank_at_the_same_step(tmp_path):
         "data.prefetch=0",
         "--set",
         "train.batch_size=8",
+        "--set",
+        f"train.overlap_step_metrics={overlap}",
+        "--set",
+        "train.log_every=1",
         timeout=180,
     )
     assert job.returncode == 2, job.output
     assert job.output.count("loss became NaN/inf at step") == 2, job.output
     assert "check the data for NaN/inf values" in job.output
+    # The step named is the first one with a NaN loss, whether read late or not: both
+    # ranks name it, and the metrics log holds every step before it and none after.
+    step = int(re.search(r"loss became NaN/inf at step (\d+)", job.output).group(1))
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [x["step"] for x in lines if x["event"] == "step"] == list(range(1, step))
+    assert step > 1, "the bad rows should not all be in the first batch"
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])

@@ -18,55 +18,101 @@ from . import scaling
 TITLE = "Ablation: what limits np=2 efficiency"
 MODEL, BACKEND = "cnn", "torch"
 YIELD = {"OMPI_MCA_mpi_yield_when_idle": "1"}
-HOROVOD_DEFAULTS = [  # hpctrain configured as Horovod ships (0.28.1 defaults)
+# hpctrain's malloc settings (runtime.malloc_keep_freed) for scripts that lack them
+MALLOC = {
+    "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824"
+}
+MALLOC_OFF = ["runtime.malloc_keep_freed=false"]
+HOROVOD_DEFAULTS = [  # hpctrain configured as Horovod ships (0.28.1 defaults), no extras
     "runtime.mpi_yield_when_idle=false",
+    "runtime.malloc_keep_freed=false",
+    "train.overlap_step_metrics=false",
     "horovod.cycle_time_ms=1",
     "horovod.fusion_threshold_mb=128",
 ]
-NICE_WRAPPER = "benchmarks/workers/hpctrain_nice.py"
 RESERVE_SECONDS = 120  # what the sections after this one need at least
+
+# np=1 references: each variant is compared with one rank run with the settings that
+# change a single rank's speed (the allocator); the rest only act between ranks.
+REFERENCES = {
+    "mpi4py": ("mpi4py", {}, []),
+    "mpi4py+malloc": ("mpi4py", MALLOC, []),
+    "raw_horovod": ("raw_horovod", {}, []),
+    "raw_horovod+malloc": ("raw_horovod", MALLOC, []),
+    "hpctrain": ("hpctrain", {}, []),
+    "hpctrain-malloc-off": ("hpctrain", {}, MALLOC_OFF),
+}
 
 
 def variants(quick: bool) -> list[dict]:
-    """One np=2 run each; `kind` names the contender whose np=1 run is the reference."""
+    """One np=2 run each; `ref` names its np=1 reference in REFERENCES."""
     rows = [
         dict(
             label="independent processes, no communication (ceiling)",
             kind="mpi4py",
+            ref="mpi4py+malloc",
+            env=MALLOC,
             extra=["--no-allreduce"],
         ),
-        dict(label="mpi4py sync Allreduce after backward", kind="mpi4py"),
-        dict(label="mpi4py sync Allreduce + mpi_yield_when_idle", kind="mpi4py", env=YIELD),
-        dict(label="raw Horovod, defaults", kind="raw_horovod"),
-        dict(label="raw Horovod + mpi_yield_when_idle", kind="raw_horovod", env=YIELD),
+        dict(label="mpi4py sync Allreduce after backward", kind="mpi4py", ref="mpi4py"),
         dict(
-            label="hpctrain with Horovod's defaults (no yield, 1 ms, 128 MB)",
+            label="mpi4py sync Allreduce + yield + malloc",
+            kind="mpi4py",
+            ref="mpi4py+malloc",
+            env={**YIELD, **MALLOC},
+        ),
+        dict(label="raw Horovod, defaults", kind="raw_horovod", ref="raw_horovod"),
+        dict(
+            label="raw Horovod + mpi_yield_when_idle",
+            kind="raw_horovod",
+            ref="raw_horovod",
+            env=YIELD,
+        ),
+        dict(
+            label="raw Horovod + yield + malloc",
+            kind="raw_horovod",
+            ref="raw_horovod+malloc",
+            env={**YIELD, **MALLOC},
+        ),
+        dict(
+            label="hpctrain with Horovod's defaults and none of its own",
             kind="hpctrain",
+            ref="hpctrain-malloc-off",
             sets=HOROVOD_DEFAULTS,
         ),
-        dict(label="hpctrain defaults", kind="hpctrain"),
+        dict(label="hpctrain defaults", kind="hpctrain", ref="hpctrain"),
         dict(
-            label="hpctrain, horovod.cycle_time_ms=0.5",
+            label="hpctrain, runtime.malloc_keep_freed=false",
             kind="hpctrain",
-            sets=["horovod.cycle_time_ms=0.5"],
+            ref="hpctrain-malloc-off",
+            sets=MALLOC_OFF,
         ),
         dict(
-            label="hpctrain, horovod.cycle_time_ms=0.2",
+            label="hpctrain, train.overlap_step_metrics=false",
             kind="hpctrain",
-            sets=["horovod.cycle_time_ms=0.2"],
+            ref="hpctrain",
+            sets=["train.overlap_step_metrics=false"],
+        ),
+        dict(
+            label="hpctrain, runtime.mpi_yield_when_idle=false",
+            kind="hpctrain",
+            ref="hpctrain",
+            sets=["runtime.mpi_yield_when_idle=false"],
         ),
         dict(
             label="hpctrain, fusion off (fusion_threshold_mb=0)",
             kind="hpctrain",
+            ref="hpctrain",
             sets=["horovod.fusion_threshold_mb=0"],
         ),
         dict(
-            label="experiment: hpctrain, compute thread nice +5 after hvd.init",
+            label="hpctrain, horovod.cycle_time_ms=0.5",
             kind="hpctrain",
-            wrapper=NICE_WRAPPER,
+            ref="hpctrain",
+            sets=["horovod.cycle_time_ms=0.5"],
         ),
     ]
-    if quick:  # the rest comes from the scaling section's runs (see run())
+    if quick:  # the defaults come from the scaling section's runs (see run())
         rows = [r for r in rows if r["label"].startswith("hpctrain with")]
     return rows
 
@@ -87,17 +133,20 @@ def run(ctx) -> dict:
     todo = variants(ctx.quick)
     sc = (ctx.results.get("scaling") or {}).get("rows", [])
     reuse = ctx.quick and all(scaling.find(sc, k, BACKEND, MODEL, 2) for k in REUSED.values())
-    kinds = list(dict.fromkeys([v["kind"] for v in todo] + list(REUSED.values())))
+    ref_ids = list(dict.fromkeys([v["ref"] for v in todo] + list(REUSED.values())))
     runs: dict[str, list[dict]] = {}
     round_seconds = 0.0
     for rep in range(repeats):
         t0 = time.monotonic()
         if rep and ctx.time_left() < round_seconds + RESERVE_SECONDS:
             break  # keep `make bench` inside its time budget: fewer rounds, wider intervals
-        for kind in kinds:
-            found = scaling.find(sc, kind, BACKEND, MODEL, 1) if reuse else None
-            ref = found or scaling.measure(ctx, kind, BACKEND, MODEL, 1, p, tag=f"-ablation{rep}")
-            runs.setdefault("np1:" + kind, []).append(ref)
+        for ref_id in ref_ids:
+            kind, env, sets = REFERENCES[ref_id]
+            found = scaling.find(sc, kind, BACKEND, MODEL, 1) if reuse and ref_id == kind else None
+            ref = found or scaling.measure(
+                ctx, kind, BACKEND, MODEL, 1, p, env, sets, tag=f"-ablation{rep}-{ref_id}"
+            )
+            runs.setdefault("np1:" + ref_id, []).append(ref)
         if reuse:  # quick run: the default configurations were just measured by scaling
             for label, kind in REUSED.items():
                 runs.setdefault(label, []).append(scaling.find(sc, kind, BACKEND, MODEL, 2))
@@ -105,30 +154,38 @@ def run(ctx) -> dict:
             extra = v.get("sets", []) if v["kind"] == "hpctrain" else v.get("extra", [])
             tag = f"-r{rep}-" + "".join(c if c.isalnum() else "_" for c in v["label"])[:48]
             runs.setdefault(v["label"], []).append(
-                scaling.measure(
-                    ctx, v["kind"], BACKEND, MODEL, 2, p, v.get("env"), extra, tag, v.get("wrapper")
-                )
+                scaling.measure(ctx, v["kind"], BACKEND, MODEL, 2, p, v.get("env"), extra, tag)
             )
         round_seconds = time.monotonic() - t0
-    refs = {kind: _pool(runs["np1:" + kind]) for kind in kinds}
+    refs = {ref_id: _pool(runs["np1:" + ref_id]) for ref_id in ref_ids}
     rows = []
     labels = (list(REUSED) if reuse else []) + [v["label"] for v in todo]
     by_label = {v["label"]: v for v in todo}
     for label in labels:
-        v = by_label.get(label, {"label": label, "kind": REUSED.get(label)})
+        kind = REUSED.get(label)
+        v = by_label.get(label, {"label": label, "kind": kind, "ref": kind})
         extra = v.get("sets", []) if v["kind"] == "hpctrain" else v.get("extra", [])
-        rows.append(_row(v, extra, refs[v["kind"]], _pool(runs[label])))
+        rows.append(_row(v, extra, refs[v["ref"]], _pool(runs[label])))
     ceiling = next((r for r in rows if r["label"].startswith("independent")), None)
+    default = next((r for r in rows if r["label"] == "hpctrain defaults"), None)
     for r in rows:
         r["vs_ceiling"] = common.ratio(r["np2"], ceiling["np2"]) if ceiling else None
+        r["vs_default"] = common.ratio(r["np2"], default["np2"]) if default else None
     return {
         "model": MODEL,
         "backend": BACKEND,
         "repeats": len(next(iter(runs.values()))),
-        "references": refs,
+        "references": {
+            ref_id: {**refs[ref_id], "settings": _describe(*REFERENCES[ref_id][1:])}
+            for ref_id in ref_ids
+        },
         "rows": rows,
         "step_allreduce": _step_allreduce(ctx),
     }
+
+
+def _describe(env: dict, sets: list) -> str:
+    return ", ".join([*(f"{k}={v}" for k, v in env.items()), *sets]) or "defaults"
 
 
 def _pool(measured: list[dict]) -> dict:
@@ -148,9 +205,9 @@ def _row(v, extra, one, two) -> dict:
     return {
         "label": v["label"],
         "contender": v["kind"],
+        "reference": v["ref"],
         "env": v.get("env") or {},
         "sets": extra,
-        "wrapper": v.get("wrapper"),
         "np1": one["per_rank"],
         "np2": two["per_rank"],
         "np2_run_means": two["run_means"],
@@ -193,22 +250,27 @@ def markdown(data, ctx) -> str:
     refs = data["references"]
     out = [
         f"{data['backend']} {data['model']}, one thread per rank. Each np=2 variant is "
-        "compared with its contender's np=1 run with default settings ("
-        + ", ".join(f"{k}: {common.fmt_mc(r['per_rank'], 0)} img/s" for k, r in refs.items())
-        + "), so a setting that slowed the single rank would not look better for it. "
-        "*added ms/step* = 64/(np=2 img/s) − 64/(np=1 img/s): the cost per step of "
-        "running with a second rank, whatever the step's length.",
+        "compared with an np=1 run of the same program with the settings that change a "
+        "single rank's speed (the allocator); the others act only between ranks. References: "
+        + "; ".join(
+            f"{k} ({r['settings']}): {common.fmt_mc(r['per_rank'], 0)} img/s"
+            for k, r in refs.items()
+        )
+        + ". *added ms/step* = 64/(np=2 img/s) − 64/(np=1 img/s): the cost per step of "
+        "running with a second rank, whatever the step's length. *vs hpctrain* is the "
+        "np=2 throughput against hpctrain's defaults.",
         "",
         f"Each configuration ran {data['repeats']} time(s), interleaved with the others; "
         "intervals pool the iterations of all its runs, and *run means* shows each run's "
         "mean (whole runs differ more than iterations within a run). *vs ceiling* divides by "
-        "the np=2 rate of two processes that never communicate, measured in the same rounds: "
-        "what is left after the hardware's own np=2 penalty (shared caches, memory "
-        "bandwidth, clock) is taken out.",
+        "the np=2 rate of two processes that never communicate (with hpctrain's allocator "
+        "settings), measured in the same rounds: the ceiling's own efficiency is the "
+        "hardware's np=2 penalty (shared caches, memory bandwidth, clock), which no "
+        "communication scheme can win back.",
         "",
-        "| variant | np=2 img/s per rank | run means | efficiency | vs ceiling | added ms/step "
-        "| other load |",
-        "|---|---|---|---|---|---:|---:|",
+        "| variant | np=2 img/s per rank | run means | efficiency | vs ceiling | vs hpctrain "
+        "| added ms/step | other load |",
+        "|---|---|---|---|---|---|---:|---:|",
     ]
     for r in data["rows"]:
         load = "?" if r["foreign_load"] is None else f"{r['foreign_load']:.2f}"
@@ -218,7 +280,7 @@ def markdown(data, ctx) -> str:
         out.append(
             f"| {r['label']}{bad} | {common.fmt_mc(r['np2'], 0)} | {means} "
             f"| {common.fmt_pct(r['efficiency'])} | {common.fmt_pct(r.get('vs_ceiling'))} "
-            f"| {added} | {load} |"
+            f"| {common.fmt_ratio(r.get('vs_default'))} | {added} | {load} |"
         )
     sa = data.get("step_allreduce")
     if sa:

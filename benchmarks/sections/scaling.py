@@ -67,9 +67,7 @@ def contenders(p, backend, model, np_) -> list[str]:
     return ["hpctrain"]
 
 
-def hpctrain_args(
-    backend, model, np_, warmup, iters, batches, run_dir, extra=(), wrapper=None
-) -> list[str]:
+def hpctrain_args(backend, model, np_, warmup, iters, batches, run_dir, extra=()) -> list[str]:
     """`hpctrain train` on the benchmark data, one step record per iteration."""
     steps = warmup + iters * batches
     sets = [
@@ -85,8 +83,7 @@ def hpctrain_args(
         *WORKLOADS[model].hpctrain_sets(),
         *extra,
     ]
-    launcher = [common.PYTHON, wrapper] if wrapper else [common.HPCTRAIN]
-    args = [*launcher, "train", "--run-dir", str(run_dir)]
+    args = [common.HPCTRAIN, "train", "--run-dir", str(run_dir)]
     for s in sets:
         args += ["--set", s]
     return args
@@ -128,7 +125,7 @@ def baseline_args(kind, backend, model, warmup, iters, batches, json_out) -> lis
     ]
 
 
-def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="", wrapper=None) -> dict:
+def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="") -> dict:
     """One contender at one rank count: per-iteration per-rank img/s and the job record."""
     batches = p["batches"][model]
     if np_ > ctx.cores:  # each step takes ~np/cores times longer: keep the run's length
@@ -138,9 +135,7 @@ def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="", wrapp
     for old in ("metrics.jsonl", "out.json"):  # never read an earlier run's numbers
         (work / old).unlink(missing_ok=True)
     if kind == "hpctrain":
-        args = hpctrain_args(
-            backend, model, np_, p["warmup"], p["iters"], batches, work, extra, wrapper
-        )
+        args = hpctrain_args(backend, model, np_, p["warmup"], p["iters"], batches, work, extra)
     else:
         args = baseline_args(
             kind, backend, model, p["warmup"], p["iters"], batches, work / "out.json"

@@ -52,8 +52,12 @@ class TrainerCheckpoints:
 
     # --- saving ---------------------------------------------------------------------
     def due_locally(self, step: int) -> bool:
-        """This rank's view of the step/time rules (agreed through the step allreduce)."""
+        """This rank's view of the step/time rules (agreed through the step reports)."""
         return self.policy.due(step)
+
+    def due_by_step(self, step: int) -> bool:
+        """The step rule alone (every_steps): the same on every rank, no agreement needed."""
+        return self.policy.due(step, now=float("-inf"))
 
     def maybe_save(
         self,

@@ -23,6 +23,7 @@ log = logging.getLogger("hpctrain.watchdog")
 
 _TAG_SPACE = 30000  # arrival tags cycle through [1, _TAG_SPACE]
 _GRACE_SECONDS = 3.0
+_POLL_SECONDS = 1.0  # how often the monitor looks at the deadlines
 
 
 class Watchdog:
@@ -58,8 +59,7 @@ class Watchdog:
         deadline = time.monotonic() + (self.timeout if timeout is None else timeout)
         with self._lock:
             self._active[seq] = (what, deadline)
-        self._ensure_thread()
-        self._wake.set()
+        self._ensure_thread()  # it polls: no wake-up per section (a step holds several)
         try:
             yield
         finally:
@@ -96,20 +96,22 @@ class Watchdog:
             self._thread.start()
 
     def _monitor(self):
+        """Check the oldest deadline every `poll` seconds (at most `_POLL_SECONDS`).
+
+        Polling instead of being woken by each section keeps the guard free of thread
+        wake-ups on the training path; a deadline is noticed at most `poll` late.
+        """
         me = threading.current_thread()
+        poll = min(_POLL_SECONDS, max(0.05, self.timeout / 10))
         while self._thread is me:
             with self._lock:
                 soonest = min(self._active.items(), key=lambda kv: kv[1][1], default=None)
-            if soonest is None:
-                self._wake.wait()
-                self._wake.clear()
-                continue
-            seq, (what, deadline) = soonest
-            left = deadline - time.monotonic()
+            left = poll if soonest is None else soonest[1][1] - time.monotonic()
             if left > 0:
-                self._wake.wait(timeout=min(left, 1.0))
+                self._wake.wait(timeout=min(left, poll))
                 self._wake.clear()
                 continue
+            seq, (what, _deadline) = soonest
             with self._lock:
                 still_active = seq in self._active
             if still_active:

@@ -53,3 +53,16 @@ def test_check_uniform_names_the_odd_rank():
     else:
         raise AssertionError("check_uniform() did not raise")
     w.check_uniform((5, 5), "same everywhere")
+
+
+def test_started_allreduce_arrives_after_other_collectives():
+    """A started reduction may stay in flight across other collectives (the trainer's
+    step metrics travel while the next step runs) and still sums every rank's values."""
+    w = world()
+    first = w.start_allreduce_array(np.array([w.rank, 1.0]), "sum", "test started 1")
+    between = w.allreduce_array(np.array([2 * w.rank]), "max", "test in between")
+    second = w.start_allreduce_array(np.array([w.rank + 1.0]), "max", "test started 2")
+    assert between[0] == 2 * (w.size - 1)
+    np.testing.assert_array_equal(second.wait(), [w.size])
+    np.testing.assert_array_equal(first.wait(), [w.size * (w.size - 1) / 2, w.size])
+    np.testing.assert_array_equal(first.wait(), [w.size * (w.size - 1) / 2, w.size])
