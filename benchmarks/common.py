@@ -23,6 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
+from .threadcpu import ThreadSampler
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 VENV_BIN = Path(sys.executable).parent
@@ -63,6 +65,7 @@ class Job:
     seconds: float
     cpu_seconds: float  # CPU time of the job's processes (user + system)
     foreign_load: float | None  # cores busy with other work during the job (mean)
+    threads: dict | None = None  # ThreadSampler.stop(): CPU shares of the ranks' threads
 
     @property
     def ok(self) -> bool:
@@ -104,6 +107,7 @@ def mpirun(
     timeout: float,
     env: dict | None = None,
     mpi_args: list[str] | None = None,
+    sample_threads: bool = False,
 ) -> Job:
     """Run `args` on `np_` ranks under a hard timeout; stdout and stderr together.
 
@@ -129,6 +133,7 @@ def mpirun(
         cwd=ROOT,
         start_new_session=True,
     )
+    sampler = ThreadSampler(proc.pid).start() if sample_threads else None
     try:
         out, _ = proc.communicate(timeout=timeout)
         code = proc.returncode
@@ -138,12 +143,13 @@ def mpirun(
         out += f"\n[bench] killed after {timeout:.0f} s\n"
         code = 124
     seconds = time.monotonic() - t0
+    threads = sampler.stop() if sampler else None
     cpu = _children_cpu() - cpu0
     busy1 = _busy_seconds()
     foreign = None
     if busy0 is not None and busy1 is not None and seconds > 0:
         foreign = max(0.0, (busy1 - busy0 - cpu) / seconds)
-    job = Job(cmd, dict(env or {}), code, out, seconds, cpu, foreign)
+    job = Job(cmd, dict(env or {}), code, out, seconds, cpu, foreign, threads)
     ctx.jobs.append(job.record())
     tag = "ok" if job.ok else f"FAILED rc={code}"
     print(f"[bench] {seconds:6.1f} s {tag}: {job.record()['command']}", flush=True)

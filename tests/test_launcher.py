@@ -1,5 +1,9 @@
 """Launcher variables are read correctly, and stale SLURM variables are not trusted."""
 
+import pytest
+
+from hpctrain.backends.horovod_env import apply_horovod_env
+from hpctrain.errors import LaunchError
 from hpctrain.runtime.launcher import disagreements, launcher_name, launcher_views
 from hpctrain.runtime.threads import threads_per_rank
 
@@ -52,3 +56,14 @@ def test_threads_come_from_the_launcher_or_the_cores():
     assert threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
     n, why = threads_per_rank(10**6, {})
     assert n == 1 and "local ranks" in why
+
+
+def test_horovod_gloo_switches_are_refused_before_hvd_init(monkeypatch):
+    for key in ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS"):
+        monkeypatch.delenv("HOROVOD_CONTROLLER", raising=False)
+        monkeypatch.delenv("HOROVOD_CPU_OPERATIONS", raising=False)
+        monkeypatch.setenv(key, "gloo")
+        with pytest.raises(LaunchError, match=f"{key}=gloo is set"):
+            apply_horovod_env(None)
+        monkeypatch.setenv(key, "mpi")
+        assert apply_horovod_env(None) == {}

@@ -154,7 +154,9 @@ def run(ctx) -> dict:
             extra = v.get("sets", []) if v["kind"] == "hpctrain" else v.get("extra", [])
             tag = f"-r{rep}-" + "".join(c if c.isalnum() else "_" for c in v["label"])[:48]
             runs.setdefault(v["label"], []).append(
-                scaling.measure(ctx, v["kind"], BACKEND, MODEL, 2, p, v.get("env"), extra, tag)
+                scaling.measure(
+                    ctx, v["kind"], BACKEND, MODEL, 2, p, v.get("env"), extra, tag, True
+                )
             )
         round_seconds = time.monotonic() - t0
     refs = {ref_id: _pool(runs["np1:" + ref_id]) for ref_id in ref_ids}
@@ -192,10 +194,12 @@ def _pool(measured: list[dict]) -> dict:
     """Several runs of one configuration as one: iterations pooled, loads and commands kept."""
     values = [x for m in measured for x in m["iterations"]]
     loads = [m["foreign_load"] for m in measured if m["foreign_load"] is not None]
+    others = [m["threads"]["other_threads"] for m in measured if m.get("threads")]
     return {
         "per_rank": common.mean_conf(values),
         "run_means": [m["per_rank"]["mean"] for m in measured],
         "foreign_load": sum(loads) / len(loads) if loads else None,
+        "other_threads": sum(others) / len(others) if others else None,
         "commands": [m["command"] for m in measured],
         "ok": all(m["ok"] for m in measured),
     }
@@ -214,6 +218,7 @@ def _row(v, extra, one, two) -> dict:
         "efficiency": common.ratio(two["per_rank"], one["per_rank"]),
         "added_ms_per_step": _added_ms(one["per_rank"], two["per_rank"]),
         "foreign_load": two["foreign_load"],
+        "other_threads": two.get("other_threads"),
         "commands": two["commands"],
         "ok": two["ok"],
     }
@@ -268,19 +273,27 @@ def markdown(data, ctx) -> str:
         "hardware's np=2 penalty (shared caches, memory bandwidth, clock), which no "
         "communication scheme can win back.",
         "",
+        "*other threads* is the CPU a rank's threads besides its compute thread used "
+        "during training (`/proc/<pid>/task/*/schedstat`, % of one core, mean over ranks "
+        "and runs): Horovod's background thread, which negotiates with the other ranks "
+        "every cycle even when idle, the watchdog and MPI's own threads. On a node where "
+        "every core computes, that time is taken from compute.",
+        "",
         "| variant | np=2 img/s per rank | run means | efficiency | vs ceiling | vs hpctrain "
-        "| added ms/step | other load |",
-        "|---|---|---|---|---|---|---:|---:|",
+        "| added ms/step | other threads | other load |",
+        "|---|---|---|---|---|---|---:|---:|---:|",
     ]
     for r in data["rows"]:
         load = "?" if r["foreign_load"] is None else f"{r['foreign_load']:.2f}"
         added = "n/a" if r["added_ms_per_step"] is None else f"{r['added_ms_per_step']:.2f}"
         bad = "" if r["ok"] else " **FAILED**"
+        other = r.get("other_threads")
+        others = "?" if other is None else f"{100 * other:.1f}%"
         means = ", ".join("?" if m is None else f"{m:.0f}" for m in r["np2_run_means"])
         out.append(
             f"| {r['label']}{bad} | {common.fmt_mc(r['np2'], 0)} | {means} "
             f"| {common.fmt_pct(r['efficiency'])} | {common.fmt_pct(r.get('vs_ceiling'))} "
-            f"| {common.fmt_ratio(r.get('vs_default'))} | {added} | {load} |"
+            f"| {common.fmt_ratio(r.get('vs_default'))} | {added} | {others} | {load} |"
         )
     sa = data.get("step_allreduce")
     if sa:

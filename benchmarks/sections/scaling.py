@@ -125,7 +125,9 @@ def baseline_args(kind, backend, model, warmup, iters, batches, json_out) -> lis
     ]
 
 
-def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="") -> dict:
+def measure(
+    ctx, kind, backend, model, np_, p, env=None, extra=(), tag="", sample_threads=False
+) -> dict:
     """One contender at one rank count: per-iteration per-rank img/s and the job record."""
     batches = p["batches"][model]
     if np_ > ctx.cores:  # each step takes ~np/cores times longer: keep the run's length
@@ -142,7 +144,7 @@ def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="") -> di
         ) + list(extra)
     steps = p["warmup"] + p["iters"] * batches
     timeout = 120 + steps * (3.0 if model == "resnet" else 1.0) * max(1, np_ / ctx.cores)
-    job = common.mpirun(ctx, np_, args, timeout=timeout, env=env)
+    job = common.mpirun(ctx, np_, args, timeout=timeout, env=env, sample_threads=sample_threads)
     if kind == "hpctrain":
         values = hpctrain_iterations(work, p["warmup"], batches)
     else:
@@ -162,6 +164,7 @@ def measure(ctx, kind, backend, model, np_, p, env=None, extra=(), tag="") -> di
         "total": total,
         "ok": job.ok and per_rank["n"] > 0,
         "foreign_load": job.foreign_load,
+        "threads": job.threads,
         "command": job.record()["command"],
         "env": env or {},
     }

@@ -7,6 +7,10 @@ from __future__ import annotations
 
 import os
 
+from ..errors import LaunchError
+
+GLOO_SWITCHES = ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")
+
 
 def horovod_env(hcfg: dict) -> dict[str, str]:
     """HOROVOD_* settings for a `horovod:` config section (explicit env vars win)."""
@@ -25,6 +29,7 @@ def horovod_env(hcfg: dict) -> dict[str, str]:
 
 def apply_horovod_env(hcfg: dict | None, stall_seconds: float | None = None) -> dict[str, str]:
     """Export the settings (without overriding what the user exported) and return them."""
+    refuse_gloo()
     env = horovod_env(hcfg) if hcfg else {}
     if stall_seconds:
         # Horovod's own stall inspector names the ranks missing from a collective; make it
@@ -35,3 +40,19 @@ def apply_horovod_env(hcfg: dict | None, stall_seconds: float | None = None) -> 
     for key, value in env.items():
         applied[key] = os.environ.setdefault(key, value)
     return applied
+
+
+def refuse_gloo() -> None:
+    """Stop before `hvd.init` when the environment asks Horovod for Gloo.
+
+    hpctrain hands Horovod its MPI communicator; with HOROVOD_CONTROLLER or
+    HOROVOD_CPU_OPERATIONS set to gloo under mpirun or srun there is no Gloo rendezvous,
+    and Horovod aborts, crashes or silently trains each rank alone (size 1).
+    """
+    chosen = [f"{k}={os.environ[k]}" for k in GLOO_SWITCHES if os.environ.get(k, "") == "gloo"]
+    if chosen:
+        raise LaunchError(
+            f"{' and '.join(chosen)} is set, but hpctrain runs Horovod over MPI (the "
+            "communicator it shares with mpi4py); Gloo mode has no rendezvous here and "
+            "would abort, crash or train every rank alone. Unset it (or set it to mpi)."
+        )
