@@ -103,6 +103,13 @@ SCHEMA: dict[str, Any] = {
         "compression": _f(
             "none", str, "gradient compression on the wire", choices=("none", "fp16")
         ),
+        "allreduce": _f(
+            "auto",
+            str,
+            "gradient averaging: horovod (background engine), mpi (one MPI_Allreduce after "
+            "backward), auto (mpi when ranks x threads fill the node's cores)",
+            choices=("auto", "horovod", "mpi"),
+        ),
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
         "log_every": _f(10, int, "log a progress line every N steps", **POS_INT),
         "nan_check": _f(True, bool, "stop with a clear error when the loss is NaN/inf"),

@@ -132,13 +132,15 @@ class Trainer:
             self.run_dir, w.is_root, cfg.metrics["jsonl"], cfg.metrics["tensorboard"]
         )
         log.info(
-            "%s backend, model %s, %d rank(s) x %d thread(s) (%s), %d steps/epoch, "
-            "global batch %d, run dir %s",
+            "%s backend, model %s, %d rank(s) x %d thread(s) (%s), gradients by %s (%s), "
+            "%d steps/epoch, global batch %d, run dir %s",
             cfg.backend,
             cfg.model["name"],
             w.size,
             threads,
             source,
+            self.backend.engine,
+            self.backend.engine_reason,
             self.steps_per_epoch,
             self.data.global_batch,
             self.run_dir,

@@ -45,9 +45,15 @@ def _step_losses(run_dir):
     return {x["step"]: x["loss"] for x in lines if x["event"] == "step"}
 
 
+@pytest.mark.parametrize("engine", ["horovod", "mpi"])
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_path, backend):
-    common = [f"backend={backend}", "optimizer.name=adam", "optimizer.lr=0.003"]
+def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_path, backend, engine):
+    common = [
+        f"backend={backend}",
+        "optimizer.name=adam",
+        "optimizer.lr=0.003",
+        f"train.allreduce={engine}",
+    ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
     ref, _ = _run(tmp_path, "ref", 2, ref_dir, *common)
     # 1. Train 30 steps and stop (checkpoints at 10, 20, 30).

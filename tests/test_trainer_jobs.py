@@ -45,18 +45,28 @@ def _assert_same_weights(a, b, tol):
 def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation(tmp_path, backend):
     common = [f"backend={backend}", "train.max_steps=6", "model.hidden=[32]"]
     ref, ref_losses = _train(tmp_path, "np1-b32", 1, *common, "train.batch_size=32")
-    dp, dp_losses = _train(tmp_path, "np2-b16", 2, *common, "train.batch_size=16")
     acc1, _ = _train(
         tmp_path, "np1-b16-a2", 1, *common, "train.batch_size=16", "train.grad_accum=2"
     )
-    acc2, _ = _train(tmp_path, "np2-b8-a2", 2, *common, "train.batch_size=8", "train.grad_accum=2")
     # The weights moved (the comparison is not between untouched initial values).
     init, _ = _train(tmp_path, "np1-init", 1, *common, "train.batch_size=32", "optimizer.lr=1e-12")
     assert max(np.abs(ref[k] - init[k]).max() for k in ref) > 1e-3
-    _assert_same_weights(dp, ref, 1e-5)
     _assert_same_weights(acc1, ref, 1e-5)
-    _assert_same_weights(acc2, ref, 1e-5)
-    np.testing.assert_allclose(dp_losses, ref_losses, atol=1e-5)
+    for engine in ("horovod", "mpi"):  # both ways of averaging gradients
+        e = f"train.allreduce={engine}"
+        dp, dp_losses = _train(tmp_path, f"np2-b16-{engine}", 2, *common, e, "train.batch_size=16")
+        acc2, _ = _train(
+            tmp_path,
+            f"np2-b8-a2-{engine}",
+            2,
+            *common,
+            e,
+            "train.batch_size=8",
+            "train.grad_accum=2",
+        )
+        _assert_same_weights(dp, ref, 1e-5)
+        _assert_same_weights(acc2, ref, 1e-5)
+        np.testing.assert_allclose(dp_losses, ref_losses, atol=1e-5)
 
 
 @pytest.mark.parametrize("model,task", [("mlp", "vectors"), ("cnn", "images")])
@@ -176,14 +186,18 @@ def test_nan_in_the_data_stops_every_rank_at_the_same_step(tmp_path, overlap):
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_replicas_stay_identical_at_four_ranks_including_batchnorm_statistics(tmp_path, backend):
+@pytest.mark.parametrize("engine", ["horovod", "mpi"])
+def test_replicas_stay_identical_at_four_ranks_including_batchnorm_statistics(
+    tmp_path, backend, engine
+):
     # resnet has BatchNorm running statistics, which Horovod leaves per replica; hpctrain
     # averages them, so every tensor (parameters and buffers) must match on all ranks.
     _train(
         tmp_path,
-        f"resnet-{backend}",
+        f"resnet-{backend}-{engine}",
         4,
         f"backend={backend}",
+        f"train.allreduce={engine}",
         "model.name=resnet",
         "model.width=4",
         "data.task=images",

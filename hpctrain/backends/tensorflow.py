@@ -1,11 +1,13 @@
-"""TensorFlow backend: zoo models on raw tf ops, gradients averaged by Horovod.
+"""TensorFlow backend: zoo models on raw tf ops, gradients averaged by Horovod or MPI.
 
 Horovod 0.28.1's DistributedGradientTape and Keras callbacks fail under Keras 3
 (`'Variable' object has no attribute 'ref'`, horovod issue 4290), while its tensor
 collectives work. So gradients come from a plain `tf.GradientTape` and are averaged
 with one `hvd.grouped_allreduce` per step (Horovod fuses the group), variables are
 plain `tf.Variable`s broadcast from rank 0, and the optimizers apply exactly torch's
-update rules, so both backends produce the same numbers.
+update rules, so both backends produce the same numbers. The `mpi` engine (see
+`gradient_engine`) sums one flat gradient buffer with `MPI_Allreduce` instead and never
+starts Horovod.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import tensorflow as tf  # noqa: E402
 
 from ..models import zoo
 from ..strategies.moe.parallel import is_expert_param, local_layers
-from . import tensorflow_moe
+from . import gradient_engine, tensorflow_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
 
@@ -304,10 +306,10 @@ class TensorFlowBackend(BackendBase):
     name = "tensorflow"
 
     def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
-        import horovod.tensorflow as hvd
-
-        self.hvd = hvd
         self.cfg = cfg
+        self.world = world
+        local = world.local_size if world is not None else 1
+        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads)
         self.inp = inp
         configure_threads(threads, cfg.train["deterministic"])
         seed = cfg.train["seed"]
@@ -315,13 +317,21 @@ class TensorFlowBackend(BackendBase):
         tf.random.set_seed(seed + rank)
         np.random.seed((seed + rank) % 2**32)
         random.seed(seed + rank)
-        if not hvd.is_initialized():
-            hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
+        self.hvd = self.compression = None
+        if self.engine == "horovod":
+            import horovod.tensorflow as hvd
+
+            if not hvd.is_initialized():
+                hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
+            self.hvd = hvd
+            fp16 = cfg.train["compression"] == "fp16"
+            self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
         self.net = build_model(cfg.model, inp, seed)
         self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
         self.clip = cfg.train["clip_norm"]
-        self.compression = (
-            hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
+        self._dense = [n for n in self.net.vars if not is_expert_param(n)]
+        self._flat = gradient_engine.FlatMean(
+            world, [int(np.prod(self.net.vars[n].shape)) for n in self._dense]
         )
         self.broadcast_from_root()
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
@@ -334,7 +344,7 @@ class TensorFlowBackend(BackendBase):
         variables ('SymbolicTensor' object has no attribute 'assign'), so each variable is
         broadcast eagerly and assigned here; this works for tf.Variable and Keras alike.
         """
-        if self.hvd.size() == 1:
+        if self._size() == 1:
             return
         opt = self.optimizer
         everything = [  # MoE experts differ per rank: never broadcast
@@ -345,11 +355,18 @@ class TensorFlowBackend(BackendBase):
             opt.started,
         ]
         for i, var in enumerate(everything):
+            if self.hvd is None:
+                value = np.array(var.numpy())  # 0-d stays 0-d (ascontiguousarray: 1-d)
+                var.assign(self.world.bcast_inplace(value, what=f"broadcast variable {i}"))
+                continue
             var.assign(
                 self.hvd.broadcast(
                     tf.convert_to_tensor(var), root_rank=0, name=f"hpctrain.bcast.{i}"
                 )
             )
+
+    def _size(self) -> int:
+        return self.world.size if self.world is not None else 1
 
     # --- training ---------------------------------------------------------------
     def _grads(self, x, y, scale):
@@ -384,7 +401,10 @@ class TensorFlowBackend(BackendBase):
             correct += int(corr)
         t0 = time.perf_counter()
         names = list(self.net.vars)  # MoE experts: local, divided by ranks, not allreduced
-        acc = tensorflow_moe.average_gradients(self.hvd, acc, names, self.compression)
+        if self.hvd is None:
+            acc = self._average_with_mpi(acc, names)
+        else:
+            acc = tensorflow_moe.average_gradients(self.hvd, acc, names, self.compression)
         comm = time.perf_counter() - t0
         if self.clip is not None and tensorflow_moe.has_experts(names):
             acc = tensorflow_moe.clip_like_torch(acc, names, float(self.clip))
@@ -393,6 +413,21 @@ class TensorFlowBackend(BackendBase):
         self.optimizer.apply(acc, tf.constant(lr, tf.float32))
         extra = tensorflow_moe.step_extra(self.net, time.perf_counter() - t_step)
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _average_with_mpi(self, grads: list, names: list[str]) -> list:
+        """One MPI_Allreduce of every dense gradient (the `mpi` engine); experts / ranks."""
+        size = self._size()
+        if size == 1:
+            return grads
+        by_name = dict(zip(names, grads, strict=True))
+        for name, view in zip(self._dense, self._flat.views, strict=True):
+            view[:] = by_name[name].numpy().reshape(-1)
+        self._flat.reduce()
+        dense = dict(zip(self._dense, self._flat.views, strict=True))
+        return [
+            tf.constant(dense[n].reshape(g.shape)) if n in dense else g / float(size)
+            for n, g in zip(names, grads, strict=True)
+        ]
 
     def evaluate(self, x, y) -> EvalStats:
         loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))
@@ -403,7 +438,12 @@ class TensorFlowBackend(BackendBase):
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which stay per replica otherwise."""
-        if self.net.buffers and self.hvd.size() > 1:
+        if self.net.buffers and self.hvd is None and self._size() > 1:
+            for name, var in self.net.buffers.items():
+                value = np.array(var.numpy())  # 0-d stays 0-d (ascontiguousarray: 1-d)
+                self.world.allreduce_inplace(value, "sum", f"average buffer {name}")
+                var.assign(value / self._size())
+        elif self.net.buffers and self._size() > 1:
             names = list(self.net.buffers)
             avg = self.hvd.grouped_allreduce(
                 [self.net.buffers[n] for n in names], op=self.hvd.Average

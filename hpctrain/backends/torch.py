@@ -1,9 +1,11 @@
-"""PyTorch backend: zoo models as nn.Modules, gradients averaged by Horovod.
+"""PyTorch backend: zoo models as nn.Modules, gradients averaged by Horovod or MPI.
 
 Horovod wiring follows Horovod's own recipe: `hvd.DistributedOptimizer` with named
 parameters (allreduces start during backward, one per gradient, fused by Horovod),
 `backward_passes_per_step` for accumulation, broadcast of parameters and optimizer
 state from rank 0, and `synchronize()` before clipping so the clip sees the average.
+The `mpi` engine (see `gradient_engine`) instead sums one flat gradient buffer with
+`MPI_Allreduce` after backward and never starts Horovod.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch import nn
 
 from ..models import zoo
 from ..strategies.moe.parallel import is_expert_param, local_layers
-from . import torch_moe
+from . import gradient_engine, torch_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
 
@@ -227,10 +229,10 @@ class TorchBackend(BackendBase):
     name = "torch"
 
     def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
-        import horovod.torch as hvd
-
-        self.hvd = hvd
         self.cfg = cfg
+        self.world = world
+        local = world.local_size if world is not None else 1
+        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads)
         self.inp = inp
         torch.set_num_threads(threads)
         if cfg.train["deterministic"]:
@@ -240,8 +242,6 @@ class TorchBackend(BackendBase):
         torch.manual_seed(seed + rank)
         np.random.seed((seed + rank) % 2**32)
         random.seed(seed + rank)
-        if not hvd.is_initialized():
-            hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
         self.model = build_model(cfg.model, inp, seed)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         ocfg = cfg.optimizer
@@ -260,16 +260,26 @@ class TorchBackend(BackendBase):
                 weight_decay=ocfg["weight_decay"],
             )
         self.accum = cfg.train["grad_accum"]
-        compression = (
-            hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
-        )
-        self.optimizer = hvd.DistributedOptimizer(
-            opt,
-            named_parameters=dense,
-            compression=compression,
-            backward_passes_per_step=self.accum,
-            op=hvd.Average,
-        )
+        self.hvd = None
+        if self.engine == "horovod":
+            import horovod.torch as hvd
+
+            if not hvd.is_initialized():
+                hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
+            self.hvd = hvd
+            compression = (
+                hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
+            )
+            opt = hvd.DistributedOptimizer(
+                opt,
+                named_parameters=dense,
+                compression=compression,
+                backward_passes_per_step=self.accum,
+                op=hvd.Average,
+            )
+        self._dense = params
+        self._flat = gradient_engine.FlatMean(world, [p.numel() for p in params])
+        self.optimizer = opt
         torch_moe.add_expert_params(self.optimizer, self.model)  # local, never allreduced
         self.broadcast_from_root()
         self.clip = cfg.train["clip_norm"]
@@ -283,13 +293,28 @@ class TorchBackend(BackendBase):
         correction of every later step. A fresh optimizer has nothing to broadcast, so the
         state is only broadcast once it exists (after a resume).
         """
-        state = self.model.state_dict()
-        self.hvd.broadcast_parameters(
-            {k: v for k, v in state.items() if not is_expert_param(k)}, root_rank=0
-        )
+        state = {k: v for k, v in self.model.state_dict().items() if not is_expert_param(k)}
+        if self.hvd is None:
+            self._broadcast_with_mpi(state)
+            return
+        self.hvd.broadcast_parameters(state, root_rank=0)
         # Rank 0 decides for everyone: the branch must be the same on every rank.
         if self.hvd.broadcast_object(bool(self.optimizer.state), root_rank=0, name="has_state"):
             self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+
+    def _broadcast_with_mpi(self, state) -> None:
+        w = self.world
+        if w is None or w.size == 1:
+            return
+        for name, tensor in state.items():
+            w.bcast_inplace(tensor.numpy(), what=f"broadcast {name}")
+        if w.bcast_object(bool(self.optimizer.state), what="agree on optimizer state"):
+            named = list(self._names.items())
+            named = [(n, p) for p, n in named if not is_expert_param(n)]
+            kind = self.cfg.optimizer["name"]
+            slots = export_optimizer_state(self.optimizer, named, kind) if w.is_root else None
+            slots = w.bcast_object(slots, what="broadcast optimizer state")
+            import_optimizer_state(self.optimizer, named, kind, slots)
 
     # --- training ---------------------------------------------------------------
     def _loss(self, logits, y):
@@ -313,14 +338,33 @@ class TorchBackend(BackendBase):
             loss_sum += float(loss.detach())
             correct += int((logits.detach().argmax(-1) == yt).sum())
         t0 = time.perf_counter()
-        self.optimizer.synchronize()
+        if self.hvd is None:
+            self._average_with_mpi()
+        else:
+            self.optimizer.synchronize()
         comm = time.perf_counter() - t0
         if self.clip is not None:
             torch_moe.clip_grad_norm_(self.model, self.clip)
-        with self.optimizer.skip_synchronize():
+        if self.hvd is None:
             self.optimizer.step()
+        else:
+            with self.optimizer.skip_synchronize():
+                self.optimizer.step()
         extra = torch_moe.step_extra(self.model, time.perf_counter() - t_step)
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    @torch.no_grad()
+    def _average_with_mpi(self) -> None:
+        """One MPI_Allreduce of every dense gradient (the `mpi` engine)."""
+        if self.world is None or self.world.size == 1:
+            return
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dense]
+        flat = torch.from_numpy(self._flat.buffer)
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self._flat.reduce()
+        for p, view in zip(self._dense, flat.split([p.numel() for p in self._dense])):
+            if p.grad is not None:  # a parameter without gradient stays without
+                p.grad.copy_(view.view_as(p))
 
     @torch.no_grad()
     def evaluate(self, x, y) -> EvalStats:
@@ -341,7 +385,15 @@ class TorchBackend(BackendBase):
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which Horovod leaves per replica."""
         for name, buf in self.model.named_buffers():
-            buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
+            if self.hvd is not None:
+                buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
+            elif self.world is not None and self.world.size > 1:
+                arr = buf.numpy()  # shares the buffer's memory
+                self.world.allreduce_inplace(arr, "sum", f"average buffer {name}")
+                if np.issubdtype(arr.dtype, np.integer):
+                    arr //= self.world.size  # equal on every rank: as Horovod's average
+                else:
+                    arr /= self.world.size
 
     # --- state ------------------------------------------------------------------
     def param_names(self) -> list[str]:

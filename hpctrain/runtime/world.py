@@ -171,6 +171,22 @@ class World:
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
         return buf
 
+    def allreduce_inplace(self, buf: np.ndarray, op: str = "sum", what: str = "allreduce"):
+        """Allreduce a contiguous numpy buffer in place, no copy (gradients), guarded."""
+        if self.size == 1:
+            return buf
+        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+        with self.watchdog.guard(what):
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+        return buf
+
+    def bcast_inplace(self, buf: np.ndarray, root: int = 0, what: str = "broadcast"):
+        """Overwrite a contiguous numpy buffer with root's, in place, guarded."""
+        if self.size > 1:
+            with self.watchdog.guard(what):
+                self.comm.Bcast(buf, root=root)
+        return buf
+
     def start_allreduce_array(
         self, values, op: str = "sum", what: str = "allreduce"
     ) -> PendingArray:

@@ -1,0 +1,32 @@
+"""`train.allreduce: auto` picks MPI only when no core is left for Horovod's engine."""
+
+import pytest
+
+from hpctrain.backends.gradient_engine import choose
+from hpctrain.config import Config
+from hpctrain.errors import ConfigError
+
+
+def _cfg(**train):
+    cfg = Config.load(None)
+    cfg.train.update(train)
+    return cfg
+
+
+def test_auto_uses_mpi_when_ranks_times_threads_fill_the_cores():
+    assert choose(_cfg(), local_ranks=2, threads=1, cores=2)[0] == "mpi"
+    assert choose(_cfg(), local_ranks=4, threads=1, cores=2)[0] == "mpi"  # oversubscribed
+    assert choose(_cfg(), local_ranks=1, threads=8, cores=8)[0] == "mpi"
+
+
+def test_auto_uses_horovod_with_a_spare_core_or_fp16():
+    engine, why = choose(_cfg(), local_ranks=2, threads=1, cores=4)
+    assert engine == "horovod" and "2 spare core(s)" in why
+    assert choose(_cfg(compression="fp16"), local_ranks=2, threads=1, cores=2)[0] == "horovod"
+
+
+def test_explicit_choice_wins_and_mpi_refuses_fp16():
+    assert choose(_cfg(allreduce="horovod"), local_ranks=2, threads=1, cores=2)[0] == "horovod"
+    assert choose(_cfg(allreduce="mpi"), local_ranks=1, threads=1, cores=64)[0] == "mpi"
+    with pytest.raises(ConfigError, match="train.allreduce=mpi"):
+        choose(_cfg(allreduce="mpi", compression="fp16"), local_ranks=2, threads=1, cores=2)
