@@ -4,9 +4,10 @@ Why two: Horovod runs a background thread that negotiates with the other ranks e
 cycle (1 ms), even when idle, and starts each allreduce at the next cycle. With a spare
 core that thread is free and its overlap of communication with backward wins, most of all
 across nodes. When every core of the node runs a compute thread there is no spare core:
-the thread takes 3-7% of each core from compute, and a synchronous `MPI_Allreduce` of one
-flat buffer after backward is faster (np=2 on 2 cores: 83% vs 96% weak-scaling
-efficiency; `make bench`, ablation). `auto` picks by that rule.
+the thread takes 4-6% of each core from compute, and a synchronous `MPI_Allreduce` of one
+flat buffer after backward is faster (np=2 on 2 cores, torch cnn: 91% vs 96% weak-scaling
+efficiency, 1.07 vs 0.43 ms added per step; `make bench`, ablation). `auto` picks by that
+rule.
 
 Framework-free: both backends call `choose` and use `FlatMean` for the MPI engine.
 """
@@ -22,8 +23,14 @@ from ..errors import ConfigError
 ENGINES = ("auto", "horovod", "mpi")
 
 
-def choose(cfg, local_ranks: int, threads: int, cores: int | None = None) -> tuple[str, str]:
-    """(engine, why) for `train.allreduce`, resolving `auto`."""
+def choose(
+    cfg, local_ranks: int, threads: int, cores: int | None = None, world=None
+) -> tuple[str, str]:
+    """(engine, why) for `train.allreduce`, resolving `auto` the same way on every rank.
+
+    Nodes can differ (cores, ranks per node): `auto` picks mpi when any node is full, agreed
+    through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
+    """
     wanted = cfg.train["allreduce"]
     fp16 = cfg.train["compression"] == "fp16"
     if wanted == "mpi" and fp16:
@@ -37,8 +44,11 @@ def choose(cfg, local_ranks: int, threads: int, cores: int | None = None) -> tup
         return "horovod", "auto: fp16 compression needs Horovod"
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads
-    if busy >= cores:
-        return "mpi", f"auto: {local_ranks} rank(s) x {threads} thread(s) fill {cores} cores"
+    full = busy >= cores
+    if world is not None:
+        full = world.any_flag(full, "agree on the gradient engine")
+    if full:
+        return "mpi", f"auto: {local_ranks} rank(s) x {threads} thread(s), {cores} cores"
     return "horovod", f"auto: {cores - busy} spare core(s) for Horovod's engine"
 
 
@@ -52,7 +62,8 @@ class FlatMean:
 
     def __init__(self, world, sizes: list[int], what: str = "gradient allreduce"):
         self.world = world
-        self.buffer = np.zeros(int(sum(sizes)), dtype=np.float32)
+        self.sizes = [int(n) for n in sizes]
+        self.buffer = np.zeros(sum(self.sizes), dtype=np.float32)
         ends = np.cumsum(sizes)
         self.views = [self.buffer[e - n : e] for n, e in zip(sizes, ends, strict=True)]
         self.what = what

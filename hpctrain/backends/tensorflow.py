@@ -309,7 +309,7 @@ class TensorFlowBackend(BackendBase):
         self.cfg = cfg
         self.world = world
         local = world.local_size if world is not None else 1
-        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads)
+        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
         configure_threads(threads, cfg.train["deterministic"])
         seed = cfg.train["seed"]

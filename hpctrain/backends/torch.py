@@ -232,7 +232,7 @@ class TorchBackend(BackendBase):
         self.cfg = cfg
         self.world = world
         local = world.local_size if world is not None else 1
-        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads)
+        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
         torch.set_num_threads(threads)
         if cfg.train["deterministic"]:
@@ -309,8 +309,7 @@ class TorchBackend(BackendBase):
         for name, tensor in state.items():
             w.bcast_inplace(tensor.numpy(), what=f"broadcast {name}")
         if w.bcast_object(bool(self.optimizer.state), what="agree on optimizer state"):
-            named = list(self._names.items())
-            named = [(n, p) for p, n in named if not is_expert_param(n)]
+            named = [(n, p) for p, n in self._names.items() if not is_expert_param(n)]
             kind = self.cfg.optimizer["name"]
             slots = export_optimizer_state(self.optimizer, named, kind) if w.is_root else None
             slots = w.bcast_object(slots, what="broadcast optimizer state")
@@ -362,7 +361,7 @@ class TorchBackend(BackendBase):
         flat = torch.from_numpy(self._flat.buffer)
         torch.cat([g.reshape(-1) for g in grads], out=flat)
         self._flat.reduce()
-        for p, view in zip(self._dense, flat.split([p.numel() for p in self._dense])):
+        for p, view in zip(self._dense, flat.split(self._flat.sizes)):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
 

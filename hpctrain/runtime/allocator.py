@@ -4,8 +4,8 @@ Why: glibc gives blocks above a dynamic threshold (128 KiB, growing to at most 3
 back to the kernel as soon as they are freed, and trims the heap top past 128 KiB. A CPU
 training step frees and reallocates its activation and gradient buffers every step, so
 every step page-faults its working set in again: ~250k page faults per second per rank
-here (torch cnn, `perf stat`), and 33-48% more img/s once freed memory is kept
-(benchmarks, ablation section). PyTorch's CPU performance guide reaches the same end by
+here (torch cnn, `perf stat`), and 1.5-1.7x the img/s once freed memory is kept
+(`make bench`, ablation section). PyTorch's CPU performance guide reaches the same end by
 preloading jemalloc or tcmalloc; `mallopt` does it in-process, with no launcher change.
 The cost: a rank keeps its peak heap instead of shrinking after it.
 """
@@ -13,11 +13,8 @@ The cost: a rank keeps its peak heap instead of shrinking after it.
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 import sys
-
-log = logging.getLogger("hpctrain.runtime")
 
 M_TRIM_THRESHOLD = -1  # glibc's <malloc.h> parameter numbers
 M_MMAP_THRESHOLD = -3

@@ -161,23 +161,19 @@ class World:
             self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX)
         return bool(buf[0])
 
+    def _op(self, op: str):
+        return {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+
     def allreduce_array(self, values, op: str = "sum", what: str = "allreduce") -> np.ndarray:
-        """Allreduce a small numpy array with MPI (sum, min, max), guarded."""
-        buf = np.ascontiguousarray(np.array(values, copy=True))
-        if self.size == 1:
-            return buf
-        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
-        with self.watchdog.guard(what):
-            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
-        return buf
+        """Allreduce a copy of a small array with MPI (sum, min, max), guarded."""
+        return self.allreduce_inplace(np.ascontiguousarray(np.array(values, copy=True)), op, what)
 
     def allreduce_inplace(self, buf: np.ndarray, op: str = "sum", what: str = "allreduce"):
         """Allreduce a contiguous numpy buffer in place, no copy (gradients), guarded."""
         if self.size == 1:
             return buf
-        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
         with self.watchdog.guard(what):
-            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
         return buf
 
     def bcast_inplace(self, buf: np.ndarray, root: int = 0, what: str = "broadcast"):
@@ -198,8 +194,7 @@ class World:
         buf = np.ascontiguousarray(np.array(values, copy=True))
         if self.size == 1:
             return PendingArray(buf)
-        mpi_op = {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
-        request = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=mpi_op)
+        request = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
         return PendingArray(buf, request, self.watchdog, what)
 
     def check_uniform(self, values: tuple[int, ...], what: str) -> None:

@@ -66,3 +66,16 @@ def test_started_allreduce_arrives_after_other_collectives():
     np.testing.assert_array_equal(second.wait(), [w.size])
     np.testing.assert_array_equal(first.wait(), [w.size * (w.size - 1) / 2, w.size])
     np.testing.assert_array_equal(first.wait(), [w.size * (w.size - 1) / 2, w.size])
+
+
+def test_auto_gradient_engine_is_the_same_on_every_rank():
+    """A node with a spare core must not pick Horovod while a full node picks MPI."""
+    from hpctrain.backends.gradient_engine import choose
+    from hpctrain.config import Config
+
+    w = world()
+    cores = 1 if w.rank == w.size - 1 else 64  # only the last rank's node is full
+    engine, _ = choose(Config.load(None), local_ranks=1, threads=1, cores=cores, world=w)
+    assert engine == "mpi"
+    engine, _ = choose(Config.load(None), local_ranks=1, threads=1, cores=64, world=w)
+    assert engine == "horovod"
