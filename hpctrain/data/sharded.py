@@ -19,71 +19,15 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
-from pathlib import Path
 
 import h5py
 import numpy as np
 
 from ..errors import DataError
 from ..models.zoo import InputSpec
+from .dataset import DatasetInfo
 
-
-@dataclass(frozen=True)
-class DatasetInfo:
-    path: str
-    train_size: int
-    val_size: int
-    input_spec: InputSpec
-    x_dtype: str
-    attrs: dict
-
-
-def inspect_dataset(path: str | Path) -> DatasetInfo:
-    """Open, check the layout and describe the dataset; DataError names what is wrong."""
-    path = Path(path)
-    if not path.exists():
-        raise DataError(f"dataset file not found: {path}")
-    try:
-        with h5py.File(path, "r") as f:
-            for key in ("train/x", "train/y", "val/x", "val/y"):
-                if key not in f:
-                    raise DataError(
-                        f"{path}: missing dataset /{key} (expected /train/x, "
-                        "/train/y, /val/x, /val/y)"
-                    )
-            tx, ty, vx, vy = f["train/x"], f["train/y"], f["val/x"], f["val/y"]
-            if tx.shape[0] != ty.shape[0] or vx.shape[0] != vy.shape[0]:
-                raise DataError(
-                    f"{path}: x and y have different numbers of rows "
-                    f"(train {tx.shape[0]} vs {ty.shape[0]}, val {vx.shape[0]} "
-                    f"vs {vy.shape[0]})"
-                )
-            if tx.shape[1:] != vx.shape[1:]:
-                raise DataError(
-                    f"{path}: train samples {tx.shape[1:]} and val samples "
-                    f"{vx.shape[1:]} differ in shape"
-                )
-            if tx.shape[0] == 0:
-                raise DataError(f"{path}: the training split is empty")
-            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
-            tokens = np.issubdtype(tx.dtype, np.integer)
-            if "classes" in attrs:
-                classes = int(attrs["classes"])
-            else:  # labels are small: one pass over y is cheap compared to x
-                classes = int(max(ty[...].max(), vy[...].max() if vy.shape[0] else 0)) + 1
-            return DatasetInfo(
-                str(path),
-                tx.shape[0],
-                vx.shape[0],
-                InputSpec(tuple(tx.shape[1:]), classes, tokens),
-                str(tx.dtype),
-                attrs,
-            )
-    except DataError:
-        raise
-    except OSError as exc:
-        raise DataError(f"cannot read dataset {path}: {exc}") from None
+__all__ = ["BenchmarkData", "DatasetInfo", "ShardedTrainData", "epoch_permutation", "iterate_val"]
 
 
 def epoch_permutation(n: int, seed: int, epoch: int) -> np.ndarray:
@@ -95,6 +39,8 @@ def _read_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
     order = np.argsort(rows, kind="stable")
     sorted_rows = rows[order]
     out = np.empty((len(rows), *ds.shape[1:]), dtype=ds.dtype)
+    if len(rows) == 0:
+        return out
     if len(np.unique(sorted_rows)) == len(sorted_rows):
         out[order] = ds[sorted_rows]
     else:  # h5py refuses repeated indices; never happens with a permutation
@@ -184,9 +130,12 @@ class ShardedTrainData:
                     thread.join(timeout=0.05)
 
     def _load(self, f, epoch, position, perm):
+        info = self.info
+        x_ds, y_ds = f[info.keys.train_x], f[info.keys.train_y]
         out = []
         for rows in self.micro_batch_rows(epoch, position, perm):
-            out.append((_read_rows(f["train/x"], rows), _read_rows(f["train/y"], rows)))
+            file_rows = rows if info.train_rows is None else info.train_rows[rows]
+            out.append(info.convert(_read_rows(x_ds, file_rows), _read_rows(y_ds, file_rows)))
         return out
 
 
@@ -208,8 +157,14 @@ def iterate_val(info: DatasetInfo, rank: int, size: int, batch_size: int):
     n_batches = -(-largest // batch_size)
     bounds = np.linspace(start, stop, n_batches + 1).astype(np.int64) if n_batches else []
     with h5py.File(info.path, "r") as f:
+        keys = info.keys
         for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
-            yield f["val/x"][lo:hi], f["val/y"][lo:hi]
+            if info.val_rows is None:
+                x, y = f[keys.val_x][lo:hi], f[keys.val_y][lo:hi]
+            else:  # held out of the training datasets
+                rows = info.val_rows[lo:hi]
+                x, y = _read_rows(f[keys.train_x], rows), _read_rows(f[keys.train_y], rows)
+            yield info.convert(x, y)
 
 
 class BenchmarkData:

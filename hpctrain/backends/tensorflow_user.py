@@ -1,0 +1,97 @@
+"""A user's Keras model (`model.name: module:function`): built, then one checked forward.
+
+Keras convolves channels last, so the function gets `input_shape` as (H, W, C) for
+images, and `KerasUserNet` turns hpctrain's channels-first batches (N, C, H, W) into
+(N, H, W, C) before calling the model. Variables are keyed by their Keras path without
+the outer model's own name (`dense1/kernel`, not `sequential_3/dense1/kernel`, whose
+counter depends on how many models the process built), so keys are the same in every
+process and name the layer that `model.get_layer` finds (the export recipe relies on it).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..models import user, zoo
+
+
+def keras_input_shape(inp: zoo.InputSpec) -> tuple[int, ...]:
+    """One sample as the Keras model sees it: images channels last."""
+    if len(inp.shape) == 3 and not inp.tokens:
+        c, h, w = inp.shape
+        return (h, w, c)
+    return tuple(inp.shape)
+
+
+def variable_key(model, path: str) -> str:
+    """A variable's path relative to the model itself (stable across processes)."""
+    prefix = f"{model.name}/"
+    return path[len(prefix) :] if path.startswith(prefix) else path
+
+
+class KerasUserNet:
+    """A user's Keras model behind the surface the TF backend uses (vars, buffers, call)."""
+
+    def __init__(self, model, channels_last: bool):
+        self.model = model
+        self.channels_last = channels_last
+        self.vars = OrderedDict((variable_key(model, v.path), v) for v in model.trainable_variables)
+        self.buffers = OrderedDict(
+            (variable_key(model, v.path), v) for v in model.non_trainable_variables
+        )
+
+    def __call__(self, x, training=False):
+        if self.channels_last:
+            import tensorflow as tf
+
+            x = tf.transpose(x, [0, 2, 3, 1])
+        return self.model(x, training=training)
+
+
+def build_user_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> KerasUserNet:
+    """The user's keras.Model, seeded, with its input and output sizes checked."""
+    import keras
+
+    name = model_cfg["name"]
+    fn = user.resolve(name)
+    shape = keras_input_shape(inp)
+    kwargs = user.builder_kwargs(fn, model_cfg, shape, inp.classes)
+    keras.utils.set_random_seed(seed)
+    model = user.call_builder(fn, name, kwargs)
+    if not isinstance(model, keras.Model):
+        raise ConfigError(
+            f"model.name {name}: returned {type(model).__name__}, not a keras.Model "
+            "(backend: tensorflow)"
+        )
+    net = KerasUserNet(model, channels_last=shape != tuple(inp.shape))
+    check_forward(net, name, inp)
+    return net
+
+
+def check_forward(net: KerasUserNet, name: str, inp: zoo.InputSpec) -> None:
+    """ConfigError unless a batch of 2 samples gives logits of the data's shape.
+
+    The call also builds a model declared without `keras.Input`, so its variables exist
+    before the backend reads them.
+    """
+    x = np.zeros((2, *inp.shape), dtype=np.int64 if inp.tokens else np.float32)
+    try:
+        out = net(x, training=False)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a size mismatch to report
+        shown = zoo.InputSpec(keras_input_shape(inp), inp.classes, inp.tokens)
+        raise ConfigError(
+            user.mismatch_message(name, shown.shape, inp.classes, inp.tokens, None, exc)
+        ) from exc
+    if not hasattr(out, "shape"):
+        raise ConfigError(
+            f"model.name {name}: the model returned {type(out).__name__}; hpctrain needs "
+            "one tensor of logits"
+        )
+    shape = tuple(out.shape)
+    problem = user.mismatch_message(name, inp.shape, inp.classes, inp.tokens, shape)
+    if problem:
+        raise ConfigError(problem)
+    net.index_variables()
