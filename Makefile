@@ -44,9 +44,12 @@ bench: install
 bench-quick: install
 	$(MPIRUN_KILL) 600 $(PY) benchmarks/run.py --quick $(BENCH_ARGS)
 
-lint:
+## ruff, plus the layering contracts in .importlinter (a lower layer never imports a
+## higher one; only hpctrain/backends imports torch, TensorFlow or Horovod).
+lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 format:
 	$(VENV)/bin/ruff format .

@@ -47,7 +47,7 @@ def _median_time(fn, repeats: int, comm) -> float:
 
 
 def _exchange_bench(tokens: int, d: int, experts: int, k: int, repeats: int) -> dict:
-    from hpctrain.strategies.moe.parallel import MoELayer, expert_group
+    from hpctrain.moe.parallel import MoELayer, expert_group
 
     group = expert_group()
     comm, size, rank = group.comm, group.size, group.rank
@@ -128,7 +128,7 @@ def _layer_step_bench(tokens: int, d: int, ff: int, experts: int, k: int, repeat
     from hpctrain.backends import torch_moe
     from hpctrain.backends.torch import _Layer
     from hpctrain.models import zoo
-    from hpctrain.strategies.moe.parallel import expert_group, local_layers
+    from hpctrain.moe.parallel import expert_group, local_layers
 
     torch.set_num_threads(1)
     group = expert_group()

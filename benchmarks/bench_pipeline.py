@@ -50,21 +50,20 @@ def model_overrides(quick: bool) -> list[str]:
 
 # --- worker mode (inside mpirun) -----------------------------------------------------------
 def worker(out: str, runs: list[list[str]]) -> None:
-    from hpctrain import Config
+    from hpctrain import Config, TrainingLoop
     from hpctrain.runtime import run_fail_together
-    from hpctrain.strategies import runner_class
 
     def main():
         results = []
         for overrides in runs:
             cfg = Config.load(None, overrides)
             run_dir = tempfile.mkdtemp(prefix="bench-pipe-")
-            trainer = runner_class(cfg.strategy)(cfg, run_dir=run_dir)
+            trainer = TrainingLoop(cfg, run_dir=run_dir)
             summary = trainer.fit()
             w = trainer.world
             rss = w.gather_object(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
             if cfg.strategy == "pipeline":
-                link = trainer.link
+                link = trainer.strategy.link
                 shapes = [link.in_shape, link.out_shape]
                 boundary = sum(4 * _prod(s) for s in shapes if s is not None)
                 per_stage = w.gather_object(boundary)

@@ -150,7 +150,7 @@ def inner_dp(out_dir: str, slow: float, overrides: list[str]) -> None:
 
     trainer = Trainer(Config.load(None, overrides), run_dir=out_dir)
     if trainer.world.rank == 1 and slow != 1.0:
-        step, last = trainer.backend.train_step, [0.0]
+        step, last = trainer.strategy.backend.train_step, [0.0]
 
         def slowed(micro, lr):
             time.sleep((slow - 1.0) * last[0])
@@ -159,7 +159,7 @@ def inner_dp(out_dir: str, slow: float, overrides: list[str]) -> None:
             last[0] = time.perf_counter() - t0 - stats.comm_seconds  # compute only
             return stats
 
-        trainer.backend.train_step = slowed
+        trainer.strategy.backend.train_step = slowed
     trainer.fit()
 
 
@@ -255,7 +255,7 @@ def main() -> None:
                         timeout=600,
                     )
                 else:
-                    env = {"HPCTRAIN_PS_TEST_SLOW": f"1:{slow}"} if slow != 1.0 else {}
+                    env = {"HPCTRAIN_FAULT_PS_SLOW": f"1:{slow}"} if slow != 1.0 else {}
                     mpirun(
                         3,
                         [

@@ -1,9 +1,10 @@
 """hpctrain: an MPI-launched training suite for HPC clusters.
 
-    from hpctrain import Config, Trainer
-    Trainer(Config.load("configs/demo.yaml")).fit()
+    from hpctrain import Config, TrainingLoop
+    TrainingLoop(Config.load("configs/demo.yaml")).fit()
 
-Importing hpctrain starts neither MPI nor any framework; `Trainer` does, when created.
+Importing hpctrain starts neither MPI nor any framework; `TrainingLoop` does, when
+created. `Trainer` is the same class under its earlier name.
 """
 
 from .config import Config
@@ -11,11 +12,11 @@ from .version import __version__
 
 
 def __getattr__(name):
-    if name == "Trainer":
-        from .trainer import Trainer
+    if name in ("TrainingLoop", "Trainer"):
+        from .loop import TrainingLoop
 
-        return Trainer
+        return TrainingLoop
     raise AttributeError(name)
 
 
-__all__ = ["Config", "Trainer", "__version__"]
+__all__ = ["Config", "Trainer", "TrainingLoop", "__version__"]

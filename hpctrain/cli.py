@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import inspect
-import logging
 import os
 import sys
 import textwrap
@@ -22,7 +20,6 @@ from .version import __version__
 COMMAND_MODULES: list[str] = [
     "hpctrain.slurm.cli",
     "hpctrain.checkpoint.cli",
-    "hpctrain.strategies.ps.cli",
 ]
 
 LAUNCH_HELP = """\
@@ -81,27 +78,45 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems")
 
-    p = sub.add_parser(
-        "train",
-        help="train a model (data parallel over Horovod)",
-        description="Train the configured model on every rank of the job. "
-        "Writes config.yaml, metrics.jsonl and TensorBoard scalars "
-        "into the run directory.",
-        epilog=_config_help(),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    _add_config_args(p)
-    p.add_argument(
-        "--run-dir", metavar="DIR", help="output directory (default runs/<config name>-<UTC time>)"
-    )
-    p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
-    p.add_argument(
-        "--resume",
-        metavar="auto|never|FILE",
-        help="continue from a checkpoint: 'auto' takes the newest one in the checkpoint "
-        "directory that verifies (skipping damaged ones), FILE takes that one "
-        "(default: checkpoint.resume, which is 'never')",
-    )
+    for name, help_text, description in (
+        (
+            "train",
+            "train a model (strategy: data_parallel, pipeline or parameter_server)",
+            "Train the configured model on every rank of the job with the configured "
+            "strategy. Writes config.yaml, metrics.jsonl and TensorBoard scalars into the "
+            "run directory.",
+        ),
+        (
+            "ps",
+            "train with parameter servers (the last ps.servers ranks serve)",
+            "Parameter-server training over MPI, the same as `train` with strategy: "
+            "parameter_server. The last ps.servers ranks hold the parameters and the "
+            "optimizer, the other ranks compute gradients. ps.mode: sync (equal to "
+            "data-parallel SGD), async, or bounded (stale gradients scaled by "
+            "1/(1+decay*s), rejected beyond ps.staleness_bound).",
+        ),
+    ):
+        p = sub.add_parser(
+            name,
+            help=help_text,
+            description=description,
+            epilog=_config_help(),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        _add_config_args(p)
+        p.add_argument(
+            "--run-dir",
+            metavar="DIR",
+            help="output directory (default runs/<config name>-<UTC time>)",
+        )
+        p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
+        p.add_argument(
+            "--resume",
+            metavar="auto|never|FILE",
+            help="continue from a checkpoint (of any strategy): 'auto' takes the newest one "
+            "in the checkpoint directory that verifies (skipping damaged ones), FILE takes "
+            "that one (default: checkpoint.resume, which is 'never')",
+        )
 
     p = sub.add_parser(
         "config",
@@ -149,8 +164,8 @@ def _load_config_everywhere(args):
     """Load the config on every rank; if any rank fails, every rank reports it."""
     from .config import Config
     from .errors import HpctrainError
+    from .loop import prepare_process
     from .runtime import world
-    from .trainer import prepare_process
 
     cfg, error = None, None
     try:
@@ -163,27 +178,12 @@ def _load_config_everywhere(args):
 
 
 def _cmd_train(args) -> int:
-    from .errors import ConfigError
-    from .strategies import runner_class
+    from .loop import TrainingLoop
 
+    if args.command == "ps":
+        args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
-    runner = runner_class(cfg.strategy)
-    kwargs = {}
-    if args.resume is not None:
-        if "resume" in inspect.signature(runner).parameters:
-            kwargs["resume"] = args.resume
-        elif args.resume not in ("auto", "never"):
-            raise ConfigError(
-                f"--resume {args.resume}: strategy {cfg.strategy} cannot resume "
-                "from a checkpoint yet"
-            )
-        else:
-            logging.getLogger("hpctrain").warning(
-                "--resume %s: strategy %s does not resume from checkpoints yet; starting fresh",
-                args.resume,
-                cfg.strategy,
-            )
-    runner(cfg, run_dir=args.run_dir, verbose=args.verbose, **kwargs).fit()
+    TrainingLoop(cfg, run_dir=args.run_dir, verbose=args.verbose, resume=args.resume).fit()
     return 0
 
 
@@ -238,7 +238,13 @@ def _cmd_data(args) -> int:
     return 0
 
 
-COMMANDS = {"doctor": _cmd_doctor, "train": _cmd_train, "config": _cmd_config, "data": _cmd_data}
+COMMANDS = {
+    "doctor": _cmd_doctor,
+    "train": _cmd_train,
+    "ps": _cmd_train,
+    "config": _cmd_config,
+    "data": _cmd_data,
+}
 
 
 def main(argv: list[str] | None = None) -> int:

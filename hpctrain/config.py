@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .strategies import RUNNERS
+from .strategies import STRATEGIES
 
 
 @dataclass(frozen=True)
@@ -45,13 +45,57 @@ NONNEG = {"minimum": 0}
 
 SCHEMA: dict[str, Any] = {
     "backend": _f("torch", str, "deep-learning framework", choices=("torch", "tensorflow")),
-    "strategy": _f("data_parallel", str, "how ranks share the work", choices=tuple(RUNNERS)),
+    "strategy": _f("data_parallel", str, "how ranks share the work", choices=tuple(STRATEGIES)),
     "model": _f({"name": "mlp"}, dict, "model.name plus that model's options", free_form=True),
     "data": {
         "source": _f(
             "synthetic", str, "where batches come from", choices=("synthetic", "hdf5", "benchmark")
         ),
-        "path": _f(None, str, "HDF5 file with /train/{x,y} and /val/{x,y}", nullable=True),
+        "path": _f(None, str, "HDF5 file (x/y datasets: see data.keys)", nullable=True),
+        "keys": _f(
+            None,
+            dict,
+            "HDF5 paths {train_x, train_y, val_x, val_y}; null: /train/{x,y} + /val/{x,y} "
+            "or one pair /x+/y, /images+/labels, /inputs+/targets, /features+/labels",
+            nullable=True,
+            free_form=True,
+        ),
+        "val_fraction": _f(
+            None,
+            (int, float),
+            "share of samples held out for validation when the file has no validation "
+            "split (null: 0.1; 0: none)",
+            nullable=True,
+            minimum=0,
+        ),
+        "layout": _f(
+            "auto",
+            str,
+            "how the file stores images (auto: when unambiguous)",
+            choices=("auto", "nchw", "nhwc"),
+        ),
+        "tokens": _f(
+            None,
+            bool,
+            "integer x are token ids (null: when the model is a language model)",
+            nullable=True,
+        ),
+        "x_scale": _f(
+            None,
+            (int, float),
+            "x times this after the float32 cast (null: 1/255 for uint8, else 1)",
+            nullable=True,
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "inferred": _f(
+            None,
+            dict,
+            "what hpctrain found in the data file (written to the run's config.yaml; "
+            "ignored when read)",
+            nullable=True,
+            free_form=True,
+        ),
         "task": _f("vectors", str, "synthetic task", choices=("vectors", "images", "tokens")),
         "train_samples": _f(8192, int, "synthetic training samples", **POS_INT),
         "val_samples": _f(2048, int, "synthetic validation samples", **POS_INT),
@@ -189,6 +233,16 @@ SCHEMA: dict[str, Any] = {
         "microbatches": _f(4, int, "micro-batches m per step (train.batch_size each)", **POS_INT),
         "schedule": _f("1f1b", str, "micro-batch schedule", choices=("gpipe", "1f1b")),
         "partition": _f("parameters", (str, list), "parameters | time | [layers per stage, ...]"),
+    },
+    "parallel": {
+        "expert": _f(
+            None,
+            int,
+            "ranks per expert-parallel group (MoE models; the rest of the job replicates "
+            "the groups); null: the whole job",
+            nullable=True,
+            **POS_INT,
+        ),
     },
     "checkpoint": {
         "enabled": _f(True, bool, "write checkpoints at all"),
@@ -398,6 +452,11 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")
+    from .data.keys import validate_keys_option
+
+    problems += validate_keys_option(v["data"]["keys"])
+    if v["data"]["val_fraction"] is not None and v["data"]["val_fraction"] >= 1:
+        problems.append(f"data.val_fraction: must be below 1, got {v['data']['val_fraction']!r}")
     from .models.zoo import MODEL_TASK
 
     name = v["model"]["name"]

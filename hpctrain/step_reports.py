@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .runtime.comm import PendingArray
+
 HEAD = ("loss_sum", "correct", "count", "nonfinite", "preempt", "save_due")
 
 
@@ -32,11 +34,11 @@ class StepReport:
 
     @property
     def loss(self) -> float:
-        return self.totals[0] / self.totals[2]
+        return self.totals[0] / self.totals[2] if self.totals[2] else float("nan")
 
     @property
     def accuracy(self) -> float:
-        return self.totals[1] / self.totals[2]
+        return self.totals[1] / self.totals[2] if self.totals[2] else float("nan")
 
     @property
     def count(self) -> float:
@@ -62,8 +64,10 @@ class StepReport:
 class StepReducer:
     """At most one step's vector in flight; `push` returns the reports that settled."""
 
-    def __init__(self, world, overlap: bool = True):
-        self.world = world
+    def __init__(self, comm, overlap: bool = True):
+        """comm: the guarded communicator of the ranks whose steps are summed (the
+        World, a grid axis), or None for a rank that reports alone (async workers)."""
+        self.world = comm
         self.overlap = overlap  # False: every push waits for its own step (one more sync)
         self._pending = None  # (PendingArray, report without totals, extra layout)
 
@@ -85,7 +89,10 @@ class StepReducer:
         local = np.concatenate([np.asarray(head, dtype=np.float64), *parts])
         report = StepReport(step, lr, seconds, stats.comm_seconds, bad, totals=local)
         layout = [(k, p.size, isinstance(stats.extra[k], list)) for k, p in zip(keys, parts)]
-        pending = self.world.start_allreduce_array(local, "sum", "step metrics")
+        if self.world is None:
+            pending = PendingArray(local)
+        else:
+            pending = self.world.start_allreduce_array(local, "sum", "step metrics")
         self._pending = (pending, report, layout)
         return settled if self.overlap else settled + self.drain()
 
@@ -99,7 +106,7 @@ class StepReducer:
         report.totals = flat[: len(HEAD)]
         i = len(HEAD)
         for key, size, is_list in layout:
-            value = flat[i : i + size] / self.world.size
+            value = flat[i : i + size] / (self.world.size if self.world is not None else 1)
             report.extra[key] = [float(v) for v in value] if is_list else float(value[0])
             i += size
         return [report]

@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from hpctrain.checkpoint import KILL_HOOK_ENV, find_latest_valid, list_checkpoints, verify
+from hpctrain.checkpoint import find_latest_valid, list_checkpoints, verify
 from hpctrain.checkpoint import format as fmt
 from hpctrain.cli import main as cli_main
 from hpctrain.errors import CheckpointError
+from hpctrain.testing import faults
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "scripts" / "ckpt_writer.py"
@@ -23,9 +24,9 @@ WRITER = ROOT / "tests" / "scripts" / "ckpt_writer.py"
 
 def run_writer(directory, first, count, mb, kill_after=None, **popen):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop(KILL_HOOK_ENV, None)
+    env.pop(faults.PREFIX + "KILL_DURING_SAVE", None)
     if kill_after is not None:
-        env[KILL_HOOK_ENV] = str(kill_after)
+        env.update(faults.env("kill_during_save", 0, kill_after))
     args = [sys.executable, str(WRITER), str(directory), str(first), str(count), str(mb)]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True, **popen)
 

@@ -4,7 +4,7 @@ import pytest
 
 from hpctrain.config import Config, parse_override
 from hpctrain.errors import ConfigError
-from hpctrain.schedule import lr_at
+from hpctrain.lr_schedule import lr_at
 
 
 def test_defaults_validate_and_overrides_apply(tmp_path):

@@ -5,7 +5,7 @@ import pytest
 
 from hpctrain import Config
 from hpctrain.errors import ConfigError
-from hpctrain.strategies.moe import capacity, routing
+from hpctrain.moe import capacity, routing
 
 # 6 tokens, 3 experts; token 5 ties experts 0 and 1 (the lower index wins).
 PROBS = np.array(

@@ -186,7 +186,7 @@ def test_bounded_staleness_scales_and_rejects_by_the_configured_numbers(tmp_path
         "ps.mode=bounded",
         f"ps.staleness_bound={bound}",
         f"ps.staleness_decay={decay}",
-        env={"HPCTRAIN_PS_TEST_DELAY": "2:0.25"},  # worker 2 waits 0.25 s before each push
+        env={"HPCTRAIN_FAULT_PS_DELAY": "2:0.25"},  # worker 2 waits 0.25 s before each push
     )
     s = lines[-1]
     accepted = {int(k): n for k, n in s["staleness_accepted"].items()}
@@ -215,7 +215,7 @@ def test_async_training_finishes_without_a_worker_that_stops(tmp_path):
         "ps.mode=async",
         "ps.heartbeat_timeout=2",
         "train.epochs=3",
-        env={"HPCTRAIN_PS_TEST_STOP": "1:3"},  # worker 1 goes silent after 3 steps
+        env={"HPCTRAIN_FAULT_PS_SILENT": "1:3"},  # worker 1 goes silent after 3 steps
     )
     s = lines[-1]
     n = s["steps"]
@@ -230,7 +230,7 @@ def test_sync_mode_ends_the_job_clearly_when_a_worker_stops(tmp_path):
         PS_SCRIPT,
         str(tmp_path / "x.npz"),
         *sum((["--set", o] for o in [*SMALL, "ps.heartbeat_timeout=2"]), []),
-        env={"HPCTRAIN_PS_TEST_STOP": "1:2"},
+        env={"HPCTRAIN_FAULT_PS_SILENT": "1:2"},
         timeout=120,
     )
     assert job.returncode != 0

@@ -66,7 +66,7 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
         run_dir,
         *common,
         resume="auto",
-        env={"HPCTRAIN_TEST_KILL_DURING_SAVE": "5"},
+        env={"HPCTRAIN_FAULT_KILL_DURING_SAVE": "0:5"},
         ok=False,
     )
     assert job.returncode != 0

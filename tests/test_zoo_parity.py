@@ -101,3 +101,19 @@ def test_wrong_architecture_is_refused_with_names_and_shapes(world):
     text = str(err.value)
     assert "missing ['head.bias']" in text and "unexpected ['extra.weight']" in text
     assert "fc1.weight: file (128, 3) vs model (128, 12)" in text
+
+
+@pytest.mark.parametrize("kind", ["backend", "stage", "worker"])
+def test_torch_and_tensorflow_implement_the_same_declared_interface(kind):
+    """Each framework class offers every method of its Protocol (backends/base.py)."""
+    import inspect
+
+    from hpctrain.backends import backend_class, stage_class, worker_class
+    from hpctrain.backends.base import PROTOCOLS
+
+    get = {"backend": backend_class, "stage": stage_class, "worker": worker_class}[kind]
+    wanted = {n for n, v in vars(PROTOCOLS[kind]).items() if inspect.isfunction(v) and n[0] != "_"}
+    for name in ("torch", "tensorflow"):
+        cls = get(name)
+        missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
+        assert not missing, f"{cls.__name__} lacks {missing}"

@@ -15,3 +15,35 @@ def load_backend(name: str):
     if name not in BACKENDS:
         raise ValueError(f"unknown backend {name!r} (choose from {', '.join(BACKENDS)})")
     return importlib.import_module(f"hpctrain.backends.{name}")
+
+
+def backend_class(name: str):
+    """The data-parallel backend class (`TorchBackend` / `TensorFlowBackend`)."""
+    module = load_backend(name)
+    return module.TorchBackend if name == "torch" else module.TensorFlowBackend
+
+
+def stage_module(name: str):
+    """The pipeline-stage module of a framework (`torch_stage` / `tensorflow_stage`)."""
+    load_backend(name)  # validates the name
+    return importlib.import_module(f"hpctrain.backends.{name}_stage")
+
+
+def stage_class(name: str):
+    module = stage_module(name)
+    return module.TorchStage if name == "torch" else module.TensorFlowStage
+
+
+def worker_class(name: str):
+    """The parameter-server worker class of a framework."""
+    load_backend(name)
+    module = importlib.import_module(f"hpctrain.backends.{name}_worker")
+    return module.TorchWorker if name == "torch" else module.TensorFlowWorker
+
+
+def versions(name: str) -> dict[str, str]:
+    """Framework and Horovod versions recorded in checkpoints."""
+    import horovod
+
+    framework = importlib.import_module(name)
+    return {"framework": f"{name} {framework.__version__}", "horovod": horovod.__version__}

@@ -73,3 +73,15 @@ class FlatMean:
             return
         self.world.allreduce_inplace(self.buffer, "sum", self.what)
         self.buffer *= np.float32(1.0 / self.world.size)
+
+
+def average_array(comm, arr: np.ndarray, what: str) -> np.ndarray:
+    """Average `arr` over `comm` in place (integers as Horovod does: floor division)."""
+    if comm is None or comm.size == 1:
+        return arr
+    comm.allreduce_inplace(arr, "sum", what)
+    if np.issubdtype(arr.dtype, np.integer):
+        arr //= comm.size
+    else:
+        arr /= comm.size
+    return arr

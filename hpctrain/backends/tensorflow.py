@@ -24,7 +24,7 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up ban
 import tensorflow as tf  # noqa: E402
 
 from ..models import zoo
-from ..strategies.moe.parallel import is_expert_param, local_layers
+from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, tensorflow_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
@@ -424,9 +424,10 @@ class TensorFlowBackend(BackendBase):
             view[:] = by_name[name].numpy().reshape(-1)
         self._flat.reduce()
         dense = dict(zip(self._dense, self._flat.views, strict=True))
+        experts = tensorflow_moe.expert_grads(grads, names)
         return [
-            tf.constant(dense[n].reshape(g.shape)) if n in dense else g / float(size)
-            for n, g in zip(names, grads, strict=True)
+            tf.constant(dense[n].reshape(g.shape)) if n in dense else e
+            for n, g, e in zip(names, grads, experts, strict=True)
         ]
 
     def evaluate(self, x, y) -> EvalStats:

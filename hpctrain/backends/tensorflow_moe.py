@@ -16,7 +16,7 @@ import weakref
 import numpy as np
 import tensorflow as tf
 
-from ..strategies.moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+from ..moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
 
 # net -> {layer name: MoELayer}; net -> {layer name: aux loss of the latest call}
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -125,19 +125,39 @@ def aux_loss(net):
 
 
 def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
-    """Horovod average of the dense gradients; local experts' gradients divided by ranks."""
+    """Horovod average of the dense gradients; experts' gradients by `expert_grads`."""
     if hvd.size() == 1:
         return grads
     dense = [i for i, n in enumerate(names) if not is_expert_param(n)]
     if len(dense) == len(grads):
         return hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression)
-    out = [g / float(hvd.size()) for g in grads]
+    out = expert_grads(grads, names)
     if dense:
         avg = hvd.grouped_allreduce(
             [grads[i] for i in dense], op=hvd.Average, compression=compression
         )
         for i, g in zip(dense, avg, strict=True):
             out[i] = g
+    return out
+
+
+def expert_grads(grads: list, names: list[str]) -> list:
+    """Local experts' gradients: each sums its expert group's tokens, so divided by the
+    group's size, then averaged over the group's data-parallel replicas. Dense
+    gradients are returned unchanged."""
+    group = expert_group()
+    idx = [i for i, n in enumerate(names) if is_expert_param(n)]
+    out = list(grads)
+    if not idx:
+        return out
+    flat = np.concatenate([np.asarray(grads[i]).reshape(-1) for i in idx]).astype(np.float32)
+    flat *= np.float32(1.0 / group.size)
+    group.average_over_replicas(flat)
+    at = 0
+    for i in idx:
+        n = int(np.prod(grads[i].shape))
+        out[i] = tf.constant(flat[at : at + n].reshape(grads[i].shape))
+        at += n
     return out
 
 

@@ -19,6 +19,8 @@ from collections import OrderedDict
 
 import numpy as np
 
+from . import gradient_engine
+from .gradient_engine import average_array
 from .tensorflow import ZooNet, _Optimizer, configure_threads, tf
 
 # Kinds at which ZooNet moves images from NCHW to NHWC (see ZooNet.__call__).
@@ -64,10 +66,17 @@ class TensorFlowStage:
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = None
+        self.hvd = self.process_set = self.mpi = None
 
     def attach_replicas(self, hvd, process_set) -> None:
         self.hvd, self.process_set = hvd, process_set
+
+    def attach_mpi(self, replicas) -> None:
+        """The `mpi` engine: average over `replicas` (a guarded communicator) with one
+        flat MPI_Allreduce per step instead of Horovod."""
+        self.mpi = replicas
+        sizes = [int(np.prod(v.shape)) for v in self.net.vars.values()]
+        self._flat = gradient_engine.FlatMean(replicas, sizes)
 
     # --- the schedule's two actions --------------------------------------------
     def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
@@ -109,7 +118,16 @@ class TensorFlowStage:
         return float(sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc))
 
     def average_grads(self) -> float:
-        """Average gradients over this stage's replicas (Horovod); returns seconds spent."""
+        """Average gradients over this stage's replicas; returns seconds spent."""
+        if self.mpi is not None:
+            if self.mpi.size == 1:
+                return 0.0
+            t0 = time.perf_counter()
+            for view, g in zip(self._flat.views, self.acc, strict=True):
+                view[:] = g.numpy().reshape(-1)
+            self._flat.reduce()
+            self.acc = [tf.constant(v.reshape(g.shape)) for v, g in zip(self._flat.views, self.acc)]
+            return time.perf_counter() - t0
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0
         t0 = time.perf_counter()
@@ -135,6 +153,10 @@ class TensorFlowStage:
         return _run_nchw(self.net, tf.constant(x), training=False).numpy()
 
     def average_buffers(self) -> None:
+        if self.mpi is not None:
+            for name, var in self.net.buffers.items():
+                var.assign(average_array(self.mpi, var.numpy(), f"average buffer {name}"))
+            return
         if self.hvd is None or self.process_set.size() == 1 or not self.net.buffers:
             return
         names = list(self.net.buffers)

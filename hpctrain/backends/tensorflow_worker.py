@@ -81,3 +81,9 @@ class TensorFlowWorker:
     def evaluate(self, x, y) -> EvalStats:
         loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))
         return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        pass

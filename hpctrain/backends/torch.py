@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..models import zoo
-from ..strategies.moe.parallel import is_expert_param, local_layers
+from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, torch_moe
 from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
 
@@ -341,6 +341,7 @@ class TorchBackend(BackendBase):
             self._average_with_mpi()
         else:
             self.optimizer.synchronize()
+        torch_moe.average_expert_grads(self.model)
         comm = time.perf_counter() - t0
         if self.clip is not None:
             torch_moe.clip_grad_norm_(self.model, self.clip)
@@ -386,13 +387,8 @@ class TorchBackend(BackendBase):
         for name, buf in self.model.named_buffers():
             if self.hvd is not None:
                 buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
-            elif self.world is not None and self.world.size > 1:
-                arr = buf.numpy()  # shares the buffer's memory
-                self.world.allreduce_inplace(arr, "sum", f"average buffer {name}")
-                if np.issubdtype(arr.dtype, np.integer):
-                    arr //= self.world.size  # equal on every rank: as Horovod's average
-                else:
-                    arr /= self.world.size
+            else:  # the numpy view shares the buffer's memory
+                gradient_engine.average_array(self.world, buf.numpy(), f"average buffer {name}")
 
     # --- state ------------------------------------------------------------------
     def param_names(self) -> list[str]:

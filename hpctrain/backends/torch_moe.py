@@ -1,7 +1,7 @@
 """The torch half of the MoE layer: gate, gather/scatter and autograd through the all-to-all.
 
 Routing decisions and the MPI exchanges are framework-neutral
-(hpctrain/strategies/moe); here they become differentiable: `_AllToAll` is an
+(hpctrain/moe); here they become differentiable: `_AllToAll` is an
 autograd.Function whose backward is the reverse Alltoallv, so gradients reach both the
 tokens on their home rank and the experts on their owner rank. Expert parameters are
 local to a rank: they are kept out of Horovod (a separate optimizer param group, see
@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..strategies.moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+from ..moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
 _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
@@ -108,6 +108,24 @@ def add_expert_params(optimizer, model) -> None:
     for p in experts:
         p.register_hook(lambda g: g * scale)
     optimizer.add_param_group({"params": experts})
+
+
+@torch.no_grad()
+def average_expert_grads(model) -> None:
+    """Average the local experts' gradients over their data-parallel replicas (one
+    flat MPI allreduce on the grid's `data` axis; nothing when there is one replica)."""
+    group = expert_group()
+    if group.data is None or group.data.size == 1:
+        return
+    grads = [
+        p.grad for n, p in model.named_parameters() if is_expert_param(n) and p.grad is not None
+    ]
+    if not grads:
+        return
+    flat = torch.cat([g.reshape(-1) for g in grads]).numpy()
+    group.average_over_replicas(flat)
+    for g, view in zip(grads, torch.from_numpy(flat).split([g.numel() for g in grads])):
+        g.copy_(view.view_as(g))
 
 
 def clip_grad_norm_(model, max_norm: float) -> None:

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from . import gradient_engine
+from .gradient_engine import average_array
 from .torch import ZooNet, export_optimizer_state, import_optimizer_state
 
 
@@ -71,10 +73,16 @@ class TorchStage:
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = None
+        self.hvd = self.process_set = self.mpi = None
 
     def attach_replicas(self, hvd, process_set) -> None:
         self.hvd, self.process_set = hvd, process_set
+
+    def attach_mpi(self, replicas) -> None:
+        """The `mpi` engine: average over `replicas` (a guarded communicator) with one
+        flat MPI_Allreduce per step instead of Horovod."""
+        self.mpi = replicas
+        self._flat = gradient_engine.FlatMean(replicas, [p.numel() for p in self.net.parameters()])
 
     # --- the schedule's two actions --------------------------------------------
     def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
@@ -108,7 +116,9 @@ class TorchStage:
         return float(sum(float((p.grad.double() ** 2).sum()) for p in self._grads()))
 
     def average_grads(self) -> float:
-        """Average gradients over this stage's replicas (Horovod); returns seconds spent."""
+        """Average gradients over this stage's replicas; returns seconds spent."""
+        if self.mpi is not None:
+            return self._average_with_mpi()
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0
         t0 = time.perf_counter()
@@ -118,6 +128,21 @@ class TorchStage:
         )
         for p, g in zip(params, avg, strict=True):
             p.grad.copy_(g)
+        return time.perf_counter() - t0
+
+    @torch.no_grad()
+    def _average_with_mpi(self) -> float:
+        if self.mpi.size == 1:
+            return 0.0
+        t0 = time.perf_counter()
+        params = list(self.net.parameters())
+        flat = torch.from_numpy(self._flat.buffer)
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        self._flat.reduce()
+        for p, view in zip(params, flat.split(self._flat.sizes), strict=True):
+            if p.grad is not None:
+                p.grad.copy_(view.view_as(p))
         return time.perf_counter() - t0
 
     def apply(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -146,6 +171,10 @@ class TorchStage:
         return self.net(torch.from_numpy(x)).numpy()
 
     def average_buffers(self) -> None:
+        if self.mpi is not None:
+            for name, buf in self.net.named_buffers():
+                average_array(self.mpi, buf.numpy(), f"average buffer {name}")
+            return
         if self.hvd is None or self.process_set.size() == 1:
             return
         for name, buf in self.net.named_buffers():

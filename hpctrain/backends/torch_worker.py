@@ -84,3 +84,10 @@ class TorchWorker:
             int((logits.argmax(-1) == yt).sum()),
             int(np.prod(y.shape)),
         )
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return {"torch": torch.get_rng_state().numpy().copy()}
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        if "torch" in state:
+            torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))

@@ -23,12 +23,11 @@ from .reader import (
     verify,
 )
 from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
-from .writer import KILL_HOOK_ENV, save, snapshot
+from .writer import save, snapshot
 
 __all__ = [
     "DEFAULTS",
     "FORMAT",
-    "KILL_HOOK_ENV",
     "Checkpoint",
     "CheckpointPolicy",
     "Checkpointer",

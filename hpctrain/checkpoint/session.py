@@ -1,8 +1,11 @@
-"""The data-parallel trainer's checkpoints: what goes in, when, and how a run resumes.
+"""A run's checkpoints: what goes in, when, and how a run resumes, for every strategy.
 
-Saving: every rank takes part (its random state is gathered to rank 0 as bytes, and
-BatchNorm statistics are averaged first, so the saved model is what every replica
-agrees on); rank 0 writes. Resuming: rank 0 picks the file (`--resume auto` takes the
+Written against the training loop (hpctrain/loop.py: world, state, config, data) and
+its strategy's state interface (strategies/base.py: export/import in canonical names,
+random state, buffers), so data parallelism, the pipeline and the parameter server
+share one implementation. Saving: every rank takes part (its random state is gathered
+to rank 0 as bytes, BatchNorm statistics are averaged first, and the strategy gathers
+its canonical state); rank 0 writes. Resuming: rank 0 picks the file (`--resume auto` takes the
 newest that verifies), every rank reads that same file (a shared file system, as for
 the run directory), and any rank's problem with it stops every rank with one message.
 
@@ -30,16 +33,16 @@ log = logging.getLogger("hpctrain.checkpoint")
 TRAINER_KEYS = ("step", "epoch", "position")
 
 
-class TrainerCheckpoints:
-    """Checkpoint policy + writer bound to one Trainer (world, backend, config)."""
+class RunCheckpoints:
+    """Checkpoint policy + writer bound to one training loop (world, strategy, config)."""
 
-    def __init__(self, trainer):
-        self.trainer = trainer
-        w = trainer.world
-        self.policy = CheckpointPolicy.from_config(trainer.cfg, trainer.run_dir)
+    def __init__(self, loop):
+        self.trainer = loop
+        w = loop.world
+        self.policy = CheckpointPolicy.from_config(loop.cfg, loop.run_dir)
         self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
         self.disabled_reason = None
-        if self.policy.enabled and w.size > 1 and _has_experts(trainer.backend):
+        if self.policy.enabled and w.size > 1 and _has_experts(loop.strategy):
             # Experts live on different ranks; gathering their optimizer state is not
             # written yet, and a partial file must never be named as a checkpoint.
             self.disabled_reason = "expert-parallel MoE runs are not checkpointed yet"
@@ -110,30 +113,34 @@ class TrainerCheckpoints:
     def _collect(self, metrics: dict | None):
         """Everything a checkpoint holds; collective (every rank calls it)."""
         t, w = self.trainer, self.trainer.world
-        t.backend.average_buffers()
-        rng = {**capture_process_rng(), **t.backend.rng_state()}
+        s = t.strategy
+        s.average_buffers()
+        rng = {**capture_process_rng(), **s.rng_state()}
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
+        state = s.export_state()  # collective; the canonical state on rank 0
         if not w.is_root:
             return None
-        return self.payload(t.backend.export_state(), gathered, metrics)
+        return self.payload(state, gathered, metrics)
 
-    def payload(self, state: dict, gathered: list, metrics: dict | None, **attrs) -> dict:
+    def payload(self, state: dict, gathered: list, metrics: dict | None) -> dict:
         """save()'s keyword arguments from the model/optimizer state and gathered rng."""
         t, w, st = self.trainer, self.trainer.world, self.trainer.state
+        s = t.strategy
+        ranks = s.checkpoint_world  # the data-parallel world this state corresponds to
         return {
             "state": state,
             "trainer_state": {
                 "step": st.step,
                 "epoch": st.epoch,
                 "position": st.position,
-                "world_size": w.size,
+                "world_size": ranks,
                 "global_batch": t.data.global_batch,
+                **s.trainer_extras(),
             },
-            "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered)},
+            "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered) if r < ranks},
             "attrs": {
                 "backend": t.cfg.backend,
-                **t.backend.versions(),
-                **attrs,
+                **s.checkpoint_attrs(),
                 "world_size": w.size,
                 "config_yaml": t.cfg.to_yaml(),
             },
@@ -146,11 +153,11 @@ class TrainerCheckpoints:
         t, w = self.trainer, self.trainer.world
 
         def apply(ckpt):
-            require_compatible(ckpt, t.backend.weight_shapes())
-            t.backend.import_state(ckpt.state)
+            require_compatible(ckpt, t.strategy.weight_shapes())
             missing = [k for k in TRAINER_KEYS if k not in ckpt.trainer]
             if missing:
                 raise CheckpointError(f"{ckpt.path}: trainer state lacks {missing}")
+            t.strategy.import_state(ckpt)
 
         ckpt = load_agreed(w, self.policy, resume, apply)
         if ckpt is None:
@@ -158,17 +165,18 @@ class TrainerCheckpoints:
         chosen = str(ckpt.path)
         st = t.state
         st.step, st.epoch, st.position = (int(ckpt.trainer[k]) for k in TRAINER_KEYS)
-        saved_size = int(ckpt.trainer.get("world_size", w.size))
-        if saved_size == w.size and w.rank in ckpt.rng:
+        ranks = t.strategy.checkpoint_world
+        saved_size = int(ckpt.trainer.get("world_size", ranks))
+        if saved_size == ranks and w.rank in ckpt.rng:
             rng = ckpt.rng[w.rank]
             restore_process_rng(rng)
-            t.backend.set_rng_state(rng)
-        elif saved_size != w.size:
+            t.strategy.set_rng_state(rng)
+        elif saved_size != ranks:
             log.warning(
                 "resuming a %d-rank checkpoint on %d ranks: continuing at sample %d of epoch "
                 "%d; random streams are re-seeded",
                 saved_size,
-                w.size,
+                ranks,
                 st.position,
                 st.epoch,
             )
@@ -218,7 +226,7 @@ def load_agreed(world, policy: CheckpointPolicy, resume: str | None, apply):
     return ckpt
 
 
-def _has_experts(backend) -> bool:
-    from ..strategies.moe.parallel import is_expert_param
+def _has_experts(strategy) -> bool:
+    from ..moe.parallel import is_expert_param
 
-    return any(is_expert_param(k) for k in backend.weight_shapes())
+    return any(is_expert_param(k) for k in strategy.weight_shapes())

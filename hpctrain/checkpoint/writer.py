@@ -24,14 +24,12 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
+from ..testing import faults
 from ..version import __version__
 from . import format as fmt
 
 log = logging.getLogger("hpctrain.checkpoint")
 
-# Test-only: SIGKILL the writing process after this many datasets reached the temp file
-# (a number above the dataset count kills after the fsync, just before the rename).
-KILL_HOOK_ENV = "HPCTRAIN_TEST_KILL_DURING_SAVE"
 LIBVER = ("v110", "v110")  # checksummed metadata; readable by HDF5 >= 1.10
 # No HDF5 file locks: the temp file is private and finished files never change, and
 # locking fails on some parallel filesystems ("unable to lock file", Lustre, NFS).
@@ -153,8 +151,10 @@ def snapshot(
 
 
 def _kill_after() -> int | None:
-    raw = os.environ.get(KILL_HOOK_ENV)
-    return int(raw) if raw not in (None, "") else None
+    # fault `kill_during_save`: SIGKILL after this many datasets reached the temp file
+    # (a number above the dataset count kills after the fsync, just before the rename)
+    n = faults.value("kill_during_save")
+    return None if n is None else int(n)
 
 
 def _die() -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..strategies.moe.options import is_moe_block, moe_options, validate_moe
+from ..moe.options import is_moe_block, moe_options, validate_moe
 
 # Options of each zoo model and their defaults; `model.<option>` in the config.
 MODEL_OPTIONS: dict[str, dict] = {
@@ -68,6 +68,11 @@ def model_options(model_cfg: dict) -> dict:
     return opts
 
 
+def has_moe(model_cfg: dict) -> bool:
+    """True when the model has mixture-of-experts blocks (a `moe` option is set)."""
+    return bool(model_cfg.get("moe"))
+
+
 def validate_model_options(model_cfg: dict) -> list[str]:
     """Problems with the `model` section, each naming its key."""
     name = model_cfg.get("name")
@@ -91,7 +96,7 @@ def validate_model_options(model_cfg: dict) -> list[str]:
             )
             continue
         default = known[key]
-        if key == "moe":  # nested mapping: hpctrain/strategies/moe/options.py
+        if key == "moe":  # nested mapping: hpctrain/moe/options.py
             problems += validate_moe(value)
         elif isinstance(default, list):
             if not (

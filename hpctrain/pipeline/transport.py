@@ -8,6 +8,9 @@ buffer is handed to the caller and is not reused until the caller releases it: a
 input stays valid until its backward pass (reusing one receive buffer for the next
 micro-batch is exactly the "pipeline overwrites its own inputs" bug). Sent arrays are
 kept alive until MPI reports the send complete.
+
+Every wait has a deadline (`runtime.collective_timeout`, runtime/p2p.py): a neighbour
+that stopped or hangs ends the job with a message naming its stage and world rank.
 """
 
 from __future__ import annotations
@@ -16,17 +19,25 @@ import time
 
 import numpy as np
 
+from ..runtime import p2p
+
 ACT, GRAD = 0, 1
 
 
 class StageTransport:
     """One stage's links to the previous and the next stage of its pipeline."""
 
-    def __init__(self, comm, stage: int, stages: int, in_shape, out_shape, dtype=np.float32):
-        from mpi4py import MPI
-
-        self.MPI = MPI
-        self.comm = comm
+    def __init__(
+        self, pipe, stage: int, stages: int, in_shape, out_shape, dtype=np.float32,
+        peer_rank=lambda s: s,
+    ):  # fmt: skip
+        """pipe: the grid's `pipe` axis (a guarded communicator); peer_rank(stage) gives
+        a stage's world rank, for messages."""
+        self.MPI = pipe.MPI
+        self.pipe = pipe
+        self.comm = pipe.comm
+        self.stage = stage
+        self.peer_rank = peer_rank
         self.prev = stage - 1 if stage > 0 else None
         self.next = stage + 1 if stage < stages - 1 else None
         self.in_shape = None if in_shape is None else tuple(in_shape)
@@ -71,7 +82,15 @@ class StageTransport:
         self._post(kind, micro)
         req, buf = self._posted.pop((kind, micro))
         t0 = time.perf_counter()
-        req.Wait()
+        peer = self.prev if kind == ACT else self.next
+        what = "activation" if kind == ACT else "gradient"
+        p2p.wait_or_abort(
+            self.pipe,
+            [req],
+            f"pipeline stage {self.stage} (rank {self.peer_rank(self.stage)}) waiting for the "
+            f"{what} of micro-batch {micro}",
+            f"stage {peer} (rank {self.peer_rank(peer)})",
+        )
         self.wait_seconds += time.perf_counter() - t0
         return buf
 
@@ -121,6 +140,11 @@ class StageTransport:
         """Wait until every send of this step has left (end of step)."""
         if self._sends:
             t0 = time.perf_counter()
-            self.MPI.Request.Waitall([r for r, _ in self._sends])
+            p2p.wait_or_abort(
+                self.pipe,
+                [r for r, _ in self._sends],
+                f"pipeline stage {self.stage} (rank {self.peer_rank(self.stage)}) sending",
+                "a neighbouring stage",
+            )
             self.wait_seconds += time.perf_counter() - t0
             self._sends = []

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 
 from hpctrain.models import zoo
+from hpctrain.moe.parallel import expert_group, local_layers
 from hpctrain.runtime import run_fail_together, world
-from hpctrain.strategies.moe.parallel import expert_group, local_layers
 
 E, D, FF, N, T_SEQ, SEED = 4, 8, 16, 3, 8, 7
 TOL = 1e-5

@@ -11,15 +11,15 @@ import sys
 import numpy as np
 
 from hpctrain import Config, Trainer
+from hpctrain.moe.parallel import gather_expert_weights, is_expert_param
 from hpctrain.runtime import run_fail_together
-from hpctrain.strategies.moe.parallel import gather_expert_weights, is_expert_param
 
 
 def main():
     out, overrides = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
     trainer = Trainer(Config.load(None, overrides), run_dir=out + ".run")
     trainer.fit()
-    weights = trainer.backend.get_weights()
+    weights = trainer.strategy.backend.get_weights()
     w = trainer.world
     dense = [v for k, v in weights.items() if not is_expert_param(k)]
     sums = np.array([np.float64(v.astype(np.float64).sum()) for v in dense])

@@ -15,28 +15,27 @@ from pathlib import Path
 
 import numpy as np
 
-from hpctrain import Config
+from hpctrain import Config, TrainingLoop
 from hpctrain.runtime import run_fail_together
-from hpctrain.strategies import runner_class
 
 
 def run_one(out_dir: Path, spec: str):
     name, _, overrides = spec.partition(":")
     cfg = Config.load(None, [o for o in overrides.split(";") if o])
-    trainer = runner_class(cfg.strategy)(cfg, run_dir=out_dir / f"{name}.run")
+    trainer = TrainingLoop(cfg, run_dir=out_dir / f"{name}.run")
     summary = trainer.fit()
     w = trainer.world
     if cfg.strategy == "pipeline":
-        weights = trainer.get_weights()
+        weights = trainer.strategy.get_weights()
         full = w.bcast_object(weights, what="round trip")
-        trainer.set_weights(full)
-        again = trainer.get_weights()
+        trainer.strategy.set_weights(full)
+        again = trainer.strategy.get_weights()
         if w.rank == 0:
             for k in weights:
                 if not np.array_equal(weights[k], again[k]):
                     raise SystemExit(f"{name}: set_weights/get_weights round trip changed {k}")
     else:
-        weights = trainer.backend.get_weights()
+        weights = trainer.strategy.backend.get_weights()
     if w.rank == 0:
         np.savez(out_dir / f"{name}.npz", **weights)
         print(f"SUMMARY {name} {json.dumps(summary)}", flush=True)

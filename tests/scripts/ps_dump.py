@@ -9,9 +9,8 @@ import sys
 
 import numpy as np
 
-from hpctrain import Config
+from hpctrain import Config, TrainingLoop
 from hpctrain.runtime import run_fail_together
-from hpctrain.strategies.ps.runner import ParameterServerRunner
 
 
 def main():
@@ -23,13 +22,13 @@ def main():
             opts[flag] = rest[i + 1]
             del rest[i : i + 2]
     overrides = [a for a in rest if a != "--set"]
-    runner = ParameterServerRunner(
+    loop = TrainingLoop(
         Config.load(None, [*overrides, "strategy=parameter_server"]),
         run_dir=opts.get("--run-dir", out + ".run"),
         resume=opts.get("--resume"),
     )
-    runner.fit()
-    w = runner.world
+    loop.fit()
+    w, runner = loop.world, loop.strategy
     weights = getattr(runner, "final_weights", None)
     n = len(runner.shapes) * 2
     sums = (

@@ -27,7 +27,7 @@ def main():
         resume=args.resume,
     )
     trainer.fit()
-    weights = trainer.backend.get_weights()
+    weights = trainer.strategy.backend.get_weights()
     w = trainer.world
     sums = np.array(
         [np.float64(v.astype(np.float64).sum()) for v in weights.values()]

@@ -18,9 +18,9 @@ while nothing arrives; the cap bounds the added latency.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
+
+from ...runtime.p2p import Backoff, poll, wait_all  # noqa: F401 - re-exported for the PS
 
 TAG_PUSH, TAG_PULL, TAG_CTRL, TAG_REPLY = 7101, 7102, 7103, 7104
 HEARTBEAT, DONE = 1, 2  # CTRL ops
@@ -62,58 +62,3 @@ def ctrl(op: int, worker: int, value: int = 0) -> np.ndarray:
     msg = np.zeros(8, dtype=np.int64)
     msg[0], msg[1], msg[2] = op, worker, value
     return msg
-
-
-class Backoff:
-    """Poll without sleeping for `spin_s` after the last event (a reply usually follows
-    within microseconds), then sleep a little longer each idle poll, up to `max_sleep_s`.
-
-    max_sleep_s=0 polls without ever sleeping (lowest latency, one busy core per rank).
-    """
-
-    def __init__(self, max_sleep_s: float, spin_s: float = 200e-6, first_s: float = 50e-6):
-        self.max, self.spin, self.first = max_sleep_s, spin_s, first_s
-        self.cur = 0.0
-        self.since = None
-
-    def idle(self) -> None:
-        if self.max <= 0:
-            return
-        now = time.perf_counter()
-        if self.since is None:
-            self.since = now
-        if now - self.since < self.spin:
-            return
-        time.sleep(self.cur)
-        self.cur = min(self.max, self.first if self.cur == 0 else self.cur * 2)
-
-    def reset(self) -> None:
-        self.cur = 0.0
-        self.since = None
-
-
-def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> list[int]:
-    """Indices of requests that completed, waiting (with backoff) until at least one has.
-
-    Returns [] when `deadline` (time.monotonic) passes first, or when none is active.
-    """
-    while True:
-        done = MPI.Request.Testsome(requests)
-        if done is None:
-            return []
-        if done:
-            backoff.reset()
-            return list(done)
-        if deadline is not None and time.monotonic() >= deadline:
-            return []
-        backoff.idle()
-
-
-def wait_all(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> bool:
-    """Wait for every request with backoff; False if the deadline passed first."""
-    while not MPI.Request.Testall(requests):
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
-        backoff.idle()
-    backoff.reset()
-    return True

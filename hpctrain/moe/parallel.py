@@ -1,11 +1,12 @@
 """Expert parallelism over mpi4py: which rank owns which expert, and the all-to-alls.
 
-All ranks of the job form one expert-parallel group; E experts are split into equal
+The ranks of the grid's `expert` axis form one expert-parallel group (the whole job
+unless `parallel.expert` says less); E experts are split into equal
 contiguous blocks (rank r owns experts r*E/R ... (r+1)*E/R - 1), so rows packed by expert
 are also packed by destination rank. One MoE layer's forward is one `Alltoall` of
 per-expert row counts and two `Alltoallv`s of contiguous float32 rows (dispatch, then
 combine in reverse); its backward is the same two `Alltoallv`s with the directions
-swapped. Every call is under the World's watchdog, so a rank that never arrives ends
+swapped. Every call is under the axis's watchdog, so a rank that never arrives ends
 the job instead of hanging it. Framework code (backends/*_moe.py) calls `MoELayer`.
 """
 
@@ -29,20 +30,24 @@ def is_expert_param(name: str) -> bool:
 
 
 class ExpertGroup:
-    """The expert-parallel ranks (the whole job) on their own communicator."""
+    """The expert-parallel ranks (the grid's `expert` axis) and their replicas (`data`).
 
-    def __init__(self, world):
-        self.world = world
-        self.comm = world.split("moe.experts", 0)
-        self.rank = self.comm.Get_rank()
-        self.size = self.comm.Get_size()
-        self.MPI = world.MPI
+    Tokens are exchanged within `axis`; each expert has one copy per data-parallel
+    replica of the group, and those copies average their gradients over `data`.
+    """
+
+    def __init__(self, axis, data=None):
+        self.axis, self.data = axis, data
+        self.comm = axis.comm
+        self.rank = axis.rank
+        self.size = axis.size
+        self.MPI = axis.MPI
 
     def alltoall_counts(self, send: np.ndarray) -> np.ndarray:
         """send [R, n] int64 (row r goes to rank r) -> [R, n] (row s came from rank s)."""
         send = np.ascontiguousarray(send, dtype=np.int64)
         recv = np.empty_like(send)
-        with self.world.watchdog.guard("MoE Alltoall of row counts"):
+        with self.axis.watchdog.guard("MoE Alltoall of row counts"):
             self.comm.Alltoall(send, recv)
         return recv
 
@@ -55,26 +60,37 @@ class ExpertGroup:
         sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
         rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
         f = self.MPI.FLOAT
-        with self.world.watchdog.guard("MoE Alltoallv of token rows"):
+        with self.axis.watchdog.guard("MoE Alltoallv of token rows"):
             self.comm.Alltoallv([x, (sc, sd), f], [out, (rc, rd), f])
         return out
 
     def allreduce_sum(self, value: float) -> float:
         buf = np.array([value], dtype=np.float64)
-        if self.size > 1:
-            with self.world.watchdog.guard("MoE allreduce"):
-                self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
-        return float(buf[0])
+        return float(self.axis.allreduce_inplace(buf, "sum", "MoE allreduce")[0])
+
+    def average_over_replicas(self, flat: np.ndarray) -> np.ndarray:
+        """Average expert gradients (one flat float32 buffer) over the group's replicas."""
+        if self.data is not None and self.data.size > 1:
+            self.data.allreduce_inplace(flat, "sum", "MoE expert gradients over replicas")
+            flat *= np.float32(1.0 / self.data.size)
+        return flat
 
 
 _group: ExpertGroup | None = None
 
 
+def use_axes(expert_axis, data_axis=None) -> ExpertGroup:
+    """Put the experts on the grid's `expert` axis (called once by the strategy)."""
+    global _group
+    _group = ExpertGroup(expert_axis, data_axis)
+    return _group
+
+
 def expert_group() -> ExpertGroup:
-    """The job's expert-parallel group (created on first use; collective then)."""
+    """The job's expert-parallel group: the grid's axis, else the whole job."""
     global _group
     if _group is None:
-        from ...runtime import world
+        from ..runtime import world
 
         _group = ExpertGroup(world())
     return _group
@@ -90,7 +106,7 @@ def local_layers(layers: list, seed: int) -> list:
     """
     if not any("moe" in spec.attrs for spec in layers):
         return layers
-    from ...errors import ConfigError
+    from ..errors import ConfigError
 
     group = expert_group()
     experts = next(spec.attrs["moe"]["experts"] for spec in layers if "moe" in spec.attrs)
@@ -100,7 +116,7 @@ def local_layers(layers: list, seed: int) -> list:
             f"model.moe.experts={experts} cannot be split evenly over {group.size} "
             f"expert-parallel ranks (one per MPI process): use a multiple of {group.size}"
         )
-    group.world.agree(problem, error_type=ConfigError)
+    group.axis.agree(problem, error_type=ConfigError)
     per_rank = experts // group.size
     first = group.rank * per_rank
     mine = {f"moe.experts.{e}." for e in range(first, first + per_rank)}
@@ -300,7 +316,7 @@ def gather_expert_weights(weights: dict, root: int = 0) -> dict | None:
     """
     group = expert_group()
     mine = {k: v for k, v in weights.items() if is_expert_param(k)}
-    parts = group.world.gather_object(mine, root, "gather MoE experts")
+    parts = group.axis.gather_object(mine, root, "gather MoE experts")
     if group.rank != root:
         return None
     full = {k: v for k, v in weights.items() if not is_expert_param(k)}

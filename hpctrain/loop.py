@@ -1,0 +1,309 @@
+"""The one training loop. Every strategy (data parallel, pipeline, parameter server)
+runs under it; what differs between them lives in the strategy, nothing else.
+
+    from hpctrain import Config, TrainingLoop
+    TrainingLoop(Config.load("configs/demo.yaml")).fit()
+
+Per step: the strategy's data gives a batch, `strategy.step(batch, lr)` trains on it,
+and the step's small report (loss, counts, a non-finite flag, preemption and checkpoint
+wishes) goes out with a non-blocking allreduce over the ranks that train, read one
+step later (`step_reports`), so it never adds a wait. The hooks act on settled reports:
+progress and metrics, the NaN stop, the checkpoint policy, preemption, evaluation at
+epoch ends, the lr schedule and `train.max_steps`. The loop owns the run directory,
+the process grid, threads, timing and the summary.
+
+Ranks that serve instead of training (parameter servers) run `strategy.serve(loop)`
+and meet the training ranks again in the end-of-run collectives.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from . import runtime
+from .checkpoint.session import RunCheckpoints
+from .config import Config
+from .errors import TrainingDiverged
+from .lr_schedule import lr_at
+from .metrics import MetricsWriter, Progress
+from .runtime import allocator
+from .runtime.preemption import Preemption
+from .step_reports import StepReducer
+from .strategies import strategy_class
+
+log = logging.getLogger("hpctrain.loop")
+
+
+@dataclass
+class TrainState:
+    """Where training stands; everything needed to continue from here."""
+
+    step: int = 0  # optimizer steps taken
+    epoch: int = 0  # current epoch (0-based)
+    position: int = 0  # samples of this epoch's permutation already consumed
+
+
+def default_run_dir(cfg: Config) -> Path:
+    stem = Path(cfg.source).stem if cfg.source != "<defaults>" else "run"
+    return Path("runs") / f"{stem}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+
+
+def prepare_process(cfg: Config):
+    """Settings that must exist before MPI starts, then the World."""
+    if cfg.runtime["mpi_yield_when_idle"]:
+        # Ranks waiting in MPI give their core to ranks still computing: essential when
+        # ranks share cores, harmless otherwise (Open MPI reads this at MPI_Init).
+        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
+    if cfg.runtime["malloc_keep_freed"]:
+        allocator.keep_freed_memory()
+    return runtime.world(cfg.runtime["collective_timeout"])
+
+
+class TrainingLoop:
+    """Builds the run (world, grid, strategy, checkpoints, metrics); `fit()` trains."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path | None = None,
+        verbose: bool = False,
+        resume: str | None = None,
+    ):
+        self.cfg = cfg
+        self.world = w = prepare_process(cfg)
+        runtime.setup_logging(w.rank, w.size, verbose)
+        log.debug("allocator: %s", allocator.status())
+        chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
+        self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
+        if w.is_root:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        threads = cfg.runtime["threads"]
+        if threads is None:
+            threads, self.threads_source = runtime.threads_per_rank(w.local_size)
+        else:
+            self.threads_source = "runtime.threads"
+        self.threads = threads
+        self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
+        self.strategy.loop = self  # strategies with serving ranks need the loop's hooks
+        self.grid = self.strategy.grid
+        self.data = self.strategy.data  # None on ranks that serve
+        self.state = TrainState()
+        self.checkpoints = RunCheckpoints(self)
+        self.resumed_from = self.checkpoints.resume(resume)
+        tcfg = cfg.train
+        self.steps_per_epoch = self.strategy.steps_per_epoch
+        total = self.steps_per_epoch * tcfg["epochs"]
+        self.total_steps = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+        self.metrics = MetricsWriter(
+            self.run_dir, w.is_root, cfg.metrics["jsonl"], cfg.metrics["tensorboard"]
+        )
+        log.info(
+            "%s, %d rank(s) x %d thread(s) (%s), grid %s, %d steps/epoch, run dir %s",
+            self.strategy.describe(),
+            w.size,
+            threads,
+            self.threads_source,
+            self.grid.describe(),
+            self.steps_per_epoch,
+            self.run_dir,
+        )
+
+    # --- the loop ---------------------------------------------------------------
+    def fit(self) -> dict:
+        w, cfg, st, s = self.world, self.cfg, self.state, self.strategy
+        self.t_start = t_start = time.perf_counter()
+        self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "epoch_loss": 0.0, "count": 0}
+        self.last_eval: dict = {}
+        self.preempted = None
+        self.pre = pre = Preemption().install()
+        self.progress = Progress(
+            w.is_root,
+            max(0, self.total_steps - st.step),
+            log,
+            cfg.train["log_every"],
+            cfg.metrics["progress_bar"],
+        )
+        try:
+            if s.serves:
+                s.serve(self)  # parameter servers: until every worker is done
+            else:
+                self._train()
+            s.finish(self)  # end-of-run collectives every rank joins
+            if not self.preempted:
+                self.checkpoints.maybe_save(st.step, final=True, metrics=self.last_eval)
+            self.checkpoints.close()
+        finally:
+            pre.uninstall()
+            self.progress.close()
+        return self._summary(time.perf_counter() - t_start)
+
+    def _train(self) -> None:
+        cfg, st, s = self.cfg, self.state, self.strategy
+        max_steps = cfg.train["max_steps"]
+        reducer = StepReducer(s.report_comm, cfg.train["overlap_step_metrics"])
+        while st.epoch < cfg.train["epochs"] and st.step < self.total_steps:
+            self._run.update(epoch_loss=0.0, count=0)
+            t_epoch = t_last = time.perf_counter()
+            flags: dict = {}
+            for batch in s.batches(st.epoch, st.position):
+                lr = lr_at(
+                    st.step, cfg.optimizer, s.lr_replicas, self.steps_per_epoch, self.total_steps
+                )
+                stats = s.step(batch, lr)
+                st.step += 1
+                st.position += self.data.global_batch
+                now = time.perf_counter()
+                seconds, t_last = now - t_last, now
+                last = st.step >= self.total_steps or self.data.steps_left(st.position) == 0
+                wish = self.checkpoints.due_locally(st.step)
+                flags = self._settle(
+                    reducer.push(st.step, stats, lr, seconds, self.pre.requested, wish)
+                )
+                if s.agreed_flags is not None:  # the strategy agrees on its own (PS)
+                    flags = s.agreed_flags(stats)
+                    save = flags["save"]
+                else:
+                    save = flags["save"] or self.checkpoints.due_by_step(st.step)
+                if flags["preempt"] or save or last:  # these must see this step's result
+                    more = self._settle(reducer.drain())
+                    if s.agreed_flags is None:
+                        flags = {k: flags[k] or more[k] for k in flags}
+                        save = save or flags["save"]
+                if flags["preempt"]:  # a rank was signalled: every rank stops here
+                    self.preempted = s.on_preempt(self)
+                    break
+                if flags.get("stop"):  # the strategy ends this rank's training early
+                    break
+                if save:
+                    s.save_now(self)
+                if max_steps and st.step >= max_steps:
+                    break
+            if self.preempted:
+                break
+            epoch_done = self.data.steps_left(st.position) == 0
+            if (epoch_done or st.step >= self.total_steps) and not flags.get("stop"):
+                self.last_eval = self._end_of_epoch(t_epoch)
+            if epoch_done:
+                st.epoch += 1
+                st.position = 0
+                if s.agreed_flags is None:
+                    self.checkpoints.maybe_save(st.step, epoch_end=True, metrics=self.last_eval)
+
+    def _settle(self, reports) -> dict:
+        """Log settled step reports; stop on NaN/inf; return the agreed flags."""
+        flags = {"preempt": False, "save": False}
+        cfg, s = self.cfg, self.strategy
+        comm = s.report_comm
+        size = comm.size if comm is not None else 1
+        for r in reports:
+            if r.nonfinite and cfg.train["nan_check"]:
+                local = [r.local_nonfinite]
+                flags_by_rank = comm.comm.allgather(r.local_nonfinite) if size > 1 else local
+                ranks = [s.rank_name(i) for i, f in enumerate(flags_by_rank) if f]
+                exc = TrainingDiverged(
+                    f"loss became NaN/inf at step {r.step} (epoch {self.state.epoch}) "
+                    f"on {', '.join(ranks)}: lower optimizer.lr, set train.clip_norm, or "
+                    "check the data for NaN/inf values"
+                )
+                exc.agreed = size == self.world.size  # every rank raises the same
+                raise exc
+            n = self.data.global_batch
+            run = self._run
+            run["samples"] += n
+            run["comm"] += r.comm_seconds
+            run["compute"] += r.seconds
+            run["epoch_loss"] += r.loss_sum
+            run["count"] += r.count
+            sps = n / r.seconds if r.seconds > 0 else None
+            if r.step % cfg.train["log_every"] == 0 or r.step == self.total_steps:
+                self.metrics.write(
+                    "step",
+                    epoch=self.state.epoch,
+                    step=r.step,
+                    loss=r.loss,
+                    lr=r.lr,
+                    accuracy=r.accuracy,
+                    samples_per_sec=sps,
+                    samples_per_sec_per_rank=sps / self.world.size if sps else None,
+                    comm_share=r.comm_seconds / r.seconds if r.seconds > 0 else None,
+                    **r.extra,
+                )
+            self.progress.update(
+                r.step, f"epoch {self.state.epoch} loss {r.loss:.4f} lr {r.lr:.4g}"
+            )
+            flags["preempt"] = flags["preempt"] or r.preempt
+            flags["save"] = flags["save"] or r.save_due
+        return flags
+
+    def _end_of_epoch(self, t_epoch: float) -> dict:
+        st, run = self.state, self._run
+        result = {"loss": run["epoch_loss"] / max(1, run["count"])}
+        due = (st.epoch + 1) % self.cfg.train["eval_every_epochs"] == 0
+        if self.strategy.evaluates_in_loop and (due or st.step >= self.total_steps):
+            result.update(self.evaluate())
+        elapsed = time.perf_counter() - t_epoch
+        self.metrics.write(
+            "epoch",
+            epoch=st.epoch,
+            step=st.step,
+            samples_per_sec=run["count"] / elapsed if elapsed else None,
+            **result,
+        )
+        self.progress.message(
+            f"epoch {st.epoch}: " + ", ".join(f"{k} {_fmt(v)}" for k, v in result.items())
+        )
+        return result
+
+    def evaluate(self) -> dict:
+        """Validation loss and accuracy, summed over every rank (collective)."""
+        s = self.strategy
+        s.average_buffers()
+        sums = s.evaluate()
+        if sums is None:
+            return {}
+        total = self.world.allreduce_array(
+            np.asarray(sums, np.float64), "sum", "validation metrics"
+        )
+        if not total[2]:
+            return {}
+        return {
+            "val_loss": total[0] / total[2],
+            "val_accuracy": total[1] / total[2],
+            "val_samples": int(total[2]),
+        }
+
+    def _summary(self, elapsed: float) -> dict:
+        w, st, cfg, run = self.world, self.state, self.cfg, self._run
+        summary = {
+            "steps": st.step,
+            "epochs": st.epoch,
+            "world_size": w.size,
+            "backend": cfg.backend,
+            "model": cfg.model["name"],
+            "strategy": cfg["strategy"],
+            "samples_per_sec": run["samples"] / elapsed if elapsed > 0 else None,
+            "samples_per_sec_per_rank": run["samples"] / elapsed / w.size if elapsed else None,
+            "comm_share": run["comm"] / run["compute"] if run["compute"] else None,
+            "elapsed_sec": elapsed,
+            "resumed_from": self.resumed_from,
+            "preempted": self.preempted,
+            **self.last_eval,
+        }
+        summary = self.strategy.summary(self, summary)  # collective; the root's dict counts
+        self.metrics.write("summary", epoch=st.epoch, step=st.step, **summary)
+        self.metrics.close()
+        if w.is_root:
+            log.info("done: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
+        return w.bcast_object(summary, what="agree on the run summary")
+
+
+def _fmt(v):
+    return f"{v:.4g}" if isinstance(v, float) else str(v)

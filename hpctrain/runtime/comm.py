@@ -1,0 +1,183 @@
+"""A communicator whose every collective runs under a deadline (the watchdog).
+
+The World (all ranks) and every axis of the process grid (`grid.py`) are one of these,
+so code written against this interface runs unchanged on the whole job or on one axis:
+`axis.allreduce_inplace(buf)` is the same call as `world.allreduce_inplace(buf)`.
+Every collective here is small control traffic or an in-place buffer reduction; each
+is guarded, so a rank that never arrives ends the job with its rank named.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import LaunchError, RankErrors, rank_ranges
+
+
+class PendingArray:
+    """A started `World.start_allreduce_array`; every rank must `wait()` for it."""
+
+    def __init__(self, buf: np.ndarray, request=None, watchdog=None, what: str = ""):
+        self._buf = buf
+        self._request = request
+        self._watchdog = watchdog
+        self._what = what
+
+    def wait(self) -> np.ndarray:
+        """The reduced array (blocks until every rank contributed; guarded)."""
+        if self._request is not None:
+            with self._watchdog.guard(self._what):
+                self._request.Wait()
+            self._request = None
+        return self._buf
+
+
+class GuardedComm:
+    """Collectives over `comm`, each under `watchdog`'s deadline.
+
+    Subclasses set `MPI`, `comm`, `rank`, `size` and `watchdog`; `GuardedComm.over()`
+    builds one for a sub-communicator.
+    """
+
+    MPI = None
+    comm = None
+    rank = 0
+    size = 1
+    watchdog = None
+    name = "world"
+
+    @classmethod
+    def over(cls, name: str, comm, watchdog, mpi, abort) -> GuardedComm:
+        """A guarded view of `comm` (a grid axis) with its own watchdog; `abort(msg)`
+        ends the whole job."""
+        g = cls.__new__(cls)
+        g.name, g.comm, g.watchdog, g.MPI, g.abort = name, comm, watchdog, mpi, abort
+        g.rank, g.size = comm.Get_rank(), comm.Get_size()
+        return g
+
+    @property
+    def is_root(self) -> bool:
+        return self.rank == 0
+
+    # --- control collectives (small, guarded) ------------------------------------
+    def agree(self, error: str | None, prefix: str = "", error_type=RankErrors) -> None:
+        """Every rank passes its own error (or None); if any rank has one, every rank raises.
+
+        This is how input problems that only some ranks can see (a file missing on one
+        node, a NaN on one replica) become one clear message on every rank, without a
+        rank left waiting in a later collective.
+        """
+        flag = np.array([0 if error is None else 1], dtype=np.int32)
+        if self.size > 1:
+            with self.watchdog.guard("agree on errors"):
+                self.comm.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MAX)
+        if not flag[0]:
+            return
+        errors = self.comm.allgather(error) if self.size > 1 else [error]
+        by_rank = {r: prefix + e for r, e in enumerate(errors) if e is not None}
+        exc = RankErrors(by_rank)
+        if error_type is not RankErrors:
+            exc = error_type(str(exc))
+        exc.agreed = True
+        raise exc
+
+    def any_flag(self, flag: bool, what: str = "agree on a flag") -> bool:
+        """True on every rank when the flag is set on any rank."""
+        if self.size == 1:
+            return bool(flag)
+        buf = np.array([1 if flag else 0], dtype=np.int32)
+        with self.watchdog.guard(what):
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.MAX)
+        return bool(buf[0])
+
+    def _op(self, op: str):
+        return {"sum": self.MPI.SUM, "min": self.MPI.MIN, "max": self.MPI.MAX}[op]
+
+    def allreduce_array(self, values, op: str = "sum", what: str = "allreduce") -> np.ndarray:
+        """Allreduce a copy of a small array with MPI (sum, min, max), guarded."""
+        return self.allreduce_inplace(np.ascontiguousarray(np.array(values, copy=True)), op, what)
+
+    def allreduce_inplace(self, buf: np.ndarray, op: str = "sum", what: str = "allreduce"):
+        """Allreduce a contiguous numpy buffer in place, no copy (gradients), guarded."""
+        if self.size == 1:
+            return buf
+        with self.watchdog.guard(what):
+            self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
+        return buf
+
+    def bcast_inplace(self, buf: np.ndarray, root: int = 0, what: str = "broadcast"):
+        """Overwrite a contiguous numpy buffer with root's, in place, guarded."""
+        if self.size > 1:
+            with self.watchdog.guard(what):
+                self.comm.Bcast(buf, root=root)
+        return buf
+
+    def start_allreduce_array(
+        self, values, op: str = "sum", what: str = "allreduce"
+    ) -> PendingArray:
+        """Begin a non-blocking allreduce of a small array; `.wait()` returns the result.
+
+        Why: a value the ranks need only a little later (step metrics, flags) can travel
+        while the next step computes, instead of adding a second wait per step.
+        """
+        buf = np.ascontiguousarray(np.array(values, copy=True))
+        if self.size == 1:
+            return PendingArray(buf)
+        request = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
+        return PendingArray(buf, request, self.watchdog, what)
+
+    def check_uniform(self, values: tuple[int, ...], what: str) -> None:
+        """Raise on every rank when `values` (e.g. a shape) differ between ranks."""
+        arr = np.array(values, dtype=np.int64)
+        n = self.allreduce_array(np.array([arr.size], dtype=np.int64), "max", what)[0]
+        padded = np.full(int(n) + 1, -1, dtype=np.int64)
+        padded[0] = arr.size
+        padded[1 : arr.size + 1] = arr
+        lo = self.allreduce_array(padded, "min", what)
+        hi = self.allreduce_array(padded, "max", what)
+        if not np.array_equal(lo, hi):
+            mine = tuple(int(v) for v in arr)
+            everyone = self.comm.allgather(mine)
+            groups: dict[tuple, list[int]] = {}
+            for r, v in enumerate(everyone):
+                groups.setdefault(v, []).append(r)
+            desc = "; ".join(f"{v} on rank(s) {rank_ranges(rs)}" for v, rs in groups.items())
+            raise LaunchError(f"{what} differs between ranks: {desc}")
+
+    def barrier(self, what: str = "barrier") -> None:
+        with self.watchdog.guard(what):
+            self.comm.Barrier()
+
+    def bcast_object(self, obj, root: int = 0, what: str = "broadcast"):
+        """Broadcast a small Python object (control plane only; never tensors)."""
+        if self.size == 1:
+            return obj
+        with self.watchdog.guard(what):
+            return self.comm.bcast(obj, root=root)
+
+    def gather_object(self, obj, root: int = 0, what: str = "gather"):
+        """Gather small Python objects to `root` (control plane only)."""
+        if self.size == 1:
+            return [obj]
+        with self.watchdog.guard(what):
+            return self.comm.gather(obj, root=root)
+
+    def gather_bytes(self, data: np.ndarray, root: int = 0, what: str = "gather bytes"):
+        """Gather one uint8 buffer per rank (any lengths) to `root` without pickle.
+
+        Returns the list of per-rank buffers on `root`, None elsewhere.
+        """
+        buf = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1)
+        if self.size == 1:
+            return [buf.copy()]
+        n = np.array([buf.size], dtype=np.int64)
+        counts = np.zeros(self.size, dtype=np.int64) if self.rank == root else None
+        with self.watchdog.guard(what):
+            self.comm.Gather(n, counts, root=root)
+            if self.rank != root:
+                self.comm.Gatherv(buf, None, root=root)
+                return None
+            recv = np.empty(int(counts.sum()), dtype=np.uint8)
+            self.comm.Gatherv(buf, (recv, counts), root=root)
+        bounds = np.concatenate([[0], np.cumsum(counts)])
+        return [recv[bounds[r] : bounds[r + 1]].copy() for r in range(self.size)]

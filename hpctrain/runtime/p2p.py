@@ -1,0 +1,95 @@
+"""Point-to-point waits with a deadline that name the peer that never answered.
+
+Collectives are guarded by the watchdog (every rank of a communicator enters the same
+section). Point-to-point traffic (pipeline activations, parameter-server pushes) has a
+known peer instead, so its waits poll the requests with a sleeping backoff (no busy
+core) until a deadline, and on expiry end the job naming the peer and what it owed.
+Cost: one Testall per poll, independent of the number of ranks.
+"""
+
+from __future__ import annotations
+
+import time
+
+
+class Backoff:
+    """Poll without sleeping for `spin_s` after the last event (a reply usually follows
+    within microseconds), then sleep a little longer each idle poll, up to `max_sleep_s`.
+
+    max_sleep_s=0 polls without ever sleeping (lowest latency, one busy core per rank).
+    """
+
+    def __init__(self, max_sleep_s: float, spin_s: float = 200e-6, first_s: float = 50e-6):
+        self.max, self.spin, self.first = max_sleep_s, spin_s, first_s
+        self.cur = 0.0
+        self.since = None
+
+    def idle(self) -> None:
+        if self.max <= 0:
+            return
+        now = time.perf_counter()
+        if self.since is None:
+            self.since = now
+        if now - self.since < self.spin:
+            return
+        time.sleep(self.cur)
+        self.cur = min(self.max, self.first if self.cur == 0 else self.cur * 2)
+
+    def reset(self) -> None:
+        self.cur = 0.0
+        self.since = None
+
+
+def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> list[int]:
+    """Indices of requests that completed, waiting (with backoff) until at least one has.
+
+    Returns [] when `deadline` (time.monotonic) passes first, or when none is active.
+    """
+    while True:
+        done = MPI.Request.Testsome(requests)
+        if done is None:
+            return []
+        if done:
+            backoff.reset()
+            return list(done)
+        if deadline is not None and time.monotonic() >= deadline:
+            return []
+        backoff.idle()
+
+
+def wait_all(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> bool:
+    """Wait for every request with backoff; False if the deadline passed first."""
+    while not MPI.Request.Testall(requests):
+        if deadline is not None and time.monotonic() >= deadline:
+            return False
+        backoff.idle()
+    backoff.reset()
+    return True
+
+
+def wait_or_abort(
+    world,
+    requests: list,
+    what: str,
+    peers,
+    timeout: float | None = None,
+    backoff: Backoff | None = None,
+) -> None:
+    """Wait for `requests`; past `timeout` (default: the collective timeout) end the job
+    with a message naming `what` and the peer(s) still owing a message. `world` is any
+    guarded communicator (the World or a grid axis).
+
+    `peers` is one description per request (e.g. "stage 1 (rank 3)") or a single string.
+    """
+    limit = world.watchdog.timeout if timeout is None else timeout
+    deadline = time.monotonic() + limit if limit and limit > 0 else None
+    if wait_all(world.MPI, requests, backoff or Backoff(0.5e-3), deadline):
+        return
+    if isinstance(peers, str):
+        late = [peers]
+    else:
+        late = [p for p, r in zip(peers, requests) if not r.Test()]
+    world.abort(
+        f"{what}: no answer from {', '.join(late) or 'a peer'} within {limit:g} s "
+        "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
+    )

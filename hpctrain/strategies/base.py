@@ -1,0 +1,110 @@
+"""The interface every strategy offers the training loop, and what they share.
+
+A strategy decides how the job's ranks share the work: it lays out the process grid,
+builds the data and the framework parts on each rank, trains one step, evaluates, and
+moves its state to and from the canonical checkpoint layout (`/model/<name>`,
+`/optimizer/<slot>/<name>`), so checkpoints move between strategies. The loop
+(hpctrain/loop.py) never asks which strategy it has.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+
+from ..backends.base import StepStats
+from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, prepare_dataset
+from ..runtime.comm import GuardedComm
+from ..runtime.grid import ProcessGrid
+
+
+class Strategy(Protocol):
+    """What the loop calls. Collective methods are called by every rank of the job."""
+
+    grid: ProcessGrid
+    data: object | None  # ShardedTrainData / BenchmarkData; None on ranks that serve
+    steps_per_epoch: int
+    lr_replicas: int  # replicas the learning-rate scaling counts
+    report_comm: GuardedComm | None  # ranks whose step reports are summed; None: alone
+    serves: bool  # True on ranks that run `serve` instead of training
+    agreed_flags: object | None  # callable(stats) -> flags, for strategies that agree
+
+    def describe(self) -> str: ...
+    def batches(self, epoch: int, position: int): ...
+    def step(self, batch, lr: float) -> StepStats: ...
+    def evaluate(self) -> np.ndarray | None: ...  # local (loss_sum, correct, count)
+    def average_buffers(self) -> None: ...  # collective
+    def export_state(self) -> dict | None: ...  # collective; canonical state on rank 0
+    def import_state(self, ckpt) -> None: ...
+    def weight_shapes(self) -> dict[str, tuple]: ...  # the whole canonical model
+    def rng_state(self) -> dict[str, np.ndarray]: ...
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None: ...
+    def checkpoint_attrs(self) -> dict: ...
+    def serve(self, loop) -> None: ...
+    def finish(self, loop) -> None: ...  # collective, after training / serving
+    def on_preempt(self, loop) -> str: ...  # collective; returns the signal's name
+    def save_now(self, loop) -> None: ...  # collective; an agreed checkpoint step
+    def summary(self, loop, summary: dict) -> dict: ...  # collective
+    def rank_name(self, index: int) -> str: ...  # a report_comm rank, for messages
+
+
+class StrategyBase:
+    """Defaults for strategies whose every rank trains and agrees through step reports."""
+
+    serves = False
+    agreed_flags = None
+
+    def __init__(self, cfg, world, run_dir, threads: int):
+        self.cfg, self.world, self.run_dir, self.threads = cfg, world, run_dir, threads
+
+    # --- data -----------------------------------------------------------------------
+    def build_data(self, shard: int, shards: int, accum: int, prefetch: bool = True):
+        """(dataset or None, train data, input spec) for data shard `shard` of `shards`."""
+        cfg, tcfg = self.cfg, self.cfg.train
+        b = tcfg["batch_size"]
+        if cfg.data["source"] == "benchmark":
+            inp = benchmark_input_spec(cfg.data)
+            steps = max(1, cfg.data["train_samples"] // (b * accum * shards))
+            return None, BenchmarkData(inp, b, accum, shards, tcfg["seed"] + shard, steps), inp
+        dataset = prepare_dataset(cfg, self.world, self.run_dir)
+        data = ShardedTrainData(
+            dataset, shard, shards, b, accum, tcfg["seed"], cfg.data["prefetch"] if prefetch else 0
+        )
+        return dataset, data, dataset.input_spec
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return self.data.steps_per_epoch
+
+    def batches(self, epoch: int, position: int):
+        return self.data.iterate(epoch, position)
+
+    evaluates_in_loop = True  # False: the strategy evaluates in `finish` only
+
+    @property
+    def checkpoint_world(self) -> int:
+        """The data-parallel world size a checkpoint of this run corresponds to."""
+        return self.world.size
+
+    def trainer_extras(self) -> dict:
+        return {}
+
+    # --- the loop's hooks ---------------------------------------------------------------
+    def finish(self, loop) -> None:
+        return None
+
+    def on_preempt(self, loop) -> str:
+        return loop.checkpoints.preempt(loop.pre, loop.progress)
+
+    def save_now(self, loop) -> None:
+        loop.checkpoints.maybe_save(loop.state.step, agreed_due=True)
+
+    def serve(self, loop) -> None:
+        raise NotImplementedError(f"{type(self).__name__} has no serving ranks")
+
+    def summary(self, loop, summary: dict) -> dict:
+        return summary
+
+    def rank_name(self, index: int) -> str:
+        return f"rank {index}"

@@ -1,0 +1,89 @@
+"""`strategy: data_parallel`: every rank holds the model and trains on its own shard.
+
+Gradients are averaged by the backend's engine (Horovod's, or one flat MPI allreduce:
+`train.allreduce`). With mixture-of-experts layers the experts are spread over the
+grid's `expert` axis (`parallel.expert` ranks exchange tokens; the whole job unless set)
+and each expert's copies average their gradients over the `data` axis, so MoE combines
+with data parallelism: np=4 with `parallel.expert: 2` is 2 expert groups x 2 replicas.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ..backends import backend_class, versions
+from ..backends.horovod_env import apply_horovod_env
+from ..data import iterate_val
+from ..models import zoo
+from ..moe import parallel as moe_parallel
+from ..runtime.grid import ProcessGrid
+from .base import StrategyBase
+
+
+def expert_degree(cfg, world_size: int) -> int:
+    """Ranks per expert group: `parallel.expert`, else the whole job for MoE models."""
+    wanted = cfg.parallel["expert"]
+    if wanted is not None:
+        return wanted
+    return world_size if zoo.has_moe(cfg.model) else 1
+
+
+class DataParallel(StrategyBase):
+    def __init__(self, cfg, world, run_dir, threads: int):
+        super().__init__(cfg, world, run_dir, threads)
+        self.grid = g = ProcessGrid(world, expert=expert_degree(cfg, world.size))
+        if zoo.has_moe(cfg.model):
+            moe_parallel.use_axes(g.expert, g.data)
+        tcfg = cfg.train
+        self.dataset, self.data, self.input_spec = self.build_data(
+            world.rank, world.size, tcfg["grad_accum"]
+        )
+        apply_horovod_env(cfg.horovod, cfg.runtime["collective_timeout"])
+        self.backend = backend_class(cfg.backend)(cfg, world, self.input_spec, threads)
+        self.report_comm = world
+        self.lr_replicas = world.size
+
+    def describe(self) -> str:
+        b = self.backend
+        return (
+            f"data parallel: {self.cfg.backend} backend, model {self.cfg.model['name']}, "
+            f"gradients by {b.engine} ({b.engine_reason}), global batch {self.data.global_batch}"
+        )
+
+    # --- training -------------------------------------------------------------------
+    def step(self, batch, lr: float):
+        return self.backend.train_step(batch, lr)
+
+    def evaluate(self) -> np.ndarray | None:
+        if self.dataset is None or self.dataset.val_size == 0:
+            return None
+        sums = np.zeros(3)
+        w = self.world
+        for x, y in iterate_val(
+            self.dataset, w.rank, w.size, max(256, self.cfg.train["batch_size"])
+        ):
+            ev = self.backend.evaluate(x, y)
+            sums += (ev.loss_sum, ev.correct, ev.count)
+        return sums
+
+    def average_buffers(self) -> None:
+        self.backend.average_buffers()
+
+    # --- state ------------------------------------------------------------------------
+    def export_state(self) -> dict | None:
+        return self.backend.export_state() if self.world.is_root else None
+
+    def import_state(self, ckpt) -> None:
+        self.backend.import_state(ckpt.state)
+
+    def weight_shapes(self) -> dict[str, tuple]:
+        return self.backend.weight_shapes()
+
+    def rng_state(self) -> dict[str, np.ndarray]:
+        return self.backend.rng_state()
+
+    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
+        self.backend.set_rng_state(state)
+
+    def checkpoint_attrs(self) -> dict:
+        return versions(self.cfg.backend)
