@@ -1,0 +1,143 @@
+"""A run directory holds one run: reuse needs --resume (matching config), --overwrite or --new."""
+
+import json
+
+import pytest
+import yaml
+
+from hpctrain.config import Config
+from hpctrain.errors import ConfigError
+from hpctrain.rundir import apply_plan, config_differences, find_previous_run, plan_run_dir
+
+
+def _earlier_run(run_dir, cfg: dict, steps=(10, 20), metrics=3):
+    """What a finished run leaves: config.yaml, checkpoints, metrics.jsonl, tb/."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(cfg))
+    ckpts = run_dir / "checkpoints"
+    ckpts.mkdir(exist_ok=True)
+    for s in steps:
+        (ckpts / f"ckpt-{s:08d}.h5").write_bytes(b"x")
+    with (run_dir / "metrics.jsonl").open("w") as f:
+        for i in range(metrics):
+            f.write(json.dumps({"event": "step", "step": i}) + "\n")
+    (run_dir / "tb").mkdir(exist_ok=True)
+    (run_dir / "tb" / "events.out").write_bytes(b"e")
+    (run_dir / "data").mkdir(exist_ok=True)
+    (run_dir / "data" / "synthetic.h5").write_bytes(b"d")
+
+
+def _cfg(*overrides) -> dict:
+    return Config.load(None, list(overrides)).to_dict()
+
+
+def test_an_empty_or_new_directory_starts_fresh(tmp_path):
+    assert plan_run_dir(tmp_path / "new", _cfg()).action == "fresh"
+    (tmp_path / "only-data" / "data").mkdir(parents=True)  # the synthetic cache alone
+    assert plan_run_dir(tmp_path / "only-data", _cfg()).action == "fresh"
+    assert plan_run_dir(tmp_path / "new", _cfg(), resume="auto").action == "fresh"
+
+
+def test_a_reused_directory_is_refused_without_a_decision(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    with pytest.raises(ConfigError) as err:
+        plan_run_dir(run, _cfg())
+    text = str(err.value)
+    assert "\n" not in text
+    assert "2 checkpoint(s) up to step 20" in text and "metrics.jsonl with 3 line(s)" in text
+    assert "--resume auto" in text and "--overwrite" in text
+    with pytest.raises(ConfigError):
+        plan_run_dir(run, _cfg(), resume="never")
+
+
+def test_metrics_without_checkpoints_still_count_as_a_run(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg(), steps=())
+    with pytest.raises(ConfigError, match="metrics.jsonl with 3 line"):
+        plan_run_dir(run, _cfg())
+
+
+def test_resume_auto_continues_only_the_same_configuration(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg("model.hidden=[64]", "train.epochs=2"))
+    # epochs, logging and speed knobs may change; what the checkpoint means may not
+    same = _cfg("model.hidden=[64]", "train.epochs=5", "data.prefetch=0")
+    assert plan_run_dir(run, same, resume="auto").action == "resume"
+    with pytest.raises(ConfigError) as err:
+        plan_run_dir(run, _cfg("model.hidden=[32]"), resume="auto")
+    assert "model.hidden: [64] there, [32] now" in str(err.value)
+    with pytest.raises(ConfigError, match="model.name: mlp there, cnn now"):
+        plan_run_dir(run, _cfg("model.name=cnn", "data.task=images"), resume="auto")
+
+
+def test_resume_auto_of_a_run_stopped_before_its_first_checkpoint_restarts(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg(), steps=())
+    plan = plan_run_dir(run, _cfg(), resume="auto")
+    assert plan.action == "fresh" and "without a checkpoint yet" in plan.message
+
+
+def test_resume_auto_without_the_earlier_config_is_refused(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    (run / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match="no config.yaml"):
+        plan_run_dir(run, _cfg(), resume="auto")
+
+
+def test_an_explicit_checkpoint_file_is_the_users_choice(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg("model.hidden=[64]"))
+    plan = plan_run_dir(run, _cfg(), resume=str(run / "checkpoints" / "ckpt-00000010.h5"))
+    assert plan.action == "resume"
+
+
+def test_overwrite_clears_the_earlier_run_but_keeps_the_data_cache(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    plan = plan_run_dir(run, _cfg("model.hidden=[8]"), overwrite=True)
+    assert plan.action == "overwrite"
+    apply_plan(plan)
+    assert not find_previous_run(run).exists
+    assert not list((run / "checkpoints").iterdir())
+    assert (run / "data" / "synthetic.h5").exists()
+    assert plan_run_dir(run, _cfg()).action == "fresh"
+
+
+def test_new_moves_the_earlier_run_aside(tmp_path):
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    plan = plan_run_dir(run, _cfg(), new=True)
+    apply_plan(plan)
+    kept = plan.archive_to
+    assert kept.parent == run / "previous"
+    assert sorted(p.name for p in kept.iterdir()) == [
+        "ckpt-00000010.h5",
+        "ckpt-00000020.h5",
+        "config.yaml",
+        "metrics.jsonl",
+        "tb",
+    ]
+    assert not find_previous_run(run).exists
+
+
+def test_contradictory_flags_are_refused(tmp_path):
+    with pytest.raises(ConfigError, match="contradict"):
+        plan_run_dir(tmp_path, _cfg(), resume="auto", overwrite=True)
+    with pytest.raises(ConfigError, match="contradict"):
+        plan_run_dir(tmp_path, _cfg(), overwrite=True, new=True)
+
+
+def test_a_checkpoint_directory_outside_the_run_directory_is_looked_at(tmp_path):
+    run, ckpts = tmp_path / "run", tmp_path / "scratch" / "ckpts"
+    ckpts.mkdir(parents=True)
+    (ckpts / "ckpt-00000005.h5").write_bytes(b"x")
+    with pytest.raises(ConfigError, match="1 checkpoint"):
+        plan_run_dir(run, _cfg(), checkpoint_dir=ckpts)
+
+
+def test_inferred_data_facts_do_not_count_as_a_difference():
+    written = _cfg()
+    written["data"]["inferred"] = {"classes": 3, "sample_shape": [20]}
+    assert config_differences(written, _cfg()) == []
