@@ -22,6 +22,7 @@ from hpctrain.runtime.launcher import launcher_views
 from hpctrain.slurm import templates
 from hpctrain.slurm.templates import JobSpec, render, sweep_points, template_names
 
+MOE_MODEL = ["model.name=transformer", "data.task=tokens", "model.moe={experts: 8}"]
 TINY = ["--set", "train.epochs=1", "--set", "data.train_samples=1024"]
 TINY += ["--set", "data.val_samples=256", "--set", "metrics.tensorboard=false"]
 
@@ -97,6 +98,8 @@ def test_every_template_renders_to_valid_bash(name, config_file, tmp_path, monke
         sets = []
     spec = JobSpec(name, 2, 4, "1-02:00:00", str(config_file), cpus_per_task=3)
     spec.overrides = sets + ["train.batch_size=16"]
+    if "moe" in meta.get("needs", []):  # a mixture-of-experts model, 8 experts on 8 ranks
+        spec.overrides += MOE_MODEL
     script = tmp_path / f"{name}.sbatch"
     script.write_text(render(spec).text)
     text = script.read_text()
@@ -151,6 +154,157 @@ def test_render_cli_writes_an_executable_script_with_gpus_and_partition(config_f
     assert "# rendered by: hpctrain slurm render train --nodes 2" in text
     printed = hpctrain(*render_args("train", config_file))
     assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash\n")
+
+
+SITE_OPTIONS = [
+    "--account",
+    "proj42",
+    "--qos",
+    "high",
+    "--mem",
+    "64G",
+    "--exclusive",
+    "--constraint",
+    "a100&ib",
+    "--sbatch-line=--mail-type=END",
+    "--sbatch-line",
+    "#SBATCH --mail-user=me@example.org",
+]
+
+
+@pytest.mark.parametrize("name", ["train", "pipeline", "ps", "moe", "sweep"])
+def test_site_options_become_sbatch_directives_in_every_template(name, config_file, tmp_path):
+    sets = {"pipeline": ["strategy=pipeline"], "moe": MOE_MODEL}.get(name, [])
+    args = render_args(name, config_file, *SITE_OPTIONS)
+    for s in sets:
+        args += ["--set", s]
+    out = tmp_path / f"{name}.sbatch"
+    result = hpctrain(*args, "-o", str(out))
+    assert result.returncode == 0, result.stderr
+    text = out.read_text()
+    for directive in (
+        "--account=proj42",
+        "--qos=high",
+        "--mem=64G",
+        "--exclusive",
+        "--constraint=a100&ib",
+        "--mail-type=END",
+        "--mail-user=me@example.org",
+    ):
+        assert f"\n#SBATCH {directive}\n" in text, directive
+    # every directive comes before the first command, or sbatch ignores it
+    first_command = next(
+        i for i, line in enumerate(text.splitlines()[1:], 1) if line and not line.startswith("#")
+    )
+    assert max(i for i, line in enumerate(text.splitlines()) if line.startswith("#SBATCH")) < (
+        first_command
+    )
+    recorded = next(line for line in text.splitlines() if line.startswith("# rendered by:"))
+    assert "--exclusive" in recorded and "--account proj42" in recorded
+    check = subprocess.run(["bash", "-n", str(out)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    if shutil.which("shellcheck"):
+        lint = subprocess.run(["shellcheck", str(out)], capture_output=True, text=True, timeout=60)
+        assert lint.returncode == 0, lint.stdout
+    if name in ("train", "pipeline", "ps"):
+        assert "--mem-per-cpu" not in text  # only what was asked for
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (["--mem", "64GB"], "--mem '64GB': expected a size like 64G"),
+        (["--mem", "8G", "--mem-per-cpu", "2G"], "--mem and --mem-per-cpu exclude each other"),
+        (["--account", "my account"], "--account 'my account'"),
+        (["--constraint", "a100 ib"], "--constraint 'a100 ib'"),
+        (["--sbatch-line=--time=5"], "the template sets --time itself; use --time instead"),
+        (["--sbatch-line", "-N 4"], "the template sets --nodes itself"),
+        (["--sbatch-line=--signal=B:USR1@60"], "the template sets --signal itself"),
+        (["--sbatch-line=mail-type=END"], "expected one sbatch option"),
+    ],
+)
+def test_site_options_are_checked(change, message, config_file):
+    result = hpctrain(*render_args("train", config_file, *change))
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize(
+    "template, sets, nodes, per_node, message",
+    [
+        ("pipeline", ["strategy=pipeline"], 1, 3, "pipeline.stages=2 needs a multiple of 2"),
+        ("pipeline", ["strategy=pipeline", "pipeline.stages=4"], 1, 1, "gives 1"),
+        ("ps", ["ps.servers=2"], 1, 2, "ps.servers=2 leaves no worker"),
+        ("moe", [], 1, 2, "has no model.moe: use the train template"),
+        ("moe", MOE_MODEL[:2] + ["model.moe={experts: 4}"], 1, 3, "cannot be split evenly"),
+        ("train", MOE_MODEL[:2] + ["model.moe={experts: 4}"], 2, 4, "over 8 expert-parallel"),
+        (
+            "train",
+            MOE_MODEL[:2] + ["model.moe={experts: 4}", "parallel.expert=3"],
+            1,
+            4,
+            "parallel.expert=3 does not divide the 4 ranks",
+        ),
+        ("sweep", ["strategy=pipeline"], 1, 4, "sweep point 0 (1 rank(s) on 1 node(s))"),
+    ],
+)
+def test_render_refuses_world_sizes_the_config_cannot_run(
+    template, sets, nodes, per_node, message, config_file
+):
+    args = ["slurm", "render", template, "--nodes", str(nodes), "--ntasks-per-node"]
+    args += [str(per_node), "--time", "10", "--config", str(config_file)]
+    for s in sets:
+        args += ["--set", s]
+    result = hpctrain(*args)
+    assert result.returncode == 2, result.stdout
+    assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("template", ["train", "pipeline", "ps", "moe"])
+@pytest.mark.parametrize(
+    "extra, expected",
+    [
+        ("", ["--resume", "auto"]),
+        ("--verbose", ["--resume", "auto", "--verbose"]),
+        (
+            "--verbose --set train.epochs=3",
+            ["--resume", "auto", "--verbose", "--set", "train.epochs=3"],
+        ),
+        ("--resume runs/x/ckpt.h5", ["--resume", "auto", "--resume", "runs/x/ckpt.h5"]),
+    ],
+)
+def test_templates_keep_resume_auto_whatever_the_extra_arguments(
+    template, extra, expected, config_file, tmp_path
+):
+    """The script's own bash decides the train command line: run it with an `srun` that
+    prints its arguments (argparse takes the last --resume, so FILE still wins)."""
+    sets = {"pipeline": ["strategy=pipeline"], "moe": MOE_MODEL}.get(template, [])
+    args = ["slurm", "render", template, "--nodes", "1", "--ntasks-per-node", "2", "--time", "10"]
+    args += ["--config", str(config_file), "--hpctrain", "hpctrain"]
+    if template == "moe":
+        sets = [*MOE_MODEL[:2], "model.moe={experts: 2}"]
+    for s in sets:
+        args += ["--set", s]
+    script = tmp_path / "job.sbatch"
+    assert hpctrain(*args, "-o", str(script)).returncode == 0
+    shim = tmp_path / "bin"
+    shim.mkdir()
+    (shim / "srun").write_text('#!/bin/bash\nfor a in "$@"; do echo "ARG $a"; done\n')
+    (shim / "srun").chmod(0o755)
+    env = {
+        "PATH": f"{shim}:/usr/bin:/bin",
+        "SLURM_JOB_ID": "77",
+        "SLURM_NTASKS": "2",
+        "SLURM_CPUS_PER_TASK": "1",
+        "HPCTRAIN_EXTRA_ARGS": extra,
+    }
+    run = subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=30
+    )
+    assert run.returncode == 0, run.stderr
+    argv = [line[4:] for line in run.stdout.splitlines() if line.startswith("ARG ")]
+    after_run_dir = argv[argv.index("--run-dir") + 2 :]
+    assert after_run_dir == expected
 
 
 def test_sweep_covers_one_node_then_whole_nodes(config_file):
@@ -419,7 +573,9 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         "--run-root",
         str(runs),
     ]
-    submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
+    # Extra arguments (sbatch passes the environment on) must not drop --resume auto.
+    env = {**slurm.env, "HPCTRAIN_EXTRA_ARGS": "--verbose"}
+    submitted = hpctrain(*args, cwd=tmp_path, env=env)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
     metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"

@@ -43,6 +43,23 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpus-per-task", default="1", metavar="C", help="CPUs per rank (default 1)")
     p.add_argument("--gpus-per-node", metavar="G", help="adds --gres=gpu:G (default: no GPUs)")
     p.add_argument("--partition", metavar="P", help="adds --partition=P (default: site default)")
+    site = p.add_argument_group("site options (each adds its #SBATCH line)")
+    site.add_argument("--account", "-A", metavar="ACCOUNT", help="charge the job to ACCOUNT")
+    site.add_argument("--qos", metavar="QOS", help="quality of service")
+    site.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G (0: all)")
+    site.add_argument("--mem-per-cpu", metavar="SIZE", help="memory per CPU, e.g. 4G")
+    site.add_argument("--exclusive", action="store_true", help="whole nodes, not shared")
+    site.add_argument(
+        "--constraint", "-C", metavar="FEATURES", help="node features, e.g. 'a100&ib'"
+    )
+    site.add_argument(
+        "--sbatch-line",
+        dest="sbatch_lines",
+        action="append",
+        default=[],
+        metavar="OPTION",
+        help="any other sbatch option, e.g. --sbatch-line=--mail-type=END (repeatable)",
+    )
     p.add_argument(
         "--mpi",
         default="pmix",
@@ -127,6 +144,13 @@ def _spec(args) -> JobSpec:
         results_dir=args.results_dir,
         hpctrain=args.hpctrain,
         command=_command_line(args),
+        account=args.account,
+        qos=args.qos,
+        mem=args.mem,
+        mem_per_cpu=args.mem_per_cpu,
+        exclusive=args.exclusive,
+        constraint=args.constraint,
+        sbatch_lines=args.sbatch_lines,
     )
 
 
@@ -139,6 +163,11 @@ def _command_line(args) -> str:
         "cpus_per_task",
         "gpus_per_node",
         "partition",
+        "account",
+        "qos",
+        "mem",
+        "mem_per_cpu",
+        "constraint",
         "time",
         "mpi",
         "config",
@@ -150,6 +179,10 @@ def _command_line(args) -> str:
         value = getattr(args, option)
         if value is not None:
             words += [f"--{option.replace('_', '-')}", str(value)]
+    if args.exclusive:
+        words.append("--exclusive")
+    for line in args.sbatch_lines:
+        words.append(f"--sbatch-line={line}")
     for override in args.overrides:
         words += ["--set", override]
     return shlex.join(words)

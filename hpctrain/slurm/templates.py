@@ -6,7 +6,9 @@ costs nothing. Templates are plain bash with `{{name}}` placeholders:
 - `{{name}}` is replaced by its value (already shell-quoted where it sits in a command);
   an unknown name is an error, so a typo in a custom template is caught at once.
 - A line holding a placeholder whose optional value was not given (`gpus_per_node`,
-  `partition`) is dropped, e.g. `#SBATCH --gres=gpu:{{gpus_per_node}}` without GPUs.
+  `partition`, `account`, `qos`, `mem`, `mem_per_cpu`, `constraint`, `exclusive`,
+  `sbatch_lines`) is dropped, e.g. `#SBATCH --gres=gpu:{{gpus_per_node}}` without GPUs.
+  `{{sbatch_lines}}` stands for the free `--sbatch-line` directives, one line each.
 - `# hpctrain-template: strategy=NAME` makes the config's `strategy` mandatory and
   `# hpctrain-template: set=KEY=VALUE` adds an override the script itself passes, so
   that the config is validated exactly as the job will load it.
@@ -36,6 +38,29 @@ _META = re.compile(r"^#\s*hpctrain-template:\s*([\w-]+)=(\S+)\s*$", re.M)
 _TIME_HMS = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
+_MEMORY = re.compile(r"^\d+[KMGT]?$")
+_CONSTRAINT = re.compile(r"^[A-Za-z0-9_.:*&|,\[\]()!-]+$")
+# Directives the template writes itself: an --sbatch-line must not set them twice.
+MANAGED = {
+    "--job-name": "--job-name",
+    "--nodes": "--nodes",
+    "--ntasks-per-node": "--ntasks-per-node",
+    "--cpus-per-task": "--cpus-per-task",
+    "--time": "--time",
+    "--partition": "--partition",
+    "--gres": "--gpus-per-node",
+    "--account": "--account",
+    "--qos": "--qos",
+    "--mem": "--mem",
+    "--mem-per-cpu": "--mem-per-cpu",
+    "--constraint": "--constraint",
+    "--exclusive": "--exclusive",
+    "--output": "--log-dir",
+    "--error": "--log-dir",
+    "--signal": "nothing (hpctrain checkpoints on SIGUSR1 90 s before the limit)",
+    "--requeue": "nothing (the templates requeue)",
+    "--array": "nothing (the sweep template sets it)",
+}
 
 
 def template_names() -> list[str]:
@@ -154,6 +179,13 @@ class JobSpec:
     results_dir: str = "benchmarks/results"
     hpctrain: str | None = None
     command: str = "hpctrain slurm render"
+    account: str | None = None
+    qos: str | None = None
+    mem: str | None = None
+    mem_per_cpu: str | None = None
+    exclusive: bool = False
+    constraint: str | None = None
+    sbatch_lines: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -166,8 +198,10 @@ class Rendered:
     warnings: list[str] = field(default_factory=list)
 
 
-def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str) -> Path:
+def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str):
+    """(resolved config path, loaded Config); ConfigError when the template cannot run it."""
     from ..config import Config
+    from ..models.zoo import has_moe
 
     path = Path(spec.config).expanduser()
     if not path.is_file():
@@ -179,7 +213,72 @@ def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str) -> P
                 f"template {template} runs strategy {wanted!r} but the config has "
                 f"strategy {cfg['strategy']!r} (set `strategy: {wanted}` in {path})"
             )
-    return path.resolve()
+    if "moe" in meta.get("needs", []) and not has_moe(cfg.model):
+        raise ConfigError(
+            f"template {template} trains mixture-of-experts models, but the config's model "
+            f"{cfg.model['name']} has no model.moe: use the train template, or set model.moe "
+            "in a transformer config"
+        )
+    return path.resolve(), cfg
+
+
+def _check_world_size(cfg, nodes: int, per_node: int, sweep: list | None) -> None:
+    """ConfigError when the ranks asked for (each sweep point's, for sweeps) do not fit."""
+    from .fit import world_size_problems
+
+    if sweep is None:
+        asked = [(nodes * per_node, f"--nodes {nodes} x --ntasks-per-node {per_node}")]
+    else:
+        asked = [
+            (r, f"sweep point {i} ({r} rank(s) on {n} node(s))") for i, (n, r) in enumerate(sweep)
+        ]
+    problems = [p for ranks, where in asked for p in world_size_problems(cfg, ranks, where)]
+    if problems:
+        raise ConfigError("; ".join(problems))
+
+
+def _optional(option: str, value: str | None, pattern: re.Pattern, example: str) -> str | None:
+    if value is None:
+        return None
+    value = str(value).strip()
+    if not pattern.match(value):
+        raise ConfigError(f"{option} {value!r}: expected {example}")
+    return value
+
+
+def sbatch_directives(lines: list[str]) -> str | None:
+    """`--sbatch-line` values as `#SBATCH ...` lines; refuses ones the template sets."""
+    out = []
+    for raw in lines:
+        text = raw.strip()
+        if text.startswith("#SBATCH"):
+            text = text[len("#SBATCH") :].strip()
+        if not text.startswith("-") or "\n" in raw or not text:
+            raise ConfigError(
+                f"--sbatch-line {raw!r}: expected one sbatch option, e.g. "
+                "--sbatch-line=--mail-type=END"
+            )
+        option = text.split("=", 1)[0].split()[0]
+        long = {
+            "-A": "--account",
+            "-N": "--nodes",
+            "-t": "--time",
+            "-p": "--partition",
+            "-J": "--job-name",
+            "-o": "--output",
+            "-e": "--error",
+            "-c": "--cpus-per-task",
+            "-C": "--constraint",
+            "-q": "--qos",
+            "-a": "--array",
+        }.get(option, option)
+        if long in MANAGED:
+            raise ConfigError(
+                f"--sbatch-line {raw!r}: the template sets {long} itself; use "
+                f"{MANAGED[long]} instead"
+            )
+        out.append(f"#SBATCH {text}")
+    return "\n".join(out) if out else None
 
 
 def render(spec: JobSpec) -> Rendered:
@@ -205,12 +304,23 @@ def render(spec: JobSpec) -> Rendered:
         raise ConfigError(f"--job-name {job_name!r}: use letters, digits and _.+- only")
     if not spec.log_dir or re.search(r"[\s%]", spec.log_dir):
         raise ConfigError(f"--log-dir {spec.log_dir!r}: must be non-empty, without spaces or %")
+    account = _optional("--account", spec.account, _NAME, "an account name like 'proj123'")
+    qos = _optional("--qos", spec.qos, _NAME, "a QOS name like 'normal'")
+    mem = _optional("--mem", spec.mem, _MEMORY, "a size like 64G, 4000M or 0 (all)")
+    mem_per_cpu = _optional("--mem-per-cpu", spec.mem_per_cpu, _MEMORY, "a size like 4G or 2000M")
+    if mem is not None and mem_per_cpu is not None:
+        raise ConfigError("--mem and --mem-per-cpu exclude each other (sbatch takes one)")
+    constraint = _optional(
+        "--constraint", spec.constraint, _CONSTRAINT, "node features like 'haswell' or 'a100&ib'"
+    )
+    extra_lines = sbatch_directives(spec.sbatch_lines)
     meta = template_meta(text)
-    config = _check_config(spec, meta, template.name)
+    config, cfg = _check_config(spec, meta, template.name)
+    points = sweep_points(nodes, per_node)
+    _check_world_size(cfg, nodes, per_node, points if "sweep" in meta.get("needs", []) else None)
     config_args = ["--config", str(config)]
     for override in spec.overrides:
         config_args += ["--set", override]
-    points = sweep_points(nodes, per_node)
     values: dict[str, str | None] = {
         "generated": f"rendered by: {spec.command}",
         "job_name": job_name,
@@ -219,6 +329,13 @@ def render(spec: JobSpec) -> Rendered:
         "cpus_per_task": str(cpus),
         "gpus_per_node": None if gpus is None else str(gpus),
         "partition": spec.partition,
+        "account": account,
+        "qos": qos,
+        "mem": mem,
+        "mem_per_cpu": mem_per_cpu,
+        "constraint": constraint,
+        "exclusive": "" if spec.exclusive else None,
+        "sbatch_lines": extra_lines,
         "time": spec.time.strip(),
         "mpi": spec.mpi,
         "log_dir": spec.log_dir.rstrip("/") or "/",
