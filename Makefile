@@ -9,7 +9,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 MPI_TEST_TIMEOUT ?= 1200
 MPIRUN_KILL := timeout --signal=TERM --kill-after=15
 
-.PHONY: install test test-unit test-mpi demo demo-tf lint format bench bench-quick clean
+.PHONY: install test test-unit test-mpi demo demo-tf lint format bench bench-quick docs clean
 
 install:
 	@bash tools/install.sh
@@ -54,6 +54,12 @@ lint: install
 format:
 	$(VENV)/bin/ruff format .
 	$(VENV)/bin/ruff check --fix .
+
+## The documentation site (docs/ -> site/): the configuration-key page is regenerated
+## from the schema first, and any MkDocs warning (broken link or anchor) fails the build.
+docs: install
+	$(PY) tools/gen_config_docs.py
+	$(VENV)/bin/mkdocs build --strict
 
 clean:
 	rm -rf runs build *.egg-info .pytest_cache .ruff_cache
