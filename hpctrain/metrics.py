@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 import time
 import types
@@ -88,18 +89,67 @@ class MetricsWriter:
             self._tb = None
 
 
+LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "horovodrun")
+ANCESTORS_CHECKED = 4  # rank -> (orted/prted) -> mpirun -> shell
+
+
+def _fd2_is_terminal(pid: int) -> bool:
+    try:
+        target = os.readlink(f"/proc/{pid}/fd/2")
+    except OSError:
+        return False
+    return target.startswith(("/dev/pts/", "/dev/tty", "/dev/console"))
+
+
+def _parent_and_name(pid: int) -> tuple[int, str]:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            stat = f.read()
+    except OSError:
+        return 0, ""
+    name = stat[stat.index("(") + 1 : stat.rindex(")")]
+    return int(stat[stat.rindex(")") + 2 :].split()[1]), name
+
+
+def stderr_is_terminal(env=None) -> bool:
+    """True when this rank's stderr ends on a terminal, under mpirun too.
+
+    mpirun hands its ranks pipes, not its terminal, so `isatty()` is false on every
+    rank even when the user watches mpirun in a terminal. Then the launcher's own
+    stderr decides: the nearest mpirun/mpiexec among this process's few ancestors
+    (Linux /proc; on rank 0, which mpirun starts on its own node). A job whose output
+    goes to a file (sbatch, `> log`) gets no bar. HPCTRAIN_PROGRESS=1/0 forces it.
+    """
+    env = os.environ if env is None else env
+    forced = env.get("HPCTRAIN_PROGRESS", "")
+    if forced in ("0", "1"):
+        return forced == "1"
+    if sys.stderr.isatty():
+        return True
+    pid = os.getppid()
+    for _ in range(ANCESTORS_CHECKED):
+        parent, name = _parent_and_name(pid)
+        if name in LAUNCHERS:
+            return _fd2_is_terminal(pid)
+        if parent <= 1:
+            break
+        pid = parent
+    return False
+
+
 class Progress:
-    """A tqdm bar on rank 0 when stderr is a terminal; periodic log lines otherwise."""
+    """A tqdm bar on rank 0 when its output reaches a terminal; periodic log lines otherwise."""
 
     def __init__(self, enabled: bool, total: int, log, log_every: int, bar: bool = True):
         self.enabled = enabled
         self.log = log
         self.log_every = log_every
         self._bar = None
-        if enabled and bar and sys.stderr.isatty():
+        if enabled and bar and stderr_is_terminal():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, unit="step", dynamic_ncols=True)
+            # Under mpirun stderr is a pipe with no size: a fixed width, not dynamic.
+            self._bar = tqdm(total=total, unit="step", ncols=100, file=sys.stderr)
 
     def update(self, step: int, text: str):
         if not self.enabled:

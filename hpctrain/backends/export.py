@@ -1,10 +1,21 @@
 """Framework-native weight files for users leaving hpctrain (`hpctrain ckpt export`).
 
-- torch: `torch.save` of an OrderedDict {canonical name: tensor}, i.e. a state_dict in
-  torch's layouts, loadable with `torch.load(path, weights_only=True)`.
-- keras: an HDF5 file with one dataset per canonical weight converted to Keras layouts
-  (dense kernel [in, out], conv kernel [kh, kw, in, out]) and a `keras_layers`
-  attribute listing, per layer, the datasets in `layer.set_weights` order.
+A checkpoint's weights come in one of two layouts, told apart by the run's config:
+- torch layout, names `<layer>.<param>`: every zoo model (both backends keep the
+  canonical torch layout) and a user's torch nn.Module;
+- Keras layout, names `<layer>/<weight>` (Keras variable paths): a user's Keras model.
+
+Exports:
+- torch: `torch.save` of an OrderedDict {name: tensor} in torch layouts, loadable with
+  `torch.load(path, weights_only=True)` into the model's state_dict. Keras-layout
+  weights are converted (kernel [in, out] -> weight [out, in], conv kernel
+  [kh, kw, in, out] -> [out, in, kh, kw], gamma/beta/moving_* -> weight/bias/running_*,
+  `a/b/kernel` -> `a.b.weight`), so a torch module with the same layer names loads them.
+- keras: an HDF5 file with one dataset per weight in Keras layouts and a `keras_layers`
+  attribute mapping each layer (its path; nested layers joined by '/') to its
+  datasets in `layer.set_weights` order. Torch-layout weights are converted
+  (dense [out, in] -> kernel [in, out], conv [out, in, kh, kw] -> [kh, kw, in, out]);
+  Keras-layout weights are written as they are.
 
 Only model weights are exported (no optimizer state, no trainer state). torch is
 imported inside the function that needs it; the Keras file needs only h5py.
@@ -36,10 +47,59 @@ def _atomic_target(out: Path):
     return out.with_name(f".{out.name}.tmp-{os.getpid()}")
 
 
-def write_torch(weights: dict[str, np.ndarray], out: str | Path) -> Path:
-    """A torch state_dict file of `weights` (canonical names, torch layouts)."""
+def source_layout(weights: dict[str, np.ndarray], config_yaml: str | None) -> str:
+    """'keras' for a user's Keras model (TF backend, not a zoo model), else 'torch'."""
+    from ..models import zoo
+
+    try:
+        cfg = yaml.safe_load(config_yaml or "") or {}
+    except yaml.YAMLError:
+        cfg = {}
+    name = (cfg.get("model") or {}).get("name") if isinstance(cfg, dict) else None
+    if isinstance(name, str) and cfg.get("backend"):
+        user_keras = cfg["backend"] == "tensorflow" and not zoo.is_zoo_model(name)
+        return "keras" if user_keras else "torch"
+    return "keras" if any("/" in k for k in weights) else "torch"
+
+
+# Keras weight name -> torch parameter name, for Keras-layout weights exported to torch
+_TORCH_LEAF = {
+    "kernel": "weight",
+    "embeddings": "weight",
+    "gamma": "weight",
+    "beta": "bias",
+    "bias": "bias",
+    "moving_mean": "running_mean",
+    "moving_variance": "running_var",
+}
+
+
+def torch_from_keras(weights: dict[str, np.ndarray]) -> OrderedDict[str, np.ndarray]:
+    """Keras-layout weights as a torch state_dict: `dense1/kernel` [in, out] ->
+    `dense1.weight` [out, in], conv kernels [kh, kw, in, out] -> [out, in, kh, kw]."""
+    out: OrderedDict[str, np.ndarray] = OrderedDict()
+    for name, arr in weights.items():
+        layer, _, leaf = name.rpartition("/")
+        arr = np.asarray(arr)
+        if leaf == "kernel" and arr.ndim == 2:
+            arr = arr.T
+        elif leaf == "kernel" and arr.ndim == 4:
+            arr = arr.transpose(3, 2, 0, 1)
+        torch_name = f"{layer.replace('/', '.')}.{_TORCH_LEAF.get(leaf, leaf)}" if layer else leaf
+        if torch_name in out:
+            raise ValueError(f"two Keras weights map to torch name {torch_name!r}")
+        out[torch_name] = np.ascontiguousarray(arr)
+    return out
+
+
+def write_torch(
+    weights: dict[str, np.ndarray], out: str | Path, config_yaml: str | None = None
+) -> Path:
+    """A torch state_dict file of `weights` (torch names and layouts)."""
     import torch
 
+    if source_layout(weights, config_yaml) == "keras":
+        weights = torch_from_keras(weights)
     out = Path(out)
     tmp = _atomic_target(out)
     state = OrderedDict((k, torch.from_numpy(np.array(v, copy=True))) for k, v in weights.items())
@@ -131,6 +191,22 @@ def keras_weights(
     return converted, layers
 
 
+def keras_native_weights(
+    weights: dict[str, np.ndarray],
+) -> tuple[OrderedDict[str, tuple[str, np.ndarray, str]], dict[str, list[str]]]:
+    """Weights already in Keras layout (a user's Keras model): kept as they are, grouped
+    by layer path (`block/dense1/kernel` -> layer `block/dense1`), set_weights order."""
+    converted: OrderedDict[str, tuple[str, np.ndarray, str]] = OrderedDict()
+    layers: dict[str, list[str]] = {}
+    for name, arr in weights.items():
+        layer, _, leaf = name.rpartition("/")
+        converted[name] = (leaf, np.asarray(arr), "unchanged (Keras layout)")
+        layers.setdefault(layer or name, []).append(name)
+    for names in layers.values():
+        names.sort(key=lambda n: _ROLE_ORDER.get(converted[n][0], 9))
+    return converted, layers
+
+
 def write_keras(
     weights: dict[str, np.ndarray],
     out: str | Path,
@@ -140,19 +216,25 @@ def write_keras(
 ) -> Path:
     """One HDF5 dataset per weight in Keras layout, plus the per-layer set_weights lists."""
     out = Path(out)
-    embeddings = embedding_names(weights, config_yaml, list(keep_layout))
-    converted, layers = keras_weights(weights, embeddings)
+    layout = source_layout(weights, config_yaml)
+    if layout == "keras":
+        converted, layers = keras_native_weights(weights)
+    else:
+        embeddings = embedding_names(weights, config_yaml, list(keep_layout))
+        converted, layers = keras_weights(weights, embeddings)
     tmp = _atomic_target(out)
     try:
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = KERAS_FORMAT
             f.attrs["source"] = source
             f.attrs["keras_layers"] = json.dumps(layers)
+            f.attrs["source_layout"] = layout
             for name, (role, value, how) in converted.items():
                 ds = f.create_dataset(name, data=value)
                 ds.attrs["keras_role"] = role
                 ds.attrs["conversion"] = how
-                ds.attrs["torch_shape"] = np.array(np.shape(weights[name]), dtype=np.int64)
+                if layout == "torch":
+                    ds.attrs["torch_shape"] = np.array(np.shape(weights[name]), dtype=np.int64)
         os.replace(tmp, out)
     finally:
         with contextlib.suppress(FileNotFoundError):

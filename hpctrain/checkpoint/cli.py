@@ -12,12 +12,17 @@ from ..errors import CheckpointError, rank_ranges
 from . import reader
 
 EXPORT_HELP = """\
-torch: a torch.save() file of an OrderedDict {canonical name: tensor} (the model's
-       state_dict in torch layouts); load with torch.load(OUT, weights_only=True).
+torch: a torch.save() file of an OrderedDict {name: tensor} (the model's state_dict in
+       torch layouts); load with torch.load(OUT, weights_only=True). A user's Keras
+       model is converted (dense1/kernel [in, out] -> dense1.weight [out, in]).
 keras: an HDF5 file, one dataset per weight in Keras layouts (dense kernel [in, out],
        conv kernel [kh, kw, in, out]); its attribute keras_layers lists, per layer,
-       the datasets in layer.set_weights() order.
-Only model weights are exported: no optimizer, trainer or random state."""
+       the datasets in layer.set_weights() order. A user's Keras model is written as
+       it is, keyed by its layers' names:
+         for layer, names in json.loads(f.attrs["keras_layers"]).items():
+             model.get_layer(layer).set_weights([f[n][()] for n in names])
+Only model weights are exported: no optimizer, trainer or random state.
+Recipes and nested layers: docs/bring-your-own.md."""
 
 
 def register(subparsers) -> dict:
@@ -137,7 +142,7 @@ def _export(args) -> int:
     if not weights:
         raise CheckpointError(f"{ck.path}: holds no model weights to export")
     if args.to == "torch":
-        out = export.write_torch(weights, args.out)
+        out = export.write_torch(weights, args.out, ck.config_yaml)
         what = f"torch state_dict of {len(weights)} tensors"
     else:
         out = export.write_keras(

@@ -1,12 +1,18 @@
-"""Fail together: an error on any rank ends the whole job within seconds.
+"""Fail together, and say why once: an error on any rank ends the whole job within seconds.
 
-Unexpected exceptions (bugs, crashes inside a framework) on one rank would otherwise
-leave every other rank blocked forever in its next collective. `run_fail_together`
-prints the failing rank's traceback once, then calls MPI_Abort, which mpirun/srun turn
-into the termination of every rank with a non-zero exit code.
+- A user error (HpctrainError) every rank has agreed on (World.agree) is printed once,
+  by rank 0 (the agreed message names the ranks it concerns), and every rank exits
+  with status 2 by itself: no MPI_Abort, so no Open MPI abort banner and no copy per
+  rank. The traceback is shown only with --verbose.
+- A user error only one rank knows about must not leave the others waiting in their
+  next collective: that rank prints its one line and calls MPI_Abort.
+- Anything else is a bug or a crash inside a framework: the failing rank prints its
+  traceback once, then MPI_Abort ends every rank with a non-zero exit code.
+- Ctrl-C outside training (where runtime.preemption turns it into a checkpoint and a
+  clean stop) ends the job with status 130, after one line.
 
-User errors (HpctrainError) that every rank has agreed on (see World.agree) are not
-aborts: each rank prints the one-line message and exits with status 2 by itself.
+At 1,024 or 4,096 ranks an agreed error still prints one message (rank 0's), and
+costs the agreement that found it (one allreduce of a flag, then an allgather).
 """
 
 from __future__ import annotations
@@ -16,9 +22,11 @@ import threading
 import traceback
 
 from ..errors import HpctrainError
+from .logs import is_verbose, set_verbose
 from .world import world_if_started
 
 EXIT_USER_ERROR = 2
+EXIT_INTERRUPTED = 130
 
 
 def _rank_tag() -> str:
@@ -43,23 +51,37 @@ def _thread_excepthook(args: threading.ExceptHookArgs) -> None:
     _abort_with(f"uncaught exception in thread {args.thread.name if args.thread else '?'}:\n{text}")
 
 
+def _traceback_of(exc: BaseException) -> str:
+    return "".join(traceback.format_exception(type(exc), exc, exc.__traceback__)).rstrip()
+
+
+def user_error_text(exc: HpctrainError, verbose: bool) -> str:
+    """The one line (plus the traceback under --verbose) a user error prints."""
+    text = f"error: {exc}"
+    return f"{text}\n{_traceback_of(exc)}" if verbose else text
+
+
 def run_fail_together(fn, *args, **kwargs) -> int:
     """Run `fn`; agreed user errors exit 2 on each rank, anything else aborts the job."""
     threading.excepthook = _thread_excepthook
+    if args and getattr(args[0], "verbose", False):  # the CLI's parsed arguments
+        set_verbose(True)
     try:
         result = fn(*args, **kwargs)
         return 0 if result is None else int(result)
     except HpctrainError as exc:
         w = world_if_started()
+        text = user_error_text(exc, is_verbose())
         if w is not None and w.size > 1 and not exc.agreed:
             # Only this rank knows about the problem: the others must not wait for it.
-            w.abort(f"error: {exc}", EXIT_USER_ERROR)
+            w.abort(text, EXIT_USER_ERROR)
         sys.stdout.flush()
-        sys.stderr.write(f"{_rank_tag()} error: {exc}\n")
-        sys.stderr.flush()
+        if w is None or w.rank == 0 or is_verbose():
+            sys.stderr.write(f"{_rank_tag()} {text}\n")
+            sys.stderr.flush()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
-        _abort_with("interrupted", 130)
+        _abort_with("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - any crash must end every rank

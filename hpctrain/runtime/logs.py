@@ -1,9 +1,14 @@
-"""Rank-prefixed logging: every line says which rank wrote it."""
+"""Rank-prefixed logging: every line says which rank wrote it.
+
+`--verbose` also decides whether a user error shows its traceback (runtime.failfast).
+"""
 
 from __future__ import annotations
 
 import logging
 import sys
+
+_verbose = False
 
 
 class _RankFormatter(logging.Formatter):
@@ -16,8 +21,19 @@ class _RankFormatter(logging.Formatter):
         return super().format(record)
 
 
+def set_verbose(verbose: bool) -> None:
+    global _verbose
+    _verbose = bool(verbose)
+
+
+def is_verbose() -> bool:
+    """True under --verbose: every rank logs, and user errors show their traceback."""
+    return _verbose
+
+
 def setup_logging(rank: int, size: int, verbose: bool = False) -> logging.Logger:
     """Configure the 'hpctrain' logger: rank 0 at INFO, other ranks at WARNING unless verbose."""
+    set_verbose(verbose or _verbose)
     logger = logging.getLogger("hpctrain")
     logger.handlers.clear()
     handler = logging.StreamHandler(sys.stderr)

@@ -8,6 +8,10 @@ per-step allreduce (so every rank stops at the same step), checkpoints, and then
 0 calls `requeue()`: `scontrol requeue` puts the job back in the queue under the same
 id, and the new run resumes from the checkpoint in the same run directory.
 
+Ctrl-C (SIGINT) is handled the same way, with or without mpirun: the first one asks for
+a checkpoint at the next step and a clean stop (never a requeue: the user asked to
+stop); a second Ctrl-C ends the process at once, as Python's default does.
+
 Nothing here imports MPI or a framework.
 """
 
@@ -19,7 +23,7 @@ import subprocess
 import sys
 import time
 
-DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM)
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
 DEFAULT_MAX_REQUEUES = 10  # HPCTRAIN_MAX_REQUEUES overrides; a loop of failures stops here
 SCONTROL_TIMEOUT_S = 30
 
@@ -73,6 +77,8 @@ class Preemption:
         if self._signum is None:
             self._signum = signum
             self._received_at = time.monotonic()
+        if signum == signal.SIGINT:  # a second Ctrl-C interrupts at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
     def install(self) -> Preemption:
         """Install the handlers (main thread only); returns self."""
@@ -119,6 +125,8 @@ class Preemption:
 
     def requeue_blocker(self) -> str | None:
         """Why this job must not be requeued (None when it may be)."""
+        if self._signum == signal.SIGINT:
+            return "stopped by Ctrl-C (SIGINT); continue later with --resume auto"
         if not self.env.get("SLURM_JOB_ID"):
             return "not running under SLURM (SLURM_JOB_ID is not set)"
         restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)
