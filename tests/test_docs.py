@@ -153,3 +153,16 @@ def test_the_site_builds_without_warnings(tmp_path):
     )
     assert job.returncode == 0, job.stderr
     assert (tmp_path / "site" / "reference" / "configuration" / "index.html").exists()
+
+
+def test_benchmark_figures_name_a_report_that_exists():
+    text = " ".join((DOCS / "benchmarks.md").read_text().split())
+    reference = ROOT / "benchmarks" / "reference"
+    committed = sorted(p.parent.name for p in reference.glob("*/results.json"))
+    for name in re.findall(r"benchmarks/reference/([0-9TZ]+)", text):
+        assert (reference / name / "results.json").exists(), name
+    if committed:  # the committed reference report replaces the session-2 figures
+        assert committed[-1] in text, f"docs/benchmarks.md does not quote {committed[-1]}"
+        assert "not in the repository" not in text
+    else:
+        assert "20261121T022316Z (not in the repository)" in text
