@@ -12,7 +12,6 @@ starts Horovod.
 
 from __future__ import annotations
 
-import importlib
 import os
 import random
 import time
@@ -200,20 +199,9 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int):
         layers = zoo.build_layers(model_cfg, inp)
         # Initial values of all experts, then only this rank's experts (MoE).
         return ZooNet(local_layers(layers, seed), zoo.init_weights(layers, seed))
-    import keras
+    from .tensorflow_user import build_user_model  # import, call, one checked forward pass
 
-    module_name, fn_name = name.split(":", 1)
-    keras.utils.set_random_seed(seed)
-    model = getattr(importlib.import_module(module_name), fn_name)(
-        **{k: v for k, v in model_cfg.items() if k != "name"}
-    )
-    if not isinstance(model, keras.Model):
-        raise TypeError(
-            f"model.name {name}: returned {type(model).__name__}, not a keras.Model "
-            "(backend: tensorflow)"
-        )
-    model(np.zeros((1, *inp.shape), dtype=np.int64 if inp.tokens else np.float32))
-    return _KerasNet(model)
+    return build_user_model(model_cfg, inp, seed)
 
 
 # --- torch's optimizer update rules in tf ops -------------------------------------------

@@ -10,7 +10,6 @@ The `mpi` engine (see `gradient_engine`) instead sums one flat gradient buffer w
 
 from __future__ import annotations
 
-import importlib
 import random
 import time
 from collections import OrderedDict
@@ -175,16 +174,9 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
             for key, tensor in model.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(weights[key]))
         return model
-    module_name, fn_name = name.split(":", 1)
-    torch.manual_seed(seed)
-    builder = getattr(importlib.import_module(module_name), fn_name)
-    model = builder(**{k: v for k, v in model_cfg.items() if k != "name"})
-    if not isinstance(model, nn.Module):
-        raise TypeError(
-            f"model.name {name}: returned {type(model).__name__}, not a torch "
-            "nn.Module (backend: torch)"
-        )
-    return model
+    from .torch_user import build_user_model  # import, call, one checked forward pass
+
+    return build_user_model(model_cfg, inp, seed)
 
 
 def export_optimizer_state(optimizer, named_params, kind: str) -> dict[str, np.ndarray]:

@@ -91,8 +91,11 @@ def validate_model_options(model_cfg: dict) -> list[str]:
         if key == "name":
             continue
         if key not in known:
+            owners = [m for m, opts in MODEL_OPTIONS.items() if key in opts and m != name]
+            hint = f"; it is an option of {' and '.join(owners)}: remove it" if owners else ""
             problems.append(
-                f"model.{key}: unknown option for {name} (known: {', '.join(sorted(known))})"
+                f"model.{key}: not an option of {name} (its options: "
+                f"{', '.join(sorted(known))}){hint}"
             )
             continue
         default = known[key]
