@@ -38,10 +38,13 @@ class KerasUserNet:
     def __init__(self, model, channels_last: bool):
         self.model = model
         self.channels_last = channels_last
-        self.vars = OrderedDict((variable_key(model, v.path), v) for v in model.trainable_variables)
-        self.buffers = OrderedDict(
-            (variable_key(model, v.path), v) for v in model.non_trainable_variables
-        )
+        self.index_variables()
+
+    def index_variables(self) -> None:
+        """(Re)read the model's variables; a model built lazily has them after a call."""
+        m = self.model
+        self.vars = OrderedDict((variable_key(m, v.path), v) for v in m.trainable_variables)
+        self.buffers = OrderedDict((variable_key(m, v.path), v) for v in m.non_trainable_variables)
 
     def __call__(self, x, training=False):
         if self.channels_last:
