@@ -25,7 +25,6 @@ from ..backends.gradient_engine import choose as choose_engine
 from ..backends.horovod_env import apply_horovod_env
 from ..data import iterate_val
 from ..data.sharded import val_block
-from ..errors import ConfigError
 from ..models import zoo
 from ..pipeline.engine import run_inference, run_step
 from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
@@ -51,8 +50,14 @@ def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
     return layers
 
 
-def config_problem(cfg) -> str | None:
+def config_problem(cfg, world_size: int) -> str | None:
     """What the pipeline refuses before any work (every rank sees the same config)."""
+    stages = cfg.pipeline["stages"]
+    if world_size % stages:
+        return (
+            f"world size {world_size} is not divisible by pipeline.stages={stages}: "
+            f"launch a multiple of {stages} ranks (stages x data-parallel replicas)"
+        )
     if cfg.train["grad_accum"] != 1:
         return (
             "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
@@ -73,7 +78,7 @@ class Pipeline(StrategyBase):
         w = world
         pcfg = cfg.pipeline
         self.stages, self.micro = pcfg["stages"], pcfg["microbatches"]
-        w.agree(config_problem(cfg), error_type=ConfigError)
+        w.agree(config_problem(cfg, w.size))
         self.grid = g = ProcessGrid(w, pipe=self.stages)
         self.dataset, self.data, inp = self.build_data(
             g.replica, g.num_replicas, self.micro, prefetch=g.first or g.last
