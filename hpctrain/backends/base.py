@@ -128,6 +128,15 @@ class BackendBase:
             raise ValueError("weights do not match the model: " + "; ".join(parts))
 
 
+def model_part(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """The `model/<name>` entries of a canonical state, without the prefix."""
+    return {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
+
+
+def with_model_prefix(weights: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {f"model/{k}": v for k, v in weights.items()}
+
+
 def cross_entropy_np(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     """Per-sample cross entropy in float64 numpy (reference for tests)."""
     logits = logits.reshape(-1, logits.shape[-1]).astype(np.float64)

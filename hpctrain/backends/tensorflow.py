@@ -25,7 +25,14 @@ import tensorflow as tf  # noqa: E402
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, tensorflow_moe
-from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
+from .base import (
+    OPTIMIZER_SLOTS,
+    BackendBase,
+    EvalStats,
+    StepStats,
+    model_part,
+    with_model_prefix,
+)
 
 
 def probe() -> dict:
@@ -54,6 +61,47 @@ def configure_threads(threads: int, deterministic: bool) -> None:
         pass  # the runtime is already up (a second backend in one process)
     if deterministic:
         tf.config.experimental.enable_op_determinism()
+
+
+def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
+    """Threads, deterministic kernels and every random stream of this rank's process."""
+    configure_threads(threads, deterministic)
+    tf.random.set_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+def eval_sums(net, x, y):
+    """Summed loss and correct predictions of one batch (traced by tf.function)."""
+    logits = net(x, training=False)
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+    correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
+    return tf.reduce_sum(losses), correct
+
+
+def evaluate_with(eval_fn, x, y) -> EvalStats:
+    loss, correct = eval_fn(tf.constant(x), tf.constant(y))
+    return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+
+
+def rng_state() -> dict[str, np.ndarray]:
+    return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
+
+
+def set_rng_state(state: dict[str, np.ndarray]) -> None:
+    pass
+
+
+def net_weights(net) -> OrderedDict[str, np.ndarray]:
+    """A ZooNet's parameters and buffers under canonical names."""
+    out = OrderedDict((k, v.numpy().copy()) for k, v in net.vars.items())
+    out.update((k, v.numpy().copy()) for k, v in net.buffers.items())
+    return out
+
+
+def assign_weights(net, weights: dict[str, np.ndarray]) -> None:
+    for k, v in list(net.vars.items()) + list(net.buffers.items()):
+        v.assign(np.asarray(weights[k], dtype=np.float32))
 
 
 # --- the zoo's layer kinds, interpreted with tf ops ---------------------------------
@@ -299,12 +347,9 @@ class TensorFlowBackend(BackendBase):
         local = world.local_size if world is not None else 1
         self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
-        configure_threads(threads, cfg.train["deterministic"])
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
-        tf.random.set_seed(seed + rank)
-        np.random.seed((seed + rank) % 2**32)
-        random.seed(seed + rank)
+        prepare_process(threads, cfg.train["deterministic"], seed + rank)
         self.hvd = self.compression = None
         if self.engine == "horovod":
             import horovod.tensorflow as hvd
@@ -323,7 +368,7 @@ class TensorFlowBackend(BackendBase):
         )
         self.broadcast_from_root()
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
-        self._eval_fn = tf.function(self._eval, reduce_retracing=True)
+        self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
 
     def broadcast_from_root(self) -> None:
         """Every replica takes rank 0's variables and optimizer state.
@@ -371,12 +416,6 @@ class TensorFlowBackend(BackendBase):
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
         return loss_sum, correct, grads
 
-    def _eval(self, x, y):
-        logits = self.net(x, training=False)
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
-        return tf.reduce_sum(losses), correct
-
     def train_step(self, micro_batches, lr: float) -> StepStats:
         t_step = time.perf_counter()
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
@@ -419,8 +458,7 @@ class TensorFlowBackend(BackendBase):
         ]
 
     def evaluate(self, x, y) -> EvalStats:
-        loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))
-        return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+        return evaluate_with(self._eval_fn, x, y)
 
     def predict(self, x) -> np.ndarray:
         return self.net(tf.constant(x), training=False).numpy()
@@ -445,9 +483,7 @@ class TensorFlowBackend(BackendBase):
         return list(self.net.vars)
 
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        out = OrderedDict((k, v.numpy().copy()) for k, v in self.net.vars.items())
-        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
-        return out
+        return net_weights(self.net)
 
     def weight_shapes(self) -> dict[str, tuple]:
         shapes = {k: tuple(v.shape) for k, v in self.net.vars.items()}
@@ -456,26 +492,17 @@ class TensorFlowBackend(BackendBase):
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
-        for k, v in list(self.net.vars.items()) + list(self.net.buffers.items()):
-            v.assign(np.asarray(weights[k], dtype=np.float32))
+        assign_weights(self.net, weights)
 
     def export_state(self) -> dict[str, np.ndarray]:
-        return {
-            **{f"model/{k}": v for k, v in self.get_weights().items()},
-            **self.optimizer.export_state(),
-        }
+        return {**with_model_prefix(self.get_weights()), **self.optimizer.export_state()}
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
-        self.set_weights(
-            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
-        )
+        self.set_weights(model_part(state))
         self.optimizer.import_state(state)
 
-    def rng_state(self) -> dict[str, np.ndarray]:
-        return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
-
-    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
-        pass
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)
 
     def versions(self) -> dict[str, str]:
         import horovod

@@ -13,15 +13,24 @@ back is NCHW too); the next stage's ZooNet then switches to NHWC again by itself
 
 from __future__ import annotations
 
-import random
 import time
 from collections import OrderedDict
 
 import numpy as np
 
 from . import gradient_engine
+from .base import model_part, with_model_prefix
 from .gradient_engine import average_array
-from .tensorflow import ZooNet, _Optimizer, configure_threads, tf
+from .tensorflow import (
+    ZooNet,
+    _Optimizer,
+    assign_weights,
+    net_weights,
+    prepare_process,
+    rng_state,
+    set_rng_state,
+    tf,
+)
 
 # Kinds at which ZooNet moves images from NCHW to NHWC (see ZooNet.__call__).
 _NHWC_KINDS = ("conv", "conv_bn", "resblock", "gap")
@@ -53,11 +62,7 @@ class TensorFlowStage:
     """Layers [start, stop) of the model; see the module docstring."""
 
     def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
-        configure_threads(threads, cfg.train["deterministic"])
-        seed = cfg.train["seed"]
-        tf.random.set_seed(seed + rank)
-        np.random.seed((seed + rank) % 2**32)
-        random.seed(seed + rank)
+        prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
         self.first, self.last = first, last
         self.net = ZooNet(layers, weights)
         self.opt = _Optimizer(cfg.optimizer, self.net.vars)
@@ -168,33 +173,22 @@ class TensorFlowStage:
 
     # --- canonical state ------------------------------------------------------------
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        out = OrderedDict((k, v.numpy().copy()) for k, v in self.net.vars.items())
-        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
-        return out
+        return net_weights(self.net)
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        for k, v in list(self.net.vars.items()) + list(self.net.buffers.items()):
-            v.assign(np.asarray(weights[k], dtype=np.float32))
+        assign_weights(self.net, weights)
 
     def export_state(self) -> dict[str, np.ndarray]:
         """This stage's part of a checkpoint, in the data-parallel backend's layout."""
-        return {
-            **{f"model/{k}": v for k, v in self.get_weights().items()},
-            **self.opt.export_state(),
-        }
+        return {**with_model_prefix(self.get_weights()), **self.opt.export_state()}
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
-        self.set_weights(
-            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
-        )
+        self.set_weights(model_part(state))
         self.opt.import_state(state)
 
-    def rng_state(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
-        pass
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)
 
 
 def layer_forward_seconds(layers, weights, x: np.ndarray, repeats: int = 3) -> list[float]:

@@ -8,14 +8,21 @@ under the canonical (torch-layout) names.
 
 from __future__ import annotations
 
-import random
 from collections import OrderedDict
 
 import numpy as np
 
 from ..models import zoo
 from .base import EvalStats
-from .tensorflow import build_model, configure_threads, tf
+from .tensorflow import (
+    build_model,
+    eval_sums,
+    evaluate_with,
+    prepare_process,
+    rng_state,
+    set_rng_state,
+    tf,
+)
 
 
 class TensorFlowWorker:
@@ -24,16 +31,13 @@ class TensorFlowWorker:
     name = "tensorflow"
 
     def __init__(self, cfg, inp: zoo.InputSpec, threads: int, rank: int = 0):
-        configure_threads(threads, cfg.train["deterministic"])
         seed = cfg.train["seed"]
-        tf.random.set_seed(seed + rank)
-        np.random.seed((seed + rank) % 2**32)
-        random.seed(seed + rank)
+        prepare_process(threads, cfg.train["deterministic"], seed + rank)
         self.net = build_model(cfg.model, inp, seed)
         self.params = self.net.vars
         self.buffers = self.net.buffers
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
-        self._eval_fn = tf.function(self._eval, reduce_retracing=True)
+        self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
 
     def param_shapes(self) -> OrderedDict[str, tuple]:
         return OrderedDict((k, tuple(v.shape)) for k, v in self.params.items())
@@ -59,12 +63,6 @@ class TensorFlowWorker:
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
         return loss_sum, correct, grads
 
-    def _eval(self, x, y):
-        logits = self.net(x, training=False)
-        losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
-        correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
-        return tf.reduce_sum(losses), correct
-
     def gradients(self, micro_batches) -> tuple[dict[str, np.ndarray], float, int, int]:
         """Mean gradient over all the step's samples, as numpy; plus loss sum, correct, count."""
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
@@ -79,11 +77,7 @@ class TensorFlowWorker:
         return out, loss_sum, correct, total
 
     def evaluate(self, x, y) -> EvalStats:
-        loss, correct = self._eval_fn(tf.constant(x), tf.constant(y))
-        return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+        return evaluate_with(self._eval_fn, x, y)
 
-    def rng_state(self) -> dict[str, np.ndarray]:
-        return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
-
-    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
-        pass
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)

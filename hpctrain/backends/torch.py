@@ -22,7 +22,14 @@ from torch import nn
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, torch_moe
-from .base import OPTIMIZER_SLOTS, BackendBase, EvalStats, StepStats
+from .base import (
+    OPTIMIZER_SLOTS,
+    BackendBase,
+    EvalStats,
+    StepStats,
+    model_part,
+    with_model_prefix,
+)
 
 
 def probe() -> dict:
@@ -216,6 +223,57 @@ def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> N
             st["step"] = torch.tensor(float(step))
 
 
+# --- what the backend, the pipeline stage and the PS worker share ------------------------
+def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
+    """Threads, deterministic kernels and every random stream of this rank's process."""
+    torch.set_num_threads(threads)
+    if deterministic:
+        torch.use_deterministic_algorithms(True)
+    torch.manual_seed(seed)
+    np.random.seed(seed % 2**32)
+    random.seed(seed)
+
+
+@torch.no_grad()
+def evaluate_model(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalStats:
+    """Summed loss, correct predictions and count of one batch in eval mode."""
+    model.eval()
+    logits = model(torch.from_numpy(x))
+    yt = torch.from_numpy(y)
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum")
+    return EvalStats(float(loss), int((logits.argmax(-1) == yt).sum()), int(np.prod(y.shape)))
+
+
+def rng_state() -> dict[str, np.ndarray]:
+    """torch's global generator (dropout and other random layers draw from it)."""
+    return {"torch": torch.get_rng_state().numpy().copy()}
+
+
+def set_rng_state(state: dict[str, np.ndarray]) -> None:
+    if "torch" in state:
+        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+
+
+def backward_mean_loss(model: nn.Module, micro_batches, aux_loss=None) -> tuple[float, int, int]:
+    """Backward of the mean loss over all the step's samples on this rank (gradients
+    accumulate over the micro-batches); returns (loss sum, correct, count).
+    `aux_loss(model)`: an extra per-token loss of the last forward (MoE balancing)."""
+    total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
+    loss_sum, correct = 0.0, 0
+    for x, y in micro_batches:
+        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
+        logits = model(xt)
+        loss = F.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum"
+        )
+        aux = aux_loss(model) if aux_loss is not None else None
+        term = loss if aux is None else loss + aux * yt.numel()
+        (term / total).backward()
+        loss_sum += float(loss.detach())
+        correct += int((logits.detach().argmax(-1) == yt).sum())
+    return loss_sum, correct, total
+
+
 # --- the backend ------------------------------------------------------------------------
 class TorchBackend(BackendBase):
     name = "torch"
@@ -226,14 +284,9 @@ class TorchBackend(BackendBase):
         local = world.local_size if world is not None else 1
         self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
-        torch.set_num_threads(threads)
-        if cfg.train["deterministic"]:
-            torch.use_deterministic_algorithms(True)
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
-        torch.manual_seed(seed + rank)
-        np.random.seed((seed + rank) % 2**32)
-        random.seed(seed + rank)
+        prepare_process(threads, cfg.train["deterministic"], seed + rank)
         self.model = build_model(cfg.model, inp, seed)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         ocfg = cfg.optimizer
@@ -308,8 +361,6 @@ class TorchBackend(BackendBase):
             import_optimizer_state(self.optimizer, named, kind, slots)
 
     # --- training ---------------------------------------------------------------
-    def _loss(self, logits, y):
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
         self.model.train()
@@ -317,17 +368,7 @@ class TorchBackend(BackendBase):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
-        total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
-        loss_sum, correct = 0.0, 0
-        for x, y in micro_batches:
-            xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-            logits = self.model(xt)
-            loss = self._loss(logits, yt)
-            aux = torch_moe.aux_loss(self.model)  # MoE load balancing, weighted per token
-            term = loss if aux is None else loss + aux * yt.numel()
-            (term / total).backward()  # mean over all the step's samples on this rank
-            loss_sum += float(loss.detach())
-            correct += int((logits.detach().argmax(-1) == yt).sum())
+        loss_sum, correct, total = backward_mean_loss(self.model, micro_batches, torch_moe.aux_loss)
         t0 = time.perf_counter()
         if self.hvd is None:
             self._average_with_mpi()
@@ -358,16 +399,8 @@ class TorchBackend(BackendBase):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
 
-    @torch.no_grad()
     def evaluate(self, x, y) -> EvalStats:
-        self.model.eval()
-        logits = self.model(torch.from_numpy(x))
-        yt = torch.from_numpy(y)
-        return EvalStats(
-            float(self._loss(logits, yt)),
-            int((logits.argmax(-1) == yt).sum()),
-            int(np.prod(y.shape)),
-        )
+        return evaluate_model(self.model, x, y)
 
     @torch.no_grad()
     def predict(self, x) -> np.ndarray:
@@ -403,23 +436,17 @@ class TorchBackend(BackendBase):
     def export_state(self) -> dict[str, np.ndarray]:
         names = ((n, p) for p, n in self._names.items())
         return {
-            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **with_model_prefix(self.get_weights()),
             **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"]),
         }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
-        self.set_weights(
-            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
-        )
+        self.set_weights(model_part(state))
         names = ((n, p) for p, n in self._names.items())
         import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)
 
-    def rng_state(self) -> dict[str, np.ndarray]:
-        return {"torch": torch.get_rng_state().numpy().copy()}
-
-    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
-        if "torch" in state:
-            torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)
 
     def versions(self) -> dict[str, str]:
         import horovod

@@ -11,7 +11,6 @@ micro-batches and the optimizer steps once, with torch's own SGD/Adam.
 
 from __future__ import annotations
 
-import random
 import time
 from collections import OrderedDict
 
@@ -20,8 +19,16 @@ import torch
 import torch.nn.functional as F
 
 from . import gradient_engine
+from .base import model_part, with_model_prefix
 from .gradient_engine import average_array
-from .torch import ZooNet, export_optimizer_state, import_optimizer_state
+from .torch import (
+    ZooNet,
+    export_optimizer_state,
+    import_optimizer_state,
+    prepare_process,
+    rng_state,
+    set_rng_state,
+)
 
 
 def init_replicas(comm, groups: list[list[int]], mine: int):
@@ -46,13 +53,7 @@ class TorchStage:
     """Layers [start, stop) of the model; see the module docstring."""
 
     def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
-        torch.set_num_threads(threads)
-        if cfg.train["deterministic"]:
-            torch.use_deterministic_algorithms(True)
-        seed = cfg.train["seed"]
-        torch.manual_seed(seed + rank)
-        np.random.seed((seed + rank) % 2**32)
-        random.seed(seed + rank)
+        prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
         self.first, self.last = first, last
         self.net = ZooNet(layers)
         self.set_weights(weights)
@@ -197,24 +198,18 @@ class TorchStage:
         """This stage's part of a checkpoint, in the data-parallel backend's layout."""
         kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
         return {
-            **{f"model/{k}": v for k, v in self.get_weights().items()},
+            **with_model_prefix(self.get_weights()),
             **export_optimizer_state(self.opt, self.net.named_parameters(), kind),
         }
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
-        self.set_weights(
-            {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
-        )
+        self.set_weights(model_part(state))
         kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
         import_optimizer_state(self.opt, self.net.named_parameters(), kind, state)
 
-    def rng_state(self) -> dict[str, np.ndarray]:
-        return {"torch": torch.get_rng_state().numpy().copy()}
-
-    def set_rng_state(self, state: dict[str, np.ndarray]) -> None:
-        if "torch" in state:
-            torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)
 
 
 def _loss(logits, y):
