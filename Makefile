@@ -62,4 +62,4 @@ docs: install
 	$(VENV)/bin/mkdocs build --strict
 
 clean:
-	rm -rf runs build *.egg-info .pytest_cache .ruff_cache
+	rm -rf runs build site *.egg-info .pytest_cache .ruff_cache

@@ -484,7 +484,7 @@ def _show(value) -> str:
 
 
 def describe_schema(schema: dict | None = None, prefix: str = "") -> list[tuple[str, str, str]]:
-    """(key, default, doc) rows for --help and the README."""
+    """(key, default, doc) rows for --help and docs/reference/configuration.md."""
     rows = []
     for key, spec in (schema or SCHEMA).items():
         if isinstance(spec, dict):

@@ -34,7 +34,7 @@ def test_defaults_and_config_errors(tmp_path):
     assert p.dir == tmp_path / "checkpoints"
     assert (p.enabled, p.every_steps, p.every_minutes, p.at_epoch_end) == (True, None, 30.0, True)
     assert (p.keep_last, p.keep_best, p.best_metric, p.best_mode) == (3, 0, "val_loss", "min")
-    assert (p.async_save, p.resume) == (False, "auto")
+    assert (p.async_save, p.resume) == (False, "never")  # as checkpoint.resume in config.py
     with pytest.raises(ConfigError) as info:
         CheckpointPolicy(
             {"every_steps": 0, "best_mode": "lowest", "keep_last": 1.5, "async": "yes", "typo": 1}

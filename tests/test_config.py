@@ -75,13 +75,3 @@ def test_lr_warmup_scaling_and_cosine():
     assert lr_at(100, o, 4, 10, 100) == pytest.approx(0.0, abs=1e-12)
     o.update(lr_scaling="sqrt", warmup_epochs=0, schedule="constant")
     assert lr_at(7, o, 4, 10, 100) == pytest.approx(0.2)
-
-
-def test_readme_documents_every_config_key():
-    from pathlib import Path
-
-    from hpctrain.config import describe_schema
-
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    missing = [key for key, _, _ in describe_schema() if f"`{key}`" not in readme]
-    assert not missing, f"README lacks config keys: {missing}"

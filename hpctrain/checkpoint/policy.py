@@ -25,7 +25,7 @@ DEFAULTS: dict[str, tuple] = {
     "best_metric": ("val_loss", "metric that ranks checkpoints for keep_best"),
     "best_mode": ("min", "min or max: which end of best_metric is best"),
     "async": (False, "write in a background thread (the caller only copies the arrays)"),
-    "resume": ("auto", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
+    "resume": ("never", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
 }
 
 

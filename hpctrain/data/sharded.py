@@ -1,6 +1,6 @@
 """Sharded, shuffled, prefetched batches from an HDF5 dataset.
 
-Sharding rule (documented in the README): each epoch, one permutation of the training
+Sharding rule (documented in docs/training.md): each epoch, one permutation of the training
 set is drawn from (seed, epoch), identical on every rank. Optimizer step s consumes
 the next `grad_accum x batch_size x world_size` samples of it; micro-batch m of rank r
 is the slice starting at offset + (m x world_size + r) x batch_size. So np=2 with batch

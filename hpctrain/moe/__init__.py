@@ -1,4 +1,4 @@
-"""Mixture of experts with expert parallelism over mpi4py (see README, "Mixture of experts").
+"""Mixture of experts with expert parallelism over mpi4py (see docs/moe.md).
 
 - `options`: the `model.moe` config (defaults, validation, capacity rule); no MPI.
 - `routing`: top-k, capacity and packing decisions in numpy; no framework, no MPI.
