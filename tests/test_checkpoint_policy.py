@@ -169,10 +169,10 @@ def test_failed_sync_save_leaves_no_temp(tmp_path, monkeypatch):
 
 
 def test_resume_choices(tmp_path):
-    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path)})) is None
+    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path), "resume": "auto"})) is None
     save(tmp_path, 10, state(10))
     save(tmp_path, 20, state(20))
-    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path)})).step == 20
+    assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path), "resume": "auto"})).step == 20
     assert resume_checkpoint(CheckpointPolicy({"dir": str(tmp_path), "resume": "never"})) is None
     one = str(tmp_path / "ckpt-00000010.h5")
     assert resume_checkpoint(CheckpointPolicy({"resume": one})).step == 10
