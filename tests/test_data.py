@@ -1,8 +1,12 @@
 """Sharding rules: every sample read once per step across ranks, validation covered once."""
 
+import h5py
 import numpy as np
 import pytest
 
+from hpctrain.data.dataset import DataOptions, held_out_rows, inspect_dataset
+from hpctrain.data.keys import validate_keys_option
+from hpctrain.data.layout import decide_layout
 from hpctrain.data.sharded import DatasetInfo, ShardedTrainData, epoch_permutation, val_block
 from hpctrain.data.synthetic import generate, write_dataset
 from hpctrain.errors import DataError
@@ -81,3 +85,151 @@ def test_every_rank_runs_the_same_number_of_validation_batches(tmp_path, val_siz
     assert len({len(batches) for batches in per_rank}) == 1
     rows = np.concatenate([x for batches in per_rank for x, _ in batches])
     np.testing.assert_array_equal(rows, splits["val"][0])  # every sample exactly once
+
+
+# --- data as users have it: names, splits, dtypes, layouts (issue 18) ------------------------
+def _file(path, **datasets):
+    attrs = datasets.pop("attrs", {})
+    with h5py.File(path, "w") as f:
+        for key, value in datasets.items():
+            f[key.replace("__", "/")] = value
+        f.attrs.update(attrs)
+    return path
+
+
+@pytest.mark.parametrize(
+    "shape, model_kind, layout",
+    [
+        ((3, 16, 16), "images", "nchw"),
+        ((16, 16, 3), "images", "nhwc"),
+        ((1, 28, 28), "images", "nchw"),
+        ((28, 28, 1), "user", "nhwc"),
+        ((3, 32, 48), "images", "nchw"),
+        ((32, 48, 4), "images", "nhwc"),
+        ((28, 28), "images", "hw"),
+        ((16, 16, 16), "any", None),  # an mlp flattens: no decision needed
+        ((20,), "images", None),
+    ],
+)
+def test_layout_is_detected_only_when_unambiguous(shape, model_kind, layout):
+    assert decide_layout("f.h5", shape, "auto", model_kind) == layout
+
+
+@pytest.mark.parametrize("shape", [(3, 3, 3), (16, 16, 16), (3, 8, 3), (10, 20, 30)])
+def test_ambiguous_layouts_are_refused_in_one_line(shape):
+    with pytest.raises(DataError, match="set data.layout to nchw or nhwc") as err:
+        decide_layout("f.h5", shape, "auto", "images")
+    assert "\n" not in str(err.value)
+    assert decide_layout("f.h5", shape, "nhwc", "images") == "nhwc"
+
+
+@pytest.mark.parametrize(
+    "x_dtype, model, tokens, scale, fed",
+    [
+        (np.float64, "mlp", False, 1.0, np.float32),
+        (np.float16, "mlp", False, 1.0, np.float32),
+        (np.int32, "mlp", False, 1.0, np.float32),
+        (np.uint8, "mlp", False, 1 / 255, np.float32),
+        (np.int32, "transformer", True, 1.0, np.int64),
+        (np.uint8, "transformer", True, 1.0, np.int64),
+    ],
+)
+def test_x_dtypes_are_cast_to_what_the_model_takes(tmp_path, x_dtype, model, tokens, scale, fed):
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, 9, (40, 6)).astype(x_dtype)
+    y = (x if tokens else rng.integers(0, 3, 40)).astype(np.int16)
+    info = inspect_dataset(_file(tmp_path / "d.h5", x=x, y=y), DataOptions(model=model))
+    assert info.input_spec.tokens is tokens
+    assert info.casts.x_scale == pytest.approx(scale)
+    bx, by = info.convert(x[:4], y[:4])
+    assert bx.dtype == fed and by.dtype == np.int64
+    np.testing.assert_allclose(bx, x[:4].astype(np.float64) * scale, rtol=1e-6)
+
+
+def test_float_x_for_a_language_model_and_integer_x_for_a_user_model_are_refused(tmp_path):
+    path = _file(tmp_path / "f.h5", x=np.zeros((20, 5)), y=np.zeros((20, 5), np.int64))
+    with pytest.raises(DataError, match="needs integer token ids in /x, the file holds float64"):
+        inspect_dataset(path, DataOptions(model="transformer"))
+    ints = _file(tmp_path / "i.h5", x=np.zeros((20, 5), np.int32), y=np.arange(20) % 2)
+    with pytest.raises(DataError, match="set data.tokens true"):
+        inspect_dataset(ints, DataOptions(model="pkg.mod:fn"))
+    info = inspect_dataset(ints, DataOptions(model="pkg.mod:fn", tokens=False))
+    assert not info.input_spec.tokens
+
+
+@pytest.mark.parametrize(
+    "y, message",
+    [
+        (np.r_[np.zeros(30), 0.5, np.zeros(9)], "/y row 30 holds 0.5, not a whole number"),
+        (np.r_[np.zeros(12, int), -1, np.ones(27, int)], "/y row 12 holds -1, negative"),
+        (np.r_[np.zeros(39, int), 7], "/y row 39 holds 7, outside 0..2 (3 classes, the file's"),
+        (np.eye(3)[np.arange(40) % 3], "looks one-hot"),
+        (np.zeros(40, int), "training needs at least two classes"),
+    ],
+)
+def test_bad_labels_are_named_by_file_dataset_row_and_value(tmp_path, y, message):
+    attrs = {"classes": 3} if "outside" in message else {}
+    path = _file(tmp_path / "d.h5", x=np.zeros((40, 4)), y=y, attrs=attrs)
+    with pytest.raises(DataError) as err:
+        inspect_dataset(path)
+    assert message in str(err.value) and str(path) in str(err.value)
+
+
+def test_labels_as_whole_floats_and_column_vectors_are_accepted(tmp_path):
+    y = (np.arange(40) % 3).astype(np.float64)[:, None]
+    info = inspect_dataset(_file(tmp_path / "d.h5", x=np.zeros((40, 4)), y=y))
+    assert info.input_spec.classes == 3 and info.casts.squeeze_y and info.casts.y_float
+    assert info.convert(np.zeros((2, 4)), y[:2])[1].tolist() == [0, 1]
+
+
+def test_known_names_keys_and_refusals_that_list_the_file(tmp_path):
+    x, y = np.zeros((50, 4)), np.arange(50) % 2
+    assert inspect_dataset(_file(tmp_path / "a.h5", images=x, labels=y)).keys.train_x == "/images"
+    two = _file(tmp_path / "b.h5", x=x, y=y, images=x, labels=y)
+    with pytest.raises(DataError, match=r"several x/y pairs \(/x\+/y, /images\+/labels\)"):
+        inspect_dataset(two)
+    opts = DataOptions(keys={"train_x": "/images", "train_y": "/labels"})
+    assert inspect_dataset(two, opts).keys.train_x == "/images"
+    with pytest.raises(DataError, match=r"data.keys.train_y is /lbl.*it holds /images \(50, 4\)"):
+        inspect_dataset(two, DataOptions(keys={"train_x": "/images", "train_y": "/lbl"}))
+    assert validate_keys_option({"train_x": "/a"}) == [
+        "data.keys.train_y: required when data.keys is set"
+    ]
+    assert "give val_x and val_y together" in " ".join(
+        validate_keys_option({"train_x": "/a", "train_y": "/b", "val_x": "/c"})
+    )
+
+
+def test_held_out_validation_is_random_disjoint_and_reproducible():
+    train, val = held_out_rows(1000, 0.1, seed=4)
+    assert len(val) == 100 and len(train) == 900
+    assert sorted(np.concatenate([train, val]).tolist()) == list(range(1000))
+    assert np.array_equal(val, held_out_rows(1000, 0.1, seed=4)[1])
+    assert not np.array_equal(val, np.arange(900, 1000))  # not the (often sorted) tail
+    assert np.all(np.diff(val) > 0) and np.all(np.diff(train) > 0)
+
+
+def test_held_out_rows_are_read_once_across_ranks_and_never_trained_on(tmp_path):
+    from hpctrain.data.sharded import iterate_val
+
+    x = np.arange(300, dtype=np.float32)[:, None] * np.ones((1, 2), np.float32)
+    path = _file(tmp_path / "d.h5", x=x, y=np.arange(300) % 3)
+    info = inspect_dataset(path, DataOptions(val_fraction=0.2, seed=1))
+    assert (info.train_size, info.val_size) == (240, 60)
+    seen = [v for r in range(3) for bx, _ in iterate_val(info, r, 3, 7) for v in bx[:, 0]]
+    assert sorted(seen) == sorted(info.val_rows.tolist())
+    data = ShardedTrainData(info, 0, 1, 16, 1, seed=0, prefetch=0)
+    trained = {v for step in data.iterate(0) for bx, _ in step for v in bx[:, 0]}
+    assert not trained & set(seen)
+
+
+def test_what_was_found_is_described_for_config_yaml_and_the_first_log_line(tmp_path):
+    x = np.zeros((100, 8, 8, 3), np.uint8)
+    path = _file(tmp_path / "d.h5", images=x, labels=(np.arange(100) % 4).astype(np.int32))
+    info = inspect_dataset(path, DataOptions(model="cnn"))
+    d = info.describe()
+    assert d["sample_shape"] == [3, 8, 8] and d["stored_shape"] == [8, 8, 3]
+    assert d["classes"] == 4 and d["train_samples"] == 90 and d["val_samples"] == 10
+    assert d["x"] == "uint8 -> float32 x 1/255 features" and d["y"] == "int32 -> int64 labels"
+    assert d["layout"] == "NHWC, fed as NCHW"
+    assert "90 train + 10 val samples" in info.summary() and "\n" not in info.summary()
