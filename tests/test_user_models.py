@@ -53,3 +53,80 @@ def test_wrong_kind_of_user_model_is_a_clear_error(tmp_path):
     )
     assert job.returncode != 0
     assert "not a keras.Model (backend: tensorflow)" in job.output
+
+
+# --- finding, calling and checking a user's function (framework-free part) ------------------
+def test_missing_module_says_how_to_make_it_importable(tmp_path, monkeypatch):
+    from hpctrain.errors import ConfigError
+    from hpctrain.models.user import resolve
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError) as err:
+        resolve("mymodels.nets:build")
+    text = str(err.value)
+    assert "cannot import 'mymodels.nets'" in text and "PYTHONPATH" in text
+    assert "mpirun -x PYTHONPATH" in text and "\n" not in text
+
+
+def test_the_start_directory_is_importable(tmp_path, monkeypatch):
+    from hpctrain.models.user import resolve
+
+    (tmp_path / "fh_cwd_models.py").write_text("def build(width=3):\n    return width\n")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path if p not in ("", ".")])
+    assert resolve("fh_cwd_models:build")() == 3
+
+
+def test_module_problems_are_named(tmp_path, monkeypatch):
+    from hpctrain.errors import ConfigError
+    from hpctrain.models.user import resolve
+
+    (tmp_path / "fh_raises.py").write_text("import numpy\nraise RuntimeError('bad\\nsecond')\n")
+    (tmp_path / "fh_needs.py").write_text("import not_installed_dep\n")
+    (tmp_path / "fh_fns.py").write_text("def alpha(): pass\ndef beta(): pass\nX = 1\n")
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"importing 'fh_raises' raised RuntimeError: bad \("):
+        resolve("fh_raises:f")
+    with pytest.raises(ConfigError, match="needs 'not_installed_dep', which is not installed"):
+        resolve("fh_needs:f")
+    with pytest.raises(ConfigError, match=r"has no 'gamma' \(callables there: alpha, beta\)"):
+        resolve("fh_fns:gamma")
+    with pytest.raises(ConfigError, match="expected a zoo model"):
+        resolve("fh_fns")
+
+
+def test_options_are_checked_against_the_signature_and_data_facts_passed():
+    from hpctrain.errors import ConfigError
+    from hpctrain.models.user import builder_kwargs
+
+    def sized(input_shape, num_classes, width=8):
+        pass
+
+    def takes_all(depth, **rest):
+        pass
+
+    def needs_depth(depth, classes=2):
+        pass
+
+    cfg = {"name": "m:sized", "width": 4}
+    assert builder_kwargs(sized, cfg, (20,), 3) == {
+        "width": 4,
+        "input_shape": (20,),
+        "num_classes": 3,
+    }
+    with pytest.raises(ConfigError) as err:
+        builder_kwargs(sized, {"name": "m:sized", "hidden": [64], "width": 2}, (20,), 3)
+    assert "sized has no parameter for model.hidden (its parameters: input_shape, " in (
+        str(err.value)
+    )
+    assert builder_kwargs(takes_all, {"name": "m:f", "depth": 2, "x": 1}, (4,), 2) == {
+        "depth": 2,
+        "x": 1,
+    }
+    with pytest.raises(ConfigError, match="needs depth and nothing supplies it: set model.depth"):
+        builder_kwargs(needs_depth, {"name": "m:f"}, (4,), 2)
+    # an explicit option wins over the data's fact (the checked forward pass judges it)
+    assert builder_kwargs(needs_depth, {"name": "m:f", "depth": 1, "classes": 5}, (4,), 2) == {
+        "depth": 1,
+        "classes": 5,
+    }
