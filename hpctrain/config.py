@@ -177,6 +177,13 @@ SCHEMA: dict[str, Any] = {
             minimum=0,
             exclusive_min=True,
         ),
+        "stall_warning": _f(
+            60.0,
+            (int, float),
+            "seconds a collective may wait before the watchdog warns, naming the ranks "
+            "that have not arrived (0: never)",
+            minimum=0,
+        ),
         "threads": _f(
             None,
             int,

@@ -12,6 +12,7 @@ import socket
 import sys
 import threading
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -85,7 +86,9 @@ class World(GuardedComm):
         self._subcomms: dict[str, object] = {}
         self._guarded: dict[str, GuardedComm] = {}
         self._abort_lock = threading.Lock()
-        self.watchdog = Watchdog(self.comm, collective_timeout, self.abort)
+        stall_warning = float(os.environ.get("HPCTRAIN_STALL_WARNING", "60"))
+        self.watchdog = Watchdog(self.comm, collective_timeout, self.abort, stall_warning)
+        self._watchdogs = [self.watchdog]
         problems = launcher.disagreements(self.layout.as_dict(), views)
         launched_size = max((v.values.get("size", 1) for v in views), default=1)
         if self.size == 1 and launched_size > 1:
@@ -121,7 +124,11 @@ class World(GuardedComm):
         """A sub-communicator with its own watchdog (cached by `name`); collective."""
         if name not in self._guarded:
             comm = self.split(name, color, key)
-            watchdog = Watchdog(comm, self.watchdog.timeout, self.abort)
+            watchdog = Watchdog(
+                comm, self.watchdog.timeout, self.abort, self.watchdog.stall_warning
+            )
+            watchdog.report_dir = self.watchdog.report_dir
+            self._watchdogs.append(watchdog)
             self._guarded[name] = GuardedComm.over(name, comm, watchdog, self.MPI, self.abort)
         return self._guarded[name]
 
@@ -136,6 +143,17 @@ class World(GuardedComm):
     def node_comm(self):
         """Ranks that share this node's memory."""
         return self._local
+
+    # --- stall reports -------------------------------------------------------------
+    def set_report_dir(self, path) -> None:
+        """Where a watchdog deadline writes its stall report (the loop's run directory)."""
+        for w in self._watchdogs:
+            w.report_dir = Path(path)
+
+    def set_stall_warning(self, seconds: float) -> None:
+        """Warn (once per section) after `seconds` of waiting; 0 turns the warning off."""
+        for w in self._watchdogs:
+            w.stall_warning = float(seconds)
 
     # --- ending the job ------------------------------------------------------------
     def abort(self, message: str, code: int = 1):

@@ -1,0 +1,46 @@
+"""Watchdog stall jobs: MODE=stop (rank STOP_RANK is SIGSTOPped inside an allreduce),
+MODE=skip (rank SKIP_RANK never enters a barrier) or MODE=normal (many quick
+collectives). TIMEOUT, STALL_WARNING and REPORT_DIR set the watchdog."""
+
+import os
+import signal
+import sys
+import threading
+import time
+
+import numpy as np
+
+from hpctrain.runtime import run_fail_together, world
+
+
+def main():
+    w = world(collective_timeout=float(os.environ.get("TIMEOUT", "5")))
+    w.set_stall_warning(float(os.environ.get("STALL_WARNING", "60")))
+    if os.environ.get("REPORT_DIR"):
+        w.set_report_dir(os.environ["REPORT_DIR"])
+    mode = os.environ.get("MODE", "normal")
+    buf = np.ones(1024, dtype=np.float64)
+    w.allreduce_inplace(buf, what="warm-up allreduce")
+    if mode == "stop":
+        stop_rank = int(os.environ.get("STOP_RANK", "1"))
+        if w.rank == stop_rank:
+            # stop while waiting inside the allreduce (the others enter it later)
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGSTOP)).start()
+        else:
+            time.sleep(2.0)
+        w.allreduce_inplace(buf, what="gradient allreduce")
+    elif mode == "skip":
+        if w.rank == int(os.environ.get("SKIP_RANK", "1")):
+            time.sleep(120)
+            return
+        w.barrier("test barrier")
+    else:
+        for _ in range(int(os.environ.get("STEPS", "300"))):
+            buf[:] = 1
+            w.allreduce_inplace(buf, what="gradient allreduce")
+            w.barrier("step barrier")
+        if w.rank == 0:
+            print(f"normal run finished: {buf[0]:g}")
+
+
+sys.exit(run_fail_together(main))
