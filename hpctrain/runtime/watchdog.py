@@ -17,10 +17,11 @@ the job. If rank 0 itself does not answer, the other ranks end the job naming ra
 
 Cost per guarded collective: a counter, a lock and a ring append on the calling rank,
 no message and no thread wake-up, so it does not grow with the number of ranks
-(benchmarks/bench_watchdog.py measured about 1-2 us per guard at np 2, 4, 8 and 16
-alike; at 1,024 and 4,096 ranks it stays the same 1-2 us and 0 messages per collective,
-against N-1 = 1,023 and 4,095 receives per collective on rank 0 with the old arrival
-notices). Background: each monitor does one MPI_Iprobe per poll (<= 1 s), per rank.
+(benchmarks/bench_watchdog.py, 2-core VM: 5.5-7.4 us of CPU per guard at np 2, 4, 8
+and 16 alike, 0 messages; projected to 1,024 and 4,096 ranks: the same ~7 us and 0
+messages per collective, where the old arrival notices cost rank 0 N-1 = 1,023 and
+4,095 receives per collective, ~44 ms and ~180 ms at the slope measured up to np 16,
+oversubscribed). Background: each monitor does one MPI_Iprobe per poll (<= 1 s), per rank.
 Failure path only: the probe is N-1 small sends and answers on rank 0 (at 4,096 ranks,
 about 4,095 answers of up to 32 kB of stacks: ~130 MB and a few seconds, once).
 """
