@@ -28,10 +28,10 @@ test-mpi:
 	$(MPIRUN_KILL) $(MPI_TEST_TIMEOUT) mpirun -np 4 --oversubscribe $(PY) tests/mpi_pytest.py tests/mpi -q
 
 demo: install
-	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo.yaml --run-dir runs/demo
+	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo.yaml --run-dir runs/demo --new
 
 demo-tf: install
-	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo-tf.yaml --run-dir runs/demo-tf
+	mpirun -np 2 $(VENV)/bin/hpctrain train --config configs/demo-tf.yaml --run-dir runs/demo-tf --new
 
 ## Scaling vs raw Horovod and mpi4py, allreduce microbenchmark, ablation, α–β projection
 ## and the features' own benchmarks: benchmarks/results/<UTC>/ (report.md, results.json,

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 import textwrap
 
@@ -114,8 +113,20 @@ def build_parser() -> argparse.ArgumentParser:
             "--resume",
             metavar="auto|never|FILE",
             help="continue from a checkpoint (of any strategy): 'auto' takes the newest one "
-            "in the checkpoint directory that verifies (skipping damaged ones), FILE takes "
-            "that one (default: checkpoint.resume, which is 'never')",
+            "in the checkpoint directory that verifies (skipping damaged ones) when the run "
+            "there has this configuration, FILE takes that one (default: "
+            "checkpoint.resume, which is 'never')",
+        )
+        reuse = p.add_mutually_exclusive_group()
+        reuse.add_argument(
+            "--overwrite",
+            action="store_true",
+            help="the run directory holds an earlier run: delete its checkpoints and metrics",
+        )
+        reuse.add_argument(
+            "--new",
+            action="store_true",
+            help="the run directory holds an earlier run: move it to <run-dir>/previous/<UTC>",
         )
 
     p = sub.add_parser(
@@ -183,8 +194,17 @@ def _cmd_train(args) -> int:
     if args.command == "ps":
         args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
-    TrainingLoop(cfg, run_dir=args.run_dir, verbose=args.verbose, resume=args.resume).fit()
-    return 0
+    loop = TrainingLoop(
+        cfg,
+        run_dir=args.run_dir,
+        verbose=args.verbose,
+        resume=args.resume,
+        overwrite=args.overwrite,
+        new=args.new,
+    )
+    summary = loop.fit()
+    # Stopped by Ctrl-C (after its checkpoint): the shell's convention for SIGINT.
+    return 130 if summary.get("preempted") == "SIGINT" else 0
 
 
 def _cmd_config(args) -> int:
@@ -248,7 +268,8 @@ COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # TF's C++ banner on every rank
+    from .backends import tf_env  # noqa: F401 - TF's start-up noise off on every rank
+
     args = build_parser().parse_args(argv)
     from .runtime import run_fail_together
 

@@ -26,12 +26,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import yaml
 
-from . import runtime
+from . import rundir, runtime
 from .checkpoint.session import RunCheckpoints
 from .config import Config
-from .errors import TrainingDiverged
-from .lr_schedule import lr_at
+from .errors import ConfigError, HpctrainError, TrainingDiverged
+from .lr_schedule import lr_at, scaled_lr
 from .metrics import MetricsWriter, Progress
 from .runtime import allocator
 from .runtime.preemption import Preemption
@@ -75,6 +76,8 @@ class TrainingLoop:
         run_dir: str | Path | None = None,
         verbose: bool = False,
         resume: str | None = None,
+        overwrite: bool = False,
+        new: bool = False,
     ):
         self.cfg = cfg
         self.world = w = prepare_process(cfg)
@@ -82,9 +85,7 @@ class TrainingLoop:
         log.debug("allocator: %s", allocator.status())
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
-        if w.is_root:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        self._claim_run_dir(resume, overwrite, new)
         threads = cfg.runtime["threads"]
         if threads is None:
             threads, self.threads_source = runtime.threads_per_rank(w.local_size)
@@ -93,6 +94,7 @@ class TrainingLoop:
         self.threads = threads
         self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
         self.strategy.loop = self  # strategies with serving ranks need the loop's hooks
+        self._write_config()
         self.grid = self.strategy.grid
         self.data = self.strategy.data  # None on ranks that serve
         self.state = TrainState()
@@ -106,15 +108,62 @@ class TrainingLoop:
             self.run_dir, w.is_root, cfg.metrics["jsonl"], cfg.metrics["tensorboard"]
         )
         log.info(
-            "%s, %d rank(s) x %d thread(s) (%s), grid %s, %d steps/epoch, run dir %s",
+            "%s, %d rank(s) x %d thread(s) (%s), grid %s, %d steps/epoch, %s, run dir %s",
             self.strategy.describe(),
             w.size,
             threads,
             self.threads_source,
             self.grid.describe(),
             self.steps_per_epoch,
+            self._lr_text(),
             self.run_dir,
         )
+        dataset = getattr(self.strategy, "dataset", None)
+        if dataset is not None and hasattr(dataset, "summary"):
+            log.info("%s", dataset.summary())
+
+    # --- set-up ---------------------------------------------------------------------
+    def _claim_run_dir(self, resume, overwrite: bool, new: bool) -> None:
+        """One run per directory (rundir.py): rank 0 decides, every rank agrees."""
+        w, cfg = self.world, self.cfg
+        error, message = None, None
+        if w.is_root:
+            try:
+                plan = rundir.plan_run_dir(
+                    self.run_dir,
+                    cfg.to_dict(),
+                    resume if resume is not None else cfg.checkpoint["resume"],
+                    overwrite=overwrite,
+                    new=new,
+                    checkpoint_dir=cfg.checkpoint["dir"],
+                )
+                rundir.apply_plan(plan)
+                self.run_dir.mkdir(parents=True, exist_ok=True)
+                message = plan.message
+            except HpctrainError as exc:
+                error = str(exc)
+            except OSError as exc:
+                error = f"run directory {self.run_dir}: {exc}"
+        w.agree(error, error_type=ConfigError)
+        if message:
+            log.info("%s", message)
+
+    def _write_config(self) -> None:
+        """config.yaml as run: the configuration plus what hpctrain found in the data."""
+        if not self.world.is_root:
+            return
+        values = self.cfg.to_dict()
+        dataset = getattr(self.strategy, "dataset", None)
+        if dataset is not None and hasattr(dataset, "describe"):
+            values["data"]["inferred"] = dataset.describe()
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=True))
+
+    def _lr_text(self) -> str:
+        o, n = self.cfg.optimizer, self.strategy.lr_replicas
+        peak = scaled_lr(float(o["lr"]), o["lr_scaling"], n)
+        if o["lr_scaling"] == "none" or n == 1:
+            return f"lr {peak:g}"
+        return f"lr {o['lr']:g} x {n} replicas ({o['lr_scaling']} scaling) = {peak:g}"
 
     # --- the loop ---------------------------------------------------------------
     def fit(self) -> dict:

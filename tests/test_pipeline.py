@@ -181,7 +181,9 @@ def test_bad_pipeline_input_is_reported_on_every_rank(tmp_path, np_, overrides, 
         args += ["--set", o]
     job = mpirun(np_, *args, timeout=120)
     assert job.returncode == 2, job.output
-    assert job.output.count(message) == np_, job.output
+    # agreed on every rank, said once by rank 0 naming them all
+    assert job.output.count(message) == 1, job.output
+    assert f"rank(s) 0-{np_ - 1}: " in job.output, job.output
 
 
 # --- checkpoints -----------------------------------------------------------------------------

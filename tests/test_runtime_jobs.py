@@ -75,7 +75,7 @@ def test_launcher_variables_that_disagree_with_mpi_are_refused():
     assert job.returncode == 2, job.output
     assert "launcher variables disagree with MPI" in job.output
     assert "HOROVOD_RANK=0 (horovodrun) but MPI says rank=1" in job.output
-    assert job.output.count("error: ") == 2  # one line on every rank
+    assert job.output.count("error: ") == 1  # agreed by every rank, said once by rank 0
 
 
 def test_invalid_config_is_reported_on_every_rank_before_work():
@@ -83,10 +83,9 @@ def test_invalid_config_is_reported_on_every_rank_before_work():
         2, HPCTRAIN, "train", "--set", "train.batch_size=0", "--set", "optimizr.lr=1", timeout=120
     )
     assert job.returncode == 2, job.output
-    for rank in (0, 1):
-        assert f"[rank {rank}/2] error: " in job.output
-    assert job.output.count("train.batch_size: must be >= 1, got 0") == 2
-    assert job.output.count("optimizr: unknown key") == 2
+    assert "[rank 0/2] error: " in job.output and "[rank 1/2] error: " not in job.output
+    assert job.output.count("train.batch_size: must be >= 1, got 0") == 1
+    assert job.output.count("optimizr: unknown key") == 1
 
 
 def test_gloo_style_launch_without_mpi_is_explained():

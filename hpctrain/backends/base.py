@@ -16,6 +16,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..errors import ConfigError, HpctrainError
+
 OPTIMIZER_SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
 
 
@@ -126,6 +128,22 @@ class BackendBase:
             if shapes:
                 parts.append(f"shape mismatch {shapes}")
             raise ValueError("weights do not match the model: " + "; ".join(parts))
+
+
+def build_agreed(world, build):
+    """`build()` on every rank; a user error (HpctrainError: a module missing on one node,
+    a model whose output does not fit the classes) on any rank stops every rank with one
+    message naming the ranks, before the first collective that would leave them waiting."""
+    model, error = None, None
+    try:
+        model = build()
+    except HpctrainError as exc:
+        error = str(exc)
+    if world is not None and world.size > 1:
+        world.agree(error, error_type=ConfigError)
+    elif error is not None:
+        raise ConfigError(error)
+    return model
 
 
 def model_part(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -12,27 +12,31 @@ starts Horovod.
 
 from __future__ import annotations
 
-import os
 import random
 import time
 from collections import OrderedDict
 
 import numpy as np
 
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")  # keep TF's C++ start-up banner out of logs
-import tensorflow as tf  # noqa: E402
+from . import tf_env  # TF's start-up noise off before TF is imported
+
+# isort: split
+import tensorflow as tf
 
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
-from . import gradient_engine, tensorflow_moe
+from . import gradient_engine, tensorflow_moe, tensorflow_user
 from .base import (
     OPTIMIZER_SLOTS,
     BackendBase,
     EvalStats,
     StepStats,
+    build_agreed,
     model_part,
     with_model_prefix,
 )
+
+tf_env.quiet_python_loggers()
 
 
 def probe() -> dict:
@@ -84,12 +88,64 @@ def evaluate_with(eval_fn, x, y) -> EvalStats:
     return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
 
 
+def _keras_global_seed_generator(create: bool = False):
+    """Keras's process-wide SeedGenerator (keras.random.* with seed=None): the one in
+    use, or (create=True) the one a later trace will use, made now to take a state."""
+    try:
+        from keras.src.backend.common import global_state
+        from keras.src.random.seed_generator import global_seed_generator
+    except ImportError:  # pragma: no cover - another Keras layout
+        return None
+    if create:
+        return global_seed_generator()
+    return global_state.get_global_attribute("global_seed_generator")
+
+
+def _seed_key(variable_key: str) -> str:
+    return "keras.seed." + variable_key.replace("/", ":")  # checkpoint keys have no '/'
+
+
+def _tf_global_generator():
+    """TF's global tf.random.Generator if one exists (never creates one: under op
+    determinism creating it is an error, and a fresh one would be seeded at random)."""
+    from tensorflow.python.ops import stateful_random_ops
+
+    return getattr(stateful_random_ops, "global_generator", None)
+
+
 def rng_state() -> dict[str, np.ndarray]:
-    return {}  # the zoo draws no random numbers inside TF (weights come from numpy)
+    """Every TF/Keras random stream random layers draw from, as arrays.
+
+    The zoo draws nothing inside TF (weights come from numpy); user Keras models do:
+    each layer's SeedGenerator (Dropout, GaussianNoise, ...; registered by
+    tensorflow_user), Keras's global seed generator (keras.random.* with seed=None) and
+    TF's global tf.random.Generator. Stateless op seeds need nothing; the hidden
+    counters of stateful ops (tf.random.normal without a generator) cannot be read.
+    """
+    out = {_seed_key(k): v.numpy().copy() for k, v in tensorflow_user.seed_states().items()}
+    keras_global = _keras_global_seed_generator()
+    if keras_global is not None:
+        out["keras.global_seed"] = keras_global.state.numpy().copy()
+    tf_global = _tf_global_generator()
+    if tf_global is not None:
+        out["tf.global_generator"] = tf_global.state.numpy().copy()
+    return out
 
 
 def set_rng_state(state: dict[str, np.ndarray]) -> None:
-    pass
+    """Put back what `rng_state` took, into the same variables (traced functions hold
+    them), so dropout masks and noise continue exactly where the checkpoint stopped."""
+    for k, var in tensorflow_user.seed_states().items():
+        if _seed_key(k) in state:
+            var.assign(np.asarray(state[_seed_key(k)], dtype=var.dtype))
+    keras_global = _keras_global_seed_generator(create="keras.global_seed" in state)
+    if keras_global is not None and "keras.global_seed" in state:
+        keras_global.state.assign(
+            np.asarray(state["keras.global_seed"], dtype=keras_global.state.dtype)
+        )
+    tf_global = _tf_global_generator()
+    if tf_global is not None and "tf.global_generator" in state:
+        tf_global.reset(np.asarray(state["tf.global_generator"], dtype=np.int64))
 
 
 def net_weights(net) -> OrderedDict[str, np.ndarray]:
@@ -229,18 +285,6 @@ class ZooNet(tf.Module):
         return x + h
 
 
-class _KerasNet:
-    """A user's Keras model behind the same small surface as ZooNet."""
-
-    def __init__(self, model):
-        self.model = model
-        self.vars = OrderedDict((v.path, v) for v in model.trainable_variables)
-        self.buffers = OrderedDict((v.path, v) for v in model.non_trainable_variables)
-
-    def __call__(self, x, training=False):
-        return self.model(x, training=training)
-
-
 def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int):
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
@@ -359,7 +403,7 @@ class TensorFlowBackend(BackendBase):
             self.hvd = hvd
             fp16 = cfg.train["compression"] == "fp16"
             self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-        self.net = build_model(cfg.model, inp, seed)
+        self.net = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
         self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]

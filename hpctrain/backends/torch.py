@@ -27,6 +27,7 @@ from .base import (
     BackendBase,
     EvalStats,
     StepStats,
+    build_agreed,
     model_part,
     with_model_prefix,
 )
@@ -287,7 +288,7 @@ class TorchBackend(BackendBase):
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        self.model = build_model(cfg.model, inp, seed)
+        self.model = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         ocfg = cfg.optimizer
         dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
