@@ -17,6 +17,18 @@ import numpy as np
 from ..errors import ConfigError
 from ..models import user, zoo
 
+_SEED_STATES: OrderedDict = OrderedDict()  # the process's user model's seed states
+
+
+def _is_seed_state(variable) -> bool:
+    """A keras.random.SeedGenerator's state (the variable name Keras gives it)."""
+    return variable.name == "seed_generator_state"
+
+
+def seed_states() -> OrderedDict:
+    """Key -> state variable of every SeedGenerator in the user model built last."""
+    return _SEED_STATES
+
 
 def keras_input_shape(inp: zoo.InputSpec) -> tuple[int, ...]:
     """One sample as the Keras model sees it: images channels last."""
@@ -41,10 +53,19 @@ class KerasUserNet:
         self.index_variables()
 
     def index_variables(self) -> None:
-        """(Re)read the model's variables; a model built lazily has them after a call."""
+        """(Re)read the model's variables; a model built lazily has them after a call.
+
+        The states of the layers' SeedGenerators (Dropout, GaussianNoise, ...) are random
+        state, not weights: they are never averaged, broadcast or cast to float with the
+        buffers; the backend's `rng_state()` checkpoints them per rank instead.
+        """
         m = self.model
         self.vars = OrderedDict((variable_key(m, v.path), v) for v in m.trainable_variables)
-        self.buffers = OrderedDict((variable_key(m, v.path), v) for v in m.non_trainable_variables)
+        rest = [(variable_key(m, v.path), v) for v in m.non_trainable_variables]
+        self.buffers = OrderedDict((k, v) for k, v in rest if not _is_seed_state(v))
+        self.seed_states = OrderedDict((k, v) for k, v in rest if _is_seed_state(v))
+        _SEED_STATES.clear()
+        _SEED_STATES.update(self.seed_states)
 
     def __call__(self, x, training=False):
         if self.channels_last:
@@ -63,6 +84,11 @@ def build_user_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> KerasUse
     shape = keras_input_shape(inp)
     kwargs = user.builder_kwargs(fn, model_cfg, shape, inp.classes)
     keras.utils.set_random_seed(seed)
+    import tensorflow as tf
+
+    # A seeded global generator (the one `tf.random.get_global_generator()` returns):
+    # without one TF seeds it at random, or refuses it under op determinism.
+    tf.random.set_global_generator(tf.random.Generator.from_seed(seed))
     model = user.call_builder(fn, name, kwargs)
     if not isinstance(model, keras.Model):
         raise ConfigError(
