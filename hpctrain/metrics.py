@@ -7,6 +7,7 @@ samples_per_sec; null where not measured) so tools can read any line the same wa
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -15,7 +16,51 @@ import time
 import types
 from pathlib import Path
 
+from .errors import HpctrainError
+from .runtime import diskspace
+
 CORE_KEYS = ("event", "epoch", "step", "loss", "val_loss", "val_accuracy", "samples_per_sec")
+
+
+class _LineLog:
+    """An append-only text file that holds whole lines only.
+
+    A line that does not fit (a full disk) is cut back off, and a partial last line
+    left by a crash is dropped when the file is opened again, so every line a reader
+    finds is a complete record.
+    """
+
+    def __init__(self, path: Path):
+        self.path = path
+        self._fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, 0o644)
+        self._drop_partial_line()
+
+    def _drop_partial_line(self) -> None:
+        size = os.fstat(self._fd).st_size
+        end = size
+        while end > 0:
+            start = max(0, end - 4096)
+            chunk = os.pread(self._fd, end - start, start)
+            cut = chunk.rfind(b"\n")
+            if cut >= 0:
+                end = start + cut + 1
+                break
+            end = start
+        if end != size:
+            os.ftruncate(self._fd, end)
+
+    def append(self, line: str) -> None:
+        data = memoryview(line.encode())
+        start = os.lseek(self._fd, 0, os.SEEK_END)
+        try:
+            while data:
+                data = data[os.write(self._fd, data) :]
+        except OSError:
+            os.ftruncate(self._fd, start)  # shrinking needs no space
+            raise
+
+    def close(self) -> None:
+        os.close(self._fd)
 
 
 def _clean(value):
@@ -33,12 +78,14 @@ class MetricsWriter:
         self.enabled = enabled and run_dir is not None
         self._jsonl = None
         self._tb = None
+        self._failed = False
         if not self.enabled:
             return
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
+        self._run_dir = run_dir
         if jsonl:
-            self._jsonl = open(run_dir / "metrics.jsonl", "a", buffering=1)  # noqa: SIM115
+            self._jsonl = _LineLog(run_dir / "metrics.jsonl")
         if tensorboard:
             # tensorboard imports TensorFlow when it is installed unless the module
             # tensorboard.compat.notf exists; its stub writes the same event files, and a
@@ -55,10 +102,23 @@ class MetricsWriter:
         if not self.enabled:
             return record
         if self._jsonl is not None:
-            self._jsonl.write(json.dumps(record, sort_keys=False) + "\n")
+            with self._disk_errors(self._jsonl.path):
+                self._jsonl.append(json.dumps(record, sort_keys=False) + "\n")
         if self._tb is not None and record.get("step") is not None:
-            self._scalars(event, record)
+            with self._disk_errors(self._run_dir / "tb"):
+                self._scalars(event, record)
         return record
+
+    @contextlib.contextmanager
+    def _disk_errors(self, path: Path):
+        """A full disk (or another write error) stops the run with one line naming the
+        file and the free space; rank 0 alone writes, so fail-together ends every rank."""
+        try:
+            yield
+        except OSError as exc:
+            self.enabled, self._failed = False, True  # nothing more is written
+            why = diskspace.no_space(path) if diskspace.is_full(exc) else str(exc)
+            raise HpctrainError(f"metrics: cannot write {path}: {why}") from exc
 
     def _scalars(self, event: str, record: dict):
         from tensorboard.compat.proto.event_pb2 import Event
@@ -85,8 +145,13 @@ class MetricsWriter:
             self._jsonl.close()
             self._jsonl = None
         if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+            tb, self._tb = self._tb, None
+            if self._failed:  # already reported: closing must not raise a second error
+                with contextlib.suppress(Exception):
+                    tb.close()
+                return
+            with self._disk_errors(self._run_dir / "tb"):
+                tb.close()
 
 
 LAUNCHERS = ("mpirun", "mpiexec", "orterun", "prterun", "horovodrun")

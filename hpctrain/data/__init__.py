@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..errors import DataError
 from ..models.zoo import InputSpec
+from ..runtime.diskspace import check_room
 from .dataset import (
     DataOptions,
     DatasetInfo,
@@ -16,7 +17,7 @@ from .dataset import (
     with_classes,
 )
 from .sharded import BenchmarkData, ShardedTrainData, iterate_val
-from .synthetic import generate_from_config, synthetic_name, write_dataset
+from .synthetic import estimated_bytes, generate_from_config, synthetic_name, write_dataset
 
 __all__ = [
     "BenchmarkData",
@@ -58,9 +59,15 @@ def prepare_dataset(cfg, world, run_dir: Path) -> DatasetInfo:
     if dcfg["source"] == "synthetic":
         path = Path(run_dir) / "data" / synthetic_name(dcfg)
         if world.rank == 0 and not path.exists():
+            # a full disk is refused before generating (the write checks again)
+            full = check_room(path.parent, estimated_bytes(dcfg))
             try:
+                if full:
+                    raise DataError(f"cannot write synthetic dataset {path}: {full}")
                 splits, attrs = generate_from_config(dcfg)
                 write_dataset(path, splits, attrs)
+            except DataError as exc:
+                error = str(exc)
             except Exception as exc:  # noqa: BLE001 - reported on every rank below
                 error = f"could not write synthetic dataset {path}: {exc}"
         world.agree(error, error_type=DataError)

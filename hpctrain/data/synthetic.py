@@ -7,16 +7,21 @@
 - tokens: sequences from a random, peaked Markov chain: a language model learns the
   transitions; the best achievable next-token accuracy is printed with the data.
 
-Everything is a pure function of the seed; files are written atomically.
+Everything is a pure function of the seed; files are written atomically, and a full
+disk is one message naming the file and the free space.
 """
 
 from __future__ import annotations
 
+import io
 import os
 from pathlib import Path
 
 import h5py
 import numpy as np
+
+from ..errors import DataError
+from ..runtime import diskspace
 
 FORMAT = "hpctrain-dataset-1"
 
@@ -104,11 +109,17 @@ def generate(
 
 
 def write_dataset(path: str | Path, splits: dict, attrs: dict, chunk_rows: int = 256) -> Path:
-    """Write /train/{x,y} and /val/{x,y} (row-chunked) atomically to `path`."""
+    """Write /train/{x,y} and /val/{x,y} (row-chunked) atomically to `path`.
+
+    The HDF5 image is built in memory and written with plain writes: HDF5 crashes (a
+    segmentation fault) when its file driver meets a full disk, plain writes raise
+    ENOSPC. A failed write removes the temporary file and the final name appears only
+    after a complete, fsynced write, so a partial data set is never taken for one.
+    Raises DataError naming the path and the free space when the disk is full.
+    """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with h5py.File(tmp, "w") as f:
+    image = io.BytesIO()
+    with h5py.File(image, "w") as f:
         f.attrs["format"] = FORMAT
         for key, value in attrs.items():
             f.attrs[key] = value
@@ -117,10 +128,38 @@ def write_dataset(path: str | Path, splits: dict, attrs: dict, chunk_rows: int =
             for name, arr in (("x", x), ("y", y)):
                 chunks = (min(chunk_rows, max(1, len(arr))), *arr.shape[1:])
                 g.create_dataset(name, data=arr, chunks=chunks)
-        f.flush()
-        os.fsync(f.id.get_vfd_handle())
-    os.replace(tmp, path)
+    data = image.getbuffer()
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        problem = diskspace.check_room(path.parent, data.nbytes)
+        if problem:
+            raise DataError(f"cannot write synthetic dataset {path}: {problem}")
+        with open(tmp, "wb") as out:
+            out.write(data)
+            out.flush()
+            os.fsync(out.fileno())
+        os.replace(tmp, path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        if diskspace.is_full(exc):
+            raise DataError(
+                f"cannot write synthetic dataset {path}: {diskspace.no_space(path, data.nbytes)}"
+            ) from exc
+        raise
     return path
+
+
+def estimated_bytes(dcfg: dict) -> int:
+    """About how many bytes the data set of `dcfg` takes on disk (checked before generating)."""
+    n = dcfg["train_samples"] + dcfg["val_samples"]
+    if dcfg["task"] == "vectors":
+        row = dcfg["features"] * 4 + 8
+    elif dcfg["task"] == "images":
+        row = dcfg["channels"] * dcfg["image_size"] ** 2 * 4 + 8
+    else:
+        row = dcfg["seq_len"] * 8 * 2
+    return n * row + 64 * 1024  # plus HDF5 metadata
 
 
 def synthetic_name(dcfg: dict) -> str:

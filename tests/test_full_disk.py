@@ -1,0 +1,99 @@
+"""Full disks never crash or corrupt: the synthetic data set and the metrics log on a
+small tmpfs (mounted and unmounted here; needs root), under real mpirun."""
+
+import contextlib
+import json
+import os
+import subprocess
+
+import pytest
+from mpirun import HPCTRAIN, mpirun
+
+from hpctrain.data import synthetic
+from hpctrain.errors import DataError
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
+
+SMALL = ["train.epochs=1", "model.hidden=[16]", "checkpoint.enabled=false"]
+
+
+@contextlib.contextmanager
+def tmpfs(path, size: str):
+    path.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], check=True)
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def _train(np_, run_dir, *overrides, timeout=240):
+    args = [HPCTRAIN, "train", "--run-dir", str(run_dir)]
+    for o in [*SMALL, *overrides]:
+        args += ["--set", o]
+    return mpirun(np_, *args, timeout=timeout)
+
+
+def test_a_synthetic_data_set_too_big_for_the_disk_is_refused_on_every_rank(tmp_path):
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        job = _train(2, disk / "run", "data.train_samples=20000", "data.features=32")
+        assert job.returncode == 2, job.output  # an agreed error, not a crash (139/-11)
+        assert "Segmentation fault" not in job.output and "Traceback" not in job.output
+        assert "cannot write synthetic dataset" in job.output, job.output
+        assert f"no space left on the disk of {disk / 'run' / 'data'}" in job.output
+        assert "MiB free" in job.output and "needed" in job.output
+        data = disk / "run" / "data"
+        assert not data.exists() or not list(data.iterdir())  # no file to mistake for data
+
+
+def test_a_disk_that_fills_while_writing_the_data_set_leaves_no_file(tmp_path, monkeypatch):
+    # The free-space check passes (as when another job fills the disk meanwhile): the
+    # write itself meets ENOSPC, where HDF5 used to crash with a segmentation fault.
+    monkeypatch.setattr(synthetic.diskspace, "check_room", lambda path, need: None)
+    splits, attrs = synthetic.generate("vectors", 20000, 100, 0)
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        with pytest.raises(DataError, match=r"no space left on the disk of .*x\.h5 \(\d"):
+            synthetic.write_dataset(disk / "data" / "x.h5", splits, attrs)
+        assert list((disk / "data").iterdir()) == []
+
+
+def test_metrics_on_a_full_disk_stop_the_job_with_one_line_and_whole_lines(tmp_path):
+    # The data set lives elsewhere; the run directory's disk fills while metrics grow.
+    data = synthetic.write_dataset(
+        tmp_path / "data.h5", *synthetic.generate("vectors", 4096, 256, 0)
+    )
+    with tmpfs(tmp_path / "disk", "64k") as disk:
+        run = disk / "run"
+        run.mkdir()
+        (disk / "filler").write_bytes(b"0" * (64 * 1024 - 3 * 4096 - 100))  # ~2 pages left
+        job = _train(
+            2,
+            run,
+            "data.source=hdf5",
+            f"data.path={data}",
+            "train.batch_size=8",
+            "train.log_every=1",
+            "train.epochs=3",
+            "metrics.tensorboard=false",
+        )
+        assert job.returncode != 0 and job.returncode not in (139, -11), job.output
+        assert "Traceback" not in job.output, job.output
+        assert f"metrics: cannot write {run / 'metrics.jsonl'}: no space left on the disk" in (
+            job.output
+        )
+        assert job.output.count("metrics: cannot write") == 1
+        lines = (run / "metrics.jsonl").read_bytes().split(b"\n")
+        assert lines[-1] == b""  # ends with a whole line
+        records = [json.loads(x) for x in lines[:-1]]
+        assert len(records) > 5 and all("event" in r for r in records)
+
+
+def test_a_partial_last_line_left_by_a_crash_is_dropped_on_reopen(tmp_path):
+    from hpctrain.metrics import MetricsWriter
+
+    (tmp_path / "metrics.jsonl").write_text('{"event": "step", "step": 1}\n{"event": "st')
+    w = MetricsWriter(tmp_path, True, tensorboard=False)
+    w.write("step", step=2)
+    w.close()
+    records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
