@@ -84,3 +84,29 @@ def test_no_warning_in_a_normal_run():
     assert job.returncode == 0, job.output
     assert "normal run finished: 4" in job.output
     assert "WARNING" not in job.output and "FATAL" not in job.output
+
+
+def test_a_rank_stopped_during_training_is_named_in_the_gradient_allreduce(tmp_path):
+    run = tmp_path / "run"
+    sets = [
+        "train.allreduce=mpi",
+        "runtime.collective_timeout=6",
+        "train.epochs=100",
+        "data.train_samples=512",
+        "train.batch_size=16",
+        "metrics.tensorboard=false",
+        "checkpoint.enabled=false",
+    ]
+    args = [str(ROOT / "tests" / "scripts" / "stall_train.py"), str(run)]
+    for s in sets:
+        args += ["--set", s]
+    job = mpirun(2, PYTHON, *args, env={"STOP_RANK": "1"}, timeout=180)
+    assert job.returncode != 0
+    assert re.search(
+        r"FATAL: watchdog: '[^']+' \(collective #\d+\) did not finish within 6 s: "
+        r"rank\(s\) 1 did not answer the liveness probe",
+        job.output,
+    ), job.output
+    report = next(run.glob("stall-report-*.txt")).read_text()
+    assert "=== rank 1: no answer to the liveness probe ===" in report
+    assert "=== rank 0 on " in report and "still inside" in report
