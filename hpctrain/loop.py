@@ -85,6 +85,8 @@ class TrainingLoop:
         log.debug("allocator: %s", allocator.status())
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
+        w.set_report_dir(self.run_dir)  # stall reports land beside the run's metrics
+        w.set_stall_warning(cfg.runtime["stall_warning"])
         self._claim_run_dir(resume, overwrite, new)
         threads = cfg.runtime["threads"]
         if threads is None:

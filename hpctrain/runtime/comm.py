@@ -79,6 +79,7 @@ class GuardedComm:
         if error_type is not RankErrors:
             exc = error_type(str(exc))
         exc.agreed = True
+        exc.rank, exc.size = self.rank, self.size  # for printing it once (failfast)
         raise exc
 
     def any_flag(self, flag: bool, what: str = "agree on a flag") -> bool:

@@ -76,8 +76,12 @@ def run_fail_together(fn, *args, **kwargs) -> int:
             # Only this rank knows about the problem: the others must not wait for it.
             w.abort(text, EXIT_USER_ERROR)
         sys.stdout.flush()
-        if w is None or w.rank == 0 or is_verbose():
-            sys.stderr.write(f"{_rank_tag()} {text}\n")
+        # An error agreed while the World was being built has no registered World yet:
+        # the agreement recorded this rank on the exception.
+        rank = w.rank if w is not None else getattr(exc, "rank", None)
+        if rank in (None, 0) or is_verbose():
+            tag = _rank_tag() if w is not None or rank is None else f"[rank {rank}/{exc.size}]"
+            sys.stderr.write(f"{tag} {text}\n")
             sys.stderr.flush()
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
