@@ -19,6 +19,7 @@ from .version import __version__
 COMMAND_MODULES: list[str] = [
     "hpctrain.slurm.cli",
     "hpctrain.checkpoint.cli",
+    "hpctrain.cluster.cli",
 ]
 
 LAUNCH_HELP = """\

@@ -1,0 +1,238 @@
+"""`hpctrain cluster`, the emulated multi-node cluster, as a tool: names, addresses,
+arguments and refusals (no root needed), then up/down on this machine (root): it makes
+what it says, removes exactly that, leaves /etc/hosts as it found it, cleans up after a
+killed session, and refuses clearly without the capabilities it needs."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+from cluster import unavailable_reason
+from mpirun import HPCTRAIN
+
+from hpctrain.cluster import ClusterError, Lock, Plan, link_rate, mpirun_args, netns, session
+from hpctrain.cluster.agent import agent_script, on_node, write_agent
+from hpctrain.cluster.plan import HOSTS_TAG, tbf_args
+from hpctrain.cluster.system import add_hosts_lines, remove_hosts_lines, tagged_hosts_lines
+
+
+# --- plan: pure, no root ------------------------------------------------------------------
+def test_link_speeds_and_their_refusal():
+    assert link_rate("1gbit") == 1e9
+    assert link_rate("10GBIT") == 10e9
+    assert link_rate("25gbit") == 25e9
+    assert link_rate("100mbit") == 1e8
+    assert link_rate("none") is None
+    for bad in ("fast", "10gbps", "0gbit", "-1gbit", ""):
+        with pytest.raises(ClusterError, match="is not a link speed: use one of 1gbit"):
+            link_rate(bad)
+
+
+def test_token_bucket_holds_a_gso_packet_but_not_a_gradient():
+    for rate in (1e9, 10e9, 25e9):
+        args = tbf_args(rate)
+        burst = int(args[args.index("burst") + 1])
+        assert burst >= 64 * 1024  # a GSO super-packet must fit, or nothing passes
+        assert burst <= 1 << 20  # a few-MB gradient cannot ride the burst
+        assert args[args.index("rate") + 1] == f"{int(rate)}bit"
+
+
+def test_plan_names_addresses_hosts_and_hostfile():
+    plan = Plan(3, "10gbit")
+    nodes = plan.node_list()
+    assert [n.name for n in nodes] == ["hpcn1", "hpcn2", "hpcn3"]
+    assert [n.address for n in nodes] == ["10.213.0.11/24", "10.213.0.12/24", "10.213.0.13/24"]
+    assert [n.veth for n in nodes] == ["hpcn1-veth", "hpcn2-veth", "hpcn3-veth"]
+    assert all(len(n.veth) <= 15 for n in Plan(200).node_list())  # Linux IFNAMSIZ
+    assert plan.bridge_address == "10.213.0.1/24"
+    assert plan.hosts_lines()[1] == f"10.213.0.12 hpcn2 {HOSTS_TAG}"
+    assert plan.hostfile_text(2) == "hpcn1 slots=2\nhpcn2 slots=2\nhpcn3 slots=2\n"
+    assert Plan(1, subnet="10.99.8.0/24").node_list()[0].address == "10.99.8.11/24"
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"nodes": 0}, "--nodes must be between 1 and 200"),
+        ({"nodes": 201}, "--nodes must be between 1 and 200"),
+        ({"nodes": 2, "subnet": "10.213.0.0/28"}, "must be an IPv4 network of /24 or larger"),
+        ({"nodes": 2, "subnet": "10.213.0.5/24"}, "is not a network"),
+        ({"nodes": 2, "link": "warp"}, "is not a link speed"),
+    ],
+)
+def test_bad_plans_are_refused_naming_the_option(kwargs, message):
+    with pytest.raises(ClusterError, match=message):
+        Plan(**kwargs)
+
+
+def test_mpirun_arguments_confine_open_mpi_to_the_cluster():
+    args = mpirun_args(Plan(2), "/run/x/rsh-agent", per_node=2)
+    pairs = {args[i + 1]: args[i + 2] for i, a in enumerate(args) if a == "--mca"}
+    assert pairs["plm_rsh_agent"] == "/run/x/rsh-agent"
+    assert pairs["btl"] == "self,vader,tcp"
+    assert pairs["btl_tcp_if_include"] == pairs["oob_tcp_if_include"] == "10.213.0.0/24"
+    assert int(pairs["oob_tcp_keepalive_time"]) <= 5  # a vanished node is noticed in seconds
+    assert args[args.index("--host") + 1] == "hpcn1:2,hpcn2:2"
+    with pytest.raises(ClusterError, match="--per-node must be at least 1"):
+        mpirun_args(Plan(2), "a", per_node=0)
+
+
+def test_on_node_passes_arguments_without_a_shell():
+    argv = on_node("hpcn2", ["echo", "a b", "[32]", "$HOME"])
+    assert argv[:4] == ["ip", "netns", "exec", "hpcn2"]
+    assert argv[-4:] == ["echo", "a b", "[32]", "$HOME"]  # exec "$@": no word splitting
+
+
+def test_rsh_agent_refuses_a_host_that_is_not_a_node(tmp_path):
+    agent = write_agent(tmp_path / "rsh-agent", ["hpcn1", "hpcn2"])
+    assert "hpcn1 hpcn2" in agent_script(["hpcn1", "hpcn2"])
+    proc = subprocess.run(
+        [str(agent), "-x", "somehost", "orted", "--foo"], capture_output=True, text=True, timeout=30
+    )
+    assert proc.returncode == 255
+    assert "'somehost' is not a node of the emulated cluster (hpcn1 hpcn2)" in proc.stderr
+
+
+def test_hosts_lines_are_added_and_removed_leaving_the_rest_byte_identical(tmp_path):
+    hosts = tmp_path / "hosts"
+    original = "127.0.0.1 localhost\n# a comment\n10.0.0.5 db  # hpctrain-cluster-not\n"
+    hosts.write_text(original)
+    inode = hosts.stat().st_ino
+    lines = Plan(2).hosts_lines()
+    add_hosts_lines(lines, HOSTS_TAG, hosts)
+    add_hosts_lines(lines, HOSTS_TAG, hosts)  # twice: still one copy
+    assert tagged_hosts_lines(HOSTS_TAG, hosts) == lines
+    assert remove_hosts_lines(HOSTS_TAG, hosts) == 2
+    assert hosts.read_text() == original
+    assert hosts.stat().st_ino == inode  # rewritten in place (it may be a bind mount)
+
+
+def test_lock_names_its_holder(tmp_path):
+    first, second = Lock(tmp_path), Lock(tmp_path)
+    first.acquire(0, "pytest first")
+    try:
+        with pytest.raises(ClusterError, match=r"in use by pid \d+ \(pytest first\)"):
+            second.acquire(0.6, "second")
+    finally:
+        first.release()
+    second.acquire(0, "second")
+    second.release()
+
+
+# --- on this machine: needs root ----------------------------------------------------------
+needs_root = pytest.mark.skipif(unavailable_reason() is not None, reason=str(unavailable_reason()))
+
+
+def _hpctrain(*args, prefix=(), timeout=60):
+    return subprocess.run(
+        [*prefix, HPCTRAIN, "cluster", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_refusal_without_the_capabilities_names_them():
+    if subprocess.run(["which", "setpriv"], capture_output=True).returncode != 0:
+        pytest.skip("setpriv (util-linux) is not installed")
+    drop = ["setpriv", "--bounding-set=-net_admin,-sys_admin"]
+    if subprocess.run([*drop, "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot drop capabilities here (setpriv --bounding-set refused)")
+    proc = _hpctrain("up", "--nodes", "2", prefix=drop)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr  # one line, no traceback
+    assert "needs root: this process lacks CAP_NET_ADMIN and CAP_SYS_ADMIN" in proc.stderr
+
+
+@needs_root
+def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
+    hosts_before = Path("/etc/hosts").read_text()
+    lock = Lock()
+    lock.acquire(600, "pytest test_cluster_tool")
+    other_ns = "hpctest-not-ours"
+    try:
+        netns.down()  # leftovers of a killed earlier run, if any
+        subprocess.run(["ip", "netns", "add", other_ns], check=True, timeout=30)
+        state = netns.up(Plan(2, "1gbit"), owner="pytest")
+        assert state["complete"] and state["nodes"] == ["hpcn1", "hpcn2"]
+        info = netns.status()
+        assert info["nodes"]["hpcn2"]["link"] == "up"
+        assert info["nodes"]["hpcn2"]["shaped_bps"] == 1e9
+        assert "10.213.0.12 hpcn2 # hpctrain-cluster" in Path("/etc/hosts").read_text()
+        # The agent runs a command inside the node, under the node's name.
+        proc = subprocess.run(
+            [state["agent"], "hpcn2", "hostname;", "ip", "-4", "-o", "addr", "show", "eth0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert proc.stdout.splitlines()[0] == "hpcn2"
+        assert "10.213.0.12/24" in proc.stdout
+        netns.set_link("hpcn2", False)
+        assert netns.status()["nodes"]["hpcn2"]["link"] == "down"
+        netns.shape("none")
+        assert netns.status()["nodes"]["hpcn1"]["shaped_bps"] is None
+        with pytest.raises(ClusterError, match="already up"):
+            netns.up(Plan(2), owner="pytest")
+        removed = netns.down()
+        assert "namespace hpcn1" in removed and "bridge hpcbr0" in removed
+    finally:
+        netns.down()
+        subprocess.run(["ip", "netns", "del", other_ns], timeout=30)
+        lock.release()
+    assert not netns.leftovers()
+    assert Path("/etc/hosts").read_text() == hosts_before
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "hpcn" not in listed
+
+
+@needs_root
+def test_a_subnet_already_in_use_is_refused():
+    # Read-only: needs no lock, and runs while another session holds the cluster.
+    used = subprocess.run(
+        ["ip", "-4", "-o", "route", "show", "scope", "link"], capture_output=True, text=True
+    ).stdout.split()
+    if not used:
+        pytest.skip("no link-scope IPv4 route on this machine to collide with")
+    subnet = used[0] if "/" in used[0] else f"{used[0]}/32"
+    if int(subnet.split("/")[1]) > 24:
+        pytest.skip(f"{subnet} is narrower than the /24 a cluster needs")
+    with pytest.raises(ClusterError, match=f"--subnet {subnet} is in use"):
+        netns.check_subnet_free(Plan(2, subnet=subnet))
+    assert not netns.leftovers()
+
+
+@needs_root
+def test_a_session_cleans_up_after_a_killed_one():
+    lock = Lock()
+    lock.acquire(600, "pytest test_cluster_tool")
+    try:
+        netns.down()
+        netns.up(Plan(2), owner="a session that was then killed")
+    finally:
+        lock.release()  # as the kernel does when the holder dies
+    with session(nodes=3, what="pytest test_cluster_tool") as c:
+        assert c.nodes == ["hpcn1", "hpcn2", "hpcn3"]
+        assert netns.read_state()["owner"] == "pytest test_cluster_tool"
+    assert not netns.leftovers()
+
+
+@needs_root
+def test_cli_up_mpirun_args_and_down(tmp_path):
+    lock = Lock()
+    lock.acquire(600, "pytest test_cluster_tool")
+    lock.release()  # waited for any running session; the CLI takes it itself
+    up = _hpctrain("up", "--nodes", "2", "--link", "10gbit")
+    try:
+        assert up.returncode == 0, up.stderr
+        assert "cluster up: 2 node(s) (hpcn1 10.213.0.11, hpcn2 10.213.0.12)" in up.stdout
+        args = _hpctrain("mpirun-args", "--per-node", "2").stdout.split()
+        assert args[args.index("--host") + 1] == "hpcn1:2,hpcn2:2"
+        status = _hpctrain("status")
+        assert status.returncode == 0 and "10 Gbit/s" in status.stdout, status.stdout
+        run = _hpctrain("run", "--node", "hpcn2", "--", "hostname")
+        assert run.returncode == 0 and run.stdout.strip() == "hpcn2", run.stderr
+    finally:
+        down = _hpctrain("down")
+    assert down.returncode == 0, down.stderr
+    assert _hpctrain("status").returncode == 1
