@@ -20,11 +20,13 @@ CONTENDERS = {
     "hpctrain": "hpctrain train",
     "raw_horovod": "raw Horovod (defaults)",
     "mpi4py": "mpi4py Allreduce (sync)",
+    "ddp_gloo": "torch DDP (Gloo)",
 }
 BASELINE_SCRIPT = {
     ("raw_horovod", "torch"): ["benchmarks/baselines/raw_horovod_torch.py"],
     ("raw_horovod", "tensorflow"): ["benchmarks/baselines/raw_horovod_tf.py"],
     ("mpi4py", "torch"): ["benchmarks/baselines/mpi4py_allreduce.py", "--backend", "torch"],
+    ("ddp_gloo", "torch"): ["benchmarks/baselines/ddp_gloo.py"],
     ("mpi4py", "tensorflow"): [
         "benchmarks/baselines/mpi4py_allreduce.py",
         "--backend",
@@ -63,7 +65,7 @@ def plan(quick: bool) -> dict:
 def contenders(p, backend, model, np_) -> list[str]:
     """Who runs at this point of the plan: hpctrain always, baselines where planned."""
     if model in p["baseline_models"][backend] and np_ in p["baseline_ranks"]:
-        return list(CONTENDERS)
+        return [k for k in CONTENDERS if k == "hpctrain" or (k, backend) in BASELINE_SCRIPT]
     return ["hpctrain"]
 
 
