@@ -96,12 +96,12 @@ class TrainingLoop:
         self.threads = threads
         self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
         self.strategy.loop = self  # strategies with serving ranks need the loop's hooks
-        self._write_config()
         self.grid = self.strategy.grid
         self.data = self.strategy.data  # None on ranks that serve
         self.state = TrainState()
         self.checkpoints = RunCheckpoints(self)
         self.resumed_from = self.checkpoints.resume(resume)
+        self._write_config()  # only now: a refused resume leaves the earlier run's file
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch
         total = self.steps_per_epoch * tcfg["epochs"]

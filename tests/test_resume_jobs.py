@@ -100,6 +100,7 @@ def test_checkpoint_from_four_ranks_resumes_on_two_and_one_rank(tmp_path):
     ]:
         run = tmp_path / f"cont-{name}"
         shutil.copytree(src / "checkpoints", run / "checkpoints")
+        shutil.copy(src / "config.yaml", run / "config.yaml")  # --resume auto checks it
         weights, job = _run(
             tmp_path, name, np_, run, f"train.batch_size={batch}", "train.epochs=1", resume="auto"
         )
