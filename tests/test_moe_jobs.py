@@ -100,6 +100,28 @@ def test_two_ranks_equal_one_rank_with_double_batch_when_nothing_is_dropped(tmp_
     )
 
 
+def test_moe_combines_with_data_parallelism_two_groups_by_two_replicas(tmp_path):
+    # np=4 with parallel.expert=2: tokens are exchanged within 2 expert groups of 2 ranks,
+    # and each expert's 2 copies average their gradients over the grid's data axis.
+    common = [
+        "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
+        "train.max_steps=4",
+        "optimizer.name=sgd",
+        "optimizer.lr=0.1",
+        "train.clip_norm=0.5",
+    ]
+    ref, ref_steps = _train(tmp_path, "np1", 1, *common, "train.batch_size=16")
+    got, got_steps = _train(tmp_path, "np4", 4, *common, "train.batch_size=4", "parallel.expert=2")
+    config = (tmp_path / "np4.npz.run" / "config.yaml").read_text()
+    assert "expert: 2" in config
+    assert ref.keys() == got.keys()
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(
+        [s["loss"] for s in got_steps], [s["loss"] for s in ref_steps], atol=1e-5
+    )
+
+
 def test_experts_not_divisible_by_ranks_stops_every_rank(tmp_path):
     job = mpirun(
         2,
