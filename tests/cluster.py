@@ -53,7 +53,7 @@ def two_nodes():
         print(f"\nmulti-node tests skipped: {reason}")
         pytest.skip(reason)
     try:
-        with session(nodes=2, link="none", wait=600, what="pytest multi-node tier") as c:
+        with session(nodes=2, link="none", wait=240, what="pytest multi-node tier") as c:
             yield c
     except ClusterUnavailable as exc:
         print(f"\nmulti-node tests skipped: {exc}")

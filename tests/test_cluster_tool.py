@@ -236,3 +236,25 @@ def test_cli_up_mpirun_args_and_down(tmp_path):
         down = _hpctrain("down")
     assert down.returncode == 0, down.stderr
     assert _hpctrain("status").returncode == 1
+
+
+# --- what `make bench` derives from the cluster's measurements ----------------------------
+def test_network_section_overlap_ratio_and_projection_by_hand():
+    from benchmarks.sections import network
+
+    compute = {"step": {"mean": 0.020}}
+    rows = [
+        {"step": {"mean": 0.050}},  # compute then comm: no overlap
+        {"step": {"mean": 0.030}},  # compute hidden entirely behind comm
+        {"step": {"mean": 0.040}},  # half of it hidden
+        {"step": {"mean": 0.060}},  # costs more than both
+    ]
+    links = [{"comm": {"seconds": 0.030, "fit": {"alpha": 1e-4, "beta": 5e-9}}, "rows": rows}]
+    network._derive(compute, links, [1_000_000.0, 2_000_000.0])
+    assert [r["overlap"] for r in rows] == pytest.approx([0.0, 1.0, 0.5, -0.5])
+    assert [r["step_over_bound"] for r in rows] == pytest.approx([50 / 30, 1.0, 40 / 30, 2.0])
+    # compute + T(2, S) = 0.020 + 2·α + β·S = 0.020 + 0.0002 + 0.015
+    assert rows[0]["projection"]["no_overlap"] == pytest.approx(0.0352)
+    assert rows[0]["projection"]["error_no_overlap"] == pytest.approx(0.0352 / 0.050 - 1)
+    # overlap: only what outlasts 2/3 of the compute shows: 0.020 + (0.0152 - 0.01333)
+    assert rows[0]["projection"]["overlap"] == pytest.approx(0.020 + 0.0152 - 0.020 * 2 / 3)
