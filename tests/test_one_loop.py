@@ -148,6 +148,7 @@ def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
+    print(f"stopped pipeline peer: job ended {took:.1f} s after SIGSTOP (timeout {timeout} s)")
     assert proc.returncode != 0, out
     assert took < timeout + 10, (took, out)
     # stage 0 waits for stage 1's gradient (or, less often, for its step report)
