@@ -13,7 +13,9 @@ process group (mpirun and everything on both nodes) if it hangs.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -98,3 +100,172 @@ def finish(proc: subprocess.Popen, timeout: float, started: float | None = None)
 def launch(argv: list[str], timeout: float = 180, env: dict | None = None) -> Job:
     t0 = time.monotonic()
     return finish(start(argv, env), timeout, t0)
+
+
+# --- SLURM across the emulated nodes --------------------------------------------------------
+# slurmctld on this machine (reached at the bridge address), one slurmd inside each node's
+# namespace under the node's hostname, and a munged of their own on a private socket (so
+# the single-node SLURM tests' munged is neither needed nor disturbed). Each node gets its
+# own PMIx scratch directory (mpi.conf next to its own copy of slurm.conf): the nodes share
+# /tmp, where PMIx would otherwise create the same directory on both.
+SLURM_TWO_NODES_CONF = """\
+ClusterName=hpctrain-two-nodes
+SlurmctldHost={ctld_host}({ctld_addr})
+SlurmUser=root
+SlurmdUser=root
+AuthType=auth/munge
+AuthInfo=socket={munge}/munge.sock
+CredType=cred/munge
+ProctrackType=proctrack/linuxproc
+TaskPlugin=task/none
+SelectType=select/cons_tres
+SelectTypeParameters=CR_CPU
+SchedulerType=sched/backfill
+StateSaveLocation={d}/state
+SlurmdSpoolDir={d}/spool/%n
+SlurmctldPidFile={d}/slurmctld.pid
+SlurmdPidFile={d}/slurmd.%n.pid
+SlurmctldLogFile={d}/slurmctld.log
+SlurmdLogFile={d}/slurmd.%n.log
+SlurmctldPort={ctld_port}
+SlurmdPort={slurmd_port}
+MpiDefault=none
+ReturnToService=2
+JobCompType=jobcomp/none
+AccountingStorageType=accounting_storage/none
+JobAcctGatherType=jobacct_gather/none
+SlurmdParameters=config_overrides
+{nodes}
+PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
+"""
+
+
+def start_slurm_on(cluster, directory, timeout: float = 60):
+    """A SLURM cluster whose compute nodes are the emulated nodes; `.stop()` ends it."""
+    import socket
+    from pathlib import Path
+
+    from slurm_cluster import (
+        SlurmCluster,
+        SlurmUnavailable,
+        _daemonize,
+        _free_port,
+        _read_pid,
+        _tail,
+        _which,
+    )
+
+    if os.environ.get("HPCTRAIN_SKIP_SLURM") == "1":
+        raise SlurmUnavailable("HPCTRAIN_SKIP_SLURM=1 is set")
+    tools = {n: _which(n) for n in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")}
+    missing = [n for n, path in tools.items() if path is None]
+    if missing:
+        raise SlurmUnavailable(f"not installed: {', '.join(missing)} (see tools/install.sh)")
+    d = Path(directory)
+    for sub in ("state", *(f"spool/{n}" for n in cluster.nodes)):
+        (d / sub).mkdir(parents=True, exist_ok=True)
+    # munged runs as user munge: its directory cannot be inside pytest's private tmp.
+    munge = Path(cluster.state_dir) / "munge"
+    shutil.rmtree(munge, ignore_errors=True)
+    munge.mkdir(mode=0o755)
+    subprocess.run(["chown", "munge:munge", str(munge)], check=True, timeout=30)
+    conf_text = SLURM_TWO_NODES_CONF.format(
+        d=d,
+        munge=munge,
+        ctld_host=socket.gethostname(),
+        ctld_addr=cluster.state["bridge_address"].split("/")[0],
+        ctld_port=_free_port(),
+        slurmd_port=_free_port(),
+        nodes="\n".join(
+            f"NodeName={n} NodeAddr={cluster.state['addresses'][n]} CPUs=4 RealMemory=8000 "
+            "State=UNKNOWN"
+            for n in cluster.nodes
+        ),
+        node_list=",".join(cluster.nodes),
+    )
+    conf = d / "slurm.conf"
+    conf.write_text(conf_text)
+    env = dict(os.environ)
+    env.update(SLURM_CONF=str(conf), **ENV)
+    for var in [k for k in env if k.startswith(("SLURM_", "SBATCH_", "SRUN_"))]:
+        if var != "SLURM_CONF":
+            del env[var]
+    slurm = SlurmCluster(d, conf, env)
+    slurm.munge_dir = munge
+    try:
+        code = _daemonize(
+            [
+                "runuser",
+                "-u",
+                "munge",
+                "--",
+                tools["munged"],
+                f"--socket={munge}/munge.sock",
+                f"--pid-file={munge}/munged.pid",
+                f"--seed-file={munge}/seed",
+                f"--log-file={munge}/log",
+            ],
+            env,
+            d / "munged.start.log",
+        )
+        pid = _read_pid(munge / "munged.pid", 15)
+        if code != 0 or pid is None:
+            raise SlurmUnavailable(f"munged did not start: {_tail(d / 'munged.start.log')}")
+        slurm.pids["munged"] = pid
+        code = _daemonize([tools["slurmctld"], "-f", str(conf)], env, d / "slurmctld.start.log")
+        pid = _read_pid(d / "slurmctld.pid", 15)
+        if code != 0 or pid is None:
+            raise SlurmUnavailable(f"slurmctld did not start: {_tail(d / 'slurmctld.log')}")
+        slurm.pids["slurmctld"] = pid
+        for n in cluster.nodes:
+            etc = d / f"etc-{n}"
+            (etc / "pmix").mkdir(parents=True, exist_ok=True)
+            (etc / "slurm.conf").write_text(conf_text)
+            (etc / "mpi.conf").write_text(f"PMIxCliTmpDirBase={etc / 'pmix'}\n")
+            # nsenter, not `ip netns exec`: that one remounts /sys, hiding the cgroup
+            # file system slurmd needs.
+            start = [
+                "nsenter",
+                f"--net=/run/netns/{n}",
+                "unshare",
+                "--uts",
+                "sh",
+                "-c",
+                'hostname "$0" && exec "$@"',
+                n,
+                tools["slurmd"],
+                "-f",
+                str(etc / "slurm.conf"),
+                "-N",
+                n,
+            ]
+            code = _daemonize(start, env, d / f"slurmd.{n}.start.log")
+            pid = _read_pid(d / f"slurmd.{n}.pid", 15)
+            if code != 0 or pid is None:
+                raise SlurmUnavailable(
+                    f"slurmd on {n} did not start: {_tail(d / f'slurmd.{n}.log')}"
+                )
+            slurm.pids[f"slurmd-{n}"] = pid
+        deadline = time.monotonic() + timeout
+        states = ""
+        while time.monotonic() < deadline:
+            states = slurm.run("sinfo", "-h", "-N", "-o", "%T", timeout=20).stdout.split()
+            if states == ["idle"] * len(cluster.nodes):
+                return slurm
+            time.sleep(0.5)
+        raise SlurmUnavailable(f"nodes not idle after {timeout:g} s: {states}")
+    except BaseException:
+        stop_slurm(slurm)
+        raise
+
+
+def stop_slurm(slurm) -> None:
+    """Cancel its jobs, then end exactly the daemons it started, by pid."""
+    from slurm_cluster import _stop_pid
+
+    if "slurmctld" in slurm.pids:
+        with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+            slurm.cancel_all(timeout=30)
+    for name in sorted(slurm.pids, key=lambda k: (not k.startswith("slurmd"), k != "slurmctld")):
+        _stop_pid(slurm.pids.pop(name))
+    shutil.rmtree(slurm.munge_dir, ignore_errors=True)

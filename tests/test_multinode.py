@@ -209,6 +209,91 @@ def test_checkpoint_in_a_shared_run_dir_resumes_bit_for_bit(two_nodes, tmp_path,
     assert _losses(run) == _losses(uninterrupted)
 
 
+SLURM_CONFIG = """\
+model: {name: mlp, hidden: [256, 256]}
+data: {train_samples: 65536, val_samples: 512}
+optimizer: {name: adam, lr: 0.001, lr_scaling: none}
+train: {epochs: 1, batch_size: 32, log_every: 1, allreduce: mpi}
+runtime: {threads: 1}
+metrics: {tensorboard: false, progress_bar: false}
+"""
+
+
+@pytest.mark.timeout(420)
+def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, tmp_path):
+    """sbatch --nodes=2 of the rendered train template: srun puts one rank on each node;
+    SIGUSR1 (as before the time limit) checkpoints and requeues; the requeued job resumes
+    on both nodes and ends with the weights of an uninterrupted run, bit for bit."""
+    from slurm_cluster import TERMINAL_STATES, SlurmUnavailable
+
+    config = tmp_path / "slurm.yaml"
+    config.write_text(SLURM_CONFIG)
+    try:
+        slurm = emulated.start_slurm_on(two_nodes, tmp_path / "slurm")
+    except SlurmUnavailable as exc:
+        pytest.skip(f"SLURM on the emulated nodes: {exc}")
+    try:
+        ref = tmp_path / "ref"
+        job = launch(
+            two_nodes.mpirun(1, HPCTRAIN, "train", "--config", str(config), "--run-dir", str(ref)),
+            timeout=240,
+        )
+        assert job.returncode == 0, job.output
+        logs, runs = tmp_path / "logs", tmp_path / "runs"
+        submit = [HPCTRAIN, "slurm", "submit", "train", "--nodes", "2", "--ntasks-per-node", "1"]
+        submit += ["--time", "00:10:00", "--config", str(config)]
+        submit += ["--log-dir", str(logs), "--run-root", str(runs)]
+        submitted = slurm.run(*submit, timeout=60, cwd=tmp_path)
+        assert submitted.returncode == 0, submitted.stderr
+        job_id = submitted.stdout.strip()
+        metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+        out_file = logs / f"hpctrain-train-{job_id}.out"
+
+        def wait(what, ok, seconds):
+            deadline = time.monotonic() + seconds
+            while time.monotonic() < deadline and not ok():
+                time.sleep(0.3)
+            assert ok(), (
+                f"{what} within {seconds} s:\n{_read(out_file)}{_read(logs / f'hpctrain-train-{job_id}.err')}"
+            )
+
+        wait(
+            "20 steps",
+            lambda: metrics.exists() and metrics.read_text().count('"event": "step"') >= 20,
+            180,
+        )
+        assert slurm.run("scancel", "--signal=USR1", job_id, timeout=20).returncode == 0
+        wait("requeued", lambda: slurm.job(job_id).get("Restarts") == "1", 120)
+        wait("pending again", lambda: slurm.job(job_id).get("JobState") == "PENDING", 120)
+        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+        wait(
+            "the requeued run to finish",
+            lambda: (
+                "(restart 1)" in _read(out_file)
+                and slurm.job(job_id).get("JobState") in TERMINAL_STATES
+            ),
+            240,
+        )
+        info = slurm.job(job_id)
+    finally:
+        emulated.stop_slurm(slurm)
+    out = _read(out_file) + _read(logs / f"hpctrain-train-{job_id}.err")
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert f"job {job_id} (restart 0): 2 ranks on hpcn[1-2]" in out, out
+    assert "SIGUSR1 received: stopped at step" in out and "job requeued" in out, out
+    assert "(restart 1)" in out and "resumed from" in out, out
+    final, whole = _weights(runs / f"hpctrain-train-{job_id}"), _weights(ref)
+    for k in whole:
+        np.testing.assert_array_equal(final[k], whole[k], err_msg=k)
+
+
+def _read(path: Path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 # --- failures on one node end the job on both --------------------------------------------
 def _marked_processes(marker: str) -> dict[int, dict[str, str]]:
     """pid -> environment of every process carrying the job's marker variable."""
