@@ -249,8 +249,8 @@ def test_network_section_overlap_ratio_and_projection_by_hand():
         {"step": {"mean": 0.040}},  # half of it hidden
         {"step": {"mean": 0.060}},  # costs more than both
     ]
-    links = [{"comm": {"seconds": 0.030, "fit": {"alpha": 1e-4, "beta": 5e-9}}, "rows": rows}]
-    network._derive(compute, links, [1_000_000.0, 2_000_000.0])
+    comm = {"seconds": 0.030, "fit": {"alpha": 1e-4, "beta": 5e-9}}
+    network._derive([{"compute": compute, "comm": comm, "rows": rows}], [1e6, 2e6])
     assert [r["overlap"] for r in rows] == pytest.approx([0.0, 1.0, 0.5, -0.5])
     assert [r["step_over_bound"] for r in rows] == pytest.approx([50 / 30, 1.0, 40 / 30, 2.0])
     # compute + T(2, S) = 0.020 + 2·α + β·S = 0.020 + 0.0002 + 0.015

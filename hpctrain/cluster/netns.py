@@ -31,6 +31,7 @@ from .plan import (
     NODE_SYSCTLS,
     VETH_SUFFIX,
     Plan,
+    link_rate,
     tbf_args,
 )
 
@@ -217,19 +218,14 @@ def shape(
     link: str, node: str | None = None, state_dir: Path = STATE_DIR, state: dict | None = None
 ) -> None:
     """Shape both ends of each node's link (a qdisc shapes egress only) to `link`."""
-    from .plan import link_rate
-
     rate = link_rate(link)
     state = state or _require_state(state_dir)
     for name in _node_names(state, node):
         for prefix, dev in ((["tc"], state["veths"][name]), (["tc", "-n", name], "eth0")):
             if rate is None:
                 proc = system.run([*prefix, "qdisc", "del", "dev", dev, "root"], check=False)
-                if (
-                    proc.returncode != 0
-                    and "No such file" not in proc.stderr
-                    and ("Cannot delete qdisc with handle of zero" not in proc.stderr)
-                ):
+                nothing_to_remove = ("No such file", "Cannot delete qdisc with handle of zero")
+                if proc.returncode != 0 and not any(t in proc.stderr for t in nothing_to_remove):
                     raise ClusterError(f"removing the shaping of {dev}: {proc.stderr.strip()}")
             else:
                 system.run([*prefix, "qdisc", "replace", "dev", dev, "root", *tbf_args(rate)])
@@ -247,6 +243,14 @@ def set_link(node: str, up_: bool, state_dir: Path = STATE_DIR) -> None:
 
 
 # --- status ----------------------------------------------------------------------------
+def _shaped_bps(dev: str) -> float | None:
+    """The token-bucket rate on `dev` in bits per second (tc reports bytes per second)."""
+    for q in system.run_json(["tc", "-j", "qdisc", "show", "dev", dev]):
+        if q.get("root") and q.get("kind") == "tbf":
+            return q["options"]["rate"] * 8
+    return None
+
+
 def status(state_dir: Path = STATE_DIR) -> dict:
     """The state file plus what is live now, per node (link up/down, shaping, processes)."""
     state = read_state(state_dir)
@@ -255,24 +259,13 @@ def status(state_dir: Path = STATE_DIR) -> dict:
     nodes = {}
     for name in (state or {}).get("nodes", []):
         veth = state["veths"][name]
-        qdisc = (
-            [
-                q
-                for q in system.run_json(["tc", "-j", "qdisc", "show", "dev", veth])
-                if veth in live and q.get("root")
-            ]
-            if veth in live
-            else []
-        )
-        rate = next((q["options"].get("rate") for q in qdisc if q.get("kind") == "tbf"), None)
-        rate = None if rate is None else rate * 8  # tc reports bytes per second
         nodes[name] = {
             "address": state["addresses"][name],
             "namespace": name in spaces,
             "link": "absent"
             if veth not in live
             else ("up" if "UP" in live[veth].get("flags", []) else "down"),
-            "shaped_bps": rate,
+            "shaped_bps": _shaped_bps(veth) if veth in live else None,
             "processes": len(_pids_in(name)) if name in spaces else 0,
         }
     return {"state": state, "nodes": nodes, "leftovers": [] if state else leftovers(state_dir)}
