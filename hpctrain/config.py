@@ -457,6 +457,11 @@ def _cross_checks(v: dict) -> list[str]:
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
+    if v["horovod"]["hierarchical_allreduce"]:
+        problems.append(
+            "horovod.hierarchical_allreduce: Horovod implements hierarchical allreduce only "
+            "in its GPU (NCCL) builds; on CPU the flag changes nothing: leave it false"
+        )
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")
     from .data.keys import validate_keys_option

@@ -44,9 +44,12 @@ def choose(
         return "horovod", "auto: fp16 compression needs Horovod"
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads
-    full = busy >= cores
+    local_full = busy >= cores
+    full = local_full
     if world is not None:
-        full = world.any_flag(full, "agree on the gradient engine")
+        full = world.any_flag(local_full, "agree on the gradient engine")
+    if full and not local_full:
+        return "mpi", "auto: another node's ranks fill its cores (agreed over all ranks)"
     if full:
         return "mpi", f"auto: {local_ranks} rank(s) x {threads} thread(s), {cores} cores"
     return "horovod", f"auto: {cores - busy} spare core(s) for Horovod's engine"
