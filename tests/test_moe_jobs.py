@@ -79,7 +79,15 @@ def test_moe_transformer_trains_and_respects_capacity(tmp_path, backend):
     assert max(s["moe_load_max"] for s in steps[-10:]) < 2.0, steps[-1]
 
 
-def test_two_ranks_equal_one_rank_with_double_batch_when_nothing_is_dropped(tmp_path):
+# Global batch 16 everywhere. np=2: one expert group of 2 ranks. np=4 with
+# parallel.expert=2: tokens are exchanged within 2 expert groups of 2 ranks, and each
+# expert's 2 copies average their gradients over the grid's data axis (MoE x DP).
+@pytest.mark.parametrize(
+    "np_,overrides",
+    [(2, ["train.batch_size=8"]), (4, ["train.batch_size=4", "parallel.expert=2"])],
+    ids=["one-group-of-2", "two-groups-of-2"],
+)
+def test_expert_parallel_ranks_equal_one_rank_when_nothing_is_dropped(tmp_path, np_, overrides):
     # The balancing loss is a product of per-batch means (f_i * P_i), so it is computed
     # per rank's batch (as Switch does per core) and is not split-invariant: alpha = 0.
     common = [
@@ -90,31 +98,11 @@ def test_two_ranks_equal_one_rank_with_double_batch_when_nothing_is_dropped(tmp_
         "train.clip_norm=0.5",
     ]
     ref, ref_steps = _train(tmp_path, "np1", 1, *common, "train.batch_size=16")
-    ep, ep_steps = _train(tmp_path, "np2", 2, *common, "train.batch_size=8")
-    assert ref.keys() == ep.keys()
-    assert sum(".moe.experts." in k for k in ref) == 2 * 4 * 4  # 2 blocks x 4 experts x 4
-    for k in ref:
-        np.testing.assert_allclose(ep[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
-    np.testing.assert_allclose(
-        [s["loss"] for s in ep_steps], [s["loss"] for s in ref_steps], atol=1e-5
-    )
-
-
-def test_moe_combines_with_data_parallelism_two_groups_by_two_replicas(tmp_path):
-    # np=4 with parallel.expert=2: tokens are exchanged within 2 expert groups of 2 ranks,
-    # and each expert's 2 copies average their gradients over the grid's data axis.
-    common = [
-        "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
-        "train.max_steps=4",
-        "optimizer.name=sgd",
-        "optimizer.lr=0.1",
-        "train.clip_norm=0.5",
-    ]
-    ref, ref_steps = _train(tmp_path, "np1", 1, *common, "train.batch_size=16")
-    got, got_steps = _train(tmp_path, "np4", 4, *common, "train.batch_size=4", "parallel.expert=2")
-    config = (tmp_path / "np4.npz.run" / "config.yaml").read_text()
-    assert "expert: 2" in config
+    got, got_steps = _train(tmp_path, f"np{np_}", np_, *common, *overrides)
+    if "parallel.expert=2" in overrides:
+        assert "expert: 2" in (tmp_path / f"np{np_}.npz.run" / "config.yaml").read_text()
     assert ref.keys() == got.keys()
+    assert sum(".moe.experts." in k for k in ref) == 2 * 4 * 4  # 2 blocks x 4 experts x 4
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
     np.testing.assert_allclose(
