@@ -9,7 +9,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 MPI_TEST_TIMEOUT ?= 1200
 MPIRUN_KILL := timeout --signal=TERM --kill-after=15
 
-.PHONY: install test test-unit test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean
+.PHONY: install test test-quick test-unit test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean
 
 install:
 	@bash tools/install.sh
@@ -19,6 +19,16 @@ install:
 test: install
 	$(MAKE) --no-print-directory test-unit
 	$(MAKE) --no-print-directory test-mpi
+
+## The quick tier for your own loop (under a minute): no mpirun jobs, no cluster, no
+## SLURM; the layering contracts included. `make test` remains what CI runs.
+QUICK_TESTS := test_bench_projection test_checkpoint_atomic test_checkpoint_cli \
+	test_checkpoint_format test_checkpoint_policy test_config test_data test_docs \
+	test_gradient_engine test_grid test_moe_routing test_rundir test_zoo_parity \
+	test_preemption test_launcher
+test-quick: install
+	$(PY) -m pytest -q $(QUICK_TESTS:%=tests/%.py)
+	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 test-unit:
 	$(PY) -m pytest tests -q
