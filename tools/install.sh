@@ -20,7 +20,8 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 
 # --- 1. System packages ------------------------------------------------------------
 apt_packages=(openmpi-bin libopenmpi-dev build-essential cmake pkg-config patch
-              slurmctld slurmd slurm-client munge slurm-wlm-basic-plugins shellcheck)
+              slurmctld slurmd slurm-client munge slurm-wlm-basic-plugins shellcheck
+              iproute2)  # ip and tc: the emulated cluster (hpctrain cluster, multi-node tests)
 missing=()
 for p in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
