@@ -256,8 +256,11 @@ class TrainingLoop:
         size = comm.size if comm is not None else 1
         for r in reports:
             if r.nonfinite and cfg.train["nan_check"]:
-                local = [r.local_nonfinite]
-                flags_by_rank = comm.comm.allgather(r.local_nonfinite) if size > 1 else local
+                flags_by_rank = (
+                    comm.allgather_object(r.local_nonfinite, "which ranks saw NaN/inf")
+                    if size > 1
+                    else [r.local_nonfinite]
+                )
                 ranks = [s.rank_name(i) for i, f in enumerate(flags_by_rank) if f]
                 exc = TrainingDiverged(
                     f"loss became NaN/inf at step {r.step} (epoch {self.state.epoch}) "

@@ -163,6 +163,14 @@ class GuardedComm:
         with self.watchdog.guard(what):
             return self.comm.gather(obj, root=root)
 
+    def allgather_object(self, obj, what: str = "allgather") -> list:
+        """Every rank's small Python object on every rank (control plane only, rare:
+        an error report). Cost O(N) objects per rank: 4,096 flags is a few kB."""
+        if self.size == 1:
+            return [obj]
+        with self.watchdog.guard(what):
+            return self.comm.allgather(obj)
+
     def gather_bytes(self, data: np.ndarray, root: int = 0, what: str = "gather bytes"):
         """Gather one uint8 buffer per rank (any lengths) to `root` without pickle.
 
