@@ -145,14 +145,36 @@ SCHEMA: dict[str, Any] = {
             exclusive_min=True,
         ),
         "compression": _f(
-            "none", str, "gradient compression on the wire", choices=("none", "fp16")
+            "none",
+            str,
+            "gradient compression on the wire (options in the compression section)",
+            choices=("none", "fp16", "bf16", "topk", "randomk", "int8", "powersgd"),
+        ),
+        "hierarchical": _f(
+            False,
+            bool,
+            "MPI engines: reduce inside each node, allreduce across node leaders, "
+            "broadcast inside the node",
+        ),
+        "bucket_mb": _f(
+            25.0,
+            (int, float),
+            "overlap engine: MB of gradients per non-blocking allreduce",
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "sync_every": _f(
+            1, int, "local SGD: average parameters every H steps (1: synchronous)", **POS_INT
+        ),
+        "local_sgd_warmup_steps": _f(
+            0, int, "post-local SGD: synchronous steps before local SGD starts", **NONNEG
         ),
         "allreduce": _f(
             "auto",
             str,
             "gradient averaging: horovod (background engine), mpi (one MPI_Allreduce after "
             "backward), auto (mpi when ranks x threads fill the node's cores)",
-            choices=("auto", "horovod", "mpi"),
+            choices=("auto", "horovod", "mpi", "overlap"),
         ),
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
         "log_every": _f(10, int, "log a progress line every N steps", **POS_INT),
@@ -161,6 +183,25 @@ SCHEMA: dict[str, Any] = {
             True, bool, "reduce a step's loss and flags during the next step (one sync per step)"
         ),
         "deterministic": _f(True, bool, "deterministic kernels (needed for bit-exact resume)"),
+    },
+    "compression": {
+        "ratio": _f(
+            0.1,
+            (int, float),
+            "topk/randomk: share of gradient entries sent, k = max(1, int(n x ratio))",
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "rank": _f(4, int, "powersgd: rank r of the low-rank approximation", **POS_INT),
+        "error_feedback": _f(
+            True, bool, "lossy methods: add what was not sent to the next step's gradient"
+        ),
+        "momentum_correction": _f(
+            False, bool, "topk: accumulate velocity before selecting (Deep Gradient Compression)"
+        ),
+        "warmup_steps": _f(
+            0, int, "dense (uncompressed) steps before compression starts", **NONNEG
+        ),
     },
     "horovod": {
         "fusion_threshold_mb": _f(64, (int, float), "HOROVOD_FUSION_THRESHOLD", **NONNEG),

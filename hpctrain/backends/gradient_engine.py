@@ -19,6 +19,7 @@ import os
 import numpy as np
 
 from ..errors import ConfigError
+from ..exchange import DenseMean
 
 ENGINES = ("auto", "horovod", "mpi")
 
@@ -55,27 +56,8 @@ def choose(
     return "horovod", f"auto: {cores - busy} spare core(s) for Horovod's engine"
 
 
-class FlatMean:
-    """Average many float32 arrays over ranks with one in-place `MPI_Allreduce`.
-
-    The caller copies its gradients into `views` (or into `buffer` at once), calls
-    `reduce()`, and reads the averages back from the same views. One preallocated buffer:
-    no per-step allocation, one message per step.
-    """
-
-    def __init__(self, world, sizes: list[int], what: str = "gradient allreduce"):
-        self.world = world
-        self.sizes = [int(n) for n in sizes]
-        self.buffer = np.zeros(sum(self.sizes), dtype=np.float32)
-        ends = np.cumsum(sizes)
-        self.views = [self.buffer[e - n : e] for n, e in zip(sizes, ends, strict=True)]
-        self.what = what
-
-    def reduce(self) -> None:
-        if self.world is None or self.world.size == 1:
-            return
-        self.world.allreduce_inplace(self.buffer, "sum", self.what)
-        self.buffer *= np.float32(1.0 / self.world.size)
+# The dense MPI average moved to the framework-free exchange layer; the name stays.
+FlatMean = DenseMean
 
 
 def average_array(comm, arr: np.ndarray, what: str) -> np.ndarray:

@@ -23,6 +23,7 @@ from . import tf_env  # TF's start-up noise off before TF is imported
 # isort: split
 import tensorflow as tf
 
+from ..exchange import make_reducer
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, tensorflow_moe, tensorflow_user
@@ -407,9 +408,8 @@ class TensorFlowBackend(BackendBase):
         self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]
-        self._flat = gradient_engine.FlatMean(
-            world, [int(np.prod(self.net.vars[n].shape)) for n in self._dense]
-        )
+        self._flat = make_reducer(cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense])
+        self._steps = 0  # optimizer steps taken by this process (compression warm-up)
         self.broadcast_from_root()
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
         self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
@@ -483,6 +483,8 @@ class TensorFlowBackend(BackendBase):
             acc = _clip_like_torch(acc, float(self.clip))
         self.optimizer.apply(acc, tf.constant(lr, tf.float32))
         extra = tensorflow_moe.step_extra(self.net, time.perf_counter() - t_step)
+        if self.hvd is None:
+            extra.update(self._flat.stats())
         return StepStats(loss_sum, correct, total, comm, extra)
 
     def _average_with_mpi(self, grads: list, names: list[str]) -> list:
@@ -493,7 +495,8 @@ class TensorFlowBackend(BackendBase):
         by_name = dict(zip(names, grads, strict=True))
         for name, view in zip(self._dense, self._flat.views, strict=True):
             view[:] = by_name[name].numpy().reshape(-1)
-        self._flat.reduce()
+        self._flat.reduce(self._steps)
+        self._steps += 1
         dense = dict(zip(self._dense, self._flat.views, strict=True))
         experts = tensorflow_moe.expert_grads(grads, names)
         return [

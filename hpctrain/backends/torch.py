@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..exchange import make_reducer
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, torch_moe
@@ -324,12 +325,13 @@ class TorchBackend(BackendBase):
                 op=hvd.Average,
             )
         self._dense = params
-        self._flat = gradient_engine.FlatMean(world, [p.numel() for p in params])
+        self._flat = make_reducer(cfg, world, [tuple(p.shape) for p in params])
         self.optimizer = opt
         torch_moe.add_expert_params(self.optimizer, self.model)  # local, never allreduced
         self.broadcast_from_root()
         self.clip = cfg.train["clip_norm"]
         self.tokens = inp.tokens
+        self._steps = 0  # optimizer steps taken by this process (compression warm-up)
 
     def broadcast_from_root(self) -> None:
         """Make every replica start from rank 0's parameters and optimizer state.
@@ -385,6 +387,8 @@ class TorchBackend(BackendBase):
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
         extra = torch_moe.step_extra(self.model, time.perf_counter() - t_step)
+        if self.hvd is None:
+            extra.update(self._flat.stats())
         return StepStats(loss_sum, correct, total, comm, extra)
 
     @torch.no_grad()
@@ -395,7 +399,8 @@ class TorchBackend(BackendBase):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dense]
         flat = torch.from_numpy(self._flat.buffer)
         torch.cat([g.reshape(-1) for g in grads], out=flat)
-        self._flat.reduce()
+        self._flat.reduce(self._steps)
+        self._steps += 1
         for p, view in zip(self._dense, flat.split(self._flat.sizes)):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
