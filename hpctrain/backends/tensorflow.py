@@ -240,6 +240,8 @@ class ZooNet(tf.Module):
                 x = tf.gather(v["tok.weight"], x) + v["pos.weight"][: tf.shape(x)[1]]
             elif kind == "layernorm":
                 x = _layer_norm(x, v["weight"], v["bias"])
+            elif kind == "block" and a.get("recompute") and training:
+                x = self._recomputed_block(x, v, a["n_heads"], spec)
             elif kind == "block":
                 x = self._block(x, v, a["n_heads"], spec, training)
             else:
@@ -255,6 +257,11 @@ class ZooNet(tf.Module):
                 _conv(x, v["shortcut.conv.weight"], None, s, 0), f"{n}.shortcut.bn", training
             )
         return tf.nn.relu(out + x)
+
+    def _recomputed_block(self, x, v, heads, spec):
+        """Activation checkpointing: only the block's input is kept for backward; the
+        block runs again inside the gradient (tf.recompute_grad), giving exact gradients."""
+        return tf.recompute_grad(lambda t: self._block(t, v, heads, spec, True))(x)
 
     def _block(self, x, v, heads, spec=None, training=False):
         shape = tf.shape(x)

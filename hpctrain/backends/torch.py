@@ -17,6 +17,7 @@ from collections import OrderedDict
 import numpy as np
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from ..exchange import make_reducer
@@ -168,7 +169,12 @@ class ZooNet(nn.Module):
 
     def forward(self, x):
         for layer in self.seq:
-            x = layer(x)
+            if layer.spec.attrs.get("recompute") and torch.is_grad_enabled():
+                # Activation checkpointing: keep the block's input, recompute the rest in
+                # backward (non-reentrant: exact gradients, RNG state preserved).
+                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
+            else:
+                x = layer(x)
         return x
 
 

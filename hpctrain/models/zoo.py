@@ -23,8 +23,17 @@ MODEL_OPTIONS: dict[str, dict] = {
     "mlp": {"hidden": [128, 128]},
     "cnn": {"channels": [16, 32, 64]},
     "resnet": {"depth": 8, "width": 16},
-    "transformer": {"d_model": 64, "n_layers": 2, "n_heads": 4, "d_ff": 128, "moe": None},
+    "transformer": {
+        "d_model": 64,
+        "n_layers": 2,
+        "n_heads": 4,
+        "d_ff": 128,
+        "moe": None,
+        "checkpoint_activations": False,
+    },
 }
+# Options that are switches (true/false), not sizes.
+BOOL_OPTIONS = ("checkpoint_activations",)
 # The data task each zoo model expects.
 MODEL_TASK = {
     "mlp": ("vectors", "images"),
@@ -101,6 +110,9 @@ def validate_model_options(model_cfg: dict) -> list[str]:
         default = known[key]
         if key == "moe":  # nested mapping: hpctrain/moe/options.py
             problems += validate_moe(value)
+        elif key in BOOL_OPTIONS:
+            if not isinstance(value, bool):
+                problems.append(f"model.{key}: expected true or false, got {value!r}")
         elif isinstance(default, list):
             if not (
                 isinstance(value, list)
@@ -118,6 +130,11 @@ def validate_model_options(model_cfg: dict) -> list[str]:
     if name == "resnet" and (opts["depth"] - 2) % 6 != 0:
         problems.append(
             f"model.depth: resnet depth must be 6n+2 (8, 14, 20, 32, ...), got {opts['depth']}"
+        )
+    if name == "transformer" and opts["checkpoint_activations"] and opts["moe"]:
+        problems.append(
+            "model.checkpoint_activations: not with model.moe (the router's balancing loss "
+            "is recorded during the forward pass; recomputing it would count it twice)"
         )
     if name == "transformer" and opts["d_model"] % opts["n_heads"] != 0:
         problems.append(
@@ -244,6 +261,8 @@ def _transformer(opts, inp: InputSpec) -> list[LayerSpec]:
                 attrs={
                     "n_heads": opts["n_heads"],
                     **({"moe": moe} if "moe.router.weight" in mlp else {}),
+                    # Keep only the block's input; recompute its insides during backward.
+                    **({"recompute": True} if opts["checkpoint_activations"] else {}),
                 },
             )
         )
