@@ -157,7 +157,7 @@ SCHEMA: dict[str, Any] = {
             "broadcast inside the node",
         ),
         "bucket_mb": _f(
-            25.0,
+            1.0,
             (int, float),
             "overlap engine: MB of gradients per non-blocking allreduce",
             minimum=0,
@@ -234,6 +234,13 @@ SCHEMA: dict[str, Any] = {
         ),
         "mpi_yield_when_idle": _f(
             True, bool, "Open MPI yields the core while waiting (oversubscription)"
+        ),
+        "tcp_links": _f(
+            2,
+            int,
+            "Open MPI TCP connections per peer (btl_tcp_links; a launcher's --mca wins): "
+            "one connection carries one direction at a time at 1 Gbit/s",
+            **POS_INT,
         ),
         "malloc_keep_freed": _f(
             True, bool, "glibc malloc keeps freed memory for reuse (no page faults per step)"

@@ -30,3 +30,16 @@ def test_explicit_choice_wins_and_mpi_refuses_fp16():
     assert choose(_cfg(allreduce="mpi"), local_ranks=1, threads=1, cores=64)[0] == "mpi"
     with pytest.raises(ConfigError, match="train.allreduce=mpi"):
         choose(_cfg(allreduce="mpi", compression="fp16"), local_ranks=2, threads=1, cores=2)
+
+
+def test_overlap_is_chosen_explicitly_and_refuses_compression():
+    assert choose(_cfg(allreduce="overlap"), local_ranks=2, threads=1, cores=2)[0] == "overlap"
+    with pytest.raises(ConfigError, match="train.allreduce=overlap"):
+        choose(_cfg(allreduce="overlap", compression="topk"), local_ranks=1, threads=1, cores=2)
+
+
+def test_compression_beyond_fp16_needs_an_mpi_engine():
+    with pytest.raises(ConfigError, match="Horovod compresses only to fp16"):
+        choose(_cfg(allreduce="horovod", compression="topk"), local_ranks=1, threads=1, cores=8)
+    engine, why = choose(_cfg(compression="powersgd"), local_ranks=1, threads=1, cores=8)
+    assert engine == "mpi" and "powersgd" in why

@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ConfigError
 from ..exchange import DenseMean
 
-ENGINES = ("auto", "horovod", "mpi")
+ENGINES = ("auto", "horovod", "mpi", "overlap")
 
 
 def choose(
@@ -33,16 +33,29 @@ def choose(
     through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
     """
     wanted = cfg.train["allreduce"]
-    fp16 = cfg.train["compression"] == "fp16"
-    if wanted == "mpi" and fp16:
+    compression = cfg.train["compression"]
+    fp16 = compression == "fp16"
+    if wanted in ("mpi", "overlap") and fp16:
         raise ConfigError(
-            "train.allreduce=mpi sends float32 (MPI has no float16 sum): use "
+            f"train.allreduce={wanted} sends float32 (MPI has no float16 sum): use "
             "train.compression=none, or train.allreduce=horovod for fp16 compression"
+        )
+    if wanted == "overlap" and compression != "none":
+        raise ConfigError(
+            f"train.allreduce=overlap sends dense float32 buckets: train.compression="
+            f"{compression} runs on train.allreduce=mpi (after backward)"
+        )
+    if wanted == "horovod" and compression not in ("none", "fp16"):
+        raise ConfigError(
+            f"train.compression={compression}: Horovod compresses only to fp16; use "
+            "train.allreduce=mpi (or auto) for it"
         )
     if wanted != "auto":
         return wanted, "train.allreduce"
     if fp16:
         return "horovod", "auto: fp16 compression needs Horovod"
+    if compression != "none":
+        return "mpi", f"auto: train.compression={compression} runs on the MPI engine"
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads
     local_full = busy >= cores

@@ -24,6 +24,7 @@ from . import tf_env  # TF's start-up noise off before TF is imported
 import tensorflow as tf
 
 from ..exchange import make_reducer
+from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, tensorflow_moe, tensorflow_user
@@ -416,7 +417,13 @@ class TensorFlowBackend(BackendBase):
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]
         self._flat = make_reducer(cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense])
-        self._steps = 0  # optimizer steps taken by this process (compression warm-up)
+        if self.engine == "overlap":
+            # TF computes every gradient in one tape.gradient call: nothing is final
+            # before it returns, so the buckets travel after it (pipelined with each
+            # other, not with backward).
+            self._flat = OverlapMean(world, self._flat.sizes, int(cfg.train["bucket_mb"] * 2**20))
+            self.engine_reason += "; TensorFlow sends the buckets after tape.gradient"
+        self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
         self.broadcast_from_root()
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)
         self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
@@ -502,8 +509,8 @@ class TensorFlowBackend(BackendBase):
         by_name = dict(zip(names, grads, strict=True))
         for name, view in zip(self._dense, self._flat.views, strict=True):
             view[:] = by_name[name].numpy().reshape(-1)
-        self._flat.reduce(self._steps)
-        self._steps += 1
+        self._flat.reduce(self.exchange_step)
+        self.exchange_step += 1
         dense = dict(zip(self._dense, self._flat.views, strict=True))
         experts = tensorflow_moe.expert_grads(grads, names)
         return [

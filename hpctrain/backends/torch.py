@@ -13,6 +13,7 @@ from __future__ import annotations
 import random
 import time
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 import torch
@@ -21,6 +22,7 @@ import torch.utils.checkpoint
 from torch import nn
 
 from ..exchange import make_reducer
+from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from . import gradient_engine, torch_moe
@@ -262,13 +264,19 @@ def set_rng_state(state: dict[str, np.ndarray]) -> None:
         torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
 
 
-def backward_mean_loss(model: nn.Module, micro_batches, aux_loss=None) -> tuple[float, int, int]:
+def backward_mean_loss(
+    model: nn.Module, micro_batches, aux_loss=None, before_last=None
+) -> tuple[float, int, int]:
     """Backward of the mean loss over all the step's samples on this rank (gradients
     accumulate over the micro-batches); returns (loss sum, correct, count).
-    `aux_loss(model)`: an extra per-token loss of the last forward (MoE balancing)."""
+    `aux_loss(model)`: an extra per-token loss of the last forward (MoE balancing).
+    `before_last()`: called before the last micro-batch's backward (the overlapped
+    engine starts communication only there, when the gradients become final)."""
     total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
     loss_sum, correct = 0.0, 0
-    for x, y in micro_batches:
+    for i, (x, y) in enumerate(micro_batches):
+        if before_last is not None and i == len(micro_batches) - 1:
+            before_last()
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
         logits = model(xt)
         loss = F.cross_entropy(
@@ -332,12 +340,21 @@ class TorchBackend(BackendBase):
             )
         self._dense = params
         self._flat = make_reducer(cfg, world, [tuple(p.shape) for p in params])
+        self._overlap = None  # the overlapped engine: buckets started from backward hooks
+        if self.engine == "overlap":
+            self._overlap = self._flat = OverlapMean(
+                world, [p.numel() for p in params], int(cfg.train["bucket_mb"] * 2**20)
+            )
+            self._arrived = [False] * len(params)
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+        self._hooks_live = False
         self.optimizer = opt
         torch_moe.add_expert_params(self.optimizer, self.model)  # local, never allreduced
         self.broadcast_from_root()
         self.clip = cfg.train["clip_norm"]
         self.tokens = inp.tokens
-        self._steps = 0  # optimizer steps taken by this process (compression warm-up)
+        self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
 
     def broadcast_from_root(self) -> None:
         """Make every replica start from rank 0's parameters and optimizer state.
@@ -377,9 +394,14 @@ class TorchBackend(BackendBase):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.zero_grad()
-        loss_sum, correct, total = backward_mean_loss(self.model, micro_batches, torch_moe.aux_loss)
+        before_last = self._open_buckets if self._overlap is not None else None
+        loss_sum, correct, total = backward_mean_loss(
+            self.model, micro_batches, torch_moe.aux_loss, before_last
+        )
         t0 = time.perf_counter()
-        if self.hvd is None:
+        if self._overlap is not None:
+            self._finish_buckets()
+        elif self.hvd is None:
             self._average_with_mpi()
         else:
             self.optimizer.synchronize()
@@ -405,11 +427,42 @@ class TorchBackend(BackendBase):
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dense]
         flat = torch.from_numpy(self._flat.buffer)
         torch.cat([g.reshape(-1) for g in grads], out=flat)
-        self._flat.reduce(self._steps)
-        self._steps += 1
+        self._flat.reduce(self.exchange_step)
+        self.exchange_step += 1
         for p, view in zip(self._dense, flat.split(self._flat.sizes)):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
+
+    # --- the overlapped engine (exchange/overlap.py does the MPI side) -------------
+    def _open_buckets(self) -> None:
+        """The next backward makes the gradients final: let the hooks send them."""
+        self._overlap.begin()
+        self._arrived = [False] * len(self._dense)
+        self._hooks_live = self.world is not None and self.world.size > 1
+
+    @torch.no_grad()
+    def _grad_ready(self, index: int, param) -> None:
+        if not self._hooks_live:
+            return
+        self._overlap.views[index][:] = param.grad.reshape(-1).numpy()
+        self._arrived[index] = True
+        self._overlap.ready(index)
+
+    @torch.no_grad()
+    def _finish_buckets(self) -> None:
+        """Zeros for parameters without gradient (as the sync engine), wait, copy back."""
+        if not self._hooks_live:
+            return
+        self._hooks_live = False
+        for i, arrived in enumerate(self._arrived):
+            if not arrived:
+                self._overlap.views[i][:] = 0.0
+                self._overlap.ready(i)
+        self._overlap.finish()
+        for p, view in zip(self._dense, self._overlap.views, strict=True):
+            if p.grad is not None:
+                p.grad.copy_(torch.from_numpy(view).view_as(p))
+        self.exchange_step += 1
 
     def evaluate(self, x, y) -> EvalStats:
         return evaluate_model(self.model, x, y)
