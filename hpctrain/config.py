@@ -196,9 +196,6 @@ SCHEMA: dict[str, Any] = {
         "error_feedback": _f(
             True, bool, "lossy methods: add what was not sent to the next step's gradient"
         ),
-        "momentum_correction": _f(
-            False, bool, "topk: accumulate velocity before selecting (Deep Gradient Compression)"
-        ),
         "warmup_steps": _f(
             0, int, "dense (uncompressed) steps before compression starts", **NONNEG
         ),
@@ -509,6 +506,18 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(
             "horovod.hierarchical_allreduce: Horovod implements hierarchical allreduce only "
             "in its GPU (NCCL) builds; on CPU the flag changes nothing: leave it false"
+        )
+    compression, engine = v["train"]["compression"], v["train"]["allreduce"]
+    mpi_fp16 = compression == "fp16" and engine in ("mpi", "overlap")
+    if v["strategy"] == "pipeline" and mpi_fp16:
+        problems.append(
+            "train.compression=fp16: the pipeline strategy compresses only through Horovod "
+            "(train.allreduce=horovod or auto)"
+        )
+    if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
+        problems.append(
+            f"train.compression={v['train']['compression']}: only with strategy "
+            f"data_parallel (the {v['strategy']} strategy sends dense gradients)"
         )
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")

@@ -19,17 +19,18 @@ def test_auto_uses_mpi_when_ranks_times_threads_fill_the_cores():
     assert choose(_cfg(), local_ranks=1, threads=8, cores=8)[0] == "mpi"
 
 
-def test_auto_uses_horovod_with_a_spare_core_or_fp16():
+def test_auto_uses_horovod_with_a_spare_core_whatever_fp16():
     engine, why = choose(_cfg(), local_ranks=2, threads=1, cores=4)
     assert engine == "horovod" and "2 spare core(s)" in why
-    assert choose(_cfg(compression="fp16"), local_ranks=2, threads=1, cores=2)[0] == "horovod"
+    # fp16 runs on either engine: Horovod's Compression.fp16 or the MPI engine's 16-bit ring.
+    assert choose(_cfg(compression="fp16"), local_ranks=2, threads=1, cores=4)[0] == "horovod"
+    assert choose(_cfg(compression="fp16"), local_ranks=2, threads=1, cores=2)[0] == "mpi"
 
 
-def test_explicit_choice_wins_and_mpi_refuses_fp16():
+def test_explicit_choice_wins():
     assert choose(_cfg(allreduce="horovod"), local_ranks=2, threads=1, cores=2)[0] == "horovod"
     assert choose(_cfg(allreduce="mpi"), local_ranks=1, threads=1, cores=64)[0] == "mpi"
-    with pytest.raises(ConfigError, match="train.allreduce=mpi"):
-        choose(_cfg(allreduce="mpi", compression="fp16"), local_ranks=2, threads=1, cores=2)
+    assert choose(_cfg(allreduce="mpi", compression="bf16"), local_ranks=2, threads=1)[0] == "mpi"
 
 
 def test_overlap_is_chosen_explicitly_and_refuses_compression():

@@ -34,12 +34,6 @@ def choose(
     """
     wanted = cfg.train["allreduce"]
     compression = cfg.train["compression"]
-    fp16 = compression == "fp16"
-    if wanted in ("mpi", "overlap") and fp16:
-        raise ConfigError(
-            f"train.allreduce={wanted} sends float32 (MPI has no float16 sum): use "
-            "train.compression=none, or train.allreduce=horovod for fp16 compression"
-        )
     if wanted == "overlap" and compression != "none":
         raise ConfigError(
             f"train.allreduce=overlap sends dense float32 buckets: train.compression="
@@ -52,9 +46,7 @@ def choose(
         )
     if wanted != "auto":
         return wanted, "train.allreduce"
-    if fp16:
-        return "horovod", "auto: fp16 compression needs Horovod"
-    if compression != "none":
+    if compression not in ("none", "fp16"):  # fp16: Horovod's or the MPI engine's ring
         return "mpi", f"auto: train.compression={compression} runs on the MPI engine"
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads

@@ -416,7 +416,9 @@ class TensorFlowBackend(BackendBase):
         self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]
-        self._flat = make_reducer(cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense])
+        self._flat = make_reducer(
+            cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense], engine=self.engine
+        )
         if self.engine == "overlap":
             # TF computes every gradient in one tape.gradient call: nothing is final
             # before it returns, so the buckets travel after it (pipelined with each

@@ -339,7 +339,7 @@ class TorchBackend(BackendBase):
                 op=hvd.Average,
             )
         self._dense = params
-        self._flat = make_reducer(cfg, world, [tuple(p.shape) for p in params])
+        self._flat = make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
         self._overlap = None  # the overlapped engine: buckets started from backward hooks
         if self.engine == "overlap":
             self._overlap = self._flat = OverlapMean(

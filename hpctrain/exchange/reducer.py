@@ -14,8 +14,6 @@ from typing import Protocol
 
 import numpy as np
 
-from ..errors import ConfigError
-
 
 class Reducer(Protocol):
     buffer: np.ndarray
@@ -73,14 +71,20 @@ class DenseMean:
         return None
 
 
-def make_reducer(cfg, comm, shapes: list[tuple], what: str = "gradient allreduce") -> Reducer:
+def make_reducer(
+    cfg, comm, shapes: list[tuple], what: str = "gradient allreduce", engine: str = "mpi"
+) -> Reducer:
     """The reducer `cfg` asks for, over `comm`, for gradients of `shapes`.
 
-    `cfg` is the validated Config (reads train.compression, train.hierarchical and the
-    `compression` section). Shapes, not only sizes: PowerSGD works on matrices.
+    `cfg` is the validated Config (train.compression and the `compression` section).
+    Shapes, not only sizes: PowerSGD works on matrices. Engines other than `mpi` (Horovod
+    compresses on its own; the overlapped engine sends dense buckets) get the dense mean.
     """
     sizes = [int(np.prod(s)) for s in shapes]
     method = cfg.train["compression"]
-    if method not in ("none", "fp16"):  # fp16 on the Horovod engine is Horovod's own
-        raise ConfigError(f"train.compression={method}: not available on the MPI engine yet")
-    return DenseMean(comm, sizes, what)
+    if method == "none" or engine != "mpi":
+        return DenseMean(comm, sizes, what)
+    from .compression import build
+
+    opts = {**cfg["compression"], "seed": cfg.train["seed"]}
+    return build(method, comm, shapes, opts, what)

@@ -147,6 +147,18 @@ class GuardedComm:
         request = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
         return PendingArray(buf, request, self.watchdog, what)
 
+    def allgather_array(self, send: np.ndarray, what: str = "allgather") -> np.ndarray:
+        """Every rank's equally sized array, stacked in rank order (guarded). Each rank
+        receives (N-1) x its own bytes: at 1,024 or 4,096 ranks that is 1,023 or 4,095
+        times the message, so only small or very sparse payloads belong here."""
+        send = np.ascontiguousarray(send)
+        if self.size == 1:
+            return send[None].copy()
+        recv = np.empty((self.size, *send.shape), dtype=send.dtype)
+        with self.watchdog.guard(what):
+            self.comm.Allgather(send, recv)
+        return recv
+
     def check_uniform(self, values: tuple[int, ...], what: str) -> None:
         """Raise on every rank when `values` (e.g. a shape) differ between ranks."""
         arr = np.array(values, dtype=np.int64)

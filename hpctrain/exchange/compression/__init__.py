@@ -1,0 +1,26 @@
+"""Gradient compression on the MPI engine (`train.compression`, options in the
+`compression` section): 16-bit rings and lossy compressors with error feedback."""
+
+from __future__ import annotations
+
+from .halfring import HalfRing
+from .lossy import Int8, PowerSGD, RandomK, TopK
+
+LOSSY = {"topk": TopK, "randomk": RandomK, "int8": Int8, "powersgd": PowerSGD}
+
+
+def build(method: str, comm, shapes: list[tuple], opts: dict, what: str):
+    """The reducer for `method` (not none) over `comm` for gradients of `shapes`."""
+    if method in ("fp16", "bf16"):
+        return HalfRing(comm, [int(_prod(s)) for s in shapes], method, what)
+    return LOSSY[method](comm, shapes, opts, what)
+
+
+def _prod(shape) -> int:
+    out = 1
+    for d in shape:
+        out *= int(d)
+    return out
+
+
+__all__ = ["HalfRing", "Int8", "LOSSY", "PowerSGD", "RandomK", "TopK", "build"]

@@ -1,0 +1,119 @@
+"""Gradient compressors (exchange/compression), in every rank of a real job: the 16-bit
+rings sum in float32, exact settings equal the dense average, error feedback keeps what
+was not sent, and the bytes counted are the bytes on the wire."""
+
+import numpy as np
+import pytest
+from mpi4py import MPI
+
+from hpctrain.exchange.compression import HalfRing, PowerSGD, RandomK, TopK
+from hpctrain.exchange.compression import build as build_compressor
+from hpctrain.runtime import world
+
+SHAPES = [(64, 32), (32,), (10, 64), (10,), (7, 3, 3)]
+OPTS = {"ratio": 0.1, "rank": 4, "error_feedback": True, "warmup_steps": 0, "seed": 0}
+
+
+def _grads(rank: int, scale=1.0) -> np.ndarray:
+    n = sum(int(np.prod(s)) for s in SHAPES)
+    return (np.random.default_rng(11 + rank).standard_normal(n) * scale).astype(np.float32)
+
+
+def _dense_mean(x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x, dtype=np.float64)
+    MPI.COMM_WORLD.Allreduce(x.astype(np.float64), out, op=MPI.SUM)
+    return out / MPI.COMM_WORLD.Get_size()
+
+
+@pytest.mark.parametrize("kind, tol", [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_half_ring_equals_the_average_within_half_precision(kind, tol):
+    w = world()
+    g = _grads(w.rank)
+    ring = HalfRing(w, [g.size], kind)
+    ring.buffer[:] = g
+    ring.reduce(0)
+    ref = _dense_mean(g)
+    np.testing.assert_allclose(ring.buffer, ref, rtol=tol, atol=tol)
+    # Every replica holds the same bits (the owner of a chunk uses its rounded value).
+    everyone = np.empty((w.size, g.size), np.float32)
+    MPI.COMM_WORLD.Allgather(ring.buffer, everyone)
+    assert (everyone == everyone[0]).all()
+    if w.size > 1:  # 16-bit numbers: half the bytes of the float32 ring
+        assert abs(ring.stats()["compression_ratio"] - 2.0) < 0.01
+
+
+def test_half_ring_error_is_one_rounding_per_hop():
+    """Partial sums travel in 16 bits, so each of the N hops may round once (relative
+    2^-11 for float16, 2^-8 for bfloat16); the adds themselves are float32."""
+    w = world()
+    g = np.random.default_rng(5 + w.rank).uniform(0.5, 2.0, 4096).astype(np.float32)
+    exact = _dense_mean(g)
+    for kind, unit in (("fp16", 2.0**-11), ("bf16", 2.0**-8)):
+        ring = HalfRing(w, [g.size], kind)
+        ring.buffer[:] = g
+        ring.reduce(0)
+        rel = np.abs(ring.buffer - exact) / exact
+        assert rel.max() <= (w.size + 1) * unit, (kind, rel.max())
+
+
+def test_topk_with_ratio_one_and_powersgd_with_full_rank_equal_the_dense_average():
+    w = world()
+    g = _grads(w.rank)
+    for reducer in (
+        TopK(w, SHAPES, {**OPTS, "ratio": 1.0}, "test"),
+        PowerSGD(w, SHAPES, {**OPTS, "rank": 64}, "test"),
+    ):
+        reducer.buffer[:] = g
+        reducer.reduce(0)
+        np.testing.assert_allclose(reducer.buffer, _dense_mean(g), rtol=1e-4, atol=1e-5)
+        assert np.abs(reducer.residual).max() < 1e-4  # nothing left behind
+
+
+@pytest.mark.parametrize("method", ["topk", "randomk", "int8", "powersgd"])
+def test_error_feedback_keeps_exactly_what_was_not_sent(method):
+    """Over steps, the sum of what was applied plus the residual equals the sum of the
+    gradients given: sum_t avg_t + mean_r(residual_r) == mean_r(sum_t g_r,t)."""
+    w = world()
+    reducer = build_compressor(method, w, SHAPES, OPTS, "test")
+    applied = np.zeros(reducer.buffer.size, np.float64)
+    given = np.zeros(reducer.buffer.size, np.float64)
+    for step in range(4):
+        g = _grads(w.rank + 10 * step)
+        given += g
+        reducer.buffer[:] = g
+        reducer.reduce(step)
+        applied += reducer.buffer
+    left = _dense_mean(reducer.residual)
+    tol = 2e-2 if method == "int8" else 1e-4
+    np.testing.assert_allclose(applied + left, _dense_mean(given), rtol=tol, atol=tol)
+    if w.size > 1:
+        assert reducer.stats()["compression_ratio"] > 1.0
+
+
+def test_randomk_without_error_feedback_is_unbiased():
+    w = world()
+    g = _grads(w.rank)
+    mean = np.zeros(g.size)
+    trials = 400
+    reducer = RandomK(w, SHAPES, {**OPTS, "error_feedback": False, "ratio": 0.25}, "test")
+    for step in range(trials):
+        reducer.buffer[:] = g
+        reducer.reduce(step)
+        mean += reducer.buffer / trials
+    ref = _dense_mean(g)
+    # Each entry is kept with probability 1/4 and scaled by 4: the mean converges to it.
+    assert np.abs(mean - ref).mean() < 0.15 * np.abs(ref).mean() + 0.05
+
+
+def test_topk_sends_the_counted_bytes_and_warmup_is_dense():
+    w = world()
+    g = _grads(w.rank)
+    reducer = TopK(w, SHAPES, {**OPTS, "ratio": 0.01, "warmup_steps": 1}, "test")
+    reducer.buffer[:] = g
+    reducer.reduce(0)  # warm-up: dense
+    np.testing.assert_allclose(reducer.buffer, _dense_mean(g), rtol=1e-5, atol=1e-6)
+    reducer.buffer[:] = g
+    reducer.reduce(1)
+    k = max(1, int(g.size * 0.01))
+    assert reducer.stats()["comm_bytes"] == 8 * k * (w.size - 1)
+    assert np.count_nonzero(reducer.buffer) <= k * w.size

@@ -1,0 +1,49 @@
+"""Gradient compression under real mpirun (2 ranks): on the demo task every method ends
+within a point of dense accuracy, top-k without error feedback is clearly worse (the
+safeguard matters), and both backends follow the same trajectory through a compressor."""
+
+import re
+
+import pytest
+from mpirun import HPCTRAIN, ROOT, mpirun
+from test_trainer_jobs import _train
+
+DEMO = str(ROOT / "configs" / "demo.yaml")
+
+
+def _demo_accuracy(tmp_path, name, *overrides) -> float:
+    args = ["train", "--config", DEMO, "--run-dir", str(tmp_path / name), "--new"]
+    for o in ["train.allreduce=mpi", "checkpoint.enabled=false", *overrides]:
+        args += ["--set", o]
+    job = mpirun(2, HPCTRAIN, *args, timeout=300)
+    assert job.returncode == 0, job.output
+    return float(re.search(r"val_accuracy=([0-9.]+)", job.output).group(1))
+
+
+def test_compressed_training_reaches_dense_accuracy_and_error_feedback_matters(tmp_path):
+    dense = _demo_accuracy(tmp_path, "dense")
+    topk = ["train.compression=topk", "compression.ratio=0.01"]
+    with_ef = _demo_accuracy(tmp_path, "topk-ef", *topk)
+    without_ef = _demo_accuracy(tmp_path, "topk-noef", *topk, "compression.error_feedback=false")
+    powersgd = _demo_accuracy(tmp_path, "powersgd", "train.compression=powersgd")
+    assert dense > 0.8  # the demo's own bar
+    for acc in (with_ef, powersgd):
+        assert acc > dense - 0.01, (acc, dense)
+    # Measured 0.813 with error feedback vs 0.782 without (dense 0.817).
+    assert without_ef < with_ef - 0.015, (without_ef, with_ef)
+
+
+@pytest.mark.parametrize("method", ["bf16", "powersgd"])
+def test_both_backends_follow_the_same_trajectory_through_a_compressor(tmp_path, method):
+    common = [
+        "train.allreduce=mpi",
+        f"train.compression={method}",
+        "train.max_steps=8",
+        "model.hidden=[32]",
+        "compression.rank=2",
+    ]
+    wt, lt = _train(tmp_path, f"{method}-torch", 2, "backend=torch", *common)
+    wf, lf = _train(tmp_path, f"{method}-tf", 2, "backend=tensorflow", *common)
+    assert lt == pytest.approx(lf, abs=1e-4)
+    for k in wt:
+        assert abs(wt[k] - wf[k]).max() < 1e-4, k
