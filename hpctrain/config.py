@@ -514,6 +514,15 @@ def _cross_checks(v: dict) -> list[str]:
             "train.compression=fp16: the pipeline strategy compresses only through Horovod "
             "(train.allreduce=horovod or auto)"
         )
+    if v["train"]["sync_every"] > 1 and v["strategy"] != "data_parallel":
+        problems.append(
+            f"train.sync_every: local SGD runs with strategy data_parallel, not {v['strategy']}"
+        )
+    if v["train"]["sync_every"] > 1 and isinstance(v["model"], dict) and v["model"].get("moe"):
+        problems.append(
+            "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
+            "live on one rank each; there is nothing to average them with)"
+        )
     if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
         problems.append(
             f"train.compression={v['train']['compression']}: only with strategy "

@@ -14,6 +14,8 @@ import numpy as np
 from ..backends import backend_class, versions
 from ..backends.horovod_env import apply_horovod_env
 from ..data import iterate_val
+from ..errors import ConfigError
+from ..exchange.local_sgd import LocalSchedule, LocalSGDReducer, average_weights
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
@@ -42,6 +44,20 @@ class DataParallel(StrategyBase):
         self.backend = backend_class(cfg.backend)(cfg, world, self.input_spec, threads)
         self.report_comm = world
         self.lr_replicas = world.size
+        self.local = None  # local SGD: parameters averaged every train.sync_every steps
+        if tcfg["sync_every"] > 1:
+            self._start_local_sgd(tcfg)
+
+    def _start_local_sgd(self, tcfg) -> None:
+        b = self.backend
+        if b.engine != "mpi":
+            raise ConfigError(
+                f"train.sync_every={tcfg['sync_every']}: local SGD runs on the MPI engine "
+                f"(train.allreduce=mpi or auto), not {b.engine}"
+            )
+        self.local = LocalSchedule(tcfg["sync_every"], tcfg["local_sgd_warmup_steps"])
+        b._flat = LocalSGDReducer(b._flat, self.local)  # both backends keep it in `_flat`
+        self._diverged = False  # parameters differ between ranks since the last average
 
     def describe(self) -> str:
         b = self.backend
@@ -52,7 +68,23 @@ class DataParallel(StrategyBase):
 
     # --- training -------------------------------------------------------------------
     def step(self, batch, lr: float):
-        return self.backend.train_step(batch, lr)
+        stats = self.backend.train_step(batch, lr)
+        if self.local is not None and self.world.size > 1:
+            done = self.backend.exchange_step - 1  # the step just taken
+            if self.local.average_after(done):
+                stats.extra["comm_bytes"] = stats.extra.get("comm_bytes", 0.0) + float(
+                    self._average_parameters()
+                )
+            else:
+                self._diverged = not self.local.synchronous(done) or self._diverged
+        return stats
+
+    def _average_parameters(self) -> int:
+        """Every replica takes the mean parameters (and BatchNorm statistics)."""
+        mean, sent = average_weights(self.world, self.backend.get_weights())
+        self.backend.set_weights(mean)
+        self._diverged = False
+        return sent
 
     def evaluate(self) -> np.ndarray | None:
         if self.dataset is None or self.dataset.val_size == 0:
@@ -67,7 +99,15 @@ class DataParallel(StrategyBase):
         return sums
 
     def average_buffers(self) -> None:
+        """Before evaluation and checkpoints: with local SGD between averages, the
+        replicas' parameters differ, so they are averaged first (then equal)."""
+        if self.local is not None and self._diverged:
+            self._average_parameters()
         self.backend.average_buffers()
+
+    def finish(self, loop) -> None:
+        if self.local is not None and self._diverged:
+            self._average_parameters()  # every replica ends with the same model
 
     # --- state ------------------------------------------------------------------------
     def export_state(self) -> dict | None:
@@ -75,6 +115,7 @@ class DataParallel(StrategyBase):
 
     def import_state(self, ckpt) -> None:
         self.backend.import_state(ckpt.state)
+        self.backend.exchange_step = int(ckpt.step)  # warm-ups and local-SGD phases go on
 
     def weight_shapes(self) -> dict[str, tuple]:
         return self.backend.weight_shapes()
