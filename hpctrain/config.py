@@ -514,6 +514,12 @@ def _cross_checks(v: dict) -> list[str]:
             "train.compression=fp16: the pipeline strategy compresses only through Horovod "
             "(train.allreduce=horovod or auto)"
         )
+    if v["train"]["hierarchical"] and (
+        compression not in ("none",) or engine in ("horovod", "overlap")
+    ):
+        problems.append(
+            "train.hierarchical: runs on train.allreduce=mpi (or auto) with train.compression=none"
+        )
     if v["train"]["sync_every"] > 1 and v["strategy"] != "data_parallel":
         problems.append(
             f"train.sync_every: local SGD runs with strategy data_parallel, not {v['strategy']}"

@@ -145,6 +145,25 @@ def test_training_across_nodes_equals_one_process(
         _REFERENCE["torch-2x1-mpi"] = run  # the uninterrupted run the resume test matches
 
 
+@pytest.mark.parametrize(
+    "overrides, per_node, says",
+    [
+        (["train.hierarchical=true"], 2, "reduce-scatter in each node of 2 ranks"),
+        (["train.allreduce=overlap", "train.bucket_mb=0.002"], 1, "gradients by overlap"),
+    ],
+    ids=["hierarchical-2x2", "overlap-2x1"],
+)
+def test_network_exchanges_across_nodes_equal_one_process(
+    two_nodes, tmp_path, tmp_path_factory, overrides, per_node, says
+):
+    ref = _single_process(tmp_path_factory, "torch")
+    run = tmp_path / "run"
+    job = _train(two_nodes, run, per_node, "backend=torch", *overrides)
+    assert job.returncode == 0, job.output
+    assert says in job.output, job.output
+    _assert_close(_weights(run), _weights(ref), TOL)
+
+
 def test_auto_engine_agrees_across_uneven_nodes(two_nodes, tmp_path, tmp_path_factory):
     # hpcn1 runs 2 ranks, hpcn2 one; with one thread each, hpcn1's cores are full and
     # hpcn2's are not, so each node alone would pick differently: the job must agree.

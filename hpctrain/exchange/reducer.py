@@ -82,7 +82,13 @@ def make_reducer(
     """
     sizes = [int(np.prod(s)) for s in shapes]
     method = cfg.train["compression"]
-    if method == "none" or engine != "mpi":
+    if engine != "mpi":
+        return DenseMean(comm, sizes, what)
+    if cfg.train["hierarchical"]:
+        from .hierarchical import HierarchicalMean
+
+        return HierarchicalMean(comm, sizes, what)
+    if method == "none":
         return DenseMean(comm, sizes, what)
     from .compression import build
 

@@ -147,6 +147,27 @@ class GuardedComm:
         request = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self._op(op))
         return PendingArray(buf, request, self.watchdog, what)
 
+    def reduce_scatter_sum(self, buf: np.ndarray, counts: list[int], what: str) -> np.ndarray:
+        """Sum `buf` over the ranks and keep this rank's slice (counts[rank] elements, in
+        rank order), guarded. Per rank (N-1)/N of the buffer travels, whatever N."""
+        mine = np.empty(int(counts[self.rank]), dtype=buf.dtype)
+        if self.size == 1:
+            mine[:] = buf
+            return mine
+        with self.watchdog.guard(what):
+            self.comm.Reduce_scatter(buf, mine, recvcounts=list(counts), op=self.MPI.SUM)
+        return mine
+
+    def allgather_into(self, mine: np.ndarray, buf: np.ndarray, counts: list[int], what: str):
+        """Every rank's slice (counts[r] elements, in rank order) into `buf`, guarded."""
+        if self.size == 1:
+            buf[:] = mine
+            return buf
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        with self.watchdog.guard(what):
+            self.comm.Allgatherv(mine, [buf, (list(counts), displs)])
+        return buf
+
     def allgather_array(self, send: np.ndarray, what: str = "allgather") -> np.ndarray:
         """Every rank's equally sized array, stacked in rank order (guarded). Each rank
         receives (N-1) x its own bytes: at 1,024 or 4,096 ranks that is 1,023 or 4,095
