@@ -28,7 +28,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks import alphabeta, common  # noqa: E402
 
 # Add a section by writing benchmarks/sections/<name>.py and listing it here.
-SECTIONS = ["scaling", "ablation", "allreduce", "projection", "strategies", "network"]
+SECTIONS = [
+    "scaling",
+    "ablation",
+    "allreduce",
+    "projection",
+    "strategies",
+    "network",
+    "exchange",
+]
 BUDGET_SECONDS = {True: 100, False: 13 * 60}  # quick / full, before optional work is cut
 
 

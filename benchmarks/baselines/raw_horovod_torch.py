@@ -25,13 +25,19 @@ from hpctrain.backends.torch import build_model  # noqa: E402
 
 
 def main():
-    args = _synthetic.parse_args(__doc__.splitlines()[0])
+    args = _synthetic.parse_args(
+        __doc__.splitlines()[0],
+        lambda p: p.add_argument("--fp16", action="store_true", help="Compression.fp16"),
+    )
     hvd.init()
     torch.set_num_threads(args.threads)
 
     model = build_model(_synthetic.model_cfg(args), _synthetic.input_spec(args), seed=0)
     optimizer = optim.SGD(model.parameters(), lr=0.01 * hvd.size())
-    optimizer = hvd.DistributedOptimizer(optimizer, named_parameters=model.named_parameters())
+    compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
+    optimizer = hvd.DistributedOptimizer(
+        optimizer, named_parameters=model.named_parameters(), compression=compression
+    )
     hvd.broadcast_parameters(model.state_dict(), root_rank=0)
     hvd.broadcast_optimizer_state(optimizer, root_rank=0)
 

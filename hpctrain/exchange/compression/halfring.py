@@ -38,15 +38,30 @@ def from_bf16(bits: np.ndarray) -> np.ndarray:
     return (bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
-CODECS = {
-    # float16 travels as its bits (MPI has no float16 type; mpi4py cannot map it)
-    "fp16": (
-        lambda x: x.astype(np.float16).view(np.uint16),
-        lambda h: h.view(np.float16).astype(np.float32),
-        np.uint16,
-    ),
-    "bf16": (to_bf16, from_bf16, np.uint16),
-}
+def to_fp16(x: np.ndarray) -> np.ndarray:
+    """float32 -> [scale (2 x uint16)] + float16 bits. The chunk is scaled by a power of
+    two that puts its largest magnitude just under 2^15: nothing overflows, gradients do
+    not sink into float16's subnormals (which also cost numpy 10x more time: 107 vs 10 ms
+    for 1.3 M values), and the scaling itself is exact."""
+    top = float(np.max(np.abs(x))) if x.size else 0.0
+    scale = (
+        np.float32(2.0 ** (14 - np.ceil(np.log2(top))))
+        if top > 0 and np.isfinite(top)
+        else (np.float32(1.0))
+    )
+    out = np.empty(x.size + 2, dtype=np.uint16)
+    out[:2] = np.array([scale], dtype=np.float32).view(np.uint16)
+    out[2:] = (x * scale).astype(np.float16).view(np.uint16)
+    return out
+
+
+def from_fp16(msg: np.ndarray) -> np.ndarray:
+    scale = msg[:2].view(np.float32)[0]
+    return msg[2:].view(np.float16).astype(np.float32) * np.float32(1.0 / scale)
+
+
+# (encode, decode, extra uint16 words per message)
+CODECS = {"fp16": (to_fp16, from_fp16, 2), "bf16": (to_bf16, from_bf16, 0)}
 
 
 class HalfRing:
@@ -56,7 +71,7 @@ class HalfRing:
         self.world = comm
         self.sizes = [int(n) for n in sizes]
         self.buffer, self.views = flat_buffer(self.sizes)
-        self.encode, self.decode, self.wire = CODECS[kind]
+        self.encode, self.decode, self.header = CODECS[kind]
         self.kind, self.what = kind, what
         self._sent = 0
         n = comm.size if comm is not None else 1
@@ -86,11 +101,11 @@ class HalfRing:
         if w is None or w.size == 1:
             return
         n, r, buf = w.size, w.rank, self.buffer
-        largest = int(np.diff(self.bounds).max())
-        inbox = np.empty(largest, dtype=self.wire)
+        largest = int(np.diff(self.bounds).max()) + self.header
+        inbox = np.empty(largest, dtype=np.uint16)
         for s in range(n - 1):  # reduce-scatter: after it, rank r owns chunk r + 1
             out, into = self._chunk(r - s), self._chunk(r - s - 1)
-            got = inbox[: into.stop - into.start]
+            got = inbox[: into.stop - into.start + self.header]
             self._hop(self.encode(buf[out]), got, "reduce-scatter")
             buf[into] += self.decode(got)
         own = self._chunk(r + 1)
@@ -98,7 +113,7 @@ class HalfRing:
         buf[own] = self.decode(wire)  # the owner keeps the rounded value too
         for s in range(n - 1):  # allgather of the rounded chunks
             into = self._chunk(r - s)
-            got = inbox[: into.stop - into.start]
+            got = inbox[: into.stop - into.start + self.header]
             self._hop(wire, got, "allgather")
             buf[into] = self.decode(got)
             wire = got.copy()
