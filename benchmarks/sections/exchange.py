@@ -169,9 +169,10 @@ def markdown(data, ctx) -> str:
             vs_dense = f"{dense / m:.2f}x" if dense else ""
             vs_ddp = f"{ddp / m:.2f}x" if ddp else ""
             load = r.get("foreign_load")
+            shown = f"{load:.2f}" if load is not None else ""
             out.append(
                 f"| {entry['link']} | {r['label']} | {m * 1e3:.1f} | {vs_dense} | {vs_ddp} | "
-                f"{load if load is not None else ''} |"
+                f"{shown} |"
             )
     hier = data.get("hierarchical", {})
     out += [
