@@ -22,12 +22,12 @@ import logging
 
 import numpy as np
 
-from .reducer import DenseMean, flat_buffer
+from .reducer import DenseMean, DenseStats, flat_buffer
 
 log = logging.getLogger("hpctrain.exchange")
 
 
-class HierarchicalMean:
+class HierarchicalMean(DenseStats):
     """Average a flat float32 buffer over the World: node, then across nodes, then node."""
 
     def __init__(self, world, sizes: list[int], what: str = "gradient allreduce"):
@@ -82,12 +82,3 @@ class HierarchicalMean:
         self.buffer *= np.float32(1.0 / self.world.size)
         L, M = node.size, cross.size
         self._sent = int(2 * (L - 1) * self.buffer.nbytes // L + 2 * (M - 1) * mine.nbytes // M)
-
-    def stats(self) -> dict[str, float]:
-        return {"comm_bytes": float(self._sent), "compression_ratio": 1.0}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        return None

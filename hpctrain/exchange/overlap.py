@@ -29,7 +29,7 @@ import threading
 
 import numpy as np
 
-from .reducer import flat_buffer
+from .reducer import DenseStats, flat_buffer
 
 
 def bucket_plan(sizes: list[int], bucket_bytes: int, itemsize: int = 4) -> list[list[int]]:
@@ -50,7 +50,7 @@ def bucket_plan(sizes: list[int], bucket_bytes: int, itemsize: int = 4) -> list[
     return buckets
 
 
-class OverlapMean:
+class OverlapMean(DenseStats):
     """Average a flat float32 buffer over `comm` bucket by bucket, started from hooks.
 
     Use per step: `ready(i)` for each gradient as it is finished (any order), then
@@ -164,15 +164,6 @@ class OverlapMean:
             for k in range(len(self.buckets)):
                 self._start(k)
         self.finish()
-
-    def stats(self) -> dict[str, float]:
-        return {"comm_bytes": float(self._sent), "compression_ratio": 1.0}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        return None
 
     def close(self) -> None:
         self._stop = True

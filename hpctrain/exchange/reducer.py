@@ -37,7 +37,23 @@ def flat_buffer(sizes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
     return buffer, [buffer[e - n : e] for n, e in zip(sizes, ends, strict=True)]
 
 
-class DenseMean:
+class DenseStats:
+    """What every reducer without per-rank memory shares: `_sent` bytes of dense
+    float32 (ratio 1), nothing to checkpoint."""
+
+    _sent = 0
+
+    def stats(self) -> dict[str, float]:
+        return {"comm_bytes": float(self._sent), "compression_ratio": 1.0}
+
+    def state(self) -> dict[str, np.ndarray]:
+        return {}
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        return None
+
+
+class DenseMean(DenseStats):
     """Average the flat float32 buffer with one in-place `MPI_Allreduce`.
 
     One preallocated buffer: no per-step allocation, one message per step. Ring
@@ -60,15 +76,6 @@ class DenseMean:
         self.buffer *= np.float32(1.0 / self.world.size)
         n = self.world.size
         self._sent = int(2 * (n - 1) * self.buffer.nbytes // n)
-
-    def stats(self) -> dict[str, float]:
-        return {"comm_bytes": float(self._sent), "compression_ratio": 1.0}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        return None
 
 
 def make_reducer(

@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...runtime.p2p import wait_or_abort
-from ..reducer import flat_buffer
+from ..reducer import DenseStats, flat_buffer
 
 TAG = 7_301
 
@@ -64,7 +64,7 @@ def from_fp16(msg: np.ndarray) -> np.ndarray:
 CODECS = {"fp16": (to_fp16, from_fp16, 2), "bf16": (to_bf16, from_bf16, 0)}
 
 
-class HalfRing:
+class HalfRing(DenseStats):
     """Average a flat float32 buffer over `comm` sending 16-bit numbers (Reducer)."""
 
     def __init__(self, comm, sizes: list[int], kind: str, what: str = "gradient ring"):
@@ -123,9 +123,3 @@ class HalfRing:
         dense = 2 * (self.world.size - 1) * self.buffer.nbytes / max(self.world.size, 1)
         ratio = dense / self._sent if self._sent else 1.0
         return {"comm_bytes": float(self._sent), "compression_ratio": float(ratio)}
-
-    def state(self) -> dict[str, np.ndarray]:
-        return {}
-
-    def load_state(self, state: dict[str, np.ndarray]) -> None:
-        return None
