@@ -22,7 +22,7 @@ test: install
 
 ## The quick tier for your own loop (under a minute): no mpirun jobs, no cluster, no
 ## SLURM; the layering contracts included. `make test` remains what CI runs.
-QUICK_TESTS := test_bench_projection test_checkpoint_atomic test_checkpoint_cli \
+QUICK_TESTS := test_bench_projection test_zero_layout test_checkpoint_atomic test_checkpoint_cli \
 	test_checkpoint_format test_checkpoint_policy test_config test_data test_docs \
 	test_gradient_engine test_grid test_moe_routing test_rundir test_zoo_parity \
 	test_preemption test_launcher test_activation_checkpointing

@@ -163,6 +163,13 @@ SCHEMA: dict[str, Any] = {
             minimum=0,
             exclusive_min=True,
         ),
+        "zero": _f(
+            0,
+            int,
+            "ZeRO sharding over the data ranks (MPI engine): 0 off, 1 optimizer state, "
+            "2 optimizer state and gradients",
+            choices=(0, 1, 2),
+        ),
         "sync_every": _f(
             1, int, "local SGD: average parameters every H steps (1: synchronous)", **POS_INT
         ),
@@ -529,6 +536,29 @@ def _cross_checks(v: dict) -> list[str]:
             "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
             "live on one rank each; there is nothing to average them with)"
         )
+    zero = v["train"]["zero"]
+    if zero:
+        clash = [
+            what
+            for what, bad in (
+                (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+                (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
+                (f"train.compression={compression}", compression != "none"),
+                ("train.hierarchical", v["train"]["hierarchical"]),
+                (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
+                (
+                    "mixture-of-experts",
+                    isinstance(v["model"], dict) and bool(v["model"].get("moe")),
+                ),
+            )
+            if bad
+        ]
+        if clash:
+            problems.append(
+                f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
+                f"engine (strategy data_parallel, train.allreduce mpi or auto, no compression, "
+                f"hierarchical, local SGD or experts); not with {', '.join(clash)}"
+            )
     if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
         problems.append(
             f"train.compression={v['train']['compression']}: only with strategy "

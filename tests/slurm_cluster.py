@@ -236,6 +236,37 @@ class SlurmCluster:
         self.run("scancel", job_id, timeout=20)
         raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:g} s")
 
+    def start_requeued_now(self, job_id: str, timeout: float = 240) -> None:
+        """Let a requeued job start at once instead of ~2 minutes later (Reason=BeginTime).
+
+        SLURM sets the begin time when the first run has finished completing, which can
+        come after the job already shows PENDING; an update sent before that is
+        overwritten. So the update is repeated every 2 s until the job leaves PENDING.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            info = self.job(job_id)
+            if info.get("JobState") not in ("PENDING", "REQUEUED", "COMPLETING"):
+                return
+            if info.get("JobState") == "PENDING":
+                self.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+            time.sleep(2.0)
+        raise TimeoutError(
+            f"job {job_id} did not start again within {timeout:g} s\n{self.diagnose(job_id)}"
+        )
+
+    def diagnose(self, job_id: str) -> str:
+        """What SLURM says about a job and its nodes, and the end of slurmctld's log."""
+        parts = []
+        for cmd in (("scontrol", "show", "job", job_id), ("sinfo", "-N", "-l")):
+            try:
+                done = self.run(*cmd, timeout=20)
+                parts.append(f"$ {' '.join(cmd)}\n{done.stdout}{done.stderr}")
+            except (OSError, subprocess.TimeoutExpired) as exc:
+                parts.append(f"$ {' '.join(cmd)}: {exc}")
+        parts.append(f"slurmctld.log:\n{_tail(self.directory / 'slurmctld.log', 30)}")
+        return "\n".join(parts)
+
     def cancel_all(self, timeout: float = 60) -> None:
         """Cancel every job of this cluster and wait (bounded) until none runs."""
         self.run("scancel", "--user", "root", timeout=20)

@@ -270,7 +270,8 @@ def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, t
             while time.monotonic() < deadline and not ok():
                 time.sleep(0.3)
             assert ok(), (
-                f"{what} within {seconds} s:\n{_read(out_file)}{_read(logs / f'hpctrain-train-{job_id}.err')}"
+                f"{what} within {seconds} s:\n{_read(out_file)}"
+                f"{_read(logs / f'hpctrain-train-{job_id}.err')}\n{slurm.diagnose(job_id)}"
             )
 
         wait(
@@ -280,8 +281,7 @@ def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, t
         )
         assert slurm.run("scancel", "--signal=USR1", job_id, timeout=20).returncode == 0
         wait("requeued", lambda: slurm.job(job_id).get("Restarts") == "1", 120)
-        wait("pending again", lambda: slurm.job(job_id).get("JobState") == "PENDING", 120)
-        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+        slurm.start_requeued_now(job_id, timeout=240)
         wait(
             "the requeued run to finish",
             lambda: (

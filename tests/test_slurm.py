@@ -596,10 +596,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         assert slurm.job(job_id).get("Restarts") == "1", _job_logs(logs)
         # Once the first run has ended and the job is pending again, let it start now
         # (a requeued job otherwise waits ~2 minutes, Reason=BeginTime).
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and slurm.job(job_id).get("JobState") != "PENDING":
-            time.sleep(0.5)
-        slurm.run("scontrol", "update", f"JobId={job_id}", "StartTime=now", timeout=20)
+        slurm.start_requeued_now(job_id, timeout=240)
         out_file = logs / f"hpctrain-train-{job_id}.out"
         deadline = time.monotonic() + 360
         info = {}

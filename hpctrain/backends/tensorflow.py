@@ -27,6 +27,7 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
+from ..runtime.memory import peak_rss_bytes
 from . import gradient_engine, tensorflow_moe, tensorflow_user
 from .base import (
     OPTIMIZER_SLOTS,
@@ -37,6 +38,7 @@ from .base import (
     model_part,
     with_model_prefix,
 )
+from .tensorflow_zero import TensorFlowZero
 
 tf_env.quiet_python_loggers()
 
@@ -413,12 +415,24 @@ class TensorFlowBackend(BackendBase):
             fp16 = cfg.train["compression"] == "fp16"
             self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
         self.net = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
-        self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]
-        self._flat = make_reducer(
-            cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense], engine=self.engine
-        )
+        self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
+        if cfg.train["zero"]:
+            self.zero = TensorFlowZero(
+                world,
+                [self.net.vars[n] for n in self._dense],
+                cfg.train["zero"],
+                int(cfg.train["bucket_mb"] * 2**20),
+                lambda variables: _Optimizer(cfg.optimizer, variables),
+            )
+            self.optimizer = self.zero.optimizer
+            self._flat = self.zero.part
+        else:
+            self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
+            self._flat = make_reducer(
+                cfg, world, [tuple(self.net.vars[n].shape) for n in self._dense], engine=self.engine
+            )
         if self.engine == "overlap":
             # TF computes every gradient in one tape.gradient call: nothing is final
             # before it returns, so the buckets travel after it (pipelined with each
@@ -440,6 +454,11 @@ class TensorFlowBackend(BackendBase):
         if self._size() == 1:
             return
         opt = self.optimizer
+        if self.zero is not None:  # each rank's optimizer state is its own shard
+            for i, var in enumerate([*self.net.vars.values(), *self.net.buffers.values()]):
+                var.assign(self.world.bcast_inplace(np.array(var.numpy()), what=f"broadcast {i}"))
+            self.zero.sync_shard()
+            return
         everything = [  # MoE experts differ per rank: never broadcast
             *(v for k, v in self.net.vars.items() if not is_expert_param(k)),
             *self.net.buffers.values(),
@@ -477,6 +496,8 @@ class TensorFlowBackend(BackendBase):
         return loss_sum, correct, grads
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
+        if self.zero is not None:
+            return self._zero_step(micro_batches, lr)
         t_step = time.perf_counter()
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)
@@ -501,7 +522,64 @@ class TensorFlowBackend(BackendBase):
         extra = tensorflow_moe.step_extra(self.net, time.perf_counter() - t_step)
         if self.hvd is None:
             extra.update(self._flat.stats())
+        extra.update(self.memory(acc))
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _zero_step(self, micro_batches, lr: float) -> StepStats:
+        """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather.
+        Stage 2 reduces after every micro-batch (accumulation keeps only the shard)."""
+        z = self.zero
+        total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
+        scale = tf.constant(1.0 / total, tf.float32)
+        z.begin_step()
+        acc, loss_sum, correct, comm = None, 0.0, 0, 0.0
+        dense = [list(self.net.vars).index(n) for n in self._dense]
+        for x, y in micro_batches:
+            loss, corr, grads = self._grad_fn(tf.constant(x), tf.constant(y), scale)
+            grads = [grads[i] for i in dense]
+            loss_sum += float(loss)
+            correct += int(corr)
+            if z.part.stage == 2:
+                t0 = time.perf_counter()
+                z.reduce(grads)
+                comm += time.perf_counter() - t0
+            else:
+                acc = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+        t0 = time.perf_counter()
+        if acc is not None:
+            z.reduce(acc)
+        if self.clip is not None:
+            z.clip(float(self.clip))
+        z.step(lr)
+        comm += time.perf_counter() - t0  # includes the shard's update
+        self.exchange_step += 1
+        extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
+        extra.update(self.memory())
+        return StepStats(loss_sum, correct, total, comm, extra)
+
+    def memory(self, grads=None) -> dict[str, float]:
+        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
+        slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
+        if self.zero is not None:
+            out = self.zero.memory(slots)
+        else:
+            buffer = getattr(self._flat, "buffer", None)
+            held = sum(int(np.prod(g.shape)) * 4 for g in grads or [])
+            out = {
+                "mem_param_bytes": float(
+                    sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
+                ),
+                "mem_grad_bytes": float(held + (buffer.nbytes if buffer is not None else 0)),
+                "mem_optimizer_bytes": float(
+                    sum(
+                        int(np.prod(v.shape)) * 4
+                        for values in self.optimizer.slots.values()
+                        for v in values.values()
+                    )
+                ),
+            }
+        out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
+        return out
 
     def _average_with_mpi(self, grads: list, names: list[str]) -> list:
         """One MPI_Allreduce of every dense gradient (the `mpi` engine); experts / ranks."""
@@ -556,12 +634,23 @@ class TensorFlowBackend(BackendBase):
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
         assign_weights(self.net, weights)
+        if self.zero is not None:
+            self.zero.sync_shard()
 
     def export_state(self) -> dict[str, np.ndarray]:
+        """The canonical state; under ZeRO a collective whose result is whole on rank 0."""
+        if self.zero is not None:
+            return {
+                **with_model_prefix(self.get_weights()),
+                **self.zero.export_optimizer(self._dense),
+            }
         return {**with_model_prefix(self.get_weights()), **self.optimizer.export_state()}
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))
+        if self.zero is not None:
+            self.zero.import_optimizer(self._dense, state)
+            return
         self.optimizer.import_state(state)
 
     rng_state = staticmethod(rng_state)

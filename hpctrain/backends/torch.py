@@ -25,6 +25,7 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
+from ..runtime.memory import peak_rss_bytes
 from . import gradient_engine, torch_moe
 from .base import (
     OPTIMIZER_SLOTS,
@@ -35,6 +36,7 @@ from .base import (
     model_part,
     with_model_prefix,
 )
+from .torch_zero import TorchZero
 
 
 def probe() -> dict:
@@ -233,6 +235,21 @@ def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> N
             st["step"] = torch.tensor(float(step))
 
 
+def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:
+    """torch's SGD or Adam over `params` as the optimizer section says."""
+    if ocfg["name"] == "sgd":
+        return torch.optim.SGD(
+            params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
+        )
+    return torch.optim.Adam(
+        params,
+        lr=ocfg["lr"],
+        betas=tuple(ocfg["betas"]),
+        eps=ocfg["eps"],
+        weight_decay=ocfg["weight_decay"],
+    )
+
+
 # --- what the backend, the pipeline stage and the PS worker share ------------------------
 def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
     """Threads, deterministic kernels and every random stream of this rank's process."""
@@ -265,13 +282,14 @@ def set_rng_state(state: dict[str, np.ndarray]) -> None:
 
 
 def backward_mean_loss(
-    model: nn.Module, micro_batches, aux_loss=None, before_last=None
+    model: nn.Module, micro_batches, aux_loss=None, before_last=None, after_each=None
 ) -> tuple[float, int, int]:
     """Backward of the mean loss over all the step's samples on this rank (gradients
     accumulate over the micro-batches); returns (loss sum, correct, count).
     `aux_loss(model)`: an extra per-token loss of the last forward (MoE balancing).
     `before_last()`: called before the last micro-batch's backward (the overlapped
-    engine starts communication only there, when the gradients become final)."""
+    engine starts communication only there, when the gradients become final).
+    `after_each()`: called after each micro-batch's backward (ZeRO-2 reduces there)."""
     total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
     loss_sum, correct = 0.0, 0
     for i, (x, y) in enumerate(micro_batches):
@@ -285,6 +303,8 @@ def backward_mean_loss(
         aux = aux_loss(model) if aux_loss is not None else None
         term = loss if aux is None else loss + aux * yt.numel()
         (term / total).backward()
+        if after_each is not None:
+            after_each()
         loss_sum += float(loss.detach())
         correct += int((logits.detach().argmax(-1) == yt).sum())
     return loss_sum, correct, total
@@ -308,18 +328,18 @@ class TorchBackend(BackendBase):
         ocfg = cfg.optimizer
         dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
         params = [p for _, p in dense]
-        if ocfg["name"] == "sgd":
-            opt = torch.optim.SGD(
-                params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
-            )
-        else:
-            opt = torch.optim.Adam(
+        self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
+        if cfg.train["zero"]:
+            self.zero = TorchZero(
+                world,
                 params,
-                lr=ocfg["lr"],
-                betas=tuple(ocfg["betas"]),
-                eps=ocfg["eps"],
-                weight_decay=ocfg["weight_decay"],
+                cfg.train["zero"],
+                int(cfg.train["bucket_mb"] * 2**20),
+                partial(make_optimizer, ocfg),
             )
+            opt = self.zero.optimizer
+        else:
+            opt = make_optimizer(ocfg, params)
         self.accum = cfg.train["grad_accum"]
         self.hvd = None
         if self.engine == "horovod":
@@ -339,7 +359,11 @@ class TorchBackend(BackendBase):
                 op=hvd.Average,
             )
         self._dense = params
-        self._flat = make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
+        self._flat = (
+            self.zero.part
+            if self.zero is not None
+            else make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
+        )
         self._overlap = None  # the overlapped engine: buckets started from backward hooks
         if self.engine == "overlap":
             self._overlap = self._flat = OverlapMean(
@@ -379,6 +403,9 @@ class TorchBackend(BackendBase):
             return
         for name, tensor in state.items():
             w.bcast_inplace(tensor.numpy(), what=f"broadcast {name}")
+        if self.zero is not None:  # each rank's optimizer state is its own shard
+            self.zero.sync_shard()
+            return
         if w.bcast_object(bool(self.optimizer.state), what="agree on optimizer state"):
             named = [(n, p) for p, n in self._names.items() if not is_expert_param(n)]
             kind = self.cfg.optimizer["name"]
@@ -389,6 +416,8 @@ class TorchBackend(BackendBase):
     # --- training ---------------------------------------------------------------
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
+        if self.zero is not None:
+            return self._zero_step(micro_batches, lr)
         self.model.train()
         t_step = time.perf_counter()
         for group in self.optimizer.param_groups:
@@ -417,7 +446,58 @@ class TorchBackend(BackendBase):
         extra = torch_moe.step_extra(self.model, time.perf_counter() - t_step)
         if self.hvd is None:
             extra.update(self._flat.stats())
+        extra.update(self.memory())
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _zero_step(self, micro_batches, lr: float) -> StepStats:
+        """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather."""
+        self.model.train()
+        z = self.zero
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        z.begin_step()
+        t_comm = [0.0]
+
+        def after_backward():  # stage 2 reduces during backward: count it as comm
+            t0 = time.perf_counter()
+            z.end_backward()
+            t_comm[0] += time.perf_counter() - t0
+
+        loss_sum, correct, total = backward_mean_loss(
+            self.model, micro_batches, after_each=after_backward
+        )
+        t0 = time.perf_counter()
+        z.reduce()
+        if self.clip is not None:
+            z.clip(float(self.clip))
+        z.step()
+        comm = t_comm[0] + time.perf_counter() - t0  # includes the shard's update
+        self.exchange_step += 1
+        extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
+        extra.update(self.memory())
+        return StepStats(loss_sum, correct, total, comm, extra)
+
+    def memory(self) -> dict[str, float]:
+        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
+        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
+        if self.zero is not None:
+            out = self.zero.memory(slots)
+        else:
+            grads = sum(p.grad.numel() * 4 for p in self.model.parameters() if p.grad is not None)
+            buffer = getattr(self._flat, "buffer", None)
+            opt = sum(
+                v.numel() * v.element_size()
+                for st in self.optimizer.state.values()
+                for v in st.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )
+            out = {
+                "mem_param_bytes": float(sum(p.numel() * 4 for p in self.model.parameters())),
+                "mem_grad_bytes": float(grads + (buffer.nbytes if buffer is not None else 0)),
+                "mem_optimizer_bytes": float(opt),
+            }
+        out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
+        return out
 
     @torch.no_grad()
     def _average_with_mpi(self) -> None:
@@ -497,8 +577,18 @@ class TorchBackend(BackendBase):
         with torch.no_grad():
             for key, tensor in self.model.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+        if self.zero is not None:
+            self.zero.sync_shard()
 
     def export_state(self) -> dict[str, np.ndarray]:
+        """The canonical state; under ZeRO a collective whose result is whole on rank 0."""
+        if self.zero is not None:
+            names = [self._names[p] for p in self._dense]
+            kind = self.cfg.optimizer["name"]
+            return {
+                **with_model_prefix(self.get_weights()),
+                **self.zero.export_optimizer(names, kind),
+            }
         names = ((n, p) for p, n in self._names.items())
         return {
             **with_model_prefix(self.get_weights()),
@@ -507,6 +597,10 @@ class TorchBackend(BackendBase):
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))
+        if self.zero is not None:
+            names = [self._names[p] for p in self._dense]
+            self.zero.import_optimizer(names, self.cfg.optimizer["name"], state)
+            return
         names = ((n, p) for p, n in self._names.items())
         import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)
 

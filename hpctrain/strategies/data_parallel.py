@@ -111,6 +111,11 @@ class DataParallel(StrategyBase):
 
     # --- state ------------------------------------------------------------------------
     def export_state(self) -> dict | None:
+        """Rank 0's canonical state; under ZeRO every rank takes part (the optimizer
+        state is gathered from the shards onto rank 0)."""
+        if getattr(self.backend, "zero", None) is not None:
+            state = self.backend.export_state()
+            return state if self.world.is_root else None
         return self.backend.export_state() if self.world.is_root else None
 
     def import_state(self, ckpt) -> None:

@@ -1,0 +1,183 @@
+"""ZeRO-1/2 for the torch backend (the layout and the MPI side: exchange/zero.py).
+
+The dense parameters become views of one padded flat tensor, so the allgather of the
+updated shards writes straight into the model; the torch optimizer holds one flat
+parameter, this rank's shard, and so only the shard's state (SGD and Adam are
+elementwise: the update equals the per-parameter one).
+
+Stage 1: `.grad` of every parameter is a view of one flat gradient tensor (accumulation
+adds into it), reduce-scattered after backward. Stage 2: a post-accumulate-grad hook
+copies each gradient into its segment's buffer and frees it (`param.grad = None`); a
+finished segment is reduce-scattered at once, in a fixed order on every rank, and its
+buffer dropped, so a rank never holds more than its shard, the open segments and the
+gradient being produced.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+
+from ..exchange.zero import ZeroPartition
+from .base import OPTIMIZER_SLOTS
+
+
+class TorchZero:
+    def __init__(self, world, params: list[nn.Parameter], stage: int, bucket_bytes: int, make_opt):
+        self.part = part = ZeroPartition(world, [p.numel() for p in params], stage, bucket_bytes)
+        self.params = params
+        self.flat = torch.zeros(part.flat_len)
+        with torch.no_grad():
+            for p, view in zip(params, part.views(self.flat.numpy()), strict=True):
+                v = torch.from_numpy(view).view_as(p)
+                v.copy_(p.detach())
+                p.data = v
+        self.shard = nn.Parameter(torch.zeros(part.shard_len))
+        self.optimizer = make_opt([self.shard])
+        self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
+        self.sync_shard()
+        self.grad_bytes_peak = 0
+        if stage == 1:
+            self.grads = torch.zeros(part.flat_len)
+            self._grad_views = [
+                torch.from_numpy(v).view_as(p)
+                for p, v in zip(params, part.views(self.grads.numpy()), strict=True)
+            ]
+        else:
+            self._live = False
+            self._open: dict[int, np.ndarray] = {}  # segment -> buffer, while it fills
+            self._order = list(reversed(range(len(part.segments))))  # backward's order
+            for i, p in enumerate(params):
+                p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+
+    # --- a step -----------------------------------------------------------------------
+    def begin_step(self) -> None:
+        self.shard_grad[:] = 0.0
+        self.grad_bytes_peak = self.shard_grad.nbytes
+        if self.part.stage == 1:
+            self.grads.zero_()
+            for p, view in zip(self.params, self._grad_views, strict=True):
+                p.grad = view  # backward accumulates into the flat tensor
+            self.grad_bytes_peak += self.grads.numel() * 4
+        else:
+            for p in self.params:
+                p.grad = None
+            self._begin_backward()
+
+    def _begin_backward(self) -> None:
+        self._left = [len(seg.params) for seg in self.part.segments]
+        self._next = 0
+        self._live = True
+
+    @torch.no_grad()
+    def _grad_ready(self, index: int, param) -> None:
+        if not self._live:
+            return
+        part = self.part
+        s = part.segment_of[index]
+        seg = part.segments[s]
+        if s not in self._open:
+            self._open[s] = np.zeros(seg.padded, dtype=np.float32)
+        at = part.offsets[index] - seg.start
+        self._open[s][at : at + part.sizes[index]] = param.grad.reshape(-1).numpy()
+        held = sum(b.nbytes for b in self._open.values()) + param.grad.numel() * 4
+        self.grad_bytes_peak = max(self.grad_bytes_peak, held + self.shard_grad.nbytes)
+        param.grad = None  # stage 2: only the shard of the gradient outlives backward
+        self._left[s] -= 1
+        self._reduce_finished()
+
+    def _reduce_finished(self) -> None:
+        while self._next < len(self._order) and self._left[self._order[self._next]] == 0:
+            s = self._order[self._next]
+            buf = self._open.pop(s, None)
+            if buf is None:  # no gradient reached this segment: it contributes zeros
+                buf = np.zeros(self.part.segments[s].padded, dtype=np.float32)
+            self.part.reduce_segment(s, buf, self.shard_grad)
+            self._next += 1
+
+    def end_backward(self) -> None:
+        """After each micro-batch's backward (stage 2): parameters that got no gradient
+        count as zeros; every segment is reduced, in the same order on every rank."""
+        if self.part.stage != 2:
+            return
+        self._left = [0] * len(self._left)
+        self._reduce_finished()
+        self._live = False
+        self._begin_backward()
+
+    def reduce(self) -> None:
+        """Stage 1: reduce-scatter the flat gradient after backward."""
+        self._live = False
+        if self.part.stage == 1:
+            flat = self.grads.numpy()
+            for p, view in zip(self.params, self._grad_views, strict=True):
+                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)  # autograd replaced the view: take its gradient
+            self.part.reduce_all(flat, self.shard_grad)
+
+    def clip(self, max_norm: float) -> None:
+        """torch's clip_grad_norm_ rule on the whole gradient, from the shards."""
+        norm = self.part.global_norm(self.shard_grad)
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            self.shard_grad *= np.float32(coef)
+
+    def step(self) -> None:
+        self.shard.grad = torch.from_numpy(self.shard_grad)
+        self.optimizer.step()
+        with torch.no_grad():
+            self.part.gather_params(self.shard.detach().numpy(), self.flat.numpy())
+        if self.part.stage == 2:
+            for p in self.params:
+                p.grad = None
+
+    def sync_shard(self) -> None:
+        """The shard from the (replicated) parameters: after a broadcast or a load."""
+        with torch.no_grad():
+            self.shard.copy_(torch.from_numpy(self.part.shard_of(self.flat.numpy())))
+
+    # --- checkpoints: the canonical layout ---------------------------------------------
+    def export_optimizer(self, names: list[str], kind: str) -> dict[str, np.ndarray]:
+        """`optimizer/<slot>/<name>` for every dense parameter, on rank 0 (collective)."""
+        st = self.optimizer.state.get(self.shard, {})
+        state = {}
+        for slot in OPTIMIZER_SLOTS[kind]:
+            value = st.get(slot)
+            shard = np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
+            full = self.part.gather_full(shard, f"ZeRO checkpoint: gather {slot}")
+            if full is None:
+                continue
+            for name, p, view in zip(names, self.params, self.part.views(full), strict=True):
+                state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(p.shape)).copy()
+        if kind == "adam":
+            state["optimizer/step"] = np.array(int(float(st.get("step", 0))), dtype=np.int64)
+        return state
+
+    def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:
+        st = self.optimizer.state[self.shard]
+        for slot in OPTIMIZER_SLOTS[kind]:
+            keys = [f"optimizer/{slot}/{n}" for n in names]
+            missing = [k for k in keys if k not in state]
+            if missing:
+                raise ValueError(f"optimizer state {missing[0]} missing")
+            full = self.part.flatten([state[k] for k in keys])
+            st[slot] = torch.from_numpy(self.part.shard_of(full))
+        if kind == "adam":
+            st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
+
+    # --- memory -------------------------------------------------------------------------
+    def memory(self, slots: int) -> dict[str, float]:
+        opt = sum(
+            v.numel() * v.element_size()
+            for v in self.optimizer.state.get(self.shard, {}).values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+        return {
+            "mem_param_bytes": float(self.flat.numel() * 4),
+            "mem_grad_bytes": float(self.grad_bytes_peak),
+            "mem_optimizer_bytes": float(opt),
+            **self.part.expected_bytes(slots),
+        }

@@ -1,0 +1,191 @@
+"""ZeRO-1/2: optimizer state (stage 1) and gradients (stage 2) split over the data ranks.
+
+The dense parameters, in registration order, form one flat float32 vector. It is cut
+into segments (stage 1: one; stage 2: the `bucket_plan` buckets, so a bucket can be
+reduced as soon as backward has finished it), each padded to a multiple of N. Rank r
+owns piece r of every segment; its shard is those pieces in segment order. Per step:
+
+- gradients: one `MPI_Reduce_scatter` per segment; each rank keeps the mean of its piece;
+- clipping: the global norm is the square root of the allreduced shard sums (one float);
+- the optimizer updates only the shard (its state exists only for the shard);
+- parameters: one `MPI_Allgatherv` per segment writes every piece into every replica.
+
+Per rank and step, reduce-scatter and allgather each send (N-1)/N of the flat vector,
+the same bytes as a ring allreduce: the cost does not grow with N (1,024 or 4,096
+ranks: still < 2x the vector), and memory per rank is Psi (parameters) + the gradient
+(stage 1: Psi; stage 2: Psi/N + what backward holds) + K*Psi/N of optimizer state.
+
+Checkpoints stay canonical: `gather_full` collects a shard-shaped array into the full
+flat vector on rank 0 only (`MPI_Gatherv`: rank 0 receives K*Psi, the others send
+K*Psi/N; never an allgather, which would put the whole state on every rank), and
+`shard_of` takes this rank's pieces of a full vector, so a ZeRO run resumes as plain
+data parallelism, at another world size or in the other backend.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from .overlap import bucket_plan
+
+
+@dataclass(frozen=True)
+class Segment:
+    """A contiguous run of parameters in the padded flat vector."""
+
+    params: tuple[int, ...]  # parameter indices, ascending
+    start: int  # offset in the padded flat vector
+    length: int  # elements of real parameters
+    padded: int  # length rounded up to a multiple of N
+    shard_start: int  # offset of this segment's piece in a rank's shard
+
+    def piece(self, n: int) -> int:
+        return self.padded // n
+
+
+class ZeroPartition:
+    """The flat layout of the dense parameters and this rank's shard of it."""
+
+    def __init__(self, comm, sizes: list[int], stage: int, bucket_bytes: int):
+        if stage not in (1, 2):
+            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
+        self.comm = comm
+        self.stage = stage
+        self.n = comm.size if comm is not None else 1
+        self.rank = comm.rank if comm is not None else 0
+        self.sizes = [int(s) for s in sizes]
+        groups = (
+            [list(range(len(sizes)))]
+            if stage == 1
+            else [sorted(b) for b in reversed(bucket_plan(self.sizes, bucket_bytes))]
+        )
+        self.segments: list[Segment] = []
+        self.offsets = [0] * len(self.sizes)
+        start = shard = 0
+        for group in groups:
+            offset = start
+            for i in group:
+                self.offsets[i] = offset
+                offset += self.sizes[i]
+            length = offset - start
+            padded = -(-max(length, 1) // self.n) * self.n
+            self.segments.append(Segment(tuple(group), start, length, padded, shard))
+            start += padded
+            shard += padded // self.n
+        self.flat_len = start
+        self.shard_len = shard
+        self.segment_of = {i: s for s, seg in enumerate(self.segments) for i in seg.params}
+        self._sent = 0
+
+    # --- layout -------------------------------------------------------------------------
+    def views(self, flat: np.ndarray) -> list[np.ndarray]:
+        """One view per parameter into a padded flat vector (parameter order)."""
+        return [flat[o : o + s] for o, s in zip(self.offsets, self.sizes, strict=True)]
+
+    def segment_view(self, flat: np.ndarray, s: int) -> np.ndarray:
+        seg = self.segments[s]
+        return flat[seg.start : seg.start + seg.padded]
+
+    def shard_view(self, shard: np.ndarray, s: int) -> np.ndarray:
+        seg = self.segments[s]
+        return shard[seg.shard_start : seg.shard_start + seg.piece(self.n)]
+
+    def shard_of(self, flat: np.ndarray) -> np.ndarray:
+        """This rank's pieces of a full padded flat vector (a copy)."""
+        out = np.empty(self.shard_len, dtype=flat.dtype)
+        for s, seg in enumerate(self.segments):
+            k = seg.piece(self.n)
+            self.shard_view(out, s)[:] = flat[
+                seg.start + self.rank * k : seg.start + (self.rank + 1) * k
+            ]
+        return out
+
+    def flatten(self, arrays: list[np.ndarray]) -> np.ndarray:
+        """Per-parameter arrays into a new padded flat vector (pads zero)."""
+        flat = np.zeros(self.flat_len, dtype=np.float32)
+        for view, a in zip(self.views(flat), arrays, strict=True):
+            view[:] = np.asarray(a, dtype=np.float32).reshape(-1)
+        return flat
+
+    # --- communication --------------------------------------------------------------------
+    def reduce_segment(self, s: int, grads: np.ndarray, into: np.ndarray) -> None:
+        """Mean over the ranks of segment `s` of a padded flat gradient vector (or of the
+        segment alone: len == padded), added into this rank's piece of `into` (a shard)."""
+        seg = self.segments[s]
+        buf = grads if len(grads) == seg.padded else self.segment_view(grads, s)
+        k = seg.piece(self.n)
+        if self.n == 1:
+            mine = buf
+        else:
+            mine = self.comm.reduce_scatter_sum(
+                buf, [k] * self.n, f"ZeRO-{self.stage} gradient reduce-scatter (segment {s})"
+            )
+            self._sent += (self.n - 1) * k * 4
+        self.shard_view(into, s)[:] += mine * np.float32(1.0 / self.n)
+
+    def reduce_all(self, grads: np.ndarray, into: np.ndarray) -> None:
+        for s in range(len(self.segments)):
+            self.reduce_segment(s, grads, into)
+
+    def global_norm(self, shard_grad: np.ndarray) -> float:
+        """The L2 norm of the whole (averaged) gradient from the shards (one allreduce)."""
+        local = float(np.dot(shard_grad.astype(np.float64), shard_grad.astype(np.float64)))
+        if self.n > 1:
+            local = float(self.comm.allreduce_array([local], "sum", "ZeRO gradient norm")[0])
+        return float(np.sqrt(local))
+
+    def gather_params(self, shard: np.ndarray, flat: np.ndarray) -> None:
+        """Every rank's updated pieces into every rank's padded flat parameters."""
+        for s in range(len(self.segments)):
+            self.gather_segment(s, shard, self.segment_view(flat, s))
+
+    def gather_segment(self, s: int, shard: np.ndarray, target: np.ndarray) -> None:
+        """Segment `s` of the parameters (padded length) from every rank's piece."""
+        k = self.segments[s].piece(self.n)
+        mine = self.shard_view(shard, s)
+        if self.n == 1:
+            target[:] = mine
+            return
+        self.comm.allgather_into(
+            np.ascontiguousarray(mine),
+            target,
+            [k] * self.n,
+            f"ZeRO-{self.stage} parameter allgather (segment {s})",
+        )
+        self._sent += (self.n - 1) * k * 4
+
+    def gather_full(self, shard: np.ndarray, what: str) -> np.ndarray | None:
+        """The full padded flat vector of a shard-shaped array on rank 0 (None elsewhere):
+        for checkpoints, so they keep the canonical, world-size-free layout."""
+        if self.n == 1:
+            return self.unshard(shard[None])
+        pieces = self.comm.gather_array(np.ascontiguousarray(shard, dtype=np.float32), what=what)
+        return None if pieces is None else self.unshard(pieces)
+
+    def unshard(self, pieces: np.ndarray) -> np.ndarray:
+        """[N, shard_len] rank shards -> the padded flat vector."""
+        flat = np.zeros(self.flat_len, dtype=np.float32)
+        for s, seg in enumerate(self.segments):
+            k = seg.piece(self.n)
+            part = pieces[:, seg.shard_start : seg.shard_start + k]
+            self.segment_view(flat, s)[:] = part.reshape(-1)
+        return flat
+
+    def take_sent(self) -> int:
+        """Bytes this rank sent since the last call (for `comm_bytes`)."""
+        sent, self._sent = self._sent, 0
+        return sent
+
+    # --- the memory model ---------------------------------------------------------------
+    def expected_bytes(self, slots: int) -> dict[str, float]:
+        """The ZeRO paper's per-rank bytes for float32 training: parameters Psi*4, optimizer
+        state slots*Psi*4/N, gradients Psi*4 (stage 1) or Psi*4/N (stage 2, + one bucket)."""
+        psi = sum(self.sizes)
+        grads = psi * 4 if self.stage == 1 else self.shard_len * 4
+        return {
+            "zero_model_param_bytes": float(psi * 4),
+            "zero_model_optimizer_bytes": float(slots * self.shard_len * 4),
+            "zero_model_grad_bytes": float(grads),
+        }
