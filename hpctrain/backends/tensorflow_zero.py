@@ -45,13 +45,16 @@ class TensorFlowZero:
         held = sum(int(np.prod(g.shape)) * 4 for g in grads)
         for s in reversed(range(len(part.segments))):
             seg = part.segments[s]
-            buf = np.zeros(seg.padded, dtype=np.float32)
-            for i in seg.params:
-                at = part.offsets[i] - seg.start
-                buf[at : at + part.sizes[i]] = np.asarray(grads[i]).reshape(-1)
-            self.grad_bytes_peak = max(
-                self.grad_bytes_peak, held + buf.nbytes + self.shard_grad.nbytes
-            )
+            if len(seg.params) == 1 and seg.padded == seg.length:
+                buf = np.asarray(grads[seg.params[0]]).reshape(-1)  # no copy needed
+                extra = 0
+            else:
+                buf = np.zeros(seg.padded, dtype=np.float32)
+                for i in seg.params:
+                    at = part.offsets[i] - seg.start
+                    buf[at : at + part.sizes[i]] = np.asarray(grads[i]).reshape(-1)
+                extra = buf.nbytes
+            self.grad_bytes_peak = max(self.grad_bytes_peak, held + extra + self.shard_grad.nbytes)
             part.reduce_segment(s, buf, self.shard_grad)
 
     def clip(self, max_norm: float) -> None:

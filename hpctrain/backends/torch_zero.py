@@ -79,11 +79,17 @@ class TorchZero:
         part = self.part
         s = part.segment_of[index]
         seg = part.segments[s]
-        if s not in self._open:
-            self._open[s] = np.zeros(seg.padded, dtype=np.float32)
-        at = part.offsets[index] - seg.start
-        self._open[s][at : at + part.sizes[index]] = param.grad.reshape(-1).numpy()
-        held = sum(b.nbytes for b in self._open.values()) + param.grad.numel() * 4
+        grad = param.grad.detach().reshape(-1).numpy()
+        if len(seg.params) == 1 and seg.padded == seg.length:
+            self._open[s] = grad  # a segment of one unpadded gradient: no copy
+            fresh = 0
+        else:
+            if s not in self._open:
+                self._open[s] = np.zeros(seg.padded, dtype=np.float32)
+            at = part.offsets[index] - seg.start
+            self._open[s][at : at + part.sizes[index]] = grad
+            fresh = grad.nbytes  # the gradient and its copy, until it is dropped below
+        held = sum(b.nbytes for b in self._open.values()) + fresh
         self.grad_bytes_peak = max(self.grad_bytes_peak, held + self.shard_grad.nbytes)
         param.grad = None  # stage 2: only the shard of the gradient outlives backward
         self._left[s] -= 1

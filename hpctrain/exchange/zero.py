@@ -1,8 +1,8 @@
 """ZeRO-1/2: optimizer state (stage 1) and gradients (stage 2) split over the data ranks.
 
 The dense parameters, in registration order, form one flat float32 vector. It is cut
-into segments (stage 1: one; stage 2: the `bucket_plan` buckets, so a bucket can be
-reduced as soon as backward has finished it), each padded to a multiple of N. Rank r
+into segments (stage 1: one; stage 2: `stage2_segments`, so a segment can be reduced as
+soon as backward has finished it), each padded to a multiple of N. Rank r
 owns piece r of every segment; its shard is those pieces in segment order. Per step:
 
 - gradients: one `MPI_Reduce_scatter` per segment; each rank keeps the mean of its piece;
@@ -28,7 +28,27 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .overlap import bucket_plan
+
+def stage2_segments(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
+    """Parameter indices per segment, ascending: backward's buckets (last layer first,
+    >= bucket_bytes each), except that a parameter of bucket_bytes or more is a segment
+    of its own, so its gradient is reduce-scattered where it lies, without a copy."""
+    groups, current, filled = [], [], 0
+    for i in reversed(range(len(sizes))):
+        if sizes[i] * 4 >= bucket_bytes:
+            if current:
+                groups.append(current)
+                current, filled = [], 0
+            groups.append([i])
+            continue
+        current.append(i)
+        filled += sizes[i] * 4
+        if filled >= bucket_bytes:
+            groups.append(current)
+            current, filled = [], 0
+    if current:
+        groups.append(current)
+    return [sorted(g) for g in reversed(groups)]
 
 
 @dataclass(frozen=True)
@@ -57,9 +77,7 @@ class ZeroPartition:
         self.rank = comm.rank if comm is not None else 0
         self.sizes = [int(s) for s in sizes]
         groups = (
-            [list(range(len(sizes)))]
-            if stage == 1
-            else [sorted(b) for b in reversed(bucket_plan(self.sizes, bucket_bytes))]
+            [list(range(len(sizes)))] if stage == 1 else stage2_segments(self.sizes, bucket_bytes)
         )
         self.segments: list[Segment] = []
         self.offsets = [0] * len(self.sizes)
