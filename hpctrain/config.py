@@ -163,6 +163,13 @@ SCHEMA: dict[str, Any] = {
             minimum=0,
             exclusive_min=True,
         ),
+        "precision": _f(
+            "fp32",
+            str,
+            "compute precision: bf16 runs forward/backward in bfloat16 (torch autocast, "
+            "TensorFlow casts) with float32 master weights, gradients and optimizer state",
+            choices=("fp32", "bf16"),
+        ),
         "zero": _f(
             0,
             int,
@@ -559,6 +566,13 @@ def _cross_checks(v: dict) -> list[str]:
                 f"engine (strategy data_parallel, train.allreduce mpi or auto, no compression, "
                 f"hierarchical, local SGD or experts); not with {', '.join(clash)}"
             )
+    if v["train"]["precision"] == "bf16":
+        if v["strategy"] != "data_parallel":
+            problems.append(
+                f"train.precision=bf16: runs with strategy data_parallel, not {v['strategy']}"
+            )
+        if isinstance(v["model"], dict) and v["model"].get("moe"):
+            problems.append("train.precision=bf16: not with mixture-of-experts layers yet")
     if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
         problems.append(
             f"train.compression={v['train']['compression']}: only with strategy "

@@ -7,6 +7,9 @@ per rank, from metrics.jsonl: parameter, gradient (peak held during the step) an
 optimizer-state bytes, and the process's peak RSS; beside the ZeRO paper's model for
 float32 training: parameters 4 Psi, optimizer state 8 Psi / N, gradients 4 Psi (stage 1)
 or 4 Psi / N plus what backward holds (stage 2).
+
+Then `train.precision: bf16` against float32, np=2, mlp and cnn, both backends: step
+time only (this CPU has AVX512-BF16; bf16 may still be slower, and is reported as is).
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ from .. import common
 from ..workloads import BATCH
 from . import scaling
 
-TITLE = "Memory per rank: ZeRO-1/2 vs plain data parallelism"
+TITLE = "Memory per rank: ZeRO-1/2 vs plain data parallelism; bf16 step time"
 MODEL = "mlp"
 STAGES = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2"}
 MEM_KEYS = (
@@ -37,15 +40,20 @@ def plan(quick: bool) -> dict:
         "warmup": 3 if quick else 5,
         "iters": 3 if quick else 5,
         "batches": 4 if quick else 6,
+        "precision_models": ["mlp"] if quick else ["mlp", "cnn"],
     }
 
 
-def _row(ctx, backend, np_, stage, p) -> dict:
-    work = ctx.scratch(f"memory-{backend}-np{np_}-zero{stage}")
+def _row(ctx, backend, np_, stage, p, model=MODEL, precision=None) -> dict:
+    """One run; `precision` given: a row of the bf16-vs-float32 table (own folder)."""
+    tag = f"precision-{precision}" if precision else f"zero{stage}"
+    work = ctx.scratch(f"memory-{backend}-{model}-np{np_}-{tag}")
+    precision = precision or "fp32"
     (work / "metrics.jsonl").unlink(missing_ok=True)
     extra = ["optimizer.name=adam", "train.allreduce=mpi", f"train.zero={stage}"]
+    extra.append(f"train.precision={precision}")
     args = scaling.hpctrain_args(
-        backend, MODEL, np_, p["warmup"], p["iters"], p["batches"], work, extra=extra
+        backend, model, np_, p["warmup"], p["iters"], p["batches"], work, extra=extra
     )
     steps = p["warmup"] + p["iters"] * p["batches"]
     job = common.mpirun(ctx, np_, args, timeout=150 + 2.0 * steps)
@@ -59,6 +67,8 @@ def _row(ctx, backend, np_, stage, p) -> dict:
     seconds = [BATCH / r for r in rates if r]
     return {
         "backend": backend,
+        "model": model,
+        "precision": precision,
         "np": np_,
         "stage": stage,
         "step": common.mean_conf(seconds) if np_ <= ctx.cores else None,
@@ -77,7 +87,13 @@ def run(ctx) -> dict:
         for np_ in p["sizes"]
         for stage in STAGES
     ]
-    return {"plan": p, "rows": rows}
+    precision = [
+        _row(ctx, backend, 2, 0, p, model=model, precision=prec)
+        for backend in p["backends"]
+        for model in p["precision_models"]
+        for prec in ("fp32", "bf16")
+    ]
+    return {"plan": p, "rows": rows, "precision": precision}
 
 
 def _mb(value) -> str:
@@ -122,4 +138,21 @@ def markdown(data, ctx) -> str:
         "holds the whole gradient during backward; torch's frees each one as it is copied "
         "into its segment."
     )
+    rows = data.get("precision", [])
+    if rows:
+        out += [
+            "",
+            "**bf16 vs float32** (np=2, one node, Adam; step = per-iteration mean):",
+            "",
+            "| backend | model | fp32 step (ms) | bf16 step (ms) | bf16 throughput vs fp32 |",
+            "|---|---|---:|---:|---:|",
+        ]
+        by = {(r["backend"], r["model"], r["precision"]): r for r in rows}
+        for backend, model in dict.fromkeys((r["backend"], r["model"]) for r in rows):
+            a, b = by.get((backend, model, "fp32")), by.get((backend, model, "bf16"))
+            ma = a["step"]["mean"] if a and a.get("ok") and a.get("step") else None
+            mb = b["step"]["mean"] if b and b.get("ok") and b.get("step") else None
+            ratio = f"{ma / mb:.2f}x" if ma and mb else ""
+            show = [f"{m * 1e3:.1f}" if m else "failed" for m in (ma, mb)]
+            out.append(f"| {backend} | {model} | {show[0]} | {show[1]} | {ratio} |")
     return "\n".join(out) + "\n"

@@ -81,7 +81,7 @@ def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
 
 def eval_sums(net, x, y):
     """Summed loss and correct predictions of one batch (traced by tf.function)."""
-    logits = net(x, training=False)
+    logits = tf.cast(net(x, training=False), tf.float32)  # bf16 models: loss in float32
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
     return tf.reduce_sum(losses), correct
@@ -185,9 +185,12 @@ def _layer_norm(x, w, b):
 class ZooNet(tf.Module):
     """A zoo model: canonical-name variables and a forward pass equal to torch's."""
 
-    def __init__(self, layers: list[zoo.LayerSpec], weights: dict[str, np.ndarray]):
+    def __init__(self, layers: list[zoo.LayerSpec], weights: dict[str, np.ndarray], bf16=False):
         super().__init__(name="zoo")
         self.layers = layers
+        # bf16: the forward pass computes in bfloat16 on casts of the float32 variables
+        # (their gradients come back float32); BatchNorm statistics stay float32.
+        self.compute_dtype = tf.bfloat16 if bf16 else tf.float32
         self.vars: OrderedDict[str, tf.Variable] = OrderedDict()
         self.buffers: OrderedDict[str, tf.Variable] = OrderedDict()
         for spec in layers:
@@ -201,6 +204,8 @@ class ZooNet(tf.Module):
                 )
 
     def _bn(self, x, prefix, training):
+        if x.dtype != tf.float32:
+            return tf.cast(self._bn(tf.cast(x, tf.float32), prefix, training), x.dtype)
         w, b = self.vars[f"{prefix}.weight"], self.vars[f"{prefix}.bias"]
         rm, rv = self.buffers[f"{prefix}.running_mean"], self.buffers[f"{prefix}.running_var"]
         if not training:
@@ -214,8 +219,13 @@ class ZooNet(tf.Module):
 
     def __call__(self, x, training=False):
         nchw = len(x.shape) == 4  # images arrive NCHW (canonical); TF convolves NHWC
+        low = self.compute_dtype != tf.float32
+        if low and x.dtype.is_floating:
+            x = tf.cast(x, self.compute_dtype)
         for spec in self.layers:
             v = {p: self.vars[f"{spec.name}.{p}"] for p in spec.params}
+            if low:
+                v = {p: tf.cast(w, self.compute_dtype) for p, w in v.items()}
             kind, a = spec.kind, spec.attrs
             if kind in ("conv", "conv_bn", "resblock", "gap") and nchw:
                 x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
@@ -249,7 +259,7 @@ class ZooNet(tf.Module):
                 x = self._block(x, v, a["n_heads"], spec, training)
             else:
                 raise ValueError(f"unknown layer kind {kind!r}")
-        return x
+        return tf.cast(x, tf.float32) if low else x
 
     def _resblock(self, x, spec, v, training):
         s, n = spec.attrs["stride"], spec.name
@@ -281,7 +291,7 @@ class ZooNet(tf.Module):
         future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
             tf.ones([t, t]), 0, 0
         )
-        scores = tf.where(future > 0, tf.constant(float("-inf")), scores)
+        scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
         att = tf.nn.softmax(scores, axis=-1)
         y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, d])
         x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
@@ -296,15 +306,26 @@ class ZooNet(tf.Module):
         return x + h
 
 
-def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int):
+def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = False):
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         layers = zoo.build_layers(model_cfg, inp)
         # Initial values of all experts, then only this rank's experts (MoE).
-        return ZooNet(local_layers(layers, seed), zoo.init_weights(layers, seed))
+        return ZooNet(local_layers(layers, seed), zoo.init_weights(layers, seed), bf16)
     from .tensorflow_user import build_user_model  # import, call, one checked forward pass
 
-    return build_user_model(model_cfg, inp, seed)
+    if not bf16:
+        return build_user_model(model_cfg, inp, seed)
+    import keras
+
+    # Keras's own mixed precision: layers made now compute in bfloat16 on float32
+    # variables. The policy is process-wide, so it is put back after the build.
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        return build_user_model(model_cfg, inp, seed)
+    finally:
+        keras.mixed_precision.set_global_policy(before)
 
 
 # --- torch's optimizer update rules in tf ops -------------------------------------------
@@ -414,7 +435,8 @@ class TensorFlowBackend(BackendBase):
             self.hvd = hvd
             fp16 = cfg.train["compression"] == "fp16"
             self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
-        self.net = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
+        bf16 = cfg.train["precision"] == "bf16"
+        self.net = build_agreed(world, lambda: build_model(cfg.model, inp, seed, bf16))
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.vars if not is_expert_param(n)]
         self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
@@ -483,7 +505,7 @@ class TensorFlowBackend(BackendBase):
     # --- training ---------------------------------------------------------------
     def _grads(self, x, y, scale):
         with tf.GradientTape() as tape:
-            logits = self.net(x, training=True)
+            logits = tf.cast(self.net(x, training=True), tf.float32)  # bf16: loss in f32
             losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
             loss_sum = tf.reduce_sum(losses)
             scaled = loss_sum * scale
@@ -602,7 +624,7 @@ class TensorFlowBackend(BackendBase):
         return evaluate_with(self._eval_fn, x, y)
 
     def predict(self, x) -> np.ndarray:
-        return self.net(tf.constant(x), training=False).numpy()
+        return tf.cast(self.net(tf.constant(x), training=False), tf.float32).numpy()
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which stay per replica otherwise."""

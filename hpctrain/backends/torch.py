@@ -261,11 +261,19 @@ def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
     random.seed(seed)
 
 
+def compute_precision(bf16: bool):
+    """bf16: torch's CPU autocast (matmuls, convolutions and what follows them in
+    bfloat16; parameters, gradients and optimizer state stay float32)."""
+    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
+
+
 @torch.no_grad()
-def evaluate_model(model: nn.Module, x: np.ndarray, y: np.ndarray) -> EvalStats:
+def evaluate_model(model: nn.Module, x: np.ndarray, y: np.ndarray, bf16=False) -> EvalStats:
     """Summed loss, correct predictions and count of one batch in eval mode."""
     model.eval()
-    logits = model(torch.from_numpy(x))
+    with compute_precision(bf16):
+        logits = model(torch.from_numpy(x))
+    logits = logits.float()
     yt = torch.from_numpy(y)
     loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum")
     return EvalStats(float(loss), int((logits.argmax(-1) == yt).sum()), int(np.prod(y.shape)))
@@ -282,7 +290,7 @@ def set_rng_state(state: dict[str, np.ndarray]) -> None:
 
 
 def backward_mean_loss(
-    model: nn.Module, micro_batches, aux_loss=None, before_last=None, after_each=None
+    model: nn.Module, micro_batches, aux_loss=None, before_last=None, after_each=None, bf16=False
 ) -> tuple[float, int, int]:
     """Backward of the mean loss over all the step's samples on this rank (gradients
     accumulate over the micro-batches); returns (loss sum, correct, count).
@@ -296,7 +304,9 @@ def backward_mean_loss(
         if before_last is not None and i == len(micro_batches) - 1:
             before_last()
         xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        logits = model(xt)
+        with compute_precision(bf16):
+            logits = model(xt)
+        logits = logits.float()  # the loss in float32 (as autocast does)
         loss = F.cross_entropy(
             logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum"
         )
@@ -320,6 +330,7 @@ class TorchBackend(BackendBase):
         local = world.local_size if world is not None else 1
         self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
+        self.bf16 = cfg.train["precision"] == "bf16"
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
@@ -425,7 +436,7 @@ class TorchBackend(BackendBase):
         self.optimizer.zero_grad()
         before_last = self._open_buckets if self._overlap is not None else None
         loss_sum, correct, total = backward_mean_loss(
-            self.model, micro_batches, torch_moe.aux_loss, before_last
+            self.model, micro_batches, torch_moe.aux_loss, before_last, bf16=self.bf16
         )
         t0 = time.perf_counter()
         if self._overlap is not None:
@@ -464,7 +475,7 @@ class TorchBackend(BackendBase):
             t_comm[0] += time.perf_counter() - t0
 
         loss_sum, correct, total = backward_mean_loss(
-            self.model, micro_batches, after_each=after_backward
+            self.model, micro_batches, after_each=after_backward, bf16=self.bf16
         )
         t0 = time.perf_counter()
         z.reduce()
@@ -545,12 +556,13 @@ class TorchBackend(BackendBase):
         self.exchange_step += 1
 
     def evaluate(self, x, y) -> EvalStats:
-        return evaluate_model(self.model, x, y)
+        return evaluate_model(self.model, x, y, self.bf16)
 
     @torch.no_grad()
     def predict(self, x) -> np.ndarray:
         self.model.eval()
-        return self.model(torch.from_numpy(x)).numpy()
+        with compute_precision(self.bf16):
+            return self.model(torch.from_numpy(x)).float().numpy()
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which Horovod leaves per replica."""
