@@ -41,13 +41,6 @@ class RunCheckpoints:
         w = loop.world
         self.policy = CheckpointPolicy.from_config(loop.cfg, loop.run_dir)
         self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
-        self.disabled_reason = None
-        if self.policy.enabled and w.size > 1 and _has_experts(loop.strategy):
-            # Experts live on different ranks; gathering their optimizer state is not
-            # written yet, and a partial file must never be named as a checkpoint.
-            self.disabled_reason = "expert-parallel MoE runs are not checkpointed yet"
-            log.warning("checkpoints disabled: %s", self.disabled_reason)
-            self.policy.enabled = False
 
     @property
     def enabled(self) -> bool:
@@ -224,9 +217,3 @@ def load_agreed(world, policy: CheckpointPolicy, resume: str | None, apply):
         error = f"{chosen}: cannot load into this run: {exc}"
     world.agree(error)
     return ckpt
-
-
-def _has_experts(strategy) -> bool:
-    from ..moe.parallel import is_expert_param
-
-    return any(is_expert_param(k) for k in strategy.weight_shapes())

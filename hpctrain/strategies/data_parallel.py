@@ -112,18 +112,42 @@ class DataParallel(StrategyBase):
     # --- state ------------------------------------------------------------------------
     def export_state(self) -> dict | None:
         """Rank 0's canonical state; under ZeRO every rank takes part (the optimizer
-        state is gathered from the shards onto rank 0)."""
+        state is gathered from the shards onto rank 0), and with experts spread over
+        ranks each expert's weights and optimizer slots are gathered over the expert
+        axis (rank 0 receives the experts it lacks: (E - E/R) experts' state, whatever
+        the world size; the other ranks send theirs once)."""
+        if self._spread_experts():
+            state = moe_parallel.gather_expert_weights(self.backend.export_state())
+            return state if self.world.is_root else None
         if getattr(self.backend, "zero", None) is not None:
             state = self.backend.export_state()
             return state if self.world.is_root else None
         return self.backend.export_state() if self.world.is_root else None
 
+    def _spread_experts(self) -> bool:
+        return zoo.has_moe(self.cfg.model) and self.grid.expert.size > 1
+
     def import_state(self, ckpt) -> None:
-        self.backend.import_state(ckpt.state)
+        state = ckpt.state
+        if self._spread_experts():  # every rank takes its own experts, by canonical name
+            mine = set(self.backend.weight_shapes())
+            state = {
+                k: v
+                for k, v in state.items()
+                if not moe_parallel.is_expert_param(k) or k.rsplit("/", 1)[-1] in mine
+            }
+        self.backend.import_state(state)
         self.backend.exchange_step = int(ckpt.step)  # warm-ups and local-SGD phases go on
 
     def weight_shapes(self) -> dict[str, tuple]:
-        return self.backend.weight_shapes()
+        """Canonical shapes: with experts spread over ranks, every expert's (as saved)."""
+        shapes = dict(self.backend.weight_shapes())
+        if self._spread_experts():
+            for spec in zoo.build_layers(self.cfg.model, self.input_spec):
+                for name, shape in spec.params.items():
+                    if moe_parallel.is_expert_param(f"{spec.name}.{name}"):
+                        shapes[f"{spec.name}.{name}"] = tuple(shape)
+        return shapes
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return self.backend.rng_state()

@@ -1,6 +1,6 @@
 """Train an MoE model, then check replicas and dump the full (all-expert) weights.
 
-usage: moe_train_dump.py OUT.npz [--set key=value ...]
+usage: moe_train_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key=value ...]
 Dense parameters must be identical on every rank (allreduce MIN = MAX of checksums);
 each expert lives on one rank, so rank 0 gathers them under their global names and
 writes every tensor (pickle-free npz), which is comparable across world sizes.
@@ -16,8 +16,17 @@ from hpctrain.runtime import run_fail_together
 
 
 def main():
-    out, overrides = sys.argv[1], [a for a in sys.argv[2:] if a != "--set"]
-    trainer = Trainer(Config.load(None, overrides), run_dir=out + ".run")
+    out, args = sys.argv[1], sys.argv[2:]
+    opts = {"--run-dir": out + ".run", "--resume": None}
+    for flag in opts:
+        if flag in args:
+            i = args.index(flag)
+            opts[flag] = args[i + 1]
+            del args[i : i + 2]
+    overrides = [a for a in args if a != "--set"]
+    trainer = Trainer(
+        Config.load(None, overrides), run_dir=opts["--run-dir"], resume=opts["--resume"]
+    )
     trainer.fit()
     weights = trainer.strategy.backend.get_weights()
     w = trainer.world
