@@ -301,6 +301,13 @@ SCHEMA: dict[str, Any] = {
         "partition": _f("parameters", (str, list), "parameters | time | [layers per stage, ...]"),
     },
     "parallel": {
+        "tensor": _f(
+            1,
+            int,
+            "tensor-parallel degree: each transformer block's heads and MLP split over this "
+            "many consecutive ranks (Megatron); the rest of the job replicates the groups",
+            **POS_INT,
+        ),
         "expert": _f(
             None,
             int,
@@ -566,6 +573,35 @@ def _cross_checks(v: dict) -> list[str]:
                 f"engine (strategy data_parallel, train.allreduce mpi or auto, no compression, "
                 f"hierarchical, local SGD or experts); not with {', '.join(clash)}"
             )
+    tensor = v["parallel"]["tensor"]
+    if tensor > 1:
+        model = v["model"] if isinstance(v["model"], dict) else {}
+        clash = [
+            what
+            for what, bad in (
+                (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+                (f"model {model.get('name')}", model.get("name") != "transformer"),
+                ("mixture-of-experts", bool(model.get("moe"))),
+                (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
+                (f"train.compression={compression}", compression != "none"),
+                (f"train.zero={v['train']['zero']}", v["train"]["zero"] != 0),
+                ("train.hierarchical", v["train"]["hierarchical"]),
+                (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
+            )
+            if bad
+        ]
+        if clash:
+            problems.append(
+                f"parallel.tensor={tensor}: tensor parallelism splits the zoo transformer "
+                f"under strategy data_parallel on the MPI engine; not with {', '.join(clash)}"
+            )
+        elif model.get("name") == "transformer":
+            from .models.zoo import model_options
+            from .tensor.parallel import check_divisible
+
+            problem = check_divisible(model_options(model), tensor)
+            if problem:
+                problems.append(problem)
     if v["train"]["precision"] == "bf16":
         if v["strategy"] != "data_parallel":
             problems.append(

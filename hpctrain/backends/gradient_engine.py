@@ -46,8 +46,16 @@ def choose(
         )
     if wanted != "auto":
         return wanted, "train.allreduce"
-    if cfg.train["hierarchical"] or cfg.train["sync_every"] > 1 or cfg.train["zero"]:
-        return "mpi", "auto: hierarchical allreduce, local SGD and ZeRO run on the MPI engine"
+    if (
+        cfg.train["hierarchical"]
+        or cfg.train["sync_every"] > 1
+        or cfg.train["zero"]
+        or cfg.parallel["tensor"] > 1
+    ):
+        return "mpi", (
+            "auto: hierarchical allreduce, local SGD, ZeRO and tensor parallelism run on the "
+            "MPI engine"
+        )
     if compression not in ("none", "fp16"):  # fp16: Horovod's or the MPI engine's ring
         return "mpi", f"auto: train.compression={compression} runs on the MPI engine"
     cores = cores or os.cpu_count() or 1

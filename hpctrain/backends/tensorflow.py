@@ -28,6 +28,7 @@ from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from ..runtime.memory import peak_rss_bytes
+from ..tensor import parallel as tensor_parallel
 from . import gradient_engine, tensorflow_moe, tensorflow_user
 from .base import (
     OPTIMIZER_SLOTS,
@@ -177,6 +178,30 @@ def _dense(x, w, b):
     return tf.linalg.matmul(x, w, transpose_b=True) + b
 
 
+def _tensor_allreduce(x, what: str):
+    """Sum over the tensor axis inside a traced function (a stateful numpy_function:
+    tf.function keeps stateful ops in program order, so every rank issues the
+    collectives in the same order)."""
+    group = tensor_parallel.tensor_group()
+    y = tf.numpy_function(
+        lambda a: group.allreduce_sum(a, what), [tf.cast(x, tf.float32)], tf.float32
+    )
+    y.set_shape(x.shape)
+    return tf.cast(y, x.dtype)
+
+
+@tf.custom_gradient
+def _copy_to_tensor_axis(x):
+    """Megatron's f: identity forward, allreduce of the gradient backward."""
+    return tf.identity(x), lambda dy: _tensor_allreduce(dy, "input gradient (f)")
+
+
+@tf.custom_gradient
+def _reduce_from_tensor_axis(x):
+    """Megatron's g: allreduce forward, identity backward."""
+    return _tensor_allreduce(x, "partial output (g)"), lambda dy: tf.identity(dy)
+
+
 def _layer_norm(x, w, b):
     mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
     return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
@@ -277,6 +302,8 @@ class ZooNet(tf.Module):
         return tf.recompute_grad(lambda t: self._block(t, v, heads, spec, True))(x)
 
     def _block(self, x, v, heads, spec=None, training=False):
+        if spec is not None and spec.attrs.get("tensor", 1) > 1:
+            return self._tensor_parallel_block(x, v, heads)
         shape = tf.shape(x)
         n, t, d = shape[0], shape[1], x.shape[-1]
         dh = d // heads
@@ -305,13 +332,48 @@ class ZooNet(tf.Module):
         )
         return x + h
 
+    def _tensor_parallel_block(self, x, v, heads):
+        """The block with this rank's heads and MLP slice (Megatron): f before the
+        column-parallel layers, g after the row-parallel ones, biases after g."""
+        shape = tf.shape(x)
+        n, t = shape[0], shape[1]
+        h = _copy_to_tensor_axis(_layer_norm(x, v["ln1.weight"], v["ln1.bias"]))
+        qkv = _dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"])
+        dl = qkv.shape[-1] // 3
+        dh = dl // heads
+
+        def heads_first(z):
+            return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
+
+        q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
+        scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
+        future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
+            tf.ones([t, t]), 0, 0
+        )
+        scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
+        att = tf.nn.softmax(scores, axis=-1)
+        y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, dl])
+        out = tf.linalg.matmul(y, v["attn.proj.weight"], transpose_b=True)
+        x = x + _reduce_from_tensor_axis(out) + v["attn.proj.bias"]
+        h = _copy_to_tensor_axis(_layer_norm(x, v["ln2.weight"], v["ln2.bias"]))
+        h = tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"]))
+        out = tf.linalg.matmul(h, v["ffn.fc2.weight"], transpose_b=True)
+        return x + _reduce_from_tensor_axis(out) + v["ffn.fc2.bias"]
+
 
 def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = False):
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         layers = zoo.build_layers(model_cfg, inp)
-        # Initial values of all experts, then only this rank's experts (MoE).
-        return ZooNet(local_layers(layers, seed), zoo.init_weights(layers, seed), bf16)
+        # Initial values of all experts, then only this rank's experts (MoE) and this
+        # rank's piece of each tensor-parallel layer.
+        tp = tensor_parallel.tensor_group()
+        weights = {
+            k: tensor_parallel.shard(k, v, tp.size, tp.rank)
+            for k, v in zoo.init_weights(layers, seed).items()
+        }
+        local = tensor_parallel.local_layers(local_layers(layers, seed), tp.size)
+        return ZooNet(local, weights, bf16)
     from .tensorflow_user import build_user_model  # import, call, one checked forward pass
 
     if not bf16:
@@ -414,13 +476,31 @@ def _clip_like_torch(grads, max_norm):
     return [g * coef for g in grads]
 
 
+def _clip_tensor_parallel(grads, names, max_norm):
+    """torch's rule on the whole model: squares of split variables summed over the
+    tensor axis, replicated ones counted once."""
+    split = sum(
+        float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+        for n, g in zip(names, grads, strict=True)
+        if tensor_parallel.split_kind(n) is not None
+    )
+    whole = sum(
+        float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+        for n, g in zip(names, grads, strict=True)
+        if tensor_parallel.split_kind(n) is None
+    )
+    split = float(tensor_parallel.tensor_group().allreduce_sum(np.array([split]), "norm")[0])
+    coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
+    return [g * coef for g in grads] if coef < 1.0 else grads
+
+
 class TensorFlowBackend(BackendBase):
     name = "tensorflow"
 
     def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
         self.cfg = cfg
         self.world = world
-        local = world.local_size if world is not None else 1
+        local = getattr(world, "local_size", 1)  # a grid axis has no node layout
         self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
         seed = cfg.train["seed"]
@@ -536,7 +616,9 @@ class TensorFlowBackend(BackendBase):
         else:
             acc = tensorflow_moe.average_gradients(self.hvd, acc, names, self.compression)
         comm = time.perf_counter() - t0
-        if self.clip is not None and tensorflow_moe.has_experts(names):
+        if self.clip is not None and tensor_parallel.tensor_group().size > 1:
+            acc = _clip_tensor_parallel(acc, names, float(self.clip))
+        elif self.clip is not None and tensorflow_moe.has_experts(names):
             acc = tensorflow_moe.clip_like_torch(acc, names, float(self.clip))
         elif self.clip is not None:
             acc = _clip_like_torch(acc, float(self.clip))

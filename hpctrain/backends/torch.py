@@ -26,7 +26,8 @@ from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param, local_layers
 from ..runtime.memory import peak_rss_bytes
-from . import gradient_engine, torch_moe
+from ..tensor import parallel as tensor_parallel
+from . import gradient_engine, torch_moe, torch_tensor
 from .base import (
     OPTIMIZER_SLOTS,
     BackendBase,
@@ -135,6 +136,8 @@ class _Layer(nn.Module):
         raise ValueError(f"unknown layer kind {kind!r}")
 
     def _block(self, x):
+        if self.spec.attrs.get("tensor", 1) > 1:
+            return self._tensor_parallel_block(x)
         p, heads = self.p, self.spec.attrs["n_heads"]
         n, t, d = x.shape
         h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
@@ -154,6 +157,30 @@ class _Layer(nn.Module):
             p["ffn.fc2.bias"],
         )
         return x + h
+
+    def _tensor_parallel_block(self, x):
+        """The block with this rank's heads and MLP slice (Megatron): f before the
+        column-parallel layers, g after the row-parallel ones, biases after g."""
+        p, heads = self.p, self.spec.attrs["n_heads"]  # this rank's heads
+        n, t, d = x.shape
+        h = torch_tensor.copy_to_tensor_axis(
+            F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
+        )
+        qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
+        dl = qkv.shape[-1] // 3
+        q, k, v = (z.reshape(n, t, heads, dl // heads).transpose(1, 2) for z in qkv.split(dl, -1))
+        scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(dl // heads))
+        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+        y = (att @ v).transpose(1, 2).reshape(n, t, dl)
+        out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]))
+        x = x + out + p["attn.proj.bias"]
+        h = torch_tensor.copy_to_tensor_axis(
+            F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
+        )
+        h = F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"]))
+        out = torch_tensor.reduce_from_tensor_axis(F.linear(h, p["ffn.fc2.weight"]))
+        return x + out + p["ffn.fc2.bias"]
 
 
 class ZooNet(nn.Module):
@@ -188,10 +215,13 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
     if zoo.is_zoo_model(name):
         layers = zoo.build_layers(model_cfg, inp)
         weights = zoo.init_weights(layers, seed)  # all experts: the same at any world size
-        model = ZooNet(local_layers(layers, seed))  # only this rank's experts (MoE)
+        tp = tensor_parallel.tensor_group()  # this rank's shard of each split layer
+        layers = tensor_parallel.local_layers(local_layers(layers, seed), tp.size)
+        model = ZooNet(layers)  # only this rank's experts (MoE)
         with torch.no_grad():
             for key, tensor in model.state_dict(keep_vars=True).items():
-                tensor.copy_(torch.from_numpy(weights[key]))
+                part = tensor_parallel.shard(key, weights[key], tp.size, tp.rank)
+                tensor.copy_(torch.from_numpy(part))
         return model
     from .torch_user import build_user_model  # import, call, one checked forward pass
 
@@ -327,7 +357,7 @@ class TorchBackend(BackendBase):
     def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
         self.cfg = cfg
         self.world = world
-        local = world.local_size if world is not None else 1
+        local = getattr(world, "local_size", 1)  # a grid axis has no node layout
         self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
         self.inp = inp
         self.bf16 = cfg.train["precision"] == "bf16"
@@ -447,7 +477,9 @@ class TorchBackend(BackendBase):
             self.optimizer.synchronize()
         torch_moe.average_expert_grads(self.model)
         comm = time.perf_counter() - t0
-        if self.clip is not None:
+        if self.clip is not None and tensor_parallel.tensor_group().size > 1:
+            torch_tensor.clip_grad_norm_(list(self.model.named_parameters()), self.clip)
+        elif self.clip is not None:
             torch_moe.clip_grad_norm_(self.model, self.clip)
         if self.hvd is None:
             self.optimizer.step()

@@ -19,6 +19,7 @@ from ..exchange.local_sgd import LocalSchedule, LocalSGDReducer, average_weights
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
+from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 
 
@@ -33,17 +34,27 @@ def expert_degree(cfg, world_size: int) -> int:
 class DataParallel(StrategyBase):
     def __init__(self, cfg, world, run_dir, threads: int):
         super().__init__(cfg, world, run_dir, threads)
-        self.grid = g = ProcessGrid(world, expert=expert_degree(cfg, world.size))
+        self.tensor = cfg.parallel["tensor"]
+        self.grid = g = ProcessGrid(
+            world, expert=expert_degree(cfg, world.size), tensor=self.tensor
+        )
         if zoo.has_moe(cfg.model):
             moe_parallel.use_axes(g.expert, g.data)
         tcfg = cfg.train
+        # Tensor parallelism: the ranks of a tensor group read the same batches and hold
+        # one model between them; gradients are averaged over the replicas axis.
+        shard, shards = (g.replica, g.num_replicas) if self.tensor > 1 else (world.rank, world.size)
         self.dataset, self.data, self.input_spec = self.build_data(
-            world.rank, world.size, tcfg["grad_accum"]
+            shard, shards, tcfg["grad_accum"]
         )
         apply_horovod_env(cfg.horovod, cfg.runtime["collective_timeout"])
-        self.backend = backend_class(cfg.backend)(cfg, world, self.input_spec, threads)
+        replicas = world
+        if self.tensor > 1:
+            tensor_parallel.use_axis(g.tensor)
+            replicas = g.replicas
+        self.backend = backend_class(cfg.backend)(cfg, replicas, self.input_spec, threads)
         self.report_comm = world
-        self.lr_replicas = world.size
+        self.lr_replicas = world.size // self.tensor
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
@@ -69,6 +80,10 @@ class DataParallel(StrategyBase):
     # --- training -------------------------------------------------------------------
     def step(self, batch, lr: float):
         stats = self.backend.train_step(batch, lr)
+        if self.tensor > 1 and self.grid.coord["tensor"] != 0:
+            # The tensor group computed one batch together: rank 0 of the group reports
+            # it, so summed over the job every sample counts once.
+            stats.loss_sum, stats.correct, stats.count = 0.0, 0, 0
         if self.local is not None and self.world.size > 1:
             done = self.backend.exchange_step - 1  # the step just taken
             if self.local.average_after(done):
@@ -91,11 +106,16 @@ class DataParallel(StrategyBase):
             return None
         sums = np.zeros(3)
         w = self.world
+        shard, shards = (
+            (self.grid.replica, self.grid.num_replicas) if self.tensor > 1 else (w.rank, w.size)
+        )
         for x, y in iterate_val(
-            self.dataset, w.rank, w.size, max(256, self.cfg.train["batch_size"])
+            self.dataset, shard, shards, max(256, self.cfg.train["batch_size"])
         ):
             ev = self.backend.evaluate(x, y)
             sums += (ev.loss_sum, ev.correct, ev.count)
+        if self.tensor > 1 and self.grid.coord["tensor"] != 0:
+            sums[:] = 0.0  # counted once per tensor group (rank 0 of the group)
         return sums
 
     def average_buffers(self) -> None:
@@ -119,6 +139,16 @@ class DataParallel(StrategyBase):
         if self._spread_experts():
             state = moe_parallel.gather_expert_weights(self.backend.export_state())
             return state if self.world.is_root else None
+        if self.tensor > 1:  # the tensor group's pieces joined under canonical names
+            pieces = self.grid.tensor.gather_object(
+                self.backend.export_state(), what="gather tensor-parallel shards"
+            )
+            if not self.world.is_root:
+                return None
+            return {
+                k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p[k] for p in pieces])
+                for k in pieces[0]
+            }
         if getattr(self.backend, "zero", None) is not None:
             state = self.backend.export_state()
             return state if self.world.is_root else None
@@ -136,12 +166,24 @@ class DataParallel(StrategyBase):
                 for k, v in state.items()
                 if not moe_parallel.is_expert_param(k) or k.rsplit("/", 1)[-1] in mine
             }
+        if self.tensor > 1:  # this rank's piece of every split tensor
+            g = self.grid.tensor
+            state = {
+                k: tensor_parallel.shard(k.rsplit("/", 1)[-1], v, g.size, g.rank)
+                if np.ndim(v) > 0
+                else v
+                for k, v in state.items()
+            }
         self.backend.import_state(state)
         self.backend.exchange_step = int(ckpt.step)  # warm-ups and local-SGD phases go on
 
     def weight_shapes(self) -> dict[str, tuple]:
         """Canonical shapes: with experts spread over ranks, every expert's (as saved)."""
         shapes = dict(self.backend.weight_shapes())
+        if self.tensor > 1:  # canonical (whole) shapes, as checkpoints hold them
+            for spec in zoo.build_layers(self.cfg.model, self.input_spec):
+                for name, shape in spec.params.items():
+                    shapes[f"{spec.name}.{name}"] = tuple(shape)
         if self._spread_experts():
             for spec in zoo.build_layers(self.cfg.model, self.input_spec):
                 for name, shape in spec.params.items():

@@ -1,0 +1,131 @@
+"""Megatron-style tensor parallelism for the zoo transformer, framework-free.
+
+The grid's `tensor` axis (T ranks, `parallel.tensor`) splits every block: the QKV
+projection and the first MLP layer by output rows (column-parallel: each rank computes
+its heads and its slice of the hidden layer), the attention output projection and the
+second MLP layer by input columns (row-parallel: each rank's partial product is summed
+over the axis). Per block and pass that is one allreduce after attention and one after
+the MLP in forward (`g`), and one before each in backward (`f`), of the activations
+[batch, seq, d_model]: cost per rank 2 x 2 (T-1)/T x the activations, independent of
+the number of data replicas (1,024 or 4,096 ranks change nothing inside a tensor group).
+
+Embeddings, layer norms, the head and the biases added after `g` are replicated; their
+gradients are the same on every rank of the axis (the `f` allreduce makes the inputs'
+gradients whole), so they need no tensor-axis reduction.
+
+Canonical names and shapes never change: `shard` cuts a full array into this rank's
+piece, `unshard` joins the pieces, so checkpoints are world- and T-independent.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+
+ROW_COLUMNS = ("attn.proj.weight", "ffn.fc2.weight")
+
+
+class TensorGroup:
+    """The tensor axis of this rank (a guarded communicator) and the activation sums."""
+
+    def __init__(self, axis):
+        self.axis = axis
+        self.size = axis.size if axis is not None else 1
+        self.rank = axis.rank if axis is not None else 0
+
+    def allreduce_sum(self, x: np.ndarray, what: str) -> np.ndarray:
+        buf = np.ascontiguousarray(x, dtype=np.float32).copy()
+        if self.size > 1:
+            self.axis.allreduce_inplace(buf, "sum", f"tensor-parallel {what}")
+        return buf
+
+
+_group: TensorGroup | None = None
+
+
+def use_axis(axis) -> TensorGroup:
+    global _group
+    _group = TensorGroup(axis)
+    return _group
+
+
+def tensor_group() -> TensorGroup:
+    return _group if _group is not None else TensorGroup(None)
+
+
+def split_kind(name: str) -> str | None:
+    """'qkv' (rows per head of q, k, v), 'rows', 'cols' or None (replicated)."""
+    for leaf in ("attn.qkv.weight", "attn.qkv.bias"):
+        if name.endswith(leaf):
+            return "qkv"
+    if name.endswith(("ffn.fc1.weight", "ffn.fc1.bias")):
+        return "rows"
+    if name.endswith(ROW_COLUMNS):
+        return "cols"
+    return None
+
+
+def shard(name: str, full: np.ndarray, size: int, rank: int) -> np.ndarray:
+    """This rank's piece of a canonical array (a copy); replicated arrays whole."""
+    kind = split_kind(name)
+    if kind is None or size == 1:
+        return np.array(full, copy=True)
+    if kind == "qkv":  # q, k and v rows each split by heads
+        parts = np.split(full, 3, axis=0)
+        return np.concatenate([np.split(p, size, axis=0)[rank] for p in parts], axis=0)
+    axis = 0 if kind == "rows" else 1
+    return np.array(np.split(full, size, axis=axis)[rank], copy=True)
+
+
+def unshard(name: str, pieces: list[np.ndarray]) -> np.ndarray:
+    """The canonical array from every rank's piece, in tensor-rank order."""
+    kind = split_kind(name)
+    if kind is None or len(pieces) == 1:
+        return np.array(pieces[0], copy=True)
+    if kind == "qkv":
+        thirds = [np.split(p, 3, axis=0) for p in pieces]
+        return np.concatenate(
+            [np.concatenate([t[j] for t in thirds], axis=0) for j in range(3)], axis=0
+        )
+    return np.concatenate(pieces, axis=0 if kind == "rows" else 1)
+
+
+def check_divisible(opts: dict, size: int) -> str | None:
+    """Why this transformer cannot be split over `size` ranks (None: it can)."""
+    problems = []
+    if opts["n_heads"] % size:
+        problems.append(f"model.n_heads={opts['n_heads']}")
+    if opts["d_ff"] % size:
+        problems.append(f"model.d_ff={opts['d_ff']}")
+    if problems:
+        return (
+            f"parallel.tensor={size}: {' and '.join(problems)} must be divisible by the "
+            "tensor-parallel degree"
+        )
+    return None
+
+
+def local_layers(layers: list, size: int) -> list:
+    """The layer specs with this rank's shard shapes and the block's local head count."""
+    if size == 1:
+        return layers
+    out = []
+    for spec in layers:
+        if spec.kind != "block":
+            out.append(spec)
+            continue
+        local = copy.copy(spec)
+        local.params = {k: _local_shape(k, tuple(s), size) for k, s in spec.params.items()}
+        local.attrs = {**spec.attrs, "n_heads": spec.attrs["n_heads"] // size, "tensor": size}
+        out.append(local)
+    return out
+
+
+def _local_shape(name: str, shape: tuple, size: int) -> tuple:
+    kind = split_kind(name)
+    if kind in ("qkv", "rows"):
+        return (shape[0] // size, *shape[1:])
+    if kind == "cols":
+        return (shape[0], shape[1] // size)
+    return shape
