@@ -584,7 +584,6 @@ def _cross_checks(v: dict) -> list[str]:
                 ("mixture-of-experts", bool(model.get("moe"))),
                 (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
                 (f"train.compression={compression}", compression != "none"),
-                (f"train.zero={v['train']['zero']}", v["train"]["zero"] != 0),
                 ("train.hierarchical", v["train"]["hierarchical"]),
                 (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
             )

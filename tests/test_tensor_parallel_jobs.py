@@ -50,17 +50,24 @@ def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
     return weights, [x["loss"] for x in lines if x["event"] == "step"], counts
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
+    "tensor2": (2, ["parallel.tensor=2", "train.batch_size=16"]),
+    "tensor4": (4, ["parallel.tensor=4", "train.batch_size=16"]),
+    "data2-tensor2": (4, ["parallel.tensor=2", "train.batch_size=8"]),
+    "zero2-data2-tensor2": (
+        4,
+        ["parallel.tensor=2", "train.batch_size=8", "train.zero=2", "train.bucket_mb=0.004"],
+    ),
+}
+
+
 @pytest.mark.parametrize(
-    "np_, overrides",
-    [
-        (2, ["parallel.tensor=2", "train.batch_size=16"]),
-        (4, ["parallel.tensor=4", "train.batch_size=16"]),
-        (4, ["parallel.tensor=2", "train.batch_size=8"]),  # data 2 x tensor 2
-    ],
-    ids=["tensor2", "tensor4", "data2-tensor2"],
+    "backend, layout",
+    [("torch", k) for k in LAYOUTS]
+    + [("tensorflow", "tensor2"), ("tensorflow", "zero2-data2-tensor2")],
 )
-def test_tensor_parallel_equals_one_process(tmp_path, backend, np_, overrides):
+def test_tensor_parallel_equals_one_process(tmp_path, backend, layout):
+    np_, overrides = LAYOUTS[layout]
     ref, ref_losses, ref_counts = _run(
         tmp_path, "np1", 1, f"backend={backend}", "train.batch_size=16"
     )
@@ -75,23 +82,31 @@ def test_tensor_parallel_equals_one_process(tmp_path, backend, np_, overrides):
     assert counts[0] == pytest.approx(ref_counts[0] - split + split / tensor, rel=1e-6)
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_tensor_parallel_checkpoints_are_canonical(tmp_path, backend):
+CASES = {  # name: (first np, first overrides, then np, then overrides)
+    "tp-then-plain": (2, ["parallel.tensor=2"], 1, []),
+    "plain-then-tp": (1, [], 2, ["parallel.tensor=2"]),
+    "zero-tp-then-plain": (4, ["parallel.tensor=2", "train.zero=2", "train.batch_size=8"], 1, []),
+}
+
+
+@pytest.mark.parametrize(
+    "backend, case",
+    [("torch", c) for c in CASES] + [("tensorflow", "zero-tp-then-plain")],
+)
+def test_tensor_parallel_checkpoints_are_canonical(tmp_path, backend, case):
     """A tensor-parallel run (np=2, tensor 2) stopped at step 3 resumes as one process,
-    and a one-process checkpoint resumes at tensor 2: both end equal to one process."""
+    a one-process checkpoint resumes at tensor 2, and a ZeRO-2 x tensor 2 x data 2 run
+    resumes as one process: all end equal to one process."""
     import shutil
 
     common = [f"backend={backend}", "train.batch_size=16", "checkpoint.every_steps=3"]
     ref, _, _ = _run(tmp_path, "ref", 1, *common)
-    for name, first_np, first, then_np, then in [
-        ("tp-then-plain", 2, ["parallel.tensor=2"], 1, []),
-        ("plain-then-tp", 1, [], 2, ["parallel.tensor=2"]),
-    ]:
-        part = tmp_path / f"{name}-part1"
-        _run(tmp_path, f"{name}-a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
-        run = tmp_path / name
-        shutil.copytree(part / "checkpoints", run / "checkpoints")
-        shutil.copy(part / "config.yaml", run / "config.yaml")
-        got, _, _ = _run(tmp_path, name, then_np, *common, *then, run_dir=run, resume="auto")
-        for k in ref:
-            np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{name} {k}")
+    first_np, first, then_np, then = CASES[case]
+    part = tmp_path / "part1"
+    _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
+    run = tmp_path / case
+    shutil.copytree(part / "checkpoints", run / "checkpoints")
+    shutil.copy(part / "config.yaml", run / "config.yaml")
+    got, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{case} {k}")

@@ -57,9 +57,10 @@ class TensorFlowZero:
             self.grad_bytes_peak = max(self.grad_bytes_peak, held + extra + self.shard_grad.nbytes)
             part.reduce_segment(s, buf, self.shard_grad)
 
-    def clip(self, max_norm: float) -> None:
-        """torch's clip_grad_norm_ rule on the whole gradient, from the shards."""
-        coef = max_norm / (self.part.global_norm(self.shard_grad) + 1e-6)
+    def clip(self, max_norm: float, split=None) -> None:
+        """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
+        tensor parallelism, see ZeroPartition.global_norm)."""
+        coef = max_norm / (self.part.global_norm(self.shard_grad, split) + 1e-6)
         if coef < 1.0:
             self.shard_grad *= np.float32(coef)
 

@@ -512,13 +512,27 @@ class TorchBackend(BackendBase):
         t0 = time.perf_counter()
         z.reduce()
         if self.clip is not None:
-            z.clip(float(self.clip))
+            z.clip(float(self.clip), self._tensor_split_mask())
         z.step()
         comm = t_comm[0] + time.perf_counter() - t0  # includes the shard's update
         self.exchange_step += 1
         extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
         extra.update(self.memory())
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _tensor_split_mask(self):
+        """(shard mask of tensor-split parameters, tensor group), or None without TP."""
+        group = tensor_parallel.tensor_group()
+        if group.size == 1:
+            return None
+        if not hasattr(self, "_split_mask"):
+            split = {
+                i
+                for i, p in enumerate(self._dense)
+                if tensor_parallel.split_kind(self._names[p]) is not None
+            }
+            self._split_mask = self.zero.part.shard_mask(split)
+        return self._split_mask, group
 
     def memory(self) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""

@@ -124,9 +124,10 @@ class TorchZero:
                     view.copy_(p.grad)  # autograd replaced the view: take its gradient
             self.part.reduce_all(flat, self.shard_grad)
 
-    def clip(self, max_norm: float) -> None:
-        """torch's clip_grad_norm_ rule on the whole gradient, from the shards."""
-        norm = self.part.global_norm(self.shard_grad)
+    def clip(self, max_norm: float, split=None) -> None:
+        """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
+        tensor parallelism, see ZeroPartition.global_norm)."""
+        norm = self.part.global_norm(self.shard_grad, split)
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             self.shard_grad *= np.float32(coef)

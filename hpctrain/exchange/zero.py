@@ -147,12 +147,31 @@ class ZeroPartition:
         for s in range(len(self.segments)):
             self.reduce_segment(s, grads, into)
 
-    def global_norm(self, shard_grad: np.ndarray) -> float:
-        """The L2 norm of the whole (averaged) gradient from the shards (one allreduce)."""
-        local = float(np.dot(shard_grad.astype(np.float64), shard_grad.astype(np.float64)))
+    def global_norm(self, shard_grad: np.ndarray, split=None) -> float:
+        """The L2 norm of the whole (averaged) gradient from the shards (one allreduce).
+
+        `split` = (mask over the shard, tensor group): with tensor parallelism the
+        masked elements belong to tensor-split parameters, whose squares are also summed
+        over the tensor axis (replicated ones are counted once)."""
+        g = shard_grad.astype(np.float64)
+        if split is None:
+            sums = np.array([np.dot(g, g), 0.0])
+        else:
+            mask, _ = split
+            sums = np.array([np.dot(g[~mask], g[~mask]), np.dot(g[mask], g[mask])])
         if self.n > 1:
-            local = float(self.comm.allreduce_array([local], "sum", "ZeRO gradient norm")[0])
-        return float(np.sqrt(local))
+            sums = self.comm.allreduce_array(sums, "sum", "ZeRO gradient norm")
+        if split is not None:
+            sums[1] = float(split[1].allreduce_sum(sums[1:2], "ZeRO gradient norm")[0])
+        return float(np.sqrt(sums.sum()))
+
+    def shard_mask(self, params: set[int]) -> np.ndarray:
+        """True where this rank's shard holds elements of the parameters `params`."""
+        flat = np.zeros(self.flat_len, dtype=np.float32)
+        for i, view in enumerate(self.views(flat)):
+            if i in params:
+                view[:] = 1.0
+        return self.shard_of(flat) > 0
 
     def gather_params(self, shard: np.ndarray, flat: np.ndarray) -> None:
         """Every rank's updated pieces into every rank's padded flat parameters."""
