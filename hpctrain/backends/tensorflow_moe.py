@@ -14,6 +14,10 @@ import time
 import weakref
 
 import numpy as np
+
+from . import tf_import  # noqa: F401  (TF imported with its start-up noise off)
+
+# isort: split
 import tensorflow as tf
 
 from ..moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics

@@ -14,7 +14,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import tf_env  # noqa: F401  (TF's start-up noise off before TF is imported)
+from . import tf_import  # noqa: F401  (TF imported with its start-up noise off)
 
 # isort: split
 import tensorflow as tf
