@@ -202,6 +202,25 @@ def _reduce_from_tensor_axis(x):
     return _tensor_allreduce(x, "partial output (g)"), lambda dy: tf.identity(dy)
 
 
+def _causal_attention(qkv, n, t, heads):
+    """Masked self-attention of `heads` heads from the packed q, k, v projections
+    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]."""
+    width = qkv.shape[-1] // 3
+    dh = width // heads
+
+    def heads_first(z):
+        return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
+
+    q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
+    scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
+    future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
+        tf.ones([t, t]), 0, 0
+    )
+    scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
+    att = tf.nn.softmax(scores, axis=-1)
+    return tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, width])
+
+
 def _layer_norm(x, w, b):
     mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
     return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
@@ -305,22 +324,9 @@ class ZooNet(tf.Module):
         if spec is not None and spec.attrs.get("tensor", 1) > 1:
             return self._tensor_parallel_block(x, v, heads)
         shape = tf.shape(x)
-        n, t, d = shape[0], shape[1], x.shape[-1]
-        dh = d // heads
+        n, t = shape[0], shape[1]
         h = _layer_norm(x, v["ln1.weight"], v["ln1.bias"])
-        qkv = _dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"])
-
-        def heads_first(z):
-            return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
-
-        q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
-        scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
-        future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
-            tf.ones([t, t]), 0, 0
-        )
-        scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
-        att = tf.nn.softmax(scores, axis=-1)
-        y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, d])
+        y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
         x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
         h = _layer_norm(x, v["ln2.weight"], v["ln2.bias"])
         if spec is not None and "moe" in spec.attrs:  # mixture of experts: tensorflow_moe.py
@@ -338,21 +344,7 @@ class ZooNet(tf.Module):
         shape = tf.shape(x)
         n, t = shape[0], shape[1]
         h = _copy_to_tensor_axis(_layer_norm(x, v["ln1.weight"], v["ln1.bias"]))
-        qkv = _dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"])
-        dl = qkv.shape[-1] // 3
-        dh = dl // heads
-
-        def heads_first(z):
-            return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
-
-        q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
-        scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
-        future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
-            tf.ones([t, t]), 0, 0
-        )
-        scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
-        att = tf.nn.softmax(scores, axis=-1)
-        y = tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, dl])
+        y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
         out = tf.linalg.matmul(y, v["attn.proj.weight"], transpose_b=True)
         x = x + _reduce_from_tensor_axis(out) + v["attn.proj.bias"]
         h = _copy_to_tensor_axis(_layer_norm(x, v["ln2.weight"], v["ln2.bias"]))

@@ -73,6 +73,18 @@ def _child(root: nn.Module, dotted: str) -> nn.Module:
     return node
 
 
+def _causal_attention(qkv, heads: int):
+    """Masked self-attention of `heads` heads from the packed q, k, v projections
+    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]."""
+    n, t, width = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3
+    dh = width // heads
+    q, k, v = (z.reshape(n, t, heads, dh).transpose(1, 2) for z in qkv.split(width, -1))
+    scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(dh))
+    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
+    att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
+    return (att @ v).transpose(1, 2).reshape(n, t, width)
+
+
 class _Layer(nn.Module):
     def __init__(self, spec: zoo.LayerSpec):
         super().__init__()
@@ -139,14 +151,9 @@ class _Layer(nn.Module):
         if self.spec.attrs.get("tensor", 1) > 1:
             return self._tensor_parallel_block(x)
         p, heads = self.p, self.spec.attrs["n_heads"]
-        n, t, d = x.shape
+        d = x.shape[-1]
         h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
-        qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
-        q, k, v = (z.reshape(n, t, heads, d // heads).transpose(1, 2) for z in qkv.split(d, -1))
-        scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(d // heads))
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(n, t, d)
+        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
         x = x + F.linear(y, p["attn.proj.weight"], p["attn.proj.bias"])
         h = F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
         if "moe" in self.spec.attrs:  # mixture-of-experts feed-forward: torch_moe.py
@@ -162,17 +169,11 @@ class _Layer(nn.Module):
         """The block with this rank's heads and MLP slice (Megatron): f before the
         column-parallel layers, g after the row-parallel ones, biases after g."""
         p, heads = self.p, self.spec.attrs["n_heads"]  # this rank's heads
-        n, t, d = x.shape
+        d = x.shape[-1]
         h = torch_tensor.copy_to_tensor_axis(
             F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
         )
-        qkv = F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"])
-        dl = qkv.shape[-1] // 3
-        q, k, v = (z.reshape(n, t, heads, dl // heads).transpose(1, 2) for z in qkv.split(dl, -1))
-        scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(dl // heads))
-        mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-        att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-        y = (att @ v).transpose(1, 2).reshape(n, t, dl)
+        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
         out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]))
         x = x + out + p["attn.proj.bias"]
         h = torch_tensor.copy_to_tensor_axis(
