@@ -50,6 +50,20 @@ def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
     return weights, [x["loss"] for x in lines if x["event"] == "step"], counts
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """One process's run of TRANSFORMER (global batch 16) per backend, made once."""
+    made = {}
+
+    def get(backend):
+        if backend not in made:
+            where = tmp_path_factory.mktemp(f"reference-{backend}")
+            made[backend] = _run(where, "np1", 1, f"backend={backend}", "train.batch_size=16")
+        return made[backend]
+
+    return get
+
+
 LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
     "tensor2": (2, ["parallel.tensor=2", "train.batch_size=16"]),
     "tensor4": (4, ["parallel.tensor=4", "train.batch_size=16"]),
@@ -66,11 +80,9 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
     [("torch", k) for k in LAYOUTS]
     + [("tensorflow", "tensor2"), ("tensorflow", "zero2-data2-tensor2")],
 )
-def test_tensor_parallel_equals_one_process(tmp_path, backend, layout):
+def test_tensor_parallel_equals_one_process(tmp_path, reference, backend, layout):
     np_, overrides = LAYOUTS[layout]
-    ref, ref_losses, ref_counts = _run(
-        tmp_path, "np1", 1, f"backend={backend}", "train.batch_size=16"
-    )
+    ref, ref_losses, ref_counts = reference(backend)
     got, losses, counts = _run(tmp_path, "tp", np_, f"backend={backend}", *overrides)
     assert ref.keys() == got.keys()
     for k in ref:
@@ -93,14 +105,14 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
     "backend, case",
     [("torch", c) for c in CASES] + [("tensorflow", "zero-tp-then-plain")],
 )
-def test_tensor_parallel_checkpoints_are_canonical(tmp_path, backend, case):
+def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend, case):
     """A tensor-parallel run (np=2, tensor 2) stopped at step 3 resumes as one process,
     a one-process checkpoint resumes at tensor 2, and a ZeRO-2 x tensor 2 x data 2 run
     resumes as one process: all end equal to one process."""
     import shutil
 
     common = [f"backend={backend}", "train.batch_size=16", "checkpoint.every_steps=3"]
-    ref, _, _ = _run(tmp_path, "ref", 1, *common)
+    ref, _, _ = reference(backend)  # checkpointing does not change the weights
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
