@@ -256,6 +256,21 @@ SCHEMA: dict[str, Any] = {
         "malloc_keep_freed": _f(
             True, bool, "glibc malloc keeps freed memory for reuse (no page faults per step)"
         ),
+        "memory_check": _f(
+            True,
+            bool,
+            "before training, refuse a data-parallel run whose parameters, gradients and "
+            "optimizer state will not fit the rank's memory limit (cgroup, SLURM --mem or "
+            "--mem-per-cpu, runtime.memory_limit_mb), naming the figures",
+        ),
+        "memory_limit_mb": _f(
+            None,
+            (int, float),
+            "per-rank memory limit in MiB to plan against (null: the cgroup's and SLURM's)",
+            nullable=True,
+            minimum=0,
+            exclusive_min=True,
+        ),
     },
     "ps": {
         "servers": _f(

@@ -19,6 +19,7 @@ TORTURE = [
     "train.bucket_mb=0.004",  # ~4 KB segments: stage 2 reduces several during backward
     "train.allreduce=mpi",
     "optimizer.weight_decay=0.01",
+    "runtime.memory_limit_mb=100000",  # the pre-flight memory plan runs (and passes)
 ]
 
 

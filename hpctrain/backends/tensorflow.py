@@ -362,7 +362,7 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = Fal
         tp = tensor_parallel.tensor_group()
         weights = {
             k: tensor_parallel.shard(k, v, tp.size, tp.rank)
-            for k, v in zoo.init_weights(layers, seed).items()
+            for k, v in zoo.iter_init_weights(layers, seed)
         }
         local = tensor_parallel.local_layers(local_layers(layers, seed), tp.size)
         return ZooNet(local, weights, bf16)
@@ -664,6 +664,38 @@ class TensorFlowBackend(BackendBase):
             }
             self._split_mask = self.zero.part.shard_mask(split)
         return self._split_mask, group
+
+    def memory_plan(self) -> dict[str, float]:
+        """Bytes of gradients and optimizer state this rank will hold once training runs
+        (`grad`, `optimizer`) and how much of them is resident now (`*_now`: the slots
+        exist from the start; gradients come from the tape, numpy buffers fill at use)."""
+        slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
+        opt_now = float(
+            sum(
+                int(np.prod(v.shape)) * 4
+                for values in self.optimizer.slots.values()
+                for v in values.values()
+            )
+        )
+        if self.zero is not None:
+            e = self.zero.part.expected_bytes(slots)
+            return {
+                # the tape returns every local gradient at once, then they are reduced
+                "grad": e["zero_model_param_bytes"]
+                + e["zero_model_grad_bytes"]
+                + self.zero.part.largest_segment_bytes(),
+                "grad_now": 0.0,
+                "optimizer": e["zero_model_optimizer_bytes"],
+                "optimizer_now": opt_now,
+            }
+        trainable = sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
+        buffer = getattr(self._flat, "buffer", None)
+        return {
+            "grad": float(trainable + (buffer.nbytes if buffer is not None else 0)),
+            "grad_now": 0.0,
+            "optimizer": float(slots * trainable),
+            "optimizer_now": opt_now,
+        }
 
     def memory(self, grads=None) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""

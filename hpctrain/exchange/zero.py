@@ -210,6 +210,13 @@ class ZeroPartition:
             self.segment_view(flat, s)[:] = part.reshape(-1)
         return flat
 
+    def largest_segment_bytes(self) -> int:
+        """One segment's padded buffer: what stage 2 holds beside its shard while the
+        segment's gradients arrive (the stage-1 shard beside the whole gradient)."""
+        return (
+            max(seg.padded for seg in self.segments) * 4 if self.stage == 2 else self.shard_len * 4
+        )
+
     def take_sent(self) -> int:
         """Bytes this rank sent since the last call (for `comm_bytes`)."""
         sent, self._sent = self._sent, 0

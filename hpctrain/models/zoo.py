@@ -274,13 +274,18 @@ def _transformer(opts, inp: InputSpec) -> list[LayerSpec]:
 
 
 def init_weights(layers: list[LayerSpec], seed: int) -> OrderedDict[str, np.ndarray]:
-    """Canonical float32 initial values of every parameter and buffer, from `seed`.
+    """Canonical float32 initial values of every parameter and buffer, from `seed`."""
+    return OrderedDict(iter_init_weights(layers, seed))
+
+
+def iter_init_weights(layers: list[LayerSpec], seed: int):
+    """(name, canonical float32 initial value) one tensor at a time, from `seed`.
 
     He-normal for weights feeding a ReLU, fan-in uniform (torch's Linear default bound)
-    otherwise; zero biases; unit norm scales; N(0, 0.02) embeddings (GPT-2).
+    otherwise; zero biases; unit norm scales; N(0, 0.02) embeddings (GPT-2). One at a
+    time, so a rank that keeps only its tensor-parallel piece never holds the whole model.
     """
     rng = np.random.default_rng(seed)
-    out: OrderedDict[str, np.ndarray] = OrderedDict()
     for layer in layers:
         for pname, shape in layer.params.items():
             full = f"{layer.name}.{pname}"
@@ -306,11 +311,11 @@ def init_weights(layers: list[LayerSpec], seed: int) -> OrderedDict[str, np.ndar
                 else:
                     bound = 1.0 / math.sqrt(fan_in)
                     value = rng.uniform(-bound, bound, size=shape)
-            out[full] = value.astype(np.float32)
+            yield full, value.astype(np.float32)
+            del value
         for bname, shape in layer.buffers.items():
             fill = 1.0 if bname.endswith("running_var") else 0.0
-            out[f"{layer.name}.{bname}"] = np.full(shape, fill, dtype=np.float32)
-    return out
+            yield f"{layer.name}.{bname}", np.full(shape, fill, dtype=np.float32)
 
 
 def param_names(layers: list[LayerSpec]) -> list[str]:

@@ -9,6 +9,8 @@ with data parallelism: np=4 with `parallel.expert: 2` is 2 expert groups x 2 rep
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 
 from ..backends import backend_class, versions
@@ -21,6 +23,9 @@ from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
+from .memory_check import check_memory
+
+log = logging.getLogger("hpctrain.memory")
 
 
 def expert_degree(cfg, world_size: int) -> int:
@@ -58,6 +63,7 @@ class DataParallel(StrategyBase):
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
+        check_memory(self, log)  # before any compute: a clear refusal, not an OOM kill
 
     def _start_local_sgd(self, tcfg) -> None:
         b = self.backend

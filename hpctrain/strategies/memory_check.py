@@ -1,0 +1,75 @@
+"""Refuse, before any compute, a run whose model state will not fit a rank's memory.
+
+A rank that outgrows its cgroup is SIGKILLed by the kernel mid-step: the job ends with
+a lost rank and no reason. Parameters, gradients and optimizer state are known once the
+model and optimizer are built (the ZeRO paper's accounting, per rank, after ZeRO and
+tensor-parallel sharding), so the check adds what is still to come to what is resident
+now (less the heap malloc keeps free for reuse) and compares it with the limit the
+kernel will enforce. Activations and temporaries
+are not counted: a run within 15% of its limit gets a warning instead of a refusal.
+"""
+
+from __future__ import annotations
+
+from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
+
+MIB = 1 << 20
+WARN_FRACTION = 0.85
+
+
+def _mib(n: float) -> str:
+    return f"{n / MIB:,.0f} MiB"
+
+
+def memory_problem(plan: dict[str, float], resident: int, limit: int, source: str, hints: str):
+    """(refusal or None, warning or None) for one rank's plan against its limit."""
+    to_come = max(0.0, plan["grad"] - plan["grad_now"]) + max(
+        0.0, plan["optimizer"] - plan["optimizer_now"]
+    )
+    need = resident + to_come
+    figures = (
+        f"about {_mib(need)} per rank ({_mib(resident)} resident now with the parameters, "
+        f"+ {_mib(max(0.0, plan['grad'] - plan['grad_now']))} of gradients and "
+        f"{_mib(max(0.0, plan['optimizer'] - plan['optimizer_now']))} of optimizer state "
+        f"to come; activations not counted) against a limit of {_mib(limit)} ({source})"
+    )
+    if need > limit:
+        return f"the model will not fit: training needs {figures}. {hints}", None
+    if need > WARN_FRACTION * limit:
+        return None, f"memory is tight: training needs {figures}; activations come on top"
+    return None, None
+
+
+def check_memory(strategy, log) -> None:
+    """Collective over the job: every rank checks its own plan, errors are agreed."""
+    cfg, world = strategy.cfg, strategy.world
+    rcfg = cfg.runtime
+    if not rcfg["memory_check"]:
+        return
+    if rcfg["memory_limit_mb"] is not None:
+        found = (int(rcfg["memory_limit_mb"] * MIB), "runtime.memory_limit_mb")
+    else:
+        node = world.guarded_split("node", world.layout.node)
+        found = rank_memory_limit(node)
+    error = None
+    if found is not None:
+        hints = "Shard it: " + ", ".join(_hints(cfg)) + "; or ask for more memory per rank."
+        resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
+        error, warning = memory_problem(
+            strategy.backend.memory_plan(), resident, found[0], found[1], hints
+        )
+        if warning is not None:
+            log.warning(warning)
+    world.agree(error)
+
+
+def _hints(cfg) -> list[str]:
+    hints = []
+    if cfg.train["zero"] < 2:
+        hints.append(
+            "train.zero=2 (gradients and optimizer state split over the data-parallel ranks)"
+        )
+    if cfg.model["name"] == "transformer":
+        hints.append("parallel.tensor=T (the transformer's layers split over T ranks)")
+    hints.append("fewer ranks per node")
+    return hints

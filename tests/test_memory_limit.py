@@ -1,0 +1,73 @@
+"""Where a rank's memory limit comes from and how the pre-flight check reads it: cgroup
+v1 and v2 files (the tightest ancestor binds), SLURM's variables, and the refusal and
+warning texts. The real limit under mpirun is in test_memory_limit_jobs.py."""
+
+from pathlib import Path
+
+import pytest
+
+from hpctrain.runtime.memory import cgroup_memory_limit, current_rss_bytes, slurm_memory_limit
+from hpctrain.strategies.memory_check import memory_problem
+
+MIB = 1 << 20
+
+
+def _write(path: Path, text: str) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text + "\n")
+
+
+def test_cgroup_v1_takes_the_tightest_ancestor(tmp_path):
+    base = tmp_path / "memory"
+    _write(base / "memory.limit_in_bytes", "9223372036854771712")  # unlimited
+    _write(base / "job" / "memory.limit_in_bytes", str(800 * MIB))
+    _write(base / "job" / "step" / "memory.limit_in_bytes", str(2000 * MIB))
+    _write(base / "job" / "step" / "memory.memsw.limit_in_bytes", "9223372036854771712")
+    proc = "12:pids:/job/step\n4:memory:/job/step\n0::/\n"
+    limit, where = cgroup_memory_limit(proc, tmp_path)
+    assert limit == 800 * MIB
+    assert where.endswith("job/memory.limit_in_bytes")
+
+
+def test_cgroup_v2_reads_memory_max_and_max_means_none(tmp_path):
+    _write(tmp_path / "cgroup.controllers", "cpu memory")
+    _write(tmp_path / "slurm" / "memory.max", "max")
+    _write(tmp_path / "slurm" / "job_7" / "memory.max", str(3 * 1024 * MIB))
+    assert cgroup_memory_limit("0::/slurm/job_7\n", tmp_path)[0] == 3 * 1024 * MIB
+    assert cgroup_memory_limit("0::/slurm\n", tmp_path) is None
+    assert cgroup_memory_limit("0::/elsewhere\n", tmp_path) is None
+
+
+def test_slurm_grants_per_cpu_times_cpus_or_per_node_divided():
+    env = {"SLURM_MEM_PER_CPU": "2000", "SLURM_CPUS_PER_TASK": "4"}
+    assert slurm_memory_limit(env, 8)[0] == 8000 * MIB
+    assert slurm_memory_limit({"SLURM_MEM_PER_NODE": "64000"}, 16)[0] == 4000 * MIB
+    assert slurm_memory_limit({}, 4) is None
+
+
+def test_current_rss_is_measured():
+    assert 10 * MIB < current_rss_bytes() < 64 * 1024 * MIB
+
+
+PLAN = {"grad": 400 * MIB, "grad_now": 0.0, "optimizer": 800 * MIB, "optimizer_now": 0.0}
+
+
+@pytest.mark.parametrize(
+    "limit_mib, refused, warned",
+    [(1000, True, False), (1800, False, True), (4000, False, False)],
+)
+def test_the_check_adds_what_is_to_come_to_what_is_resident(limit_mib, refused, warned):
+    # 500 MiB resident + 400 of gradients + 800 of optimizer state = 1700 MiB
+    error, warning = memory_problem(PLAN, 500 * MIB, limit_mib * MIB, "test", "Shard it.")
+    assert (error is not None) == refused
+    assert (warning is not None) == warned
+    if refused:
+        assert "about 1,700 MiB per rank" in error
+        assert "limit of 1,000 MiB (test)" in error
+        assert error.endswith("Shard it.")
+
+
+def test_state_already_resident_is_not_counted_twice():
+    plan = {**PLAN, "optimizer_now": 800 * MIB}
+    error, _ = memory_problem(plan, 500 * MIB, 1000 * MIB, "test", "")
+    assert error is None

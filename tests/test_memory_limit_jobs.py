@@ -1,0 +1,144 @@
+"""A model that does not fit one rank's memory limit, under real mpirun: every rank in
+its own memory cgroup (as SLURM's cgroup plugin or a container enforces `--mem-per-cpu`).
+
+- Plain data parallelism is refused before any compute, with the figures, on every rank.
+- With the check off the kernel's OOM killer really ends a rank (the limit is real), and
+  the job ends naming it.
+- ZeRO-2 x tensor parallelism (data 2 x tensor 2) trains the same model within the limit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from mpirun import HPCTRAIN, ROOT, mpirun
+
+WRAPPER = str(ROOT / "tests" / "scripts" / "in_memory_cgroup.sh")
+MIB = 1 << 20
+LIMIT = 1100 * MIB  # per rank; plain Adam needs ~1.3 GiB, ZeRO-2 x tensor 2 ~0.85 GiB at its peak
+MODEL = [
+    "backend=torch",
+    "model.name=transformer",
+    "data.task=tokens",
+    "model.d_model=1024",
+    "model.n_heads=8",
+    "model.d_ff=4096",
+    "model.n_layers=4",
+    "data.seq_len=16",
+    "data.vocab=64",
+    "data.train_samples=256",
+    "data.val_samples=32",
+    "train.batch_size=4",
+    "train.max_steps=3",
+    "train.log_every=1",
+    "optimizer.name=adam",
+    "optimizer.lr=0.001",
+    "train.allreduce=mpi",
+    "checkpoint.enabled=false",
+    "metrics.tensorboard=false",
+]
+
+
+def _own_memory_cgroup() -> Path | None:
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, rel = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return Path("/sys/fs/cgroup/memory") / rel.lstrip("/")
+    for line in lines:  # cgroup v2: the memory controller must be delegated to children
+        if line.startswith("0::"):
+            base = Path("/sys/fs/cgroup") / line[3:].lstrip("/")
+            if "memory" in (base / "cgroup.subtree_control").read_text().split():
+                return base
+    return None
+
+
+@pytest.fixture
+def cgroup_dir():
+    """A fresh cgroup directory for this test's ranks; every group removed afterwards."""
+    parent = _own_memory_cgroup()
+    if os.geteuid() != 0 or parent is None or not os.access(parent, os.W_OK):
+        pytest.skip("needs root and a writable memory cgroup")
+    here = parent / f"hpctrain-test-{os.getpid()}"
+    try:
+        here.mkdir()
+    except OSError as e:
+        pytest.skip(f"cannot make a memory cgroup under {parent}: {e}")
+    try:
+        yield here
+    finally:
+        for child in sorted(here.glob("rank*")):
+            for pid in (child / "cgroup.procs").read_text().split():
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid), signal.SIGKILL)
+        for child in sorted(here.glob("rank*")):
+            _rmdir_when_empty(child)
+        _rmdir_when_empty(here)
+
+
+def _rmdir_when_empty(path: Path) -> None:
+    for _ in range(50):
+        try:
+            path.rmdir()
+            return
+        except OSError:
+            time.sleep(0.1)
+    path.rmdir()
+
+
+def _train(cgroup_dir, run_dir, *overrides, np_=4, timeout=300):
+    args = [WRAPPER, str(cgroup_dir), str(LIMIT), HPCTRAIN, "train", "--run-dir", str(run_dir)]
+    for o in [*MODEL, *overrides]:
+        args += ["--set", o]
+    return mpirun(np_, *args, timeout=timeout)
+
+
+def _oom_kills(group: Path) -> int:
+    control = group / "memory.oom_control"  # v1
+    events = group / "memory.events"  # v2
+    text = (control if control.exists() else events).read_text()
+    for line in text.splitlines():
+        key, _, value = line.partition(" ")
+        if key == "oom_kill":
+            return int(value)
+    return 0
+
+
+def test_a_model_too_big_for_a_rank_is_refused_before_any_compute(cgroup_dir, tmp_path):
+    job = _train(cgroup_dir, tmp_path / "run")
+    assert job.returncode != 0, job.output
+    assert "Traceback" not in job.output and "Killed" not in job.output, job.output
+    assert "the model will not fit" in job.output, job.output
+    assert "against a limit of 1,100 MiB (cgroup " in job.output, job.output
+    assert "train.zero=2" in job.output and "parallel.tensor=T" in job.output
+    assert "rank(s) 0" in job.output, job.output  # printed once, naming the ranks
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not any('"step"' in x for x in metrics.open())
+
+
+def test_without_the_check_the_kernel_kills_a_rank_and_the_job_names_it(cgroup_dir, tmp_path):
+    job = _train(cgroup_dir, tmp_path / "run", "runtime.memory_check=false")
+    assert job.returncode != 0, job.output
+    assert sum(_oom_kills(g) for g in cgroup_dir.glob("rank*")) >= 1, job.output
+    assert "rank" in job.output and ("signal 9" in job.output or "Killed" in job.output), job.output
+
+
+def test_zero2_with_tensor_parallelism_trains_it_within_the_limit(cgroup_dir, tmp_path):
+    run = tmp_path / "run"
+    job = _train(cgroup_dir, run, "train.zero=2", "parallel.tensor=2")
+    assert job.returncode == 0, job.output
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    steps = [x for x in steps if x["event"] == "step"]
+    assert len(steps) == 3 and all(x["loss"] == x["loss"] for x in steps)
+    assert max(x["mem_peak_rss_bytes"] for x in steps) < LIMIT
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
