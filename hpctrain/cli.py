@@ -20,6 +20,7 @@ COMMAND_MODULES: list[str] = [
     "hpctrain.slurm.cli",
     "hpctrain.checkpoint.cli",
     "hpctrain.cluster.cli",
+    "hpctrain.elastic.cli",
 ]
 
 LAUNCH_HELP = """\
@@ -27,6 +28,7 @@ launch:
   mpirun -np 4 hpctrain train --config configs/demo.yaml
   srun --mpi=pmix -n 4 hpctrain train --config configs/demo.yaml
   horovodrun -np 4 hpctrain train --config configs/demo.yaml
+  hpctrain elastic --hostfile hosts --max-restarts 3 -- train --config configs/demo.yaml --run-dir runs/demo
   (as root add --allow-run-as-root; more ranks than cores need mpirun --oversubscribe)
 """
 

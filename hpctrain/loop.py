@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -38,6 +39,7 @@ from .runtime import allocator
 from .runtime.preemption import Preemption
 from .step_reports import StepReducer
 from .strategies import strategy_class
+from .testing import faults
 
 log = logging.getLogger("hpctrain.loop")
 
@@ -109,6 +111,9 @@ class TrainingLoop:
         self.state = TrainState()
         self.checkpoints = RunCheckpoints(self)
         self.resumed_from = self.checkpoints.resume(resume)
+        # A test's lost rank (elastic restart): SIGKILL itself at that step, first run only.
+        self._die_at = None if self.resumed_from else faults.value("die_at_step", w.rank)
+        self._step_sleep = faults.value("step_sleep", w.rank)  # a test's slow rank
         self._write_config()  # only now: a refused resume leaves the earlier run's file
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch
@@ -218,6 +223,10 @@ class TrainingLoop:
                 )
                 stats = s.step(batch, lr)
                 st.step += 1
+                if self._die_at is not None and st.step == self._die_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if self._step_sleep:
+                    time.sleep(self._step_sleep)
                 st.position += self.data.global_batch
                 now = time.perf_counter()
                 seconds, t_last = now - t_last, now

@@ -5,7 +5,8 @@ a batch script's mpirun is: the layout and `hpctrain doctor` with two hosts; tra
 across nodes equals single-process training (both backends, both gradient engines, the
 `auto` engine on uneven nodes, Horovod's hierarchical flag); a checkpoint written and
 resumed across nodes in a shared run directory is bit exact; and failures on one node
-(a killed rank, an unplugged link) end every rank on both nodes, naming the culprit.
+(a killed rank, an unplugged link) end every rank on both nodes, naming the culprit;
+under `hpctrain elastic` a lost node's job finishes on the node left.
 Skipped, with the reason printed, where namespaces cannot be made (not root, no `ip`).
 """
 
@@ -423,3 +424,102 @@ def test_link_down_mid_run_ends_the_job_within_the_collective_timeout(two_nodes,
     assert named, job.output
     print(f"\nlink down: job ended after {ended_after:.1f} s:\n" + job.output[-1500:])
     _assert_no_process_left(marker, within=30)
+
+
+# --- elastic restart: a node lost mid-run ------------------------------------------------
+ELASTIC = [
+    "backend=torch",
+    "model.hidden=[64]",
+    "data.train_samples=8192",
+    "data.val_samples=2048",
+    "train.batch_size=32",
+    "train.epochs=3",
+    "train.log_every=1",
+    "train.allreduce=mpi",
+    "optimizer.name=adam",
+    "optimizer.lr=0.002",
+    "checkpoint.every_steps=25",
+    "checkpoint.keep_last=3",
+    "runtime.collective_timeout=5",
+    "metrics.tensorboard=false",
+    "metrics.progress_bar=false",
+]
+ELASTIC_SETS = [w for o in ELASTIC for w in ("--set", o)]
+STEP_SLEEP = {"HPCTRAIN_FAULT_STEP_SLEEP": "0:0.03"}  # ~12 s of steps, time to unplug
+
+
+def _final_accuracy(run_dir: Path) -> float:
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+    return [x for x in lines if "val_accuracy" in x][-1]["val_accuracy"]
+
+
+def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(two_nodes, tmp_path):
+    import shlex
+
+    from hpctrain.cluster.plan import mpirun_args
+
+    reference = tmp_path / "uninterrupted"
+    job = launch(
+        two_nodes.mpirun(1, HPCTRAIN, "train", "--run-dir", str(reference), *ELASTIC_SETS),
+        timeout=240,
+        env=STEP_SLEEP,
+    )
+    assert job.returncode == 0, job.output
+    args = mpirun_args(two_nodes.plan, two_nodes.agent, 1)
+    i = args.index("--host")
+    del args[i : i + 2]  # the hostfile of each attempt says where
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text("hpcn1 slots=1\nhpcn2 slots=1\n")
+    run = tmp_path / "run"
+    argv = two_nodes.on_node(
+        "hpcn1",
+        HPCTRAIN,
+        "elastic",
+        "--hostfile",
+        str(hostfile),
+        "--mpirun-args",
+        shlex.join(args),
+        "--probe-timeout",
+        "3",
+        "--",
+        "train",
+        "--run-dir",
+        str(run),
+        *ELASTIC_SETS,
+    )
+    t0 = time.monotonic()
+    proc = start(argv, env=STEP_SLEEP)
+    try:
+        while '"step": 110,' not in _read(run / "metrics.jsonl"):
+            assert proc.poll() is None, proc.communicate()[0]
+            assert time.monotonic() - t0 < 180, "no step 110 within 180 s"
+            time.sleep(0.1)
+        two_nodes.link_down("hpcn2")
+        down_at = time.time()
+        job = finish(proc, 240, t0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, 9)
+        two_nodes.link_up("hpcn2")
+    assert job.returncode == 0, job.output
+    assert "host hpcn2 is lost" in job.output, job.output
+    events = [json.loads(x) for x in (run / "elastic" / "events.jsonl").open()]
+    launches = [e for e in events if e["event"] == "launch"]
+    assert [e["hosts"] for e in launches] == [["hpcn1", "hpcn2"], ["hpcn1"]], launches
+    assert (launches[1]["np"], launches[1]["grad_accum"], launches[1]["global_batch"]) == (1, 2, 64)
+    failed_at = next(e["time"] for e in events if e["event"] == "failure")
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    steps = [x for x in steps if x["event"] == "step"]
+    before = max(x["step"] for x in steps if x["time"] < failed_at)
+    after = [x for x in steps if x["time"] > launches[1]["time"]]
+    lost = before - (after[0]["step"] - 1)
+    assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
+    assert steps[-1]["step"] == 3 * 8192 // 64
+    accuracy, uninterrupted = _final_accuracy(run), _final_accuracy(reference)
+    assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
+    print(
+        f"\nelastic: failure noticed {failed_at - down_at:.1f} s after the link went down, "
+        f"relaunched after {launches[1]['time'] - down_at:.1f} s, first step after "
+        f"{after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
+        f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted"
+    )

@@ -10,6 +10,8 @@ Faults in use:
 - `ps_silent` (key: worker index): that worker stops sending anything from step `value`.
 - `ps_delay` (key: worker index): sleep `value` seconds before every push.
 - `ps_slow` (key: worker index): make each step `value` times as long.
+- `die_at_step` (key: world rank): SIGKILL that rank after step `value`, unless resumed.
+- `step_sleep` (key: world rank): sleep `value` seconds after every step.
 """
 
 from __future__ import annotations

@@ -1,0 +1,73 @@
+"""How a restart with another number of replicas keeps the optimisation the same.
+
+The global batch stays fixed when it can (`train.grad_accum` absorbs the lost replicas,
+and `optimizer.lr` is set so that the scaled learning rate is the one of the first
+launch); otherwise the per-rank batch stays, the global batch changes and the
+configured `optimizer.lr_scaling` rule sets the learning rate. Either way it is said.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..lr_schedule import scaled_lr
+
+
+@dataclass(frozen=True)
+class BatchPlan:
+    replicas: int
+    grad_accum: int
+    lr: float  # optimizer.lr to pass (before scaling by the replicas)
+    global_batch: int
+    note: str
+
+
+def replicas_of(cfg, world_size: int) -> int:
+    """Data-parallel replicas of a world: what the learning rate and the batch scale with."""
+    if cfg["strategy"] == "pipeline":
+        return world_size // cfg.pipeline["stages"]
+    return world_size // cfg.parallel["tensor"]
+
+
+def ranks_per_replica(cfg) -> int:
+    return cfg.pipeline["stages"] if cfg["strategy"] == "pipeline" else cfg.parallel["tensor"]
+
+
+def plan_batch(cfg, first_replicas: int, replicas: int) -> BatchPlan:
+    """The settings for `replicas` that match a first launch on `first_replicas`."""
+    o, b = cfg.optimizer, cfg.train["batch_size"]
+    accum = cfg.train["grad_accum"]
+    base, rule = float(o["lr"]), o["lr_scaling"]
+    target = b * accum * first_replicas
+    peak = scaled_lr(base, rule, first_replicas)
+    if replicas == first_replicas:
+        return BatchPlan(replicas, accum, base, target, "as launched")
+    pipeline = cfg["strategy"] == "pipeline"  # its accumulation is pipeline.microbatches
+    if not pipeline and target % (b * replicas) == 0:
+        new_accum = target // (b * replicas)
+        lr = peak / scaled_lr(1.0, rule, replicas)
+        return BatchPlan(
+            replicas,
+            new_accum,
+            lr,
+            target,
+            f"global batch kept at {target}: train.grad_accum {accum} -> {new_accum}, "
+            f"optimizer.lr {base:g} -> {lr:g} (scaled lr stays {peak:g})",
+        )
+    changed = b * accum * replicas
+    lr_now = scaled_lr(base, rule, replicas)
+    why = (
+        "the pipeline accumulates over pipeline.microbatches"
+        if pipeline
+        else f"{target} is not a multiple of batch_size {b} x {replicas} replicas"
+    )
+    return BatchPlan(
+        replicas,
+        accum,
+        base,
+        changed,
+        f"global batch {target} -> {changed} ({why}); optimizer.lr_scaling={rule} gives "
+        f"lr {lr_now:g} instead of {peak:g}"
+        + ("" if rule != "none" or math.isclose(lr_now, peak) else " (no scaling)"),
+    )

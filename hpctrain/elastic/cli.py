@@ -1,0 +1,167 @@
+"""`hpctrain elastic`: run a training job that restarts itself after a failure."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import shutil
+import sys
+from pathlib import Path
+
+from ..config import Config
+from ..errors import ConfigError
+from .hosts import read_hostfile
+from .supervisor import Options, Supervisor
+
+EPILOG = """\
+example (run it where a batch script would run mpirun):
+  hpctrain elastic --hostfile hosts --np 2:8 --max-restarts 3 -- \\
+      train --config configs/demo.yaml --run-dir runs/demo
+  Each attempt is `mpirun --hostfile <hosts that answer> -np N [--mpirun-args]
+  hpctrain train ... --resume auto`. The global batch stays as launched (grad_accum
+  absorbs lost replicas) where it divides; events in <run-dir>/elastic/events.jsonl.
+"""
+
+
+def register(sub) -> dict:
+    p = sub.add_parser(
+        "elastic",
+        help="train with restarts: relaunch from the newest checkpoint on the hosts left",
+        description="Launch `hpctrain train` with mpirun over the hosts of --hostfile and, "
+        "when the job fails, probe the hosts, leave out the ones that do not answer and "
+        "relaunch from the newest checkpoint that verifies, at a world size within --np, "
+        "at most --max-restarts times.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument("--hostfile", required=True, help="Open MPI hostfile: `host slots=N` lines")
+    p.add_argument(
+        "--np",
+        default=None,
+        metavar="MIN:MAX",
+        help="world sizes allowed (default 1:<all slots>); MAX caps the first launch",
+    )
+    p.add_argument("--max-restarts", type=int, default=3, help="restart budget (0: never restart)")
+    p.add_argument(
+        "--mpirun-args",
+        default="",
+        metavar="ARGS",
+        help='more mpirun arguments, one shell-quoted string (e.g. "--mca btl self,vader,tcp")',
+    )
+    p.add_argument(
+        "--rsh-agent",
+        default=None,
+        metavar="CMD",
+        help="also probe each host with `CMD HOST true` (default: mpirun's plm_rsh_agent "
+        "from --mpirun-args, else none)",
+    )
+    p.add_argument("--probe-port", type=int, default=22, help="TCP port probed on each host")
+    p.add_argument("--probe-timeout", type=float, default=5.0, help="seconds per probe")
+    p.add_argument("train", nargs=argparse.REMAINDER, help="-- train [train options]")
+    return {"elastic": run}
+
+
+def _train_options(words: list[str]):
+    """The `train` options the supervisor needs; the rest passes through untouched."""
+    t = argparse.ArgumentParser(prog="hpctrain elastic -- train", add_help=False)
+    t.add_argument("--config", "-c")
+    t.add_argument("--set", "-s", dest="overrides", action="append", default=[])
+    t.add_argument("--run-dir")
+    t.add_argument("--resume")
+    t.add_argument("--new", action="store_true")
+    t.add_argument("--overwrite", action="store_true")
+    known, _ = t.parse_known_args(words)
+    return known
+
+
+def _without_reuse_flags(words: list[str]) -> list[str]:
+    out, skip = [], False
+    for w in words:
+        if skip:
+            skip = False
+            continue
+        if w in ("--new", "--overwrite"):
+            continue
+        if w == "--resume":
+            skip = True
+            continue
+        if w.startswith("--resume="):
+            continue
+        out.append(w)
+    return out
+
+
+def _np_range(text: str | None) -> tuple[int, int | None]:
+    if text is None:
+        return 1, None
+    lo, sep, hi = text.partition(":")
+    try:
+        np_min = int(lo) if lo else 1
+        np_max = int(hi) if sep and hi else (None if sep else np_min)
+    except ValueError:
+        raise ConfigError(f"--np {text}: expected MIN:MAX, e.g. 2:8") from None
+    if np_min < 1 or (np_max is not None and np_max < np_min):
+        raise ConfigError(f"--np {text}: need 1 <= MIN <= MAX")
+    return np_min, np_max
+
+
+def _hpctrain_command() -> list[str]:
+    beside = Path(sys.executable).parent / "hpctrain"
+    if beside.exists():
+        return [str(beside)]
+    found = shutil.which("hpctrain")
+    return [found] if found else [sys.executable, "-m", "hpctrain"]
+
+
+def run(args) -> int:
+    words = list(args.train)
+    if words and words[0] == "--":
+        words = words[1:]
+    if not words or words[0] != "train":
+        raise ConfigError("hpctrain elastic: give the job after `--`: -- train [options]")
+    t = _train_options(words[1:])
+    if not t.run_dir:
+        raise ConfigError(
+            "hpctrain elastic: the job needs --run-dir, so that every restart finds its checkpoints"
+        )
+    cfg = Config.load(t.config, t.overrides)
+    if not cfg.checkpoint["enabled"]:
+        raise ConfigError(
+            "hpctrain elastic restarts from checkpoints, but checkpoint.enabled is false"
+        )
+    if cfg["strategy"] == "parameter_server":
+        raise ConfigError(
+            "hpctrain elastic: the parameter server's roles are fixed by rank; restart it "
+            "with a launcher of your own (ps.mode async/bounded survives a slow worker)"
+        )
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts must be 0 or more")
+    mpirun_args = shlex.split(args.mpirun_args)
+    agent = shlex.split(args.rsh_agent) if args.rsh_agent else None
+    if agent is None and "plm_rsh_agent" in mpirun_args:
+        i = mpirun_args.index("plm_rsh_agent")
+        if i + 1 < len(mpirun_args):
+            agent = shlex.split(mpirun_args[i + 1])
+    np_min, np_max = _np_range(args.np)
+    first = []
+    if t.resume:
+        first = ["--resume", t.resume]
+    elif t.new:
+        first = ["--new"]
+    elif t.overwrite:
+        first = ["--overwrite"]
+    opts = Options(
+        train_args=_without_reuse_flags(words),
+        first_flags=first,
+        run_dir=Path(t.run_dir),
+        hosts=read_hostfile(args.hostfile),
+        np_min=np_min,
+        np_max=np_max,
+        max_restarts=args.max_restarts,
+        mpirun_args=mpirun_args,
+        agent=agent,
+        probe_port=args.probe_port,
+        probe_timeout=args.probe_timeout,
+        hpctrain=_hpctrain_command(),
+    )
+    return Supervisor(opts, cfg).run()

@@ -1,0 +1,109 @@
+"""Hosts of an elastic job: the hostfile, and which hosts still answer.
+
+A host counts as lost when the launch node cannot reach it over TCP (the probe port
+answers, or refuses: either way a live kernel; silence or no route: lost) or, with an
+rsh agent, when `agent HOST true` fails or times out. Probes run in parallel, so a
+restart decision takes one probe timeout whatever the number of hosts (at 1,024 or
+4,096 nodes: one thread per host, a few seconds; no message to any rank).
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import subprocess
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Host:
+    name: str
+    slots: int
+
+
+def read_hostfile(path: str | Path) -> list[Host]:
+    """Open MPI's hostfile format: `name [slots=N] ...` per line, `#` comments."""
+    path = Path(path)
+    try:
+        lines = path.read_text().splitlines()
+    except OSError as exc:
+        raise ConfigError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+    hosts: list[Host] = []
+    for number, line in enumerate(lines, 1):
+        words = line.split("#", 1)[0].split()
+        if not words:
+            continue
+        slots = 1
+        for word in words[1:]:
+            key, _, value = word.partition("=")
+            if key == "slots":
+                if not value.isdigit() or int(value) < 1:
+                    raise ConfigError(f"{path}:{number}: slots must be a positive integer")
+                slots = int(value)
+        if any(h.name == words[0] for h in hosts):
+            raise ConfigError(f"{path}:{number}: host {words[0]} is listed twice")
+        hosts.append(Host(words[0], slots))
+    if not hosts:
+        raise ConfigError(f"--hostfile {path}: no hosts in it")
+    return hosts
+
+
+def write_hostfile(path: Path, hosts: list[Host]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(f"{h.name} slots={h.slots}\n" for h in hosts))
+    return path
+
+
+def tcp_problem(host: str, port: int, timeout: float) -> str | None:
+    """None when `host`'s kernel answers on `port` (accepts or refuses), else why not."""
+    try:
+        addresses = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        return f"name does not resolve ({exc.strerror})"
+    family, kind, proto, _, address = addresses[0]
+    with socket.socket(family, kind, proto) as s:
+        s.settimeout(timeout)
+        try:
+            s.connect(address)
+        except ConnectionRefusedError:
+            return None  # a live kernel said no: the host is up
+        except TimeoutError:
+            return f"no answer on TCP port {port} within {timeout:g} s"
+        except OSError as exc:
+            if exc.errno == errno.ECONNREFUSED:
+                return None
+            return f"TCP port {port}: {exc.strerror}"
+    return None
+
+
+def agent_problem(agent: list[str], host: str, timeout: float) -> str | None:
+    """None when `agent HOST true` succeeds within `timeout` (the launcher's own path)."""
+    try:
+        done = subprocess.run(
+            [*agent, host, "true"], capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        return f"`{' '.join(agent)} {host} true` did not return within {timeout:g} s"
+    except OSError as exc:
+        return f"cannot run the rsh agent {agent[0]}: {exc.strerror}"
+    if done.returncode != 0:
+        said = (done.stderr or done.stdout).strip().splitlines()
+        return f"`{' '.join(agent)} {host} true` failed ({said[-1] if said else done.returncode})"
+    return None
+
+
+def probe(hosts: list[Host], port: int, timeout: float, agent: list[str] | None) -> dict:
+    """{host name: None (alive) or the reason it is lost}, all probed at once."""
+
+    def one(host: Host) -> str | None:
+        problem = tcp_problem(host.name, port, timeout)
+        if problem is None and agent:
+            problem = agent_problem(agent, host.name, timeout)
+        return problem
+
+    with ThreadPoolExecutor(max_workers=min(64, len(hosts))) as pool:
+        return dict(zip((h.name for h in hosts), pool.map(one, hosts), strict=True))

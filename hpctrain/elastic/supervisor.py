@@ -1,0 +1,171 @@
+"""The elastic supervisor: launch the job with mpirun, watch it, and on a failure restart
+it from the newest checkpoint that verifies, on the hosts that still answer.
+
+One process on the launch node (where a batch script's mpirun would run). Each attempt
+is `mpirun --hostfile <alive hosts> -np N ... hpctrain train ... --resume auto`; the
+training's own `--resume auto` picks the newest verified checkpoint and continues at its
+sample position, which is a position in the global epoch order, so a restart at another
+world size neither skips nor repeats a sample of the epoch. Events go to
+`<run-dir>/elastic/events.jsonl` and to stderr.
+
+Not restarted: success (0), a user error every rank agreed on (2: it would fail again),
+Ctrl-C (130), or a stop the supervisor itself was asked for (SIGTERM/SIGINT, forwarded to
+the job so that it checkpoints first).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .batch import plan_batch, ranks_per_replica, replicas_of
+from .hosts import Host, probe, write_hostfile
+
+NOT_RESTARTED = {0: "finished", 2: "stopped on a user error", 130: "interrupted (Ctrl-C)"}
+
+
+@dataclass
+class Options:
+    train_args: list[str]  # `train ...` without --resume/--new/--overwrite
+    first_flags: list[str]  # the user's --resume/--new/--overwrite, for the first launch
+    run_dir: Path
+    hosts: list[Host]
+    np_min: int = 1
+    np_max: int | None = None
+    max_restarts: int = 3
+    mpirun_args: list[str] = field(default_factory=list)
+    agent: list[str] | None = None
+    probe_port: int = 22
+    probe_timeout: float = 5.0
+    hpctrain: list[str] = field(default_factory=lambda: [sys.executable, "-m", "hpctrain"])
+
+
+def say(message: str) -> None:
+    print(f"hpctrain elastic: {message}", file=sys.stderr, flush=True)
+
+
+class Supervisor:
+    def __init__(self, opts: Options, cfg):
+        self.opts, self.cfg = opts, cfg
+        self.events = opts.run_dir / "elastic" / "events.jsonl"
+        self.proc: subprocess.Popen | None = None
+        self.stop_signal: int | None = None
+
+    # --- bookkeeping ------------------------------------------------------------------
+    def event(self, kind: str, **fields) -> None:
+        self.events.parent.mkdir(parents=True, exist_ok=True)
+        with self.events.open("a") as f:
+            f.write(json.dumps({"event": kind, "time": time.time(), **fields}) + "\n")
+
+    def world_size(self, hosts: list[Host]) -> int:
+        """Ranks for `hosts`: their slots, at most --np max, a whole number of replicas."""
+        n = sum(h.slots for h in hosts)
+        if self.opts.np_max is not None:
+            n = min(n, self.opts.np_max)
+        per = ranks_per_replica(self.cfg)
+        return n - n % per
+
+    # --- one attempt --------------------------------------------------------------------
+    def argv(self, attempt: int, hosts: list[Host], n: int, plan) -> list[str]:
+        o = self.opts
+        hostfile = write_hostfile(o.run_dir / "elastic" / f"hosts-{attempt}", hosts)
+        flags = o.first_flags if attempt == 0 else ["--resume", "auto"]
+        sets = ["--set", f"train.grad_accum={plan.grad_accum}"]
+        if plan.lr != float(self.cfg.optimizer["lr"]):
+            sets += ["--set", f"optimizer.lr={plan.lr!r}"]
+        return [
+            "mpirun",
+            "--hostfile",
+            str(hostfile),
+            "-np",
+            str(n),
+            *o.mpirun_args,
+            *o.hpctrain,
+            *o.train_args,
+            *flags,
+            *sets,
+        ]
+
+    def launch(self, argv: list[str]) -> int:
+        self.proc = subprocess.Popen(argv)
+        try:
+            return self.proc.wait()
+        finally:
+            self.proc = None
+
+    def _forward(self, signum, frame) -> None:
+        self.stop_signal = signum
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signum)  # mpirun passes it on; the ranks checkpoint
+
+    # --- the loop -----------------------------------------------------------------------
+    def run(self) -> int:
+        o = self.opts
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+            signal.signal(sig, self._forward)
+        hosts = list(o.hosts)
+        n = self.world_size(hosts)
+        if n < max(1, o.np_min):
+            say(f"the hostfile gives {n} ranks, below the minimum {o.np_min}")
+            return 1
+        first = replicas_of(self.cfg, n)
+        self.event("start", hosts=[h.name for h in hosts], np=n, max_restarts=o.max_restarts)
+        attempt = 0
+        while True:
+            plan = plan_batch(self.cfg, first, replicas_of(self.cfg, n))
+            argv = self.argv(attempt, hosts, n, plan)
+            what = "launch" if attempt == 0 else f"restart {attempt} of {o.max_restarts}"
+            say(f"{what}: {n} ranks on {', '.join(h.name for h in hosts)}; {plan.note}")
+            self.event(
+                "launch",
+                attempt=attempt,
+                np=n,
+                hosts=[h.name for h in hosts],
+                grad_accum=plan.grad_accum,
+                lr=plan.lr,
+                global_batch=plan.global_batch,
+                note=plan.note,
+            )
+            code = self.launch(argv)
+            if self.stop_signal is not None:
+                name = signal.Signals(self.stop_signal).name
+                say(f"stopped by {name} (the job exited {code}); not restarted")
+                self.event("stopped", signal=name, exit_code=code)
+                return code if code else 128 + self.stop_signal
+            if code in NOT_RESTARTED:
+                say(f"the job {NOT_RESTARTED[code]} (exit code {code})")
+                self.event("end", exit_code=code, restarts=attempt)
+                return code
+            self.event("failure", attempt=attempt, exit_code=code)
+            if attempt >= o.max_restarts:
+                say(
+                    f"the job failed (exit code {code}) and the restart budget of "
+                    f"{o.max_restarts} is used up; its newest checkpoint stays in "
+                    f"{o.run_dir} (resume with --resume auto)"
+                )
+                self.event("gave_up", reason="restart budget used up", exit_code=code)
+                return code
+            t0 = time.monotonic()
+            problems = probe(hosts, o.probe_port, o.probe_timeout, o.agent)
+            lost = {name: why for name, why in problems.items() if why is not None}
+            for name, why in lost.items():
+                say(f"host {name} is lost: {why}")
+            hosts = [h for h in hosts if h.name not in lost]
+            n = self.world_size(hosts)
+            self.event(
+                "probe", seconds=time.monotonic() - t0, lost=lost, hosts=[h.name for h in hosts]
+            )
+            if n < max(1, o.np_min):
+                say(
+                    f"the job failed (exit code {code}); the hosts that still answer "
+                    f"({', '.join(h.name for h in hosts) or 'none'}) give {n} ranks, below "
+                    f"the minimum {o.np_min}; its newest checkpoint stays in {o.run_dir}"
+                )
+                self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
+                return code
+            attempt += 1

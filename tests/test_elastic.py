@@ -1,0 +1,161 @@
+"""`hpctrain elastic`: the supervisor's parts (hostfile, world sizes, batch plan, host
+probes) and, under real mpirun on this node, a rank killed mid-run: restarted from the
+newest checkpoint it ends bit for bit where an uninterrupted run ends, and a budget of 0
+ends with a clear message. Losing a whole node is in tests/test_multinode.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from mpirun import HPCTRAIN, ROOT, Job
+
+from hpctrain.checkpoint import find_latest_valid, load
+from hpctrain.config import Config
+from hpctrain.elastic.batch import plan_batch, replicas_of
+from hpctrain.elastic.cli import _np_range, _without_reuse_flags
+from hpctrain.elastic.hosts import Host, agent_problem, probe, read_hostfile, tcp_problem
+from hpctrain.errors import ConfigError
+
+
+# --- parts -------------------------------------------------------------------------------
+def test_hostfile_reads_open_mpi_lines_and_refuses_nonsense(tmp_path):
+    f = tmp_path / "hosts"
+    f.write_text("# the allocation\nnode1 slots=4\nnode2 slots=2 max_slots=8\n\nnode3\n")
+    assert read_hostfile(f) == [Host("node1", 4), Host("node2", 2), Host("node3", 1)]
+    f.write_text("node1 slots=0\n")
+    with pytest.raises(ConfigError, match="slots must be a positive integer"):
+        read_hostfile(f)
+    f.write_text("node1\nnode1\n")
+    with pytest.raises(ConfigError, match="listed twice"):
+        read_hostfile(f)
+    with pytest.raises(ConfigError, match="cannot read it"):
+        read_hostfile(tmp_path / "missing")
+
+
+def test_np_range_and_reuse_flags():
+    assert _np_range(None) == (1, None)
+    assert _np_range("2:8") == (2, 8)
+    assert _np_range("2:") == (2, None)
+    with pytest.raises(ConfigError, match="MIN <= MAX"):
+        _np_range("4:2")
+    words = ["train", "--run-dir", "r", "--resume", "auto", "--new", "--set", "a=1"]
+    assert _without_reuse_flags(words) == ["train", "--run-dir", "r", "--set", "a=1"]
+
+
+def test_a_lost_replica_keeps_the_global_batch_and_the_scaled_lr():
+    cfg = Config.load(None, ["train.batch_size=8", "optimizer.lr=0.1"])  # linear scaling
+    plan = plan_batch(cfg, first_replicas=4, replicas=2)
+    assert (plan.grad_accum, plan.global_batch) == (2, 32)
+    assert plan.lr * 2 == pytest.approx(0.1 * 4)  # the scaled lr of the first launch
+    odd = plan_batch(cfg, first_replicas=4, replicas=3)  # 32 is not a multiple of 8 x 3
+    assert (odd.grad_accum, odd.global_batch, odd.lr) == (1, 24, 0.1)
+    assert "not a multiple" in odd.note and "lr 0.3 instead of 0.4" in odd.note
+    tp = Config.load(None, ["parallel.tensor=2", "model.name=transformer", "data.task=tokens"])
+    assert replicas_of(tp, 8) == 4
+
+
+def test_probes_tell_a_live_host_from_a_lost_one():
+    with socket.socket() as s:  # a port nobody listens on: the kernel refuses, so alive
+        s.bind(("127.0.0.1", 0))
+        closed = s.getsockname()[1]
+    assert tcp_problem("127.0.0.1", closed, 2.0) is None
+    assert "does not resolve" in tcp_problem("no-such-host.invalid", 22, 2.0)
+    ok = [sys.executable, "-c", "import sys; sys.exit(0)"]
+    bad = [sys.executable, "-c", "import sys; print('no route to host'); sys.exit(255)"]
+    assert agent_problem(ok, "localhost", 5.0) is None
+    assert "no route to host" in agent_problem(bad, "localhost", 5.0)
+    found = probe([Host("127.0.0.1", 1), Host("no-such-host.invalid", 1)], closed, 2.0, None)
+    assert found["127.0.0.1"] is None and found["no-such-host.invalid"]
+
+
+# --- jobs on this node ---------------------------------------------------------------------
+SMALL = [
+    "backend=torch",
+    "model.hidden=[32]",
+    "data.train_samples=1024",
+    "data.val_samples=128",
+    "train.batch_size=16",
+    "train.epochs=1",
+    "train.log_every=1",
+    "train.allreduce=mpi",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=10",
+    "metrics.tensorboard=false",
+    "metrics.progress_bar=false",
+]
+
+
+def _elastic(tmp_path, run, *extra, env=None, restarts=2):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    argv = [HPCTRAIN, "elastic", "--hostfile", str(hosts), "--max-restarts", str(restarts)]
+    argv += ["--probe-timeout", "2", "--", "train", "--run-dir", str(run)]
+    for o in [*SMALL, *extra]:
+        argv += ["--set", o]
+    full = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    full.update(env or {})
+    t0 = time.monotonic()
+    done = subprocess.run(argv, capture_output=True, text=True, env=full, cwd=ROOT, timeout=300)
+    return Job(done.returncode, done.stdout + done.stderr, time.monotonic() - t0)
+
+
+def _events(run):
+    return [json.loads(x) for x in (run / "elastic" / "events.jsonl").open()]
+
+
+def _weights(run):
+    return load(find_latest_valid(run / "checkpoints").path).model_weights()
+
+
+KILL_RANK_1_AT_STEP_8 = {"HPCTRAIN_FAULT_DIE_AT_STEP": "1:8"}
+
+
+def test_a_killed_rank_is_restarted_from_the_checkpoint_and_ends_bit_for_bit(tmp_path):
+    plain = _elastic(tmp_path, tmp_path / "plain")
+    assert plain.returncode == 0, plain.output
+    job = _elastic(tmp_path, tmp_path / "run", env=KILL_RANK_1_AT_STEP_8)
+    assert job.returncode == 0, job.output
+    kinds = [e["event"] for e in _events(tmp_path / "run")]
+    assert kinds == ["start", "launch", "failure", "probe", "launch", "end"], kinds
+    assert "restart 1 of 2: 2 ranks on localhost" in job.output, job.output
+    assert "resumed from" in job.output and "at step 6" in job.output, job.output
+    a, b = _weights(tmp_path / "run"), _weights(tmp_path / "plain")
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
+
+def test_a_restart_budget_of_zero_ends_with_a_clear_message(tmp_path):
+    job = _elastic(tmp_path, tmp_path / "run", env=KILL_RANK_1_AT_STEP_8, restarts=0)
+    assert job.returncode != 0, job.output
+    assert "the restart budget of 0 is used up" in job.output, job.output
+    assert "resume with --resume auto" in job.output
+    kinds = [e["event"] for e in _events(tmp_path / "run")]
+    assert kinds == ["start", "launch", "failure", "gave_up"], kinds
+
+
+def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
+    hosts = tmp_path / "hosts"
+    hosts.write_text("localhost slots=2\n")
+    for extra, message in (
+        ([], "needs --run-dir"),
+        (
+            ["--run-dir", str(tmp_path / "r"), "--set", "checkpoint.enabled=false"],
+            "enabled is false",
+        ),
+    ):
+        done = subprocess.run(
+            [HPCTRAIN, "elastic", "--hostfile", str(hosts), "--", "train", *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 2, done.stderr
+        assert message in done.stderr and "Traceback" not in done.stderr
