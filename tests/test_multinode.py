@@ -453,40 +453,50 @@ def _final_accuracy(run_dir: Path) -> float:
     return [x for x in lines if "val_accuracy" in x][-1]["val_accuracy"]
 
 
-def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(two_nodes, tmp_path):
+ELASTIC_LAYOUTS = {
+    # strategy: (hostfile, extra settings, ranks at the relaunch). The hostfile's first
+    # host gets rank 0; the parameter server's last rank serves, so the lost node holds a
+    # worker there and the relaunch has one worker beside the server.
+    "data_parallel": ("hpcn1 slots=1\nhpcn2 slots=1\n", [], 1),
+    "parameter_server": (
+        "hpcn2 slots=1\nhpcn1 slots=2\n",
+        ["strategy=parameter_server", "ps.servers=1", "ps.mode=sync", "ps.heartbeat_timeout=5"],
+        2,
+    ),
+}
+
+
+@pytest.mark.parametrize("strategy", list(ELASTIC_LAYOUTS))
+def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
+    two_nodes, tmp_path, strategy
+):
     import shlex
 
     from hpctrain.cluster.plan import mpirun_args
 
-    reference = tmp_path / "uninterrupted"
-    job = launch(
-        two_nodes.mpirun(1, HPCTRAIN, "train", "--run-dir", str(reference), *ELASTIC_SETS),
-        timeout=240,
-        env=STEP_SLEEP,
-    )
-    assert job.returncode == 0, job.output
+    hosts_text, extra, relaunch_np = ELASTIC_LAYOUTS[strategy]
+    sets = ELASTIC_SETS + [w for o in extra for w in ("--set", o)]
+    hostfile = tmp_path / "hosts"
+    hostfile.write_text(hosts_text)
     args = mpirun_args(two_nodes.plan, two_nodes.agent, 1)
     i = args.index("--host")
     del args[i : i + 2]  # the hostfile of each attempt says where
-    hostfile = tmp_path / "hosts"
-    hostfile.write_text("hpcn1 slots=1\nhpcn2 slots=1\n")
+    reference = tmp_path / "uninterrupted"
+    job = launch(
+        two_nodes.on_node(
+            "hpcn1", "mpirun", *args, "--hostfile", str(hostfile), "-np", str(relaunch_np + 1),
+            HPCTRAIN, "train", "--run-dir", str(reference), *sets,
+        ),
+        timeout=240,
+        env=STEP_SLEEP,
+    )  # fmt: skip
+    assert job.returncode == 0, job.output
     run = tmp_path / "run"
     argv = two_nodes.on_node(
-        "hpcn1",
-        HPCTRAIN,
-        "elastic",
-        "--hostfile",
-        str(hostfile),
-        "--mpirun-args",
-        shlex.join(args),
-        "--probe-timeout",
-        "3",
-        "--",
-        "train",
-        "--run-dir",
-        str(run),
-        *ELASTIC_SETS,
-    )
+        "hpcn1", HPCTRAIN, "elastic", "--hostfile", str(hostfile),
+        "--mpirun-args", shlex.join(args), "--probe-timeout", "3",
+        "--", "train", "--run-dir", str(run), *sets,
+    )  # fmt: skip
     t0 = time.monotonic()
     proc = start(argv, env=STEP_SLEEP)
     try:
@@ -505,8 +515,12 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(two_nodes
     assert "host hpcn2 is lost" in job.output, job.output
     events = [json.loads(x) for x in (run / "elastic" / "events.jsonl").open()]
     launches = [e for e in events if e["event"] == "launch"]
-    assert [e["hosts"] for e in launches] == [["hpcn1", "hpcn2"], ["hpcn1"]], launches
-    assert (launches[1]["np"], launches[1]["grad_accum"], launches[1]["global_batch"]) == (1, 2, 64)
+    assert [e["hosts"] for e in launches] == [
+        [h.split()[0] for h in hosts_text.splitlines()],
+        ["hpcn1"],
+    ], launches
+    kept = (launches[1]["np"], launches[1]["grad_accum"], launches[1]["global_batch"])
+    assert kept == (relaunch_np, 2, 64), launches[1]  # one replica (worker) fewer
     failed_at = next(e["time"] for e in events if e["event"] == "failure")
     steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     steps = [x for x in steps if x["event"] == "step"]
@@ -518,8 +532,8 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(two_nodes
     accuracy, uninterrupted = _final_accuracy(run), _final_accuracy(reference)
     assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
     print(
-        f"\nelastic: failure noticed {failed_at - down_at:.1f} s after the link went down, "
-        f"relaunched after {launches[1]['time'] - down_at:.1f} s, first step after "
-        f"{after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
+        f"\nelastic {strategy}: failure noticed {failed_at - down_at:.1f} s after the link "
+        f"went down, relaunched after {launches[1]['time'] - down_at:.1f} s, first step "
+        f"after {after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
         f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted"
     )

@@ -239,7 +239,22 @@ def set_link(node: str, up_: bool, state_dir: Path = STATE_DIR) -> None:
     """Take a node's link down (unplug its cable) or bring it back up."""
     state = _require_state(state_dir)
     (name,) = _node_names(state, node)
-    system.run(["ip", "link", "set", state["veths"][name], "up" if up_ else "down"])
+    veth = state["veths"][name]
+    system.run(["ip", "link", "set", veth, "up" if up_ else "down"])
+    if up_:  # back when the kernel says so: carrier up and the bridge port forwarding
+        deadline = time.monotonic() + 10.0
+        while time.monotonic() < deadline:
+            (link,) = system.run_json(["ip", "-j", "link", "show", "dev", veth])
+            ports = system.run_json(["bridge", "-j", "link", "show", "dev", veth])
+            forwarding = all(p.get("state", "forwarding") == "forwarding" for p in ports)
+            if link.get("operstate") in ("UP", "UNKNOWN") and forwarding:
+                # Addresses probed while the cable was out stay FAILED in the other nodes'
+                # neighbour tables for a while ("No route to host"): forget them.
+                for other in state["nodes"]:
+                    system.run(["ip", "-n", other, "neigh", "flush", "all"])
+                return
+            time.sleep(0.1)
+        raise ClusterError(f"the link of {node} ({veth}) did not come back up within 10 s")
 
 
 # --- status ----------------------------------------------------------------------------

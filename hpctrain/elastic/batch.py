@@ -27,11 +27,15 @@ def replicas_of(cfg, world_size: int) -> int:
     """Data-parallel replicas of a world: what the learning rate and the batch scale with."""
     if cfg["strategy"] == "pipeline":
         return world_size // cfg.pipeline["stages"]
+    if cfg["strategy"] == "parameter_server":  # the workers; the last ranks serve
+        return max(0, world_size - cfg.ps["servers"])
     return world_size // cfg.parallel["tensor"]
 
 
 def ranks_per_replica(cfg) -> int:
-    return cfg.pipeline["stages"] if cfg["strategy"] == "pipeline" else cfg.parallel["tensor"]
+    if cfg["strategy"] == "pipeline":
+        return cfg.pipeline["stages"]
+    return 1 if cfg["strategy"] == "parameter_server" else cfg.parallel["tensor"]
 
 
 def plan_batch(cfg, first_replicas: int, replicas: int) -> BatchPlan:

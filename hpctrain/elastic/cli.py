@@ -129,11 +129,6 @@ def run(args) -> int:
         raise ConfigError(
             "hpctrain elastic restarts from checkpoints, but checkpoint.enabled is false"
         )
-    if cfg["strategy"] == "parameter_server":
-        raise ConfigError(
-            "hpctrain elastic: the parameter server's roles are fixed by rank; restart it "
-            "with a launcher of your own (ps.mode async/bounded survives a slow worker)"
-        )
     if args.max_restarts < 0:
         raise ConfigError("--max-restarts must be 0 or more")
     mpirun_args = shlex.split(args.mpirun_args)

@@ -70,6 +70,17 @@ class Supervisor:
         per = ranks_per_replica(self.cfg)
         return n - n % per
 
+    def minimum(self) -> int:
+        """The fewest ranks to run: --np MIN, and at least one replica (parameter server:
+        one worker beside the servers)."""
+        one = ranks_per_replica(self.cfg)
+        if self.cfg["strategy"] == "parameter_server":
+            one = self.cfg.ps["servers"] + 1
+        return max(self.opts.np_min, one)
+
+    def enough(self, n: int) -> bool:
+        return n >= self.minimum() and replicas_of(self.cfg, n) >= 1
+
     # --- one attempt --------------------------------------------------------------------
     def argv(self, attempt: int, hosts: list[Host], n: int, plan) -> list[str]:
         o = self.opts
@@ -110,8 +121,8 @@ class Supervisor:
             signal.signal(sig, self._forward)
         hosts = list(o.hosts)
         n = self.world_size(hosts)
-        if n < max(1, o.np_min):
-            say(f"the hostfile gives {n} ranks, below the minimum {o.np_min}")
+        if not self.enough(n):
+            say(f"the hostfile gives {n} ranks, below the minimum {self.minimum()}")
             return 1
         first = replicas_of(self.cfg, n)
         self.event("start", hosts=[h.name for h in hosts], np=n, max_restarts=o.max_restarts)
@@ -160,11 +171,11 @@ class Supervisor:
             self.event(
                 "probe", seconds=time.monotonic() - t0, lost=lost, hosts=[h.name for h in hosts]
             )
-            if n < max(1, o.np_min):
+            if not self.enough(n):
                 say(
                     f"the job failed (exit code {code}); the hosts that still answer "
                     f"({', '.join(h.name for h in hosts) or 'none'}) give {n} ranks, below "
-                    f"the minimum {o.np_min}; its newest checkpoint stays in {o.run_dir}"
+                    f"the minimum {self.minimum()}; its newest checkpoint stays in {o.run_dir}"
                 )
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
