@@ -335,7 +335,21 @@ SCHEMA: dict[str, Any] = {
     "checkpoint": {
         "enabled": _f(True, bool, "write checkpoints at all"),
         "dir": _f(None, str, "checkpoint directory (default <run-dir>/checkpoints)", nullable=True),
-        "every_steps": _f(None, int, "save every N optimizer steps", nullable=True, **POS_INT),
+        "every_steps": _f(
+            None,
+            (int, str),
+            "save every N optimizer steps; auto: the Young/Daly interval sqrt(2 x save stall "
+            "x checkpoint.mtbf_hours), measured",
+            nullable=True,
+            **POS_INT,
+        ),
+        "mtbf_hours": _f(
+            24.0,
+            (int, float),
+            "mean time between failures of the job, for every_steps: auto",
+            minimum=0,
+            exclusive_min=True,
+        ),
         "every_minutes": _f(
             30.0,
             (int, float),
@@ -535,6 +549,11 @@ class Config:
 
 def _cross_checks(v: dict) -> list[str]:
     problems = []
+    every = v["checkpoint"]["every_steps"]
+    if isinstance(every, str) and every != "auto":
+        problems.append(
+            f"checkpoint.every_steps: expected a positive integer, auto or null, got {every!r}"
+        )
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")

@@ -66,6 +66,26 @@ def test_due_by_steps_epochs_time_and_final():
     ]
 
 
+def test_every_steps_auto_measures_first_then_follows_young_daly():
+    from hpctrain.checkpoint.policy import AUTO_FIRST_STEP, young_daly
+
+    # C = 2 s stall, M = 1 h: sqrt(2 x 2 x 3600) = 120 s; at 0.5 s a step, 240 steps
+    assert young_daly(2.0, 3600.0, 0.5) == (120.0, 240)
+    assert young_daly(0.0, 1.0, 10.0)[1] == 1  # never below one step
+    p = CheckpointPolicy({"every_steps": "auto", "mtbf_hours": 1, "every_minutes": None})
+    assert (p.auto, p.every_steps, p.mtbf_s) == (True, None, 3600.0)
+    first = [s for s in range(1, 60) if p.due(s, now=0.0)]
+    assert first[0] == AUTO_FIRST_STEP
+    p.mark_saved(AUTO_FIRST_STEP)
+    p.every_steps = 240  # what the session sets after measuring that save
+    assert not p.due(AUTO_FIRST_STEP + 239, now=0.0)
+    assert p.due(AUTO_FIRST_STEP + 240, now=0.0)
+    with pytest.raises(ConfigError, match="auto or null"):
+        CheckpointPolicy({"every_steps": "often"})
+    with pytest.raises(ConfigError, match="mtbf_hours"):
+        CheckpointPolicy({"every_steps": "auto", "mtbf_hours": 0})
+
+
 def test_retention_keeps_last_k_plus_best():
     p = CheckpointPolicy({"keep_last": 2, "keep_best": 2, "best_mode": "max"})
     metrics = [0.1, 0.9, None, 0.8, float("nan"), 0.2, 0.3]

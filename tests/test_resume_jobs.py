@@ -2,6 +2,8 @@
 sizes, other backends, and clear refusals on every rank."""
 
 import json
+import math
+import re
 import shutil
 
 import numpy as np
@@ -197,3 +199,31 @@ def test_checkpoint_moves_between_backends_with_the_same_predictions(tmp_path, m
     src.train_step([batch], 0.01)
     dst.train_step([batch], 0.01)
     np.testing.assert_allclose(dst.predict(x), src.predict(x), atol=1e-4)
+
+
+def test_every_steps_auto_follows_the_measured_young_daly_interval(tmp_path):
+    """`checkpoint.every_steps: auto`: a first save at step 20 measures the stall, then
+    every save sets the next interval, sqrt(2 x stall x MTBF) / step time, the same on
+    every rank (a 6 s MTBF makes the interval a few steps here)."""
+    run = tmp_path / "run"
+    _, job = _run(
+        tmp_path, "auto", 2, run,
+        "checkpoint.every_steps=auto", "checkpoint.mtbf_hours=0.002",
+        "checkpoint.keep_last=null", "checkpoint.every_minutes=null",
+        "train.epochs=1", "data.train_samples=4096",
+    )  # fmt: skip
+    logged = [
+        (float(c), float(m), float(sec), int(n), float(s))
+        for c, m, sec, n, s in re.findall(
+            r"sqrt\(2 x (\S+) s stall x (\S+) s MTBF\) = (\S+) s = (\d+) steps of (\S+) s",
+            job.output,
+        )
+    ]
+    saved = sorted(int(x) for x in re.findall(r"ckpt-(\d+)\.h5 \(", job.output))
+    assert saved[0] == 20 and len(logged) >= 2, job.output
+    for (stall, mtbf, seconds, steps, step_s), a, b in zip(logged, saved, saved[1:-1]):
+        assert mtbf == pytest.approx(7.2)
+        assert seconds == pytest.approx(math.sqrt(2 * stall * mtbf), rel=0.02)
+        assert steps == max(1, round(seconds / step_s)) or abs(steps - seconds / step_s) < 1
+        assert b - a == steps, (saved, logged)  # the next save comes that many steps later
+    assert saved[-1] - saved[-2] <= logged[len(saved) - 2][3]  # the last: the epoch's end

@@ -17,7 +17,8 @@ from ..errors import ConfigError
 DEFAULTS: dict[str, tuple] = {
     "enabled": (True, "write checkpoints at all"),
     "dir": (None, "checkpoint directory (default <run-dir>/checkpoints)"),
-    "every_steps": (None, "save every N optimizer steps (null: off)"),
+    "every_steps": (None, "save every N optimizer steps (null: off; auto: Young/Daly)"),
+    "mtbf_hours": (24.0, "mean time between failures of the job (every_steps: auto)"),
     "every_minutes": (30.0, "save when this many minutes passed since the last save (null: off)"),
     "at_epoch_end": (True, "save at the end of every epoch"),
     "keep_last": (3, "keep the newest N checkpoints (null: keep all)"),
@@ -27,6 +28,17 @@ DEFAULTS: dict[str, tuple] = {
     "async": (False, "write in a background thread (the caller only copies the arrays)"),
     "resume": ("never", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
 }
+
+
+AUTO_FIRST_STEP = 20  # every_steps: auto saves here first, to measure what a save costs
+
+
+def young_daly(stall_s: float, mtbf_s: float, step_s: float) -> tuple[float, int]:
+    """(seconds, steps) between checkpoints that minimise the expected lost time:
+    sqrt(2 C M) for a save stall C and a mean time between failures M (Young 1974, Daly
+    2006: accurate while C << M)."""
+    seconds = math.sqrt(2.0 * max(stall_s, 1e-6) * mtbf_s)
+    return seconds, max(1, int(round(seconds / max(step_s, 1e-9))))
 
 
 @dataclass(frozen=True)
@@ -55,8 +67,13 @@ def _validate(values: dict) -> list[str]:
     for key in ("enabled", "at_epoch_end", "async"):
         if key in v and not isinstance(v[key], bool):
             problems.append(_problem(key, v[key], "true or false"))
-    if v.get("every_steps") is not None and not (is_int(v["every_steps"]) and v["every_steps"] > 0):
-        problems.append(_problem("every_steps", v["every_steps"], "a positive integer or null"))
+    es = v.get("every_steps")
+    if es is not None and es != "auto" and not (is_int(es) and es > 0):
+        problems.append(_problem("every_steps", es, "a positive integer, auto or null"))
+    mt = v.get("mtbf_hours", 1.0)
+    number = isinstance(mt, (int, float)) and not isinstance(mt, bool) and math.isfinite(mt)
+    if not number or mt <= 0:
+        problems.append(_problem("mtbf_hours", mt, "a positive number"))
     em = v.get("every_minutes")
     if em is not None and not (
         isinstance(em, (int, float)) and not isinstance(em, bool) and math.isfinite(em) and em > 0
@@ -87,7 +104,11 @@ class CheckpointPolicy:
         merged = {k: values.get(k, default) for k, (default, _) in DEFAULTS.items()}
         self.enabled: bool = merged["enabled"]
         self.dir = Path(merged["dir"]) if merged["dir"] else Path(run_dir) / "checkpoints"
-        self.every_steps: int | None = merged["every_steps"]
+        # every_steps: auto starts with one save at AUTO_FIRST_STEP to measure its cost,
+        # then `young_daly` sets the interval after every save.
+        self.auto = merged["every_steps"] == "auto"
+        self.every_steps: int | None = None if self.auto else merged["every_steps"]
+        self.mtbf_s: float = float(merged["mtbf_hours"]) * 3600.0
         self.every_minutes: float | None = merged["every_minutes"]
         self.at_epoch_end: bool = merged["at_epoch_end"]
         self.keep_last: int | None = merged["keep_last"]
@@ -120,7 +141,13 @@ class CheckpointPolicy:
             return False
         if final or (epoch_end and self.at_epoch_end):
             return True
-        if self.every_steps and step % self.every_steps == 0:
+        if self.auto:
+            if self.every_steps is None:  # not measured yet: the first save measures it
+                if step >= AUTO_FIRST_STEP:
+                    return True
+            elif step - (self.last_step or 0) >= self.every_steps:
+                return True
+        elif self.every_steps and step % self.every_steps == 0:
             return True
         now = time.monotonic() if now is None else now
         return bool(self.every_minutes and now - self.last_time >= self.every_minutes * 60)

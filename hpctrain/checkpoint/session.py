@@ -20,11 +20,12 @@ repeated); random streams are re-seeded, which the zoo models do not use in trai
 from __future__ import annotations
 
 import logging
+import time
 from pathlib import Path
 
 from ..errors import CheckpointError
 from .manager import Checkpointer, resume_checkpoint
-from .policy import CheckpointPolicy
+from .policy import CheckpointPolicy, young_daly
 from .reader import load, require_compatible
 from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
 
@@ -41,6 +42,8 @@ class RunCheckpoints:
         w = loop.world
         self.policy = CheckpointPolicy.from_config(loop.cfg, loop.run_dir)
         self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
+        self._since: tuple[int, float] | None = None  # (step, time) the last save ended
+        self._start_step = 0  # the step training starts from (a resumed run's)
 
     @property
     def enabled(self) -> bool:
@@ -68,8 +71,34 @@ class RunCheckpoints:
             agree = lambda _due: agreed_due  # noqa: E731 - decided by the step allreduce
         else:
             agree = lambda due: self.trainer.world.any_flag(due, "agree on saving")  # noqa: E731
-        return self.checkpointer.maybe_save(
+        started = time.perf_counter()
+        saved = self.checkpointer.maybe_save(
             step, lambda: self._collect(metrics), epoch_end=epoch_end, final=final, agree=agree
+        )
+        if saved and self.policy.auto and not final:
+            self._retune(step, started)
+        return saved
+
+    def _retune(self, step: int, started: float) -> None:
+        """every_steps: auto: the Young/Daly interval from this save's stall and the step
+        time since the last one, agreed over ranks (the slowest rank's figures), so every
+        rank's step rule stays the same. One 2-number allreduce per save, not per step."""
+        w, now = self.trainer.world, time.perf_counter()
+        last_step, last_time = self._since or (self._start_step, self.trainer.t_start)
+        self._since = (step, now)
+        steps = max(1, step - last_step)
+        local = [now - started, (started - last_time) / steps]
+        stall, step_s = (float(x) for x in w.allreduce_array(local, "max", "agree on saves"))
+        seconds, interval = young_daly(stall, self.policy.mtbf_s, step_s)
+        self.policy.every_steps = interval
+        log.info(
+            "checkpoint interval (Young/Daly): sqrt(2 x %.3g s stall x %.3g s MTBF) = %.3g s "
+            "= %d steps of %.3g s",
+            stall,
+            self.policy.mtbf_s,
+            seconds,
+            interval,
+            step_s,
         )
 
     def save_now(self, metrics: dict | None = None) -> Path | None:
@@ -174,6 +203,7 @@ class RunCheckpoints:
                 st.epoch,
             )
         self.policy.mark_saved(st.step)
+        self._start_step = st.step
         log.info(
             "resumed from %s at step %d (epoch %d, sample %d)",
             chosen,
