@@ -52,7 +52,7 @@ def test_inspect_shows_what_is_inside(tmp_path, capsys):
         "step        40",
         "backend     torch",
         "world size  2",
-        "hpctrain-ckpt-1",
+        "hpctrain-ckpt-2",
         "metrics     val_loss=0.5",
         "epoch=2",
         "rank(s) 0-1",

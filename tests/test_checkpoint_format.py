@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import pickle
@@ -11,6 +10,7 @@ import random
 import h5py
 import numpy as np
 import pytest
+import xxhash
 
 from hpctrain.checkpoint import (
     capture_process_rng,
@@ -129,17 +129,37 @@ def test_digests_follow_the_documented_formulas(saved):
             ds = f[name]
             arr = ds[()] if ds.shape == () else ds[...]
             arr = np.asarray(arr)
-            kind = ds.attrs["kind"].decode() if "kind" in ds.attrs else ""
-            head = f"hpctrain-ckpt-1\0{name}\0{arr.dtype.str}\0{list(arr.shape)}\0{kind}\0"
-            want = hashlib.sha256(head.encode() + arr.tobytes()).hexdigest()
-            assert ds.attrs["sha256"].decode() == want, name
+            listed = json.loads(f["manifest"][()].tobytes())["datasets"][name]
+            kind = listed[2]
+            head = f"hpctrain-ckpt-2\0{name}\0{arr.dtype.str}\0{list(arr.shape)}\0{kind}\0"
+            want = xxhash.xxh3_128(head.encode() + arr.tobytes()).hexdigest()
+            assert listed[3] == want and not ds.attrs, name
         manifest = f["manifest"][()].tobytes()
-        assert f.attrs["content_sha256"].decode() == hashlib.sha256(manifest).hexdigest()
+        assert f.attrs["content_digest"].decode() == xxhash.xxh3_128(manifest).hexdigest()
     raw = path.read_bytes()
-    tail = hashlib.sha256(raw[512:]).hexdigest()
+    tail = xxhash.xxh3_128(raw[512:]).hexdigest()
     assert raw[:512].rstrip(b"\0").decode() == (
-        f"HPCTRAIN CHECKPOINT\nformat: hpctrain-ckpt-1\nsha256: {tail}\nbytes: {len(raw)}\n"
+        f"HPCTRAIN CHECKPOINT\nformat: hpctrain-ckpt-2\nxxh3-128: {tail}\nbytes: {len(raw)}\n"
     )
+
+
+def test_format_1_checkpoints_still_load(tmp_path, monkeypatch):
+    """A checkpoint written by an hpctrain of format 1 (SHA-256) loads and verifies, and a
+    flipped byte in it is still caught."""
+    monkeypatch.setattr(fmt, "FORMAT", "hpctrain-ckpt-1")
+    path = small_checkpoint(tmp_path)
+    monkeypatch.undo()
+    raw = path.read_bytes()
+    assert b"format: hpctrain-ckpt-1\nsha256: " in raw[:512]
+    with h5py.File(path, "r") as f:
+        assert "sha256" in f["model/l1.weight"].attrs and "content_sha256" in f.attrs
+    ck = load(path)
+    assert ck.step == 10 and ck.attrs["format"] == "hpctrain-ckpt-1"
+    np.testing.assert_array_equal(ck.state["model/l3.weight"], np.full((8, 8), 3, np.float32))
+    flipped = bytearray(raw)
+    flipped[-100] ^= 1
+    path.write_bytes(bytes(flipped))
+    assert_refused(path, "file digest mismatch")
 
 
 def test_non_finite_values_round_trip(tmp_path):
@@ -231,10 +251,10 @@ def small_checkpoint(directory, step=10):
 def test_unknown_format_version(tmp_path):
     path = small_checkpoint(tmp_path)
     raw = bytearray(path.read_bytes())
-    digest = fmt.check_header(path)
-    raw[: fmt.HEADER_SIZE] = fmt.make_header(digest, len(raw), "hpctrain-ckpt-2")
+    _, digest = fmt.check_header(path)
+    raw[: fmt.HEADER_SIZE] = fmt.make_header(digest, len(raw), "hpctrain-ckpt-9")
     path.write_bytes(bytes(raw))
-    assert_refused(path, "unknown checkpoint format version 'hpctrain-ckpt-2'")
+    assert_refused(path, "unknown checkpoint format version 'hpctrain-ckpt-9'")
 
 
 def test_not_a_checkpoint(tmp_path):

@@ -96,7 +96,7 @@ def _inspect(args) -> int:
     a = dict(ck.attrs)
     rows = [
         ("file", f"{ck.path} ({_mb(ck.path.stat().st_size)} on disk)"),
-        ("verified", "yes (file digest, manifest and every dataset's SHA-256)"),
+        ("verified", "yes (file digest, manifest and every dataset's digest)"),
         (
             "format",
             f"{a.pop('format')} (hpctrain {a.pop('hpctrain_version')}, "

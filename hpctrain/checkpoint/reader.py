@@ -2,7 +2,7 @@
 
 Order of checks: the header and the whole-file digest on plain bytes (so a damaged file
 reaches the HDF5 library only to name the damage), then the manifest digest, the set of
-datasets, each dataset's dtype, shape and SHA-256, and the root attributes.
+datasets, each dataset's dtype, shape and digest, and the root attributes.
 """
 
 from __future__ import annotations
@@ -89,23 +89,19 @@ def _trainer_value(kind: str, arr: np.ndarray):
     raise CheckpointError(f"unknown trainer value kind {kind!r}")
 
 
-def _list_datasets(f: h5py.File) -> list[str]:
-    names: list[str] = []
-    f.visititems(lambda n, o: names.append(n) if isinstance(o, h5py.Dataset) else None)
-    return names
-
-
 def _names(items: list[str], limit: int = 5) -> str:
     shown = ", ".join("/" + n for n in items[:limit])
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _read_open(path: Path, f: h5py.File, keep: bool) -> tuple[dict, dict, int, int]:
-    """Verify an open file's contents; return (arrays or {}, attrs, dataset count, bytes)."""
+def _read_open(path: Path, f: h5py.File, keep: bool, version: str) -> tuple[dict, dict, int, int]:
+    """Verify an open file's contents (format `version`, from its header); return (arrays or
+    {}, attrs, dataset count, bytes)."""
+    scheme = fmt.SCHEMES[version]
     if "manifest" not in f or not isinstance(f["manifest"], h5py.Dataset):
         raise CheckpointError(f"{path}: missing dataset /manifest")
     text = np.asarray(f["manifest"][()], dtype=np.uint8).tobytes()
-    if fmt.sha256_bytes(text) != _py(f.attrs.get("content_sha256", b"")):
+    if fmt.content_digest(text, version) != _py(f.attrs.get(scheme.content_attr, b"")):
         raise CheckpointError(f"{path}: checksum mismatch in dataset /manifest (the dataset list)")
     try:
         manifest = json.loads(text)
@@ -119,16 +115,19 @@ def _read_open(path: Path, f: h5py.File, keep: bool) -> tuple[dict, dict, int, i
             raise ValueError
     except (ValueError, KeyError, TypeError):
         raise CheckpointError(f"{path}: /manifest is not a valid manifest") from None
-    if manifest.get("format") != fmt.FORMAT:
+    if manifest.get("format") != version:
         raise CheckpointError(
-            f"{path}: unknown checkpoint format version {manifest.get('format')!r} "
-            f"(this hpctrain reads {fmt.FORMAT})"
+            f"{path}: the manifest says format {manifest.get('format')!r}, the header {version!r}"
         )
-    present = set(_list_datasets(f)) - {"manifest"}
-    missing = sorted(set(expected) - present)
+    # Names only (no object per entry): whatever is not a listed dataset or one of their
+    # groups is unexpected.
+    present: list[str] = []
+    f.visit(present.append)
+    groups = {n.rsplit("/", i)[0] for n in expected for i in range(1, n.count("/") + 1)}
+    missing = sorted(set(expected) - set(present))
     if missing:
         raise CheckpointError(f"{path}: missing dataset(s) {_names(missing)}")
-    unexpected = sorted(present - set(expected))
+    unexpected = sorted(set(present) - set(expected) - groups - {"manifest"})
     if unexpected:
         raise CheckpointError(f"{path}: unexpected dataset(s) {_names(unexpected)}")
     arrays, nbytes, pending = {}, 0, deque()
@@ -143,10 +142,12 @@ def _read_open(path: Path, f: h5py.File, keep: bool) -> tuple[dict, dict, int, i
                     f"{path}: dataset /{name} is {arr.dtype.str}{list(arr.shape)}, the "
                     f"manifest says {dtype_str}{shape}"
                 )
-            stored = _py(ds.attrs.get("sha256", b""))
-            if _py(ds.attrs.get("kind", b"")) != kind or stored != digest:
-                raise CheckpointError(f"{path}: attributes of dataset /{name} were changed")
-            pending.append((name, digest, pool.submit(fmt.dataset_digest, name, arr, kind)))
+            if scheme.dataset_attr:  # format 1 repeats them on the dataset
+                stored = _py(ds.attrs.get(scheme.dataset_attr, b""))
+                if _py(ds.attrs.get("kind", b"")) != kind or stored != digest:
+                    raise CheckpointError(f"{path}: attributes of dataset /{name} were changed")
+            job = pool.submit(fmt.dataset_digest, name, arr, kind, version)
+            pending.append((name, digest, job))
             while pending and (pending[0][2].done() or (not keep and len(pending) > 4)):
                 _check_digest(path, *pending.popleft())
             nbytes += arr.nbytes
@@ -154,7 +155,7 @@ def _read_open(path: Path, f: h5py.File, keep: bool) -> tuple[dict, dict, int, i
                 arrays[name] = (arr, kind)
         while pending:
             _check_digest(path, *pending.popleft())
-    attrs = {k: _py(v) for k, v in f.attrs.items() if k != "content_sha256"}
+    attrs = {k: _py(v) for k, v in f.attrs.items() if k not in fmt.CONTENT_ATTRS}
     # compared as JSON text, where NaN equals NaN (a NaN metric is legitimate)
     if json.dumps(attrs, sort_keys=True) != json.dumps(recorded_attrs, sort_keys=True):
         keys = sorted(set(attrs) | set(recorded_attrs))
@@ -171,8 +172,9 @@ def _check_digest(path: Path, name: str, digest: str, computed) -> None:
 def _diagnose(path: Path) -> str:
     """After a whole-file digest mismatch: which part is damaged, if HDF5 can still tell."""
     try:
+        version = fmt.header_format(path)
         with h5py.File(path, "r", locking=False) as f:
-            _read_open(path, f, keep=False)
+            _read_open(path, f, keep=False, version=version)
     except CheckpointError as exc:
         return str(exc).removeprefix(f"{path}: ")
     except Exception as exc:  # noqa: BLE001 - any parse failure means damaged metadata
@@ -183,7 +185,7 @@ def _diagnose(path: Path) -> str:
 def _open_and_read(path: str | Path, keep: bool):
     path = Path(path)
     try:
-        fmt.check_header(path)
+        version, _ = fmt.check_header(path)
     except fmt.DigestMismatch as exc:
         raise CheckpointError(f"{exc}; {_diagnose(path)}") from None
     try:
@@ -191,7 +193,7 @@ def _open_and_read(path: str | Path, keep: bool):
     except OSError as exc:
         raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
     with f:
-        return path, _read_open(path, f, keep)
+        return path, _read_open(path, f, keep, version)
 
 
 def verify(path: str | Path) -> Summary:

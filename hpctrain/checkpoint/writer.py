@@ -140,7 +140,7 @@ def snapshot(
         "step": int(step),
     }
     for key, value in (attrs or {}).items():
-        if key in meta or key == "content_sha256" or key.startswith("metric."):
+        if key in meta or key in fmt.CONTENT_ATTRS or key.startswith("metric."):
             raise CheckpointError(f"checkpoint attribute {key!r} is reserved")
         if value is not None:
             meta[key] = _attr_value(key, value)
@@ -190,18 +190,21 @@ def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
         ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool,
         h5py.File(tmp, "w", userblock_size=fmt.HEADER_SIZE, libver=LIBVER, locking=False) as f,
     ):
-        digests = [pool.submit(fmt.dataset_digest, *item) for item in snap.datasets]
+        # one job for every digest: a future per dataset costs more than hashing a small one
+        hashed = pool.submit(lambda: [fmt.dataset_digest(*item) for item in snap.datasets])
+        created = []
         for i, (path, arr, _) in enumerate(snap.datasets):
             if kill_after is not None and i >= kill_after:
                 f.flush()
                 _die()
-            f.create_dataset(path, data=arr)
-        for (path, arr, kind), digest in zip(snap.datasets, digests):
-            ds = f[path]
-            _store_attr(ds, "sha256", digest.result())
-            if kind:
-                _store_attr(ds, "kind", kind)
-            manifest[path] = [arr.dtype.str, list(arr.shape), kind, digest.result()]
+            created.append(f.create_dataset(path, data=arr))
+        per_dataset = fmt.SCHEMES[fmt.FORMAT].dataset_attr  # format 1 only
+        for (path, arr, kind), digest, ds in zip(snap.datasets, hashed.result(), created):
+            if per_dataset:
+                _store_attr(ds, per_dataset, digest)
+                if kind:
+                    _store_attr(ds, "kind", kind)
+            manifest[path] = [arr.dtype.str, list(arr.shape), kind, digest]
         if kill_after is not None and kill_after == len(snap.datasets):
             f.flush()
             _die()
@@ -217,7 +220,7 @@ def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
         f.create_dataset("manifest", data=np.frombuffer(text, dtype=np.uint8))
         for key, value in snap.attrs.items():
             _store_attr(f, key, value)
-        _store_attr(f, "content_sha256", fmt.sha256_bytes(text))
+        _store_attr(f, fmt.SCHEMES[fmt.FORMAT].content_attr, fmt.content_digest(text))
 
 
 def write(directory: str | Path, snap: Snapshot) -> Path:
