@@ -21,6 +21,18 @@ from ..errors import ConfigError, HpctrainError
 OPTIMIZER_SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
 
 
+def replicated_memory_plan(trainable: int, reducer, slots: int, optimizer_now: float) -> dict:
+    """memory_plan() without ZeRO: a gradient per trainable byte plus the engine's flat
+    buffer (allocated, not yet touched), and `slots` optimizer states per trainable byte."""
+    buffer = getattr(reducer, "buffer", None)
+    return {
+        "grad": float(trainable + (buffer.nbytes if buffer is not None else 0)),
+        "grad_now": 0.0,
+        "optimizer": float(slots * trainable),
+        "optimizer_now": optimizer_now,
+    }
+
+
 @dataclass
 class StepStats:
     """What one optimizer step did on this rank (sums, so ranks can be added up)."""

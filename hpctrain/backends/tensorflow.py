@@ -37,6 +37,7 @@ from .base import (
     StepStats,
     build_agreed,
     model_part,
+    replicated_memory_plan,
     with_model_prefix,
 )
 from .tensorflow_zero import TensorFlowZero
@@ -689,13 +690,7 @@ class TensorFlowBackend(BackendBase):
                 "optimizer_now": opt_now,
             }
         trainable = sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
-        buffer = getattr(self._flat, "buffer", None)
-        return {
-            "grad": float(trainable + (buffer.nbytes if buffer is not None else 0)),
-            "grad_now": 0.0,
-            "optimizer": float(slots * trainable),
-            "optimizer_now": opt_now,
-        }
+        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
 
     def memory(self, grads=None) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""

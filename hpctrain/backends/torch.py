@@ -35,6 +35,7 @@ from .base import (
     StepStats,
     build_agreed,
     model_part,
+    replicated_memory_plan,
     with_model_prefix,
 )
 from .torch_zero import TorchZero
@@ -557,13 +558,7 @@ class TorchBackend(BackendBase):
                 "optimizer_now": opt_now,
             }
         trainable = sum(p.numel() * 4 for p in self.model.parameters() if p.requires_grad)
-        buffer = getattr(self._flat, "buffer", None)
-        return {
-            "grad": float(trainable + (buffer.nbytes if buffer is not None else 0)),
-            "grad_now": 0.0,
-            "optimizer": float(slots * trainable),
-            "optimizer_now": opt_now,
-        }
+        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
 
     def memory(self) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
