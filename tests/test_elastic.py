@@ -117,10 +117,18 @@ def _weights(run):
 KILL_RANK_1_AT_STEP_8 = {"HPCTRAIN_FAULT_DIE_AT_STEP": "1:8"}
 
 
-def test_a_killed_rank_is_restarted_from_the_checkpoint_and_ends_bit_for_bit(tmp_path):
-    plain = _elastic(tmp_path, tmp_path / "plain")
+STRATEGIES = {
+    "data_parallel": [],
+    "pipeline": ["strategy=pipeline", "model.hidden=[32,32]", "pipeline.microbatches=2"],
+}
+
+
+@pytest.mark.parametrize("strategy", list(STRATEGIES))
+def test_a_killed_rank_is_restarted_from_the_checkpoint_and_ends_bit_for_bit(tmp_path, strategy):
+    sets = STRATEGIES[strategy]
+    plain = _elastic(tmp_path, tmp_path / "plain", *sets)
     assert plain.returncode == 0, plain.output
-    job = _elastic(tmp_path, tmp_path / "run", env=KILL_RANK_1_AT_STEP_8)
+    job = _elastic(tmp_path, tmp_path / "run", *sets, env=KILL_RANK_1_AT_STEP_8)
     assert job.returncode == 0, job.output
     kinds = [e["event"] for e in _events(tmp_path / "run")]
     assert kinds == ["start", "launch", "failure", "probe", "launch", "end"], kinds
