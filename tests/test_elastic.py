@@ -71,8 +71,9 @@ def test_probes_tell_a_live_host_from_a_lost_one():
     bad = [sys.executable, "-c", "import sys; print('no route to host'); sys.exit(255)"]
     assert agent_problem(ok, "localhost", 5.0) is None
     assert "no route to host" in agent_problem(bad, "localhost", 5.0)
-    found = probe([Host("127.0.0.1", 1), Host("no-such-host.invalid", 1)], closed, 2.0, None)
-    assert found["127.0.0.1"] is None and found["no-such-host.invalid"]
+    found = probe([Host("127.0.0.1", 1), Host("no-such-host.invalid", 1)], closed, 2.0, bad)
+    assert found["127.0.0.1"] is None  # the launch node: alive without asking
+    assert "does not resolve" in found["no-such-host.invalid"]
 
 
 # --- jobs on this node ---------------------------------------------------------------------

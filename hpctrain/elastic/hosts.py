@@ -96,10 +96,23 @@ def agent_problem(agent: list[str], host: str, timeout: float) -> str | None:
     return None
 
 
+def is_this_host(name: str) -> bool:
+    """The launch node itself (the supervisor runs there, so it is alive)."""
+    if name in ("localhost", socket.gethostname()):
+        return True
+    try:
+        address = socket.gethostbyname(name)
+    except OSError:
+        return False
+    return address.startswith("127.")
+
+
 def probe(hosts: list[Host], port: int, timeout: float, agent: list[str] | None) -> dict:
     """{host name: None (alive) or the reason it is lost}, all probed at once."""
 
     def one(host: Host) -> str | None:
+        if is_this_host(host.name):
+            return None
         problem = tcp_problem(host.name, port, timeout)
         if problem is None and agent:
             problem = agent_problem(agent, host.name, timeout)
