@@ -114,7 +114,7 @@ def inner_bandwidth(sizes_mb: list[float], reps: int, max_sleep_ms: float) -> No
             comm.send(stats["cpu_seconds"] / stats["seconds"], dest=0, tag=3)
             ps = None
         else:
-            worker = Worker(w, 0, [1], plan, _NullModel(), None, cfg, 0, None)
+            worker = Worker(w, 0, [1], plan, _NullModel(), None, cfg, start_step=0, position=0)
             worker._exchange(push=False)
             ps_times = []
             for _ in range(reps + 1):
