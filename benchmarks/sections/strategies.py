@@ -22,7 +22,14 @@ TITLE = "Strategy benchmarks"
 # name, script, arguments and timeout (s) of the full run, of the quick run (None: not
 # in a quick run). A missing script is reported as absent.
 SCRIPTS = [
-    ("checkpoint", "bench_checkpoint.py", ["--repeat", "7"], 300, ["--mb", "20", "--repeat", "1"], 60),
+    (
+        "checkpoint",
+        "bench_checkpoint.py",
+        ["--repeat", "7"],
+        300,
+        ["--mb", "20", "--repeat", "1"],
+        60,
+    ),
     ("parameter server", "bench_ps.py", [], 300, None, 0),
     ("pipeline", "bench_pipeline.py", [], 240, None, 0),
     ("mixture of experts", "bench_moe.py", [], 240, ["--quick"], 60),
