@@ -46,7 +46,7 @@ req_sum=$(cat tools/requirements.txt setup.cfg | sha256sum | cut -d' ' -f1)
 if [ ! -f "$req_stamp" ] || [ "$(cat "$req_stamp")" != "$req_sum" ]; then
     log "pip install -r tools/requirements.txt"
     "${pip[@]}" install -r tools/requirements.txt 2>&1 | grep -v '^WARNING: Location' || true
-    "$venv/bin/python" -c "import torch, tensorflow, h5py, numpy" \
+    "$venv/bin/python" -c "import torch, tensorflow, h5py, numpy, xxhash" \
         || { echo "[install] pinned packages failed to import" >&2; exit 1; }
     echo "$req_sum" > "$req_stamp"
 else
