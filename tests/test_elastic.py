@@ -6,15 +6,13 @@ ends with a clear message. Losing a whole node is in tests/test_multinode.py."""
 from __future__ import annotations
 
 import json
-import os
 import socket
-import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
-from mpirun import HPCTRAIN, ROOT, Job
+from cluster import launch
+from mpirun import HPCTRAIN
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.config import Config
@@ -100,11 +98,7 @@ def _elastic(tmp_path, run, *extra, env=None, restarts=2):
     argv += ["--probe-timeout", "2", "--", "train", "--run-dir", str(run)]
     for o in [*SMALL, *extra]:
         argv += ["--set", o]
-    full = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    full.update(env or {})
-    t0 = time.monotonic()
-    done = subprocess.run(argv, capture_output=True, text=True, env=full, cwd=ROOT, timeout=300)
-    return Job(done.returncode, done.stdout + done.stderr, time.monotonic() - t0)
+    return launch(argv, timeout=300, env=env)  # its process group is killed on timeout
 
 
 def _events(run):
@@ -160,11 +154,6 @@ def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
             "enabled is false",
         ),
     ):
-        done = subprocess.run(
-            [HPCTRAIN, "elastic", "--hostfile", str(hosts), "--", "train", *extra],
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        assert done.returncode == 2, done.stderr
-        assert message in done.stderr and "Traceback" not in done.stderr
+        done = launch([HPCTRAIN, "elastic", "--hostfile", str(hosts), "--", "train", *extra], 60)
+        assert done.returncode == 2, done.output
+        assert message in done.output and "Traceback" not in done.output

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import time
 import uuid
 from pathlib import Path
@@ -26,6 +27,7 @@ from cluster import finish, launch, start
 from mpirun import HPCTRAIN
 
 from hpctrain.checkpoint import find_latest_valid, load
+from hpctrain.cluster.plan import mpirun_args
 
 SMALL = [
     "data.train_samples=512",
@@ -470,10 +472,6 @@ ELASTIC_LAYOUTS = {
 def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     two_nodes, tmp_path, strategy
 ):
-    import shlex
-
-    from hpctrain.cluster.plan import mpirun_args
-
     hosts_text, extra, relaunch_np = ELASTIC_LAYOUTS[strategy]
     sets = ELASTIC_SETS + [w for o in extra for w in ("--set", o)]
     hostfile = tmp_path / "hosts"

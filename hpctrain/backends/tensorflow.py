@@ -671,13 +671,7 @@ class TensorFlowBackend(BackendBase):
         (`grad`, `optimizer`) and how much of them is resident now (`*_now`: the slots
         exist from the start; gradients come from the tape, numpy buffers fill at use)."""
         slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
-        opt_now = float(
-            sum(
-                int(np.prod(v.shape)) * 4
-                for values in self.optimizer.slots.values()
-                for v in values.values()
-            )
-        )
+        opt_now = self.memory()["mem_optimizer_bytes"]
         if self.zero is not None:
             e = self.zero.part.expected_bytes(slots)
             return {

@@ -58,6 +58,10 @@ _CHUNK = 8 << 20
 class DigestMismatch(CheckpointError):
     """The header is intact but the bytes after it are not the ones that were written."""
 
+    def __init__(self, message: str, version: str):
+        super().__init__(message)
+        self.version = version  # the intact header's format, for naming the damage
+
 
 def checkpoint_name(step: int) -> str:
     """ckpt-00000120.h5: zero-padded so that names sort in step order."""
@@ -175,23 +179,12 @@ def check_header(path: str | Path) -> tuple[str, str]:
                 )
             if _hash_file_tail(fh, length, fmt) != digest:
                 raise DigestMismatch(
-                    f"{path}: file digest mismatch: bytes changed after the checkpoint was written"
+                    f"{path}: file digest mismatch: bytes changed after the checkpoint was written",
+                    fmt,
                 )
     except OSError as exc:
         raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
     return fmt, digest
-
-
-def header_format(path: str | Path) -> str:
-    """The format version in an intact header, without hashing the file."""
-    try:
-        with open(path, "rb") as fh:
-            raw = fh.read(HEADER_SIZE)
-    except OSError as exc:
-        raise CheckpointError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    if not raw.startswith(MAGIC):
-        raise CheckpointError(f"{path}: not an hpctrain checkpoint (no header)")
-    return _parse_header(path, raw)[0]
 
 
 def _parse_header(path, raw: bytes) -> tuple[str, str, int]:

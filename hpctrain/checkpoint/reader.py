@@ -169,10 +169,9 @@ def _check_digest(path: Path, name: str, digest: str, computed) -> None:
         raise CheckpointError(f"{path}: checksum mismatch in dataset /{name}")
 
 
-def _diagnose(path: Path) -> str:
+def _diagnose(path: Path, version: str) -> str:
     """After a whole-file digest mismatch: which part is damaged, if HDF5 can still tell."""
     try:
-        version = fmt.header_format(path)
         with h5py.File(path, "r", locking=False) as f:
             _read_open(path, f, keep=False, version=version)
     except CheckpointError as exc:
@@ -187,7 +186,7 @@ def _open_and_read(path: str | Path, keep: bool):
     try:
         version, _ = fmt.check_header(path)
     except fmt.DigestMismatch as exc:
-        raise CheckpointError(f"{exc}; {_diagnose(path)}") from None
+        raise CheckpointError(f"{exc}; {_diagnose(path, exc.version)}") from None
     try:
         f = h5py.File(path, "r", locking=False)  # files never change after the rename
     except OSError as exc:

@@ -56,7 +56,7 @@ class HierarchicalMean(DenseStats):
             self.flat = DenseMean(world, self.sizes, what)
             self.flat.buffer, self.flat.views = self.buffer, self.views
         else:
-            self.node = world.guarded_split("node", color=layout.node, key=layout.local_rank)
+            self.node = world.node
             self.cross = world.guarded_split("cross-node", color=layout.local_rank, key=layout.node)
             local = layout.local_size
             bounds = np.linspace(0, self.buffer.size, local + 1).astype(np.int64)

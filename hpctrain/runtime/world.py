@@ -123,14 +123,22 @@ class World(GuardedComm):
     def guarded_split(self, name: str, color: int, key: int | None = None) -> GuardedComm:
         """A sub-communicator with its own watchdog (cached by `name`); collective."""
         if name not in self._guarded:
-            comm = self.split(name, color, key)
-            watchdog = Watchdog(
-                comm, self.watchdog.timeout, self.abort, self.watchdog.stall_warning
-            )
-            watchdog.report_dir = self.watchdog.report_dir
-            self._watchdogs.append(watchdog)
-            self._guarded[name] = GuardedComm.over(name, comm, watchdog, self.MPI, self.abort)
+            self._guarded[name] = self._guard(name, self.split(name, color, key))
         return self._guarded[name]
+
+    def _guard(self, name: str, comm) -> GuardedComm:
+        watchdog = Watchdog(comm, self.watchdog.timeout, self.abort, self.watchdog.stall_warning)
+        watchdog.report_dir = self.watchdog.report_dir
+        self._watchdogs.append(watchdog)
+        return GuardedComm.over(name, comm, watchdog, self.MPI, self.abort)
+
+    @property
+    def node(self) -> GuardedComm:
+        """The ranks of this node, in world-rank order, with their own watchdog: a guarded
+        view of the node communicator made at start-up (no further split)."""
+        if "node" not in self._guarded:
+            self._guarded["node"] = self._guard("node", self._local)
+        return self._guarded["node"]
 
     def split(self, name: str, color: int, key: int | None = None):
         """A sub-communicator by role (cached by `name`); collective over the world."""

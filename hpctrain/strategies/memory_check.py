@@ -49,8 +49,7 @@ def check_memory(strategy, log) -> None:
     if rcfg["memory_limit_mb"] is not None:
         found = (int(rcfg["memory_limit_mb"] * MIB), "runtime.memory_limit_mb")
     else:
-        node = world.guarded_split("node", world.layout.node)
-        found = rank_memory_limit(node)
+        found = rank_memory_limit(world.node)
     error = None
     if found is not None:
         hints = "Shard it: " + ", ".join(_hints(cfg)) + "; or ask for more memory per rank."
