@@ -3,12 +3,17 @@
 
     .venv/bin/python benchmarks/bench_checkpoint.py                  # 300 MB, 3 repeats
     .venv/bin/python benchmarks/bench_checkpoint.py --mb 1000 --dir /scratch/me --json out.json
+    .venv/bin/python benchmarks/bench_checkpoint.py --ranks 4   # sharded rows with 4 ranks
 
 The state is float32 arrays of mixed sizes (a few large, many small, like a real model
 with its optimizer slots). Every writer gets the same arrays in the same run. hpctrain's
-save hashes every dataset, re-reads the file for the whole-file digest and fsyncs file
-and directory; its load verifies all of that. "plain h5py" writes the same datasets
+save hashes every dataset (from memory, while HDF5 writes: the whole-file digest reads
+back only the HDF5 metadata) and fsyncs file and directory; its load verifies all of that. "plain h5py" writes the same datasets
 without any of it; "+ fsync" adds only the fsync, to show what durability alone costs.
+"sharded save, N ranks" is what a data-parallel run does by default: every rank holds
+the state, writes 1/N of it to its own file, rank 0 gathers the records and commits
+(under `mpirun -np N`, barrier to barrier); "plain h5py write, N ranks" writes the same
+halves with nothing else, the limit of writing in parallel on this disk.
 Loads usually come from the page cache (the file was just written): they measure CPU
 cost (HDF5, hashing), not the disk. "async save (caller)" is the time the training loop
 is blocked: the in-memory copy only.
@@ -22,6 +27,7 @@ import os
 import platform
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -76,6 +82,68 @@ def plain_h5py_read(path: Path) -> dict:
     return out
 
 
+def sharded_rows(mb: float, repeats: int, directory: Path) -> dict[str, list[float]]:
+    """Under mpirun: the sharded save and load, and plain parallel h5py writes, timed
+    barrier to barrier on every rank (the slowest rank's time counts)."""
+    from mpi4py import MPI
+
+    from hpctrain.checkpoint import sharded
+
+    comm = MPI.COMM_WORLD
+    rank, size = comm.rank, comm.size
+    state = make_state(mb)
+    ours = directory / "sharded"
+    policy = CheckpointPolicy({"dir": str(ours), "keep_last": 2})
+    ck = Checkpointer(policy, is_writer=rank == 0)
+    mine = {k: p[2] for k, p in sharded.split_replicated(state, rank, size).items()}
+
+    def save_sharded(step):
+        pieces = sharded.split_replicated(state, rank, size)
+        record = sharded.write_shard(ours, step, rank, size, pieces)
+        records = comm.gather(record)
+        if rank == 0:
+            ck.save(step, {}, {"step": step}, shards=sharded.shard_table(records))
+
+    def clocked(fn):
+        out = []
+        for r in range(repeats):
+            comm.Barrier()
+            t0 = time.perf_counter()
+            fn(r)
+            comm.Barrier()
+            out.append(comm.allreduce(time.perf_counter() - t0, op=MPI.MAX))
+        return out
+
+    rows = {}
+    rows[f"sharded save, {size} ranks (sync)"] = clocked(lambda r: save_sharded(1 + r))
+    last = ours / f"ckpt-{repeats:08d}.h5"
+    rows[f"sharded load, {size} ranks each (verify all)"] = clocked(lambda r: load(last))
+    plain = directory / f"plain-rank{rank}.h5"
+    rows[f"plain h5py write, {size} ranks (1/{size} each)"] = clocked(
+        lambda r: plain_h5py_write(plain, mine, False)
+    )
+    rows[f"plain h5py write + fsync, {size} ranks"] = clocked(
+        lambda r: plain_h5py_write(plain, mine, True)
+    )
+    return rows
+
+
+def run_sharded(mb: float, repeats: int, directory: Path, ranks: int) -> dict[str, list[float]]:
+    """Start this script under `mpirun -np ranks` for the sharded rows; {} if it fails."""
+    out = directory / "sharded.json"
+    args = ["mpirun", "-np", str(ranks), "--bind-to", "none"]
+    if ranks > (os.cpu_count() or 1):
+        args.append("--oversubscribe")
+    args += [sys.executable, __file__, "--mb", str(mb), "--repeat", str(repeats)]
+    args += ["--sharded-worker", str(directory), "--json", str(out)]
+    env = {**os.environ, "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    proc = subprocess.run(args, env=env, capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0 or not out.exists():
+        print(f"sharded rows failed (rc {proc.returncode}):\n{proc.stdout}{proc.stderr}")
+        return {}
+    return json.loads(out.read_text())
+
+
 def timed(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -85,7 +153,7 @@ def timed(fn, repeats: int) -> list[float]:
     return times
 
 
-def run(mb: float, repeats: int, directory: Path) -> dict:
+def run(mb: float, repeats: int, directory: Path, ranks: int = 2) -> dict:
     state = make_state(mb)
     nbytes = sum(v.nbytes for v in state.values())
     rows: dict[str, list[float]] = {}
@@ -117,6 +185,26 @@ def run(mb: float, repeats: int, directory: Path) -> dict:
         total.append(time.perf_counter() - t0)
     rows["async save (caller blocked)"] = caller
     rows["async save (until written)"] = total
+    if ranks > 1:
+        rows.update(run_sharded(mb, repeats, directory / "mpi", ranks))
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    ratios = {
+        "save / plain h5py write (1 process)": med["plain h5py write"]
+        / med["hpctrain save (sync)"],
+        "verified load / plain h5py read": med["plain h5py read"]
+        / med["hpctrain load (verify all)"],
+    }
+    sharded_save = f"sharded save, {ranks} ranks (sync)"
+    if sharded_save in med:
+        ratios[f"sharded save ({ranks} ranks) / plain h5py write (1 process)"] = (
+            med["plain h5py write"] / med[sharded_save]
+        )
+        ratios[f"sharded save / plain h5py write ({ranks} ranks)"] = (
+            med[f"plain h5py write, {ranks} ranks (1/{ranks} each)"] / med[sharded_save]
+        )
+        ratios["sharded load / plain h5py read"] = (
+            med["plain h5py read"] / med[f"sharded load, {ranks} ranks each (verify all)"]
+        )
     return {
         "mb": nbytes / 1e6,
         "arrays": len(state),
@@ -131,6 +219,10 @@ def run(mb: float, repeats: int, directory: Path) -> dict:
             "torch": getattr(torch, "__version__", None),
         },
         "file_mb": (ours / "ckpt-00000001.h5").stat().st_size / 1e6,
+        "ranks": ranks,
+        "ratios (higher is better; targets: save >= 0.8, load >= 0.5)": {
+            k: round(v, 3) for k, v in ratios.items()
+        },
         "results": {
             name: {
                 "median_s": statistics.median(t),
@@ -148,9 +240,14 @@ def print_table(report: dict) -> None:
         f"checkpoint benchmark: {report['mb']:.0f} MB in {report['arrays']} float32 arrays, "
         f"median of {report['repeats']}, dir {report['dir']}"
     )
-    print(f"{'operation':<30} {'seconds':>9} {'MB/s':>9}")
+    print(f"{'operation':<44} {'seconds':>9} {'MB/s':>9}")
     for name, r in report["results"].items():
-        print(f"{name:<30} {r['median_s']:>9.3f} {r['mb_per_s']:>9.0f}")
+        print(f"{name:<44} {r['median_s']:>9.3f} {r['mb_per_s']:>9.0f}")
+    for title, ratios in report.items():
+        if title.startswith("ratios"):
+            print(title)
+            for name, value in ratios.items():
+                print(f"  {name:<58} {value:.2f}x")
 
 
 def main(argv=None) -> int:
@@ -159,10 +256,19 @@ def main(argv=None) -> int:
     ap.add_argument("--repeat", type=int, default=3, help="runs per operation (median shown)")
     ap.add_argument("--dir", help="where to write (default: a temporary directory)")
     ap.add_argument("--json", metavar="OUT", help="also write the results as JSON")
+    ap.add_argument(
+        "--ranks", type=int, default=2, help="ranks of the sharded rows (mpirun; 1: none)"
+    )
+    ap.add_argument("--sharded-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.sharded_worker:  # one rank of run_sharded's mpirun
+        rows = sharded_rows(args.mb, max(1, args.repeat), Path(args.sharded_worker))
+        if args.json and int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == 0:
+            Path(args.json).write_text(json.dumps(rows))
+        return 0
     base = Path(tempfile.mkdtemp(prefix="hpctrain-bench-", dir=args.dir))
     try:
-        report = run(args.mb, max(1, args.repeat), base)
+        report = run(args.mb, max(1, args.repeat), base, args.ranks)
     finally:
         shutil.rmtree(base, ignore_errors=True)
     print_table(report)

@@ -366,6 +366,20 @@ SCHEMA: dict[str, Any] = {
         "best_metric": _f("val_loss", str, "metric that ranks checkpoints for keep_best"),
         "best_mode": _f("min", str, "which end of best_metric is best", choices=("min", "max")),
         "async": _f(False, bool, "write in a background thread; the step only copies the arrays"),
+        "sharded": _f(
+            True,
+            bool,
+            "every rank writes its part (data parallelism, ZeRO) to its own file, rank 0 "
+            "commits; false, or async, or other strategies: rank 0 gathers and writes one file",
+        ),
+        "shard_min_mb": _f(
+            1.0,
+            (int, float),
+            "replicated state is not cut into shard files smaller than this (caps the file "
+            "count at scale)",
+            minimum=0,
+            exclusive_min=True,
+        ),
         "resume": _f(
             "never", str, "auto: newest valid checkpoint in dir | never | a file (--resume)"
         ),

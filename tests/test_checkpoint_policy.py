@@ -179,7 +179,7 @@ def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
 
 
 def test_failed_sync_save_leaves_no_temp(tmp_path, monkeypatch):
-    def broken_stamp(path):
+    def broken_stamp(path, extents=None):
         raise OSError(5, "Input/output error")
 
     monkeypatch.setattr(writer_mod.fmt, "stamp_header", broken_stamp)

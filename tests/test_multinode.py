@@ -215,10 +215,16 @@ def test_checkpoint_in_a_shared_run_dir_resumes_bit_for_bit(two_nodes, tmp_path,
         job = _train(two_nodes, uninterrupted, 1, "backend=torch", "train.allreduce=mpi")
         assert job.returncode == 0, job.output
     run = tmp_path / "run"  # one directory both nodes write to and read from
-    common = ["backend=torch", "train.allreduce=mpi"]
+    # the small model's state is cut into files of at least 1 KB: one per node
+    common = ["backend=torch", "train.allreduce=mpi", "checkpoint.shard_min_mb=0.001"]
     job = _train(two_nodes, run, 1, *common, "train.max_steps=3")
     assert job.returncode == 0, job.output
     assert find_latest_valid(run / "checkpoints").step == 3
+    shards = run / "checkpoints" / "ckpt-00000003.shards"  # each node wrote its half
+    assert sorted(p.name for p in shards.iterdir()) == [
+        "shard-00000-of-00002.h5",
+        "shard-00001-of-00002.h5",
+    ]
     job = _train(two_nodes, run, 1, *common, extra=["--resume", "auto"])
     assert job.returncode == 0, job.output
     assert "resumed from" in job.output and "ckpt-00000003.h5" in job.output, job.output

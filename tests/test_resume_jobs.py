@@ -24,6 +24,7 @@ BASE = [
     "metrics.tensorboard=false",
     "checkpoint.every_steps=10",
     "checkpoint.keep_last=null",
+    "checkpoint.shard_min_mb=0.001",  # the small model's state still goes to every rank's file
 ]
 
 
@@ -68,13 +69,15 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
         run_dir,
         *common,
         resume="auto",
-        env={"HPCTRAIN_FAULT_KILL_DURING_SAVE": "0:5"},
+        env={"HPCTRAIN_FAULT_KILL_DURING_SAVE": "0:2"},
         ok=False,
     )
     assert job.returncode != 0
     ckpt_dir = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(ckpt_dir)] == [10, 20, 30]
-    assert any(p.name.startswith(".ckpt-00000040.h5.tmp") for p in ckpt_dir.iterdir())
+    # rank 0 died writing its shard of the (sharded) step-40 checkpoint: no commit
+    shards = ckpt_dir / "ckpt-00000040.shards"
+    assert any(p.name.startswith(".shard-00000-of-00002.h5.tmp") for p in shards.iterdir())
     assert verify(ckpt_dir / "ckpt-00000030.h5").step == 30
     assert find_latest_valid(ckpt_dir).step == 30
     # 3. Resume again: from step 30, to the end.
@@ -82,7 +85,11 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     assert "resumed from" in job.output and "ckpt-00000030.h5" in job.output
     for k in ref:
         np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
-    assert not any(".tmp" in p.name for p in ckpt_dir.iterdir())  # the crash's leftover is gone
+    assert not any(".tmp" in p.name for p in ckpt_dir.rglob("*"))  # the crash's leftover is gone
+    assert sorted(p.name for p in (ckpt_dir / "ckpt-00000040.shards").iterdir()) == [
+        "shard-00000-of-00002.h5",
+        "shard-00001-of-00002.h5",
+    ]
     ref_losses, losses = _step_losses(ref_dir), _step_losses(run_dir)
     assert len(ref_losses) == 40  # 2 epochs x 640 / (16 x 2)
     assert losses == ref_losses  # every step's loss identical, before and after the resume

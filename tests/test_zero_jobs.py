@@ -105,6 +105,11 @@ def test_zero_checkpoint_resumes_as_plain_at_another_size_and_in_the_other_backe
         "train.zero=2",
         "train.bucket_mb=0.004",
     )
+    # every rank wrote the optimizer state it owns to its own shard file
+    shards = first / "checkpoints" / "ckpt-00000005.shards"
+    assert sorted(p.name for p in shards.iterdir()) == [
+        f"shard-{r:05d}-of-00004.h5" for r in range(4)
+    ]
     _run(tmp_path, "ref-a", 1, ref_first, *common, "train.max_steps=5", "train.batch_size=32")
     results = {}
     for name, np_, extra, src in [

@@ -97,6 +97,17 @@ class TensorFlowZero:
             state["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
         return state
 
+    def optimizer_pieces(self, names: list[str]) -> dict:
+        """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
+        what a sharded checkpoint writes from this rank."""
+        shapes = [tuple(v.shape) for v in self.variables]
+        pieces = {}
+        for slot, values in self.optimizer.slots.items():
+            keys = [f"optimizer/{slot}/{n}" for n in names]
+            shard = values["zero_shard"].numpy()
+            pieces.update(self.part.owned_pieces(shard, keys, shapes))
+        return pieces
+
     def import_optimizer(self, names: list[str], state: dict) -> None:
         opt = self.optimizer
         for slot in OPTIMIZER_SLOTS[opt.kind]:

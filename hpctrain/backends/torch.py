@@ -679,6 +679,20 @@ class TorchBackend(BackendBase):
             **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"]),
         }
 
+    def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """(the replicated canonical state, {name: (shape, start, elements)} this rank
+        alone holds): under ZeRO the optimizer slots are the rank's own shard pieces, so
+        a sharded checkpoint needs no communication."""
+        if self.zero is None:
+            return self.export_state(), {}
+        names = [self._names[p] for p in self._dense]
+        kind = self.cfg.optimizer["name"]
+        replicated = with_model_prefix(self.get_weights())
+        st = self.zero.optimizer.state.get(self.zero.shard, {})
+        if kind == "adam":
+            replicated["optimizer/step"] = np.array(int(float(st.get("step", 0))), np.int64)
+        return replicated, self.zero.optimizer_pieces(names, kind)
+
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))
         if self.zero is not None:

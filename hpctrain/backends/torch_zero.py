@@ -163,6 +163,19 @@ class TorchZero:
             state["optimizer/step"] = np.array(int(float(st.get("step", 0))), dtype=np.int64)
         return state
 
+    def optimizer_pieces(self, names: list[str], kind: str) -> dict:
+        """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
+        what a sharded checkpoint writes from this rank."""
+        st = self.optimizer.state.get(self.shard, {})
+        shapes = [tuple(p.shape) for p in self.params]
+        pieces = {}
+        for slot in OPTIMIZER_SLOTS[kind]:
+            value = st.get(slot)
+            shard = np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
+            keys = [f"optimizer/{slot}/{n}" for n in names]
+            pieces.update(self.part.owned_pieces(shard, keys, shapes))
+        return pieces
+
     def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:
         st = self.optimizer.state[self.shard]
         for slot in OPTIMIZER_SLOTS[kind]:

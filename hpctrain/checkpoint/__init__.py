@@ -23,6 +23,7 @@ from .reader import (
     verify,
 )
 from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
+from .sharded import split_replicated
 from .writer import save, snapshot
 
 __all__ = [
@@ -47,6 +48,7 @@ __all__ = [
     "resume_checkpoint",
     "save",
     "snapshot",
+    "split_replicated",
     "step_of",
     "verify",
 ]

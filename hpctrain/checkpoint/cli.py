@@ -9,7 +9,7 @@ import argparse
 import textwrap
 
 from ..errors import CheckpointError, rank_ranges
-from . import reader
+from . import reader, sharded
 
 EXPORT_HELP = """\
 torch: a torch.save() file of an OrderedDict {name: tensor} (the model's state_dict in
@@ -105,6 +105,9 @@ def _inspect(args) -> int:
         ("created", a.pop("created_utc")),
         ("step", a.pop("step")),
     ]
+    shards = a.pop("shards", None)
+    if shards:
+        rows.append(("shards", f"{shards} files in {sharded.shards_dir(ck.path)}, verified"))
     config = a.pop("config_yaml", None)
     for key in ("backend", "framework", "horovod", "world_size"):
         if key in a:

@@ -12,7 +12,7 @@ import threading
 from pathlib import Path
 
 from ..errors import CheckpointError
-from . import reader, writer
+from . import reader, sharded, writer
 from .policy import CheckpointPolicy, Entry
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -52,14 +52,23 @@ class Checkpointer:
         return True
 
     def save(
-        self, step, state, trainer_state=None, rng_by_rank=None, attrs=None, metrics=None
+        self,
+        step,
+        state,
+        trainer_state=None,
+        rng_by_rank=None,
+        attrs=None,
+        metrics=None,
+        shards=None,
     ) -> Path | None:
         """Save now (writer only). Sync: returns the path. Async: copies the arrays on
-        this thread, writes in the background and returns None (see `wait`)."""
+        this thread, writes in the background and returns None (see `wait`). `shards`:
+        the table of a sharded save's per-rank files, already written (this file commits
+        them; it is always written on this thread)."""
         self.wait()
-        async_save = self.policy.async_save
+        async_save = self.policy.async_save and shards is None
         snap = writer.snapshot(
-            step, state, trainer_state, rng_by_rank, attrs, metrics, copy=async_save
+            step, state, trainer_state, rng_by_rank, attrs, metrics, async_save, shards
         )
         self.policy.mark_saved(step)
         if not async_save:
@@ -78,6 +87,8 @@ class Checkpointer:
 
     def _write(self, snap: writer.Snapshot) -> Path:
         path = writer.write(self.policy.dir, snap)
+        if snap.shards is not None:  # committed: every rank's shard is final, temps are stale
+            writer.remove_stale_temps(sharded.shards_dir(path))
         self.last_path = path
         self._metrics[path] = snap.attrs.get(f"metric.{self.policy.best_metric}")
         self.prune(path)
@@ -131,11 +142,13 @@ class Checkpointer:
             if path == written:
                 continue
             try:
-                path.unlink()
+                path.unlink()  # the commit first: a half-removed checkpoint never looks whole
                 removed.append(path)
                 self._metrics.pop(path, None)
             except FileNotFoundError:
                 pass
+            sharded.remove_shards(path)
+        sharded.remove_orphans(self.policy.dir, below=step)
         if removed:
             log.info("removed old checkpoint(s): %s", ", ".join(p.name for p in removed))
         return removed

@@ -26,6 +26,8 @@ DEFAULTS: dict[str, tuple] = {
     "best_metric": ("val_loss", "metric that ranks checkpoints for keep_best"),
     "best_mode": ("min", "min or max: which end of best_metric is best"),
     "async": (False, "write in a background thread (the caller only copies the arrays)"),
+    "sharded": (True, "every rank writes its part to its own file; rank 0 commits (sharded.py)"),
+    "shard_min_mb": (1.0, "replicated state is not cut into shard files smaller than this"),
     "resume": ("never", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
 }
 
@@ -64,7 +66,7 @@ def _validate(values: dict) -> list[str]:
         return isinstance(v, int) and not isinstance(v, bool)
 
     v = values
-    for key in ("enabled", "at_epoch_end", "async"):
+    for key in ("enabled", "at_epoch_end", "async", "sharded"):
         if key in v and not isinstance(v[key], bool):
             problems.append(_problem(key, v[key], "true or false"))
     es = v.get("every_steps")
@@ -74,6 +76,11 @@ def _validate(values: dict) -> list[str]:
     number = isinstance(mt, (int, float)) and not isinstance(mt, bool) and math.isfinite(mt)
     if not number or mt <= 0:
         problems.append(_problem("mtbf_hours", mt, "a positive number"))
+    sm = v.get("shard_min_mb", 1.0)
+    if not (isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm)) or (
+        sm <= 0
+    ):
+        problems.append(_problem("shard_min_mb", sm, "a positive number"))
     em = v.get("every_minutes")
     if em is not None and not (
         isinstance(em, (int, float)) and not isinstance(em, bool) and math.isfinite(em) and em > 0
@@ -116,6 +123,8 @@ class CheckpointPolicy:
         self.best_metric: str = merged["best_metric"]
         self.best_mode: str = merged["best_mode"]
         self.async_save: bool = merged["async"]
+        self.sharded: bool = merged["sharded"] and not self.async_save
+        self.shard_min_bytes = max(1, int(float(merged["shard_min_mb"]) * (1 << 20)))
         self.resume: str = merged["resume"]
         self.last_step: int | None = None
         self.last_time = time.monotonic()

@@ -94,9 +94,11 @@ def _names(items: list[str], limit: int = 5) -> str:
     return shown + (f" and {len(items) - limit} more" if len(items) > limit else "")
 
 
-def _read_open(path: Path, f: h5py.File, keep: bool, version: str) -> tuple[dict, dict, int, int]:
+def _read_open(
+    path: Path, f: h5py.File, keep: bool, version: str
+) -> tuple[dict, dict, int, int, dict | None]:
     """Verify an open file's contents (format `version`, from its header); return (arrays or
-    {}, attrs, dataset count, bytes)."""
+    {}, attrs, dataset count, bytes, the shard table of a sharded checkpoint or None)."""
     scheme = fmt.SCHEMES[version]
     if "manifest" not in f or not isinstance(f["manifest"], h5py.Dataset):
         raise CheckpointError(f"{path}: missing dataset /manifest")
@@ -161,7 +163,78 @@ def _read_open(path: Path, f: h5py.File, keep: bool, version: str) -> tuple[dict
         keys = sorted(set(attrs) | set(recorded_attrs))
         changed = [k for k in keys if json.dumps(attrs.get(k)) != json.dumps(recorded_attrs.get(k))]
         raise CheckpointError(f"{path}: root attribute(s) changed: {', '.join(changed)}")
-    return arrays, attrs, len(expected), nbytes
+    shards = manifest.get("shards")
+    if shards is not None and not _valid_table(shards):
+        raise CheckpointError(f"{path}: /manifest has an invalid shard table")
+    return arrays, attrs, len(expected), nbytes, shards
+
+
+def _valid_table(table) -> bool:
+    try:
+        return isinstance(table["order"], list) and all(
+            isinstance(r["file"], str)
+            and "/" not in r["file"]
+            and isinstance(r["digest"], str)
+            and all(len(p) == 4 for p in r["pieces"].values())
+            for r in table["files"]
+        )
+    except (KeyError, TypeError, AttributeError):
+        return False
+
+
+def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict, int, int]:
+    """Every shard file of a sharded checkpoint, each checked against the commit's table
+    (whole-file digest, pieces) and then like a checkpoint of its own; with keep, the
+    pieces joined into whole tensors. Returns (arrays or {}, tensor count, bytes)."""
+    folder = commit.parent / fmt.shards_dir_name(step)
+    joined: dict[str, tuple] = {}  # name -> (flat, elements seen, shape)
+    nbytes = 0
+    for record in table["files"]:
+        shard = folder / record["file"]
+        if not shard.exists():
+            raise CheckpointError(f"{commit}: shard file {shard} is missing")
+        try:
+            version, digest = fmt.check_header(shard)
+        except fmt.DigestMismatch as exc:
+            raise CheckpointError(f"{commit}: {exc}; {_diagnose(shard, exc.version)}") from None
+        except CheckpointError as exc:
+            raise CheckpointError(f"{commit}: {exc}") from None
+        if digest != record["digest"]:
+            raise CheckpointError(
+                f"{commit}: shard file {shard} is not the one this checkpoint committed "
+                "(its digest differs: rewritten by a later save or replaced)"
+            )
+        try:
+            f = h5py.File(shard, "r", locking=False)
+        except OSError as exc:
+            raise CheckpointError(f"{shard}: the HDF5 library cannot open it ({exc})") from None
+        with f:
+            arrays, _, _, size, _ = _read_open(shard, f, keep=True, version=version)
+        if sorted(arrays) != sorted(record["pieces"]):
+            raise CheckpointError(
+                f"{commit}: shard file {shard} holds other tensors than committed"
+            )
+        for name, (dtype_str, shape, start, count) in record["pieces"].items():
+            arr = arrays[name][0]
+            if arr.dtype.str != dtype_str or arr.shape != (count,):
+                raise CheckpointError(f"{shard}: piece /{name} differs from the commit's table")
+            total = int(np.prod(shape, dtype=np.int64))
+            if name not in joined:
+                joined[name] = (np.empty(total, dtype=arr.dtype), np.zeros(1, np.int64), shape)
+            flat, seen, want = joined[name]
+            if list(want) != list(shape) or flat.dtype != arr.dtype or start + count > total:
+                raise CheckpointError(f"{commit}: pieces of /{name} disagree on its shape")
+            if keep:
+                flat[start : start + count] = arr
+            seen[0] += count
+        nbytes += size
+    for name in table["order"]:
+        if name not in joined or joined[name][1][0] != joined[name][0].size:
+            raise CheckpointError(f"{commit}: the shards do not cover /{name} exactly")
+    if sorted(joined) != sorted(table["order"]):
+        raise CheckpointError(f"{commit}: the shard table's tensors and order disagree")
+    arrays = {n: (joined[n][0].reshape(joined[n][2]), "") for n in table["order"]} if keep else {}
+    return arrays, len(joined), nbytes
 
 
 def _check_digest(path: Path, name: str, digest: str, computed) -> None:
@@ -192,11 +265,19 @@ def _open_and_read(path: str | Path, keep: bool):
     except OSError as exc:
         raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
     with f:
-        return path, _read_open(path, f, keep, version)
+        arrays, attrs, count, nbytes, table = _read_open(path, f, keep, version)
+    if table is not None:
+        joined, more, size = _read_shards(path, int(attrs.get("step", -1)), table, keep)
+        if set(joined) & set(arrays):
+            raise CheckpointError(f"{path}: a tensor is both in the commit file and a shard")
+        arrays.update(joined)
+        count, nbytes = count + more, nbytes + size
+    return path, (arrays, attrs, count, nbytes)
 
 
 def verify(path: str | Path) -> Summary:
-    """Check every byte and digest of a checkpoint; raise CheckpointError naming the problem."""
+    """Check every byte and digest of a checkpoint (and of its shard files, if sharded);
+    raise CheckpointError naming the problem."""
     path, (_, attrs, count, nbytes) = _open_and_read(path, keep=False)
     return Summary(path, int(attrs.get("step", -1)), count, nbytes, attrs)
 

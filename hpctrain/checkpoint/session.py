@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 from ..errors import CheckpointError
+from . import sharded
 from .manager import Checkpointer, resume_checkpoint
 from .policy import CheckpointPolicy, young_daly
 from .reader import load, require_compatible
@@ -133,16 +134,46 @@ class RunCheckpoints:
         return w.bcast_object(signal, what="agree on the preemption signal")
 
     def _collect(self, metrics: dict | None):
-        """Everything a checkpoint holds; collective (every rank calls it)."""
+        """Everything a checkpoint holds; collective (every rank calls it). Sharded: every
+        rank writes its pieces here and rank 0's payload carries the table that commits
+        them; otherwise the strategy gathers the whole state onto rank 0."""
         t, w = self.trainer, self.trainer.world
         s = t.strategy
         s.average_buffers()
         rng = {**capture_process_rng(), **s.rng_state()}
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
-        state = s.export_state()  # collective; the canonical state on rank 0
+        # export_pieces() is None on every rank alike (decided by the strategy's layout)
+        sharding = self.policy.sharded and w.size > 1
+        pieces = s.export_pieces(self.policy.shard_min_bytes) if sharding else None
+        table = None
+        if pieces is None:
+            state = s.export_state()  # collective; the canonical state on rank 0
+        else:
+            state, table = {}, self._write_shards(pieces)
         if not w.is_root:
             return None
-        return self.payload(state, gathered, metrics)
+        payload = self.payload(state, gathered, metrics)
+        if table is not None:
+            payload["shards"] = table
+        return payload
+
+    def _write_shards(self, pieces) -> dict | None:
+        """Every rank writes its shard file; a failure on any rank (a full disk) stops
+        every rank naming it, and the uncommitted files go. The table on rank 0."""
+        w, step, folder = self.trainer.world, self.trainer.state.step, self.policy.dir
+        record, error = None, None
+        try:
+            record = sharded.write_shard(folder, step, w.rank, w.size, pieces)
+        except CheckpointError as exc:
+            error = str(exc)
+        try:
+            w.agree(error, prefix="checkpoint shard: ", error_type=CheckpointError)
+        except CheckpointError:
+            if w.is_root:
+                sharded.remove_uncommitted(folder, step)
+            raise
+        records = w.gather_object(record, what="gather checkpoint shard records")
+        return sharded.shard_table(records) if w.is_root else None
 
     def payload(self, state: dict, gathered: list, metrics: dict | None) -> dict:
         """save()'s keyword arguments from the model/optimizer state and gathered rng."""

@@ -45,6 +45,7 @@ class Snapshot:
     step: int
     datasets: list[tuple[str, np.ndarray, str]]  # (HDF5 path, array, kind tag)
     attrs: dict = field(default_factory=dict)
+    shards: dict | None = None  # a sharded checkpoint's table of shard files (sharded.py)
 
     @property
     def nbytes(self) -> int:
@@ -99,6 +100,7 @@ def snapshot(
     attrs: dict | None = None,
     metrics: dict[str, float] | None = None,
     copy: bool = False,
+    shards: dict | None = None,
 ) -> Snapshot:
     """Validate what will be saved; with copy=True take private copies of every array.
 
@@ -140,14 +142,16 @@ def snapshot(
         "step": int(step),
     }
     for key, value in (attrs or {}).items():
-        if key in meta or key in fmt.CONTENT_ATTRS or key.startswith("metric."):
+        if key in meta or key == "shards" or key in fmt.CONTENT_ATTRS or key.startswith("metric."):
             raise CheckpointError(f"checkpoint attribute {key!r} is reserved")
         if value is not None:
             meta[key] = _attr_value(key, value)
     for key, value in (metrics or {}).items():
         if value is not None:
             meta[f"metric.{key}"] = float(value)
-    return Snapshot(int(step), datasets, meta)
+    if shards is not None:
+        meta["shards"] = len(shards["files"])
+    return Snapshot(int(step), datasets, meta, shards)
 
 
 def _kill_after() -> int | None:
@@ -183,8 +187,30 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
-    manifest = {}
+def _extent(ds, arr: np.ndarray) -> tuple[int, memoryview] | None:
+    """(file offset, bytes) of a contiguously stored dataset, for hashing from memory."""
+    offset = ds.id.get_offset()
+    if offset is None or arr.nbytes == 0:
+        return None
+    return int(offset), memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def _extents_match(path: Path, extents: list[tuple[int, memoryview]]) -> bool:
+    """Spot check (first and last 64 bytes of every extent) that the file holds the
+    arrays' bytes where HDF5 said: any surprise falls back to reading the whole file."""
+    with open(path, "rb") as fh:
+        for offset, data in extents:
+            for start in (0, max(0, len(data) - 64)):
+                fh.seek(offset + start)
+                piece = data[start : start + 64]
+                if fh.read(len(piece)) != piece:
+                    return False
+    return True
+
+
+def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> list:
+    """Write the file; return the (offset, bytes) extents of its datasets' raw data."""
+    manifest, extents = {}, []
     # hashing releases the GIL: a helper thread hashes while HDF5 writes
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool,
@@ -198,6 +224,9 @@ def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
                 f.flush()
                 _die()
             created.append(f.create_dataset(path, data=arr))
+            extent = _extent(created[-1], arr)
+            if extent is not None:
+                extents.append(extent)
         per_dataset = fmt.SCHEMES[fmt.FORMAT].dataset_attr  # format 1 only
         for (path, arr, kind), digest, ds in zip(snap.datasets, hashed.result(), created):
             if per_dataset:
@@ -208,33 +237,43 @@ def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> None:
         if kill_after is not None and kill_after == len(snap.datasets):
             f.flush()
             _die()
-        text = json.dumps(
-            {
-                "format": fmt.FORMAT,
-                "datasets": manifest,
-                "order": [path for path, _, _ in snap.datasets],
-                "attrs": snap.attrs,
-            },
-            sort_keys=True,
-        ).encode("utf-8")
+        table = {
+            "format": fmt.FORMAT,
+            "datasets": manifest,
+            "order": [path for path, _, _ in snap.datasets],
+            "attrs": snap.attrs,
+        }
+        if snap.shards is not None:
+            table["shards"] = snap.shards
+        text = json.dumps(table, sort_keys=True).encode("utf-8")
         f.create_dataset("manifest", data=np.frombuffer(text, dtype=np.uint8))
         for key, value in snap.attrs.items():
             _store_attr(f, key, value)
         _store_attr(f, fmt.SCHEMES[fmt.FORMAT].content_attr, fmt.content_digest(text))
+    return extents
 
 
 def write(directory: str | Path, snap: Snapshot) -> Path:
     """Write `snap` as <directory>/ckpt-<step>.h5 atomically; return the final path."""
+    return write_file(directory, fmt.checkpoint_name(snap.step), snap)[0]
+
+
+def write_file(directory: str | Path, name: str, snap: Snapshot, tidy: bool = True):
+    """Write `snap` as <directory>/<name> atomically; return (final path, file digest).
+
+    tidy: remove temp files crashed writers left in `directory` (not in a directory
+    other processes write into at the same time: their temps are not ours to judge).
+    """
     directory = Path(directory)
-    final = directory / fmt.checkpoint_name(snap.step)
+    final = directory / name
     tmp = directory / fmt.temp_name(final.name, os.getpid())
     kill_after = _kill_after()
     with _in_flight_lock:
         _in_flight.add(str(tmp))
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        _write_hdf5(tmp, snap, kill_after)
-        fmt.stamp_header(tmp)
+        extents = _write_hdf5(tmp, snap, kill_after)
+        digest = fmt.stamp_header(tmp, extents if _extents_match(tmp, extents) else None)
         if kill_after is not None and kill_after > len(snap.datasets):
             _die()
         os.replace(tmp, final)
@@ -248,9 +287,10 @@ def write(directory: str | Path, snap: Snapshot) -> Path:
     finally:
         with _in_flight_lock:
             _in_flight.discard(str(tmp))
-    remove_stale_temps(directory)
+    if tidy:
+        remove_stale_temps(directory)
     log.info("saved %s (%.1f MB)", final, final.stat().st_size / 1e6)
-    return final
+    return final, digest
 
 
 def remove_stale_temps(directory: Path) -> list[Path]:

@@ -127,6 +127,32 @@ class ZeroPartition:
             view[:] = np.asarray(a, dtype=np.float32).reshape(-1)
         return flat
 
+    def owned_ranges(self) -> list[tuple[int, int, int, int]]:
+        """What this rank's shard holds: (parameter index, first element in the
+        parameter, first element in the shard, count), for checkpoints written by owners."""
+        out = []
+        for seg in self.segments:
+            k = seg.piece(self.n)
+            lo = seg.start + self.rank * k
+            for i in seg.params:
+                a = max(lo, self.offsets[i])
+                b = min(lo + k, self.offsets[i] + self.sizes[i])
+                if b > a:
+                    out.append((i, a - self.offsets[i], seg.shard_start + a - lo, b - a))
+        return out
+
+    def owned_pieces(self, shard: np.ndarray, names: list[str], shapes: list[tuple]) -> dict:
+        """{name: (shape, first element, elements)} of a shard-shaped array: this rank's
+        part of every parameter-shaped tensor (parameters without elements: rank 0's)."""
+        pieces = {}
+        for i, start, at, count in self.owned_ranges():
+            pieces[names[i]] = (tuple(shapes[i]), start, shard[at : at + count])
+        if self.rank == 0:
+            for i, size in enumerate(self.sizes):
+                if size == 0:
+                    pieces[names[i]] = (tuple(shapes[i]), 0, shard[:0])
+        return pieces
+
     # --- communication --------------------------------------------------------------------
     def reduce_segment(self, s: int, grads: np.ndarray, into: np.ndarray) -> None:
         """Mean over the ranks of segment `s` of a padded flat gradient vector (or of the

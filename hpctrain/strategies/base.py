@@ -38,6 +38,7 @@ class Strategy(Protocol):
     def evaluate(self) -> np.ndarray | None: ...  # local (loss_sum, correct, count)
     def average_buffers(self) -> None: ...  # collective
     def export_state(self) -> dict | None: ...  # collective; canonical state on rank 0
+    def export_pieces(self, min_bytes: int) -> dict | None: ...  # local; None: gather
     def import_state(self, ckpt) -> None: ...
     def weight_shapes(self) -> dict[str, tuple]: ...  # the whole canonical model
     def rng_state(self) -> dict[str, np.ndarray]: ...
@@ -92,6 +93,12 @@ class StrategyBase:
 
     def trainer_extras(self) -> dict:
         return {}
+
+    def export_pieces(self, min_bytes: int) -> dict | None:
+        """This rank's part of the canonical state for a sharded checkpoint
+        (checkpoint/sharded.py), without communication; None on every rank alike where
+        the strategy gathers its state onto rank 0 instead."""
+        return None
 
     # --- the loop's hooks ---------------------------------------------------------------
     def finish(self, loop) -> None:

@@ -15,6 +15,7 @@ import numpy as np
 
 from ..backends import backend_class, versions
 from ..backends.horovod_env import apply_horovod_env
+from ..checkpoint import split_replicated
 from ..data import iterate_val
 from ..errors import ConfigError
 from ..exchange.local_sgd import LocalSchedule, LocalSGDReducer, average_weights
@@ -159,6 +160,17 @@ class DataParallel(StrategyBase):
             state = self.backend.export_state()
             return state if self.world.is_root else None
         return self.backend.export_state() if self.world.is_root else None
+
+    def export_pieces(self, min_bytes: int) -> dict | None:
+        """Replicated tensors cut evenly over the writers; under ZeRO each rank's own
+        optimizer shard. Tensor-parallel slices and spread experts gather instead."""
+        if self.tensor > 1 or self._spread_experts():
+            return None
+        w = self.world
+        if getattr(self.backend, "zero", None) is None:
+            return split_replicated(self.backend.export_state(), w.rank, w.size, min_bytes)
+        replicated, owned = self.backend.export_owned_state()
+        return {**split_replicated(replicated, w.rank, w.size, min_bytes), **owned}
 
     def _spread_experts(self) -> bool:
         return zoo.has_moe(self.cfg.model) and self.grid.expert.size > 1

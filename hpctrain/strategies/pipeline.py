@@ -255,6 +255,18 @@ class Pipeline(StrategyBase):
             state["optimizer/step"] = np.array(max(steps), dtype=np.int64)
         return state
 
+    def export_pieces(self, min_bytes: int) -> dict | None:
+        """Replica 0's stages write the tensors they own, whole; the optimizer step
+        (equal on every stage) is rank 0's."""
+        if self.grid.replica != 0:
+            return {}
+        state = self.stage.export_state()
+        step = state.pop("optimizer/step", None)
+        pieces = {k: (np.shape(v), 0, np.asarray(v).reshape(-1)) for k, v in state.items()}
+        if step is not None and self.world.is_root:
+            pieces["optimizer/step"] = ((), 0, np.asarray(step).reshape(-1))
+        return pieces
+
     def import_state(self, ckpt) -> None:
         self.stage.import_state(ckpt.state)
 
