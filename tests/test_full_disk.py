@@ -1,16 +1,19 @@
-"""Full disks never crash or corrupt: the synthetic data set and the metrics log on a
+"""Full disks never crash or corrupt: the synthetic data set, the metrics log and checkpoints on a
 small tmpfs (mounted and unmounted here; needs root), under real mpirun."""
 
 import contextlib
 import json
 import os
+import re
 import subprocess
 
+import numpy as np
 import pytest
 from mpirun import HPCTRAIN, mpirun
 
+from hpctrain.checkpoint import list_checkpoints, sharded, verify, writer
 from hpctrain.data import synthetic
-from hpctrain.errors import DataError
+from hpctrain.errors import CheckpointError, DataError
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root")
 
@@ -97,3 +100,56 @@ def test_a_partial_last_line_left_by_a_crash_is_dropped_on_reopen(tmp_path):
     w.close()
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2]
+
+
+def test_a_sharded_checkpoint_on_a_full_disk_stops_every_rank_and_keeps_the_last(tmp_path):
+    # Each rank writes its shard to a tmpfs that holds two checkpoints: the third save
+    # meets the full disk on the ranks, every rank stops with the path and the free
+    # space, and the two committed checkpoints still verify (no temp or orphan left).
+    data = synthetic.write_dataset(
+        tmp_path / "data.h5", *synthetic.generate("vectors", 1024, 128, 0, features=64)
+    )
+    with tmpfs(tmp_path / "disk", "9m") as disk:  # a checkpoint: 3.6 MB
+        job = _train(
+            2,
+            tmp_path / "run",
+            "data.source=hdf5",
+            f"data.path={data}",
+            "train.batch_size=16",
+            "train.epochs=4",
+            "model.hidden=[512,512]",
+            "optimizer.name=adam",
+            "metrics.tensorboard=false",
+            "checkpoint.enabled=true",
+            f"checkpoint.dir={disk}",
+            "checkpoint.every_steps=8",
+            "checkpoint.keep_last=null",
+            "checkpoint.shard_min_mb=0.001",
+        )
+        assert job.returncode == 2, job.output  # agreed, not a crash
+        assert "Traceback" not in job.output and "Segmentation fault" not in job.output
+        assert f"no space left on the disk of {disk}" in job.output, job.output
+        assert re.search(r"\(\d[\d.]* (B|KiB|MiB) free, 1\.\d MiB needed\)", job.output)
+        commits = [path for _, path in list_checkpoints(disk)]
+        assert len(commits) >= 1, sorted(p.name for p in disk.iterdir())
+        for path in commits:
+            assert verify(path).step > 0
+            assert len(list(sharded.shards_dir(path).glob("shard-*.h5"))) == 2
+        names = {p.name for p in disk.iterdir()}
+        assert names == {p.name for p in commits} | {sharded.shards_dir(p).name for p in commits}, (
+            names
+        )  # the failed save's files are gone
+        assert not [p for p in disk.rglob("*") if ".tmp" in p.name]
+
+
+def test_a_checkpoint_meeting_a_full_disk_midway_is_refused_before_hdf5_writes(
+    tmp_path, monkeypatch
+):
+    # The free-space check passes (another job fills the disk meanwhile): the blocks
+    # reserved before HDF5 writes meet ENOSPC as a plain error, not as HDF5 crashing.
+    monkeypatch.setattr(writer.diskspace, "check_room", lambda path, need: None)
+    state = {f"model/w{i}": np.ones(100_000, np.float32) for i in range(8)}  # 3.2 MB
+    with tmpfs(tmp_path / "disk", "2m") as disk:
+        with pytest.raises(CheckpointError, match=r"no space left on the disk of .*MiB needed"):
+            writer.save(disk, 7, state)
+        assert list(disk.iterdir()) == []

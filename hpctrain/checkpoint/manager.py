@@ -86,7 +86,12 @@ class Checkpointer:
             self._error, self._error_step = exc, snap.step
 
     def _write(self, snap: writer.Snapshot) -> Path:
-        path = writer.write(self.policy.dir, snap)
+        try:
+            path = writer.write(self.policy.dir, snap)
+        except CheckpointError:
+            if snap.shards is not None:  # the commit failed (a full disk): its shards go
+                sharded.remove_uncommitted(self.policy.dir, snap.step)
+            raise
         if snap.shards is not None:  # committed: every rank's shard is final, temps are stale
             writer.remove_stale_temps(sharded.shards_dir(path))
         self.last_path = path

@@ -9,6 +9,7 @@ or the old set plus one complete new file, never a partial file under a checkpoi
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import json
 import logging
@@ -24,6 +25,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
+from ..runtime import diskspace
 from ..testing import faults
 from ..version import __version__
 from . import format as fmt
@@ -187,6 +189,52 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
+def _disk_full(exc: BaseException) -> bool:
+    """ENOSPC, also where h5py reports it inside a RuntimeError's text (file close)."""
+    return diskspace.is_full(exc) or (
+        isinstance(exc, (OSError, RuntimeError)) and "No space left on device" in str(exc)
+    )
+
+
+def estimated_bytes(snap: Snapshot) -> int:
+    """At least the file's size: the arrays, and for HDF5's object headers, group
+    indexes and the manifest entry of every dataset 2 KiB, plus 64 KiB and the header."""
+    per_dataset = sum(arr.nbytes + 2048 + len(path) for path, arr, _ in snap.datasets)
+    return fmt.HEADER_SIZE + (64 << 10) + per_dataset
+
+
+def _libc_fallocate():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).fallocate
+    except (OSError, AttributeError):  # not Linux/glibc: no reservation
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    return fn
+
+
+_fallocate = _libc_fallocate()
+_FALLOC_FL_KEEP_SIZE = 1
+
+
+def reserve(path: Path, nbytes: int) -> None:
+    """Allocate the file's blocks before HDF5 writes into them (size unchanged).
+
+    HDF5 meeting ENOSPC halfway through a file can crash the process (h5py's object
+    cleanup segfaults), so the full disk is met here, as a plain OSError, instead.
+    Filesystems without fallocate (some parallel ones) are written without reservation.
+    """
+    if _fallocate is None:
+        return
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if _fallocate(fd, _FALLOC_FL_KEEP_SIZE, 0, nbytes) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                raise OSError(err, os.strerror(err), str(path))
+    finally:
+        os.close(fd)
+
+
 def _extent(ds, arr: np.ndarray) -> tuple[int, memoryview] | None:
     """(file offset, bytes) of a contiguously stored dataset, for hashing from memory."""
     offset = ds.id.get_offset()
@@ -208,14 +256,16 @@ def _extents_match(path: Path, extents: list[tuple[int, memoryview]]) -> bool:
     return True
 
 
-def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None) -> list:
-    """Write the file; return the (offset, bytes) extents of its datasets' raw data."""
+def _write_hdf5(tmp: Path, snap: Snapshot, kill_after: int | None, need: int) -> list:
+    """Write the file into `need` reserved bytes; return the (offset, bytes) extents of
+    its datasets' raw data."""
     manifest, extents = {}, []
     # hashing releases the GIL: a helper thread hashes while HDF5 writes
     with (
         ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool,
         h5py.File(tmp, "w", userblock_size=fmt.HEADER_SIZE, libver=LIBVER, locking=False) as f,
     ):
+        reserve(tmp, need)
         # one job for every digest: a future per dataset costs more than hashing a small one
         hashed = pool.submit(lambda: [fmt.dataset_digest(*item) for item in snap.datasets])
         created = []
@@ -268,20 +318,28 @@ def write_file(directory: str | Path, name: str, snap: Snapshot, tidy: bool = Tr
     final = directory / name
     tmp = directory / fmt.temp_name(final.name, os.getpid())
     kill_after = _kill_after()
+    need = estimated_bytes(snap)
     with _in_flight_lock:
         _in_flight.add(str(tmp))
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        extents = _write_hdf5(tmp, snap, kill_after)
+        problem = diskspace.check_room(directory, need)
+        if problem:  # refused before writing: HDF5 meeting ENOSPC midway is the worse path
+            raise CheckpointError(f"cannot write checkpoint {final}: {problem}")
+        extents = _write_hdf5(tmp, snap, kill_after, need)
         digest = fmt.stamp_header(tmp, extents if _extents_match(tmp, extents) else None)
         if kill_after is not None and kill_after > len(snap.datasets):
             _die()
         os.replace(tmp, final)
         fsync_dir(directory)
     except BaseException as exc:
+        full = _disk_full(exc)
+        problem = diskspace.no_space(directory, need) if full else None  # before unlinking
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if isinstance(exc, OSError):
+        if full:
+            raise CheckpointError(f"cannot write checkpoint {final}: {problem}") from exc
+        if isinstance(exc, (OSError, RuntimeError)):  # h5py raises RuntimeError on close
             raise CheckpointError(f"cannot write checkpoint {final}: {exc}") from exc
         raise
     finally:
