@@ -107,6 +107,7 @@ def sharded_rows(mb: float, repeats: int, directory: Path) -> dict[str, list[flo
     def clocked(fn):
         out = []
         for r in range(repeats):
+            os.sync()  # as in timed(): no earlier row's writeback inside this one
             comm.Barrier()
             t0 = time.perf_counter()
             fn(r)
@@ -147,6 +148,7 @@ def run_sharded(mb: float, repeats: int, directory: Path, ranks: int) -> dict[st
 def timed(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
+        os.sync()  # earlier rows' dirty pages are written back before, not during, this one
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -178,6 +180,7 @@ def run(mb: float, repeats: int, directory: Path, ranks: int = 2) -> dict:
     ck = Checkpointer(CheckpointPolicy({"dir": str(directory / "async"), "async": True}))
     caller, total = [], []
     for r in range(repeats):
+        os.sync()
         t0 = time.perf_counter()
         ck.save(100 + r, state, {"step": 100 + r})
         caller.append(time.perf_counter() - t0)
