@@ -55,6 +55,13 @@ def test_a_lost_replica_keeps_the_global_batch_and_the_scaled_lr():
     odd = plan_batch(cfg, first_replicas=4, replicas=3)  # 32 is not a multiple of 8 x 3
     assert (odd.grad_accum, odd.global_batch, odd.lr) == (1, 24, 0.1)
     assert "not a multiple" in odd.note and "lr 0.3 instead of 0.4" in odd.note
+    pipe = Config.load(
+        None,
+        ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=8", "optimizer.lr=0.1"],
+    )  # a step is 2 micro-batches of 8 per replica: the micro-batches take up the loss
+    plan = plan_batch(pipe, first_replicas=2, replicas=1)
+    assert (plan.grad_accum, plan.microbatches, plan.global_batch) == (1, 4, 32)
+    assert plan.lr == pytest.approx(0.2) and "pipeline.microbatches 2 -> 4" in plan.note
     tp = Config.load(None, ["parallel.tensor=2", "model.name=transformer", "data.task=tokens"])
     assert replicas_of(tp, 8) == 4
 

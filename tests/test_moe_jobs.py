@@ -143,10 +143,18 @@ def test_bad_moe_config_is_reported_on_every_rank(tmp_path):
     assert job.output.count("model.moe.capacity_factor: must be a number > 0") == 1, job.output
 
 
+def _manifest(path) -> dict:
+    import h5py
+
+    with h5py.File(path, "r") as f:
+        return json.loads(f["manifest"][()].tobytes())
+
+
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_moe_checkpoints_resume_bit_for_bit_and_on_another_expert_layout(tmp_path, backend):
-    """Experts live on different ranks: a checkpoint gathers every expert's weights and
-    optimizer slots under canonical names. A 2-rank run stopped at step 3 resumes on 2
+    """Experts live on different ranks: each rank writes its experts' weights and
+    optimizer slots under canonical names to its own shard file (sharded, the default),
+    or rank 0 gathers them into one file. A 2-rank run stopped at step 3 resumes on 2
     ranks bit for bit, and on 4 ranks as 2 expert groups x 2 replicas (resharded by
     name) equal to one process, as the uninterrupted runs are."""
     import shutil
@@ -169,6 +177,10 @@ def test_moe_checkpoints_resume_bit_for_bit_and_on_another_expert_layout(tmp_pat
     first = tmp_path / "first"
     _train(tmp_path, "part1", 2, *common, "train.batch_size=8", "train.max_steps=3", run_dir=first)
     assert (first / "checkpoints" / "ckpt-00000003.h5").exists()
+    shards = sorted((first / "checkpoints" / "ckpt-00000003.shards").glob("shard-*.h5"))
+    assert [p.name for p in shards] == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]
+    expert_files = {p.name for p in shards if "experts" in json.dumps(_manifest(p))}
+    assert len(expert_files) == 2  # every rank wrote its own experts
     results = {}
     for name, np_, extra in [
         ("again-np2", 2, ["train.batch_size=8"]),

@@ -462,14 +462,25 @@ def _final_accuracy(run_dir: Path) -> float:
 
 
 ELASTIC_LAYOUTS = {
-    # strategy: (hostfile, extra settings, ranks at the relaunch). The hostfile's first
-    # host gets rank 0; the parameter server's last rank serves, so the lost node holds a
-    # worker there and the relaunch has one worker beside the server.
-    "data_parallel": ("hpcn1 slots=1\nhpcn2 slots=1\n", [], 1),
+    # strategy: (hostfile, extra settings, ranks at the relaunch, grad_accum and global
+    # batch there). The hostfile's first host gets rank 0; the parameter server's last
+    # rank serves, so the lost node holds a worker there and the relaunch has one worker
+    # beside the server. The pipeline (2 stages x 2 replicas of 2 micro-batches of 32,
+    # one replica per node) goes on as 1 replica of 4 micro-batches: global batch kept.
+    "data_parallel": ("hpcn1 slots=1\nhpcn2 slots=1\n", [], 1, 2, 64),
     "parameter_server": (
         "hpcn2 slots=1\nhpcn1 slots=2\n",
         ["strategy=parameter_server", "ps.servers=1", "ps.mode=sync", "ps.heartbeat_timeout=5"],
         2,
+        2,
+        64,
+    ),
+    "pipeline": (
+        "hpcn1 slots=2\nhpcn2 slots=2\n",
+        ["strategy=pipeline", "model.hidden=[64,64]", "pipeline.microbatches=2"],
+        2,
+        1,
+        128,
     ),
 }
 
@@ -478,7 +489,8 @@ ELASTIC_LAYOUTS = {
 def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     two_nodes, tmp_path, strategy
 ):
-    hosts_text, extra, relaunch_np = ELASTIC_LAYOUTS[strategy]
+    hosts_text, extra, relaunch_np, accum, batch = ELASTIC_LAYOUTS[strategy]
+    first_np = sum(int(line.split("slots=")[1]) for line in hosts_text.splitlines())
     sets = ELASTIC_SETS + [w for o in extra for w in ("--set", o)]
     hostfile = tmp_path / "hosts"
     hostfile.write_text(hosts_text)
@@ -488,7 +500,7 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     reference = tmp_path / "uninterrupted"
     job = launch(
         two_nodes.on_node(
-            "hpcn1", "mpirun", *args, "--hostfile", str(hostfile), "-np", str(relaunch_np + 1),
+            "hpcn1", "mpirun", *args, "--hostfile", str(hostfile), "-np", str(first_np),
             HPCTRAIN, "train", "--run-dir", str(reference), *sets,
         ),
         timeout=240,
@@ -524,7 +536,7 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
         ["hpcn1"],
     ], launches
     kept = (launches[1]["np"], launches[1]["grad_accum"], launches[1]["global_batch"])
-    assert kept == (relaunch_np, 2, 64), launches[1]  # one replica (worker) fewer
+    assert kept == (relaunch_np, accum, batch), launches[1]  # a replica (worker) fewer
     failed_at = next(e["time"] for e in events if e["event"] == "failure")
     steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     steps = [x for x in steps if x["event"] == "step"]
@@ -532,7 +544,7 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     after = [x for x in steps if x["time"] > launches[1]["time"]]
     lost = before - (after[0]["step"] - 1)
     assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
-    assert steps[-1]["step"] == 3 * 8192 // 64
+    assert steps[-1]["step"] == 3 * 8192 // batch
     accuracy, uninterrupted = _final_accuracy(run), _final_accuracy(reference)
     assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
     print(

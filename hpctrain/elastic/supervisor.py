@@ -87,6 +87,8 @@ class Supervisor:
         hostfile = write_hostfile(o.run_dir / "elastic" / f"hosts-{attempt}", hosts)
         flags = o.first_flags if attempt == 0 else ["--resume", "auto"]
         sets = ["--set", f"train.grad_accum={plan.grad_accum}"]
+        if plan.microbatches is not None:
+            sets += ["--set", f"pipeline.microbatches={plan.microbatches}"]
         if plan.lr != float(self.cfg.optimizer["lr"]):
             sets += ["--set", f"optimizer.lr={plan.lr!r}"]
         return [
@@ -138,6 +140,7 @@ class Supervisor:
                 np=n,
                 hosts=[h.name for h in hosts],
                 grad_accum=plan.grad_accum,
+                microbatches=plan.microbatches,
                 lr=plan.lr,
                 global_batch=plan.global_batch,
                 note=plan.note,

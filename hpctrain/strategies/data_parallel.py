@@ -163,11 +163,25 @@ class DataParallel(StrategyBase):
 
     def export_pieces(self, min_bytes: int) -> dict | None:
         """Replicated tensors cut evenly over the writers; under ZeRO each rank's own
-        optimizer shard. Tensor-parallel slices and spread experts gather instead."""
-        if self.tensor > 1 or self._spread_experts():
+        optimizer shard; spread experts written by their own ranks (each expert's copies
+        over the data axis share it out like replicated state). Tensor-parallel slices
+        gather instead (a column slice is not one flat range of the canonical tensor)."""
+        if self.tensor > 1:
             return None
         w = self.world
-        if getattr(self.backend, "zero", None) is None:
+        zero = getattr(self.backend, "zero", None)
+        if self._spread_experts():
+            if zero is not None:
+                return None
+            local = self.backend.export_state()
+            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+            shared = {k: v for k, v in local.items() if k not in experts}
+            d = self.grid.data
+            return {
+                **split_replicated(shared, w.rank, w.size, min_bytes),
+                **split_replicated(experts, d.rank, d.size, min_bytes),
+            }
+        if zero is None:
             return split_replicated(self.backend.export_state(), w.rank, w.size, min_bytes)
         replicated, owned = self.backend.export_owned_state()
         return {**split_replicated(replicated, w.rank, w.size, min_bytes), **owned}
