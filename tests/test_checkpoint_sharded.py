@@ -24,6 +24,7 @@ from hpctrain.checkpoint import (
 from hpctrain.checkpoint import format as fmt
 from hpctrain.errors import CheckpointError
 from hpctrain.exchange.zero import ZeroPartition
+from hpctrain.tensor import parallel as tensor_parallel
 
 
 def _state(seed=0) -> dict[str, np.ndarray]:
@@ -224,3 +225,48 @@ def test_header_digest_from_memory_equals_reading_the_file(tmp_path):
     assert verify(path).step == 5
     table = json.loads(np.asarray(__import__("h5py").File(path)["manifest"]).tobytes())
     assert "shards" not in table
+
+
+def _commit(directory, step, records):
+    policy = CheckpointPolicy({"keep_last": None}, directory)
+    policy.dir = directory
+    trainer = {"step": step, "epoch": 0, "position": 0}
+    return Checkpointer(policy).save(step, {}, trainer, shards=sharded.shard_table(records))
+
+
+def test_tensor_parallel_slices_are_joined_into_canonical_tensors(tmp_path):
+    # q, k and v rows split by heads (3 row blocks per rank), a column split and a row
+    # split: each tensor rank writes its own slices; load joins them with unshard.
+    rng = np.random.default_rng(0)
+    full = {
+        "model/blocks.0.attn.qkv.weight": rng.standard_normal((12, 4)).astype(np.float32),
+        "model/blocks.0.attn.proj.weight": rng.standard_normal((4, 6)).astype(np.float32),
+        "optimizer/momentum/blocks.0.ffn.fc1.weight": rng.standard_normal((8, 4)),
+    }
+    records = []
+    for r in range(2):
+        pieces = {
+            k: (v.shape, ("tensor", r, 2), tensor_parallel.shard(k.rsplit("/", 1)[-1], v, 2, r))
+            for k, v in full.items()
+        }
+        records.append(sharded.write_shard(tmp_path, 5, r, 2, pieces))
+    path = _commit(tmp_path, 5, records)
+    state = load(path).state
+    for k, v in full.items():
+        np.testing.assert_array_equal(state[k], v, err_msg=k)
+    assert verify(path).step == 5
+    # rank 1's slices missing from the table: named, not silently half a tensor
+    (tmp_path / "ckpt-00000005.h5").unlink()
+    path = _commit(tmp_path, 5, records[:1])
+    with pytest.raises(CheckpointError, match="do not cover /model/blocks.0.attn"):
+        load(path)
+
+
+def test_flat_pieces_must_tile_the_tensor_not_just_add_up(tmp_path):
+    # two copies of the first half: as many elements as the tensor, half of it missing
+    a = np.arange(10, dtype=np.float32)
+    first = {"model/a": ((10,), 0, a[:5])}
+    records = [sharded.write_shard(tmp_path, 3, r, 2, first) for r in range(2)]
+    path = _commit(tmp_path, 3, records)
+    with pytest.raises(CheckpointError, match="do not cover /model/a exactly"):
+        load(path)

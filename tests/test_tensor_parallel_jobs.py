@@ -98,7 +98,20 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
     "tp-then-plain": (2, ["parallel.tensor=2"], 1, []),
     "plain-then-tp": (1, [], 2, ["parallel.tensor=2"]),
     "zero-tp-then-plain": (4, ["parallel.tensor=2", "train.zero=2", "train.batch_size=8"], 1, []),
+    "tp-data-then-tp": (4, ["parallel.tensor=2", "train.batch_size=8"], 2, ["parallel.tensor=2"]),
 }
+
+
+def _tensor_slices(checkpoints) -> dict:
+    """{file: names of its tensor-parallel pieces} of the step-3 sharded checkpoint."""
+    import h5py
+
+    with h5py.File(checkpoints / "ckpt-00000003.h5", "r") as f:
+        table = json.loads(f["manifest"][()].tobytes())["shards"]
+    return {
+        r["file"]: sorted(n for n, p in r["pieces"].items() if isinstance(p[2], list))
+        for r in table["files"]
+    }
 
 
 @pytest.mark.parametrize(
@@ -116,6 +129,10 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
+    if case.startswith("tp"):  # each tensor rank wrote its own slices (sharded, default)
+        slices = _tensor_slices(part / "checkpoints")
+        assert sum(1 for names in slices.values() if names) == first_np, slices
+        assert any("attn.qkv.weight" in n for names in slices.values() for n in names)
     run = tmp_path / case
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")

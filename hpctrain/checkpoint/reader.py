@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 
 from ..errors import CheckpointError
+from ..tensor import parallel as tensor_parallel
 from . import format as fmt
 
 log = logging.getLogger("hpctrain.checkpoint")
@@ -175,11 +176,79 @@ def _valid_table(table) -> bool:
             isinstance(r["file"], str)
             and "/" not in r["file"]
             and isinstance(r["digest"], str)
-            and all(len(p) == 4 for p in r["pieces"].values())
+            and all(len(p) == 4 and _valid_where(p[2]) for p in r["pieces"].values())
             for r in table["files"]
         )
     except (KeyError, TypeError, AttributeError):
         return False
+
+
+def _valid_where(where) -> bool:
+    """A flat start, or ["tensor", rank, T] (a tensor-parallel slice)."""
+    if isinstance(where, int):
+        return where >= 0
+    return (
+        isinstance(where, list)
+        and len(where) == 3
+        and where[0] == "tensor"
+        and all(isinstance(x, int) for x in where[1:])
+        and 0 <= where[1] < where[2]
+    )
+
+
+class _Joined:
+    """One canonical tensor being assembled from its pieces, each checked for shape,
+    dtype and exactly-once coverage (flat ranges tile it, or every tensor rank once)."""
+
+    def __init__(self, name: str, shape: list, dtype, keep: bool):
+        self.name, self.shape, self.dtype, self.keep = name, list(shape), dtype, keep
+        self.total = int(np.prod(shape, dtype=np.int64))
+        self.ranges: list[tuple[int, int]] = []
+        self.slices: dict[int, np.ndarray] = {}
+        self.size = None  # T of tensor-parallel slices
+        self.flat = None  # the flat pieces' buffer, made at the first one
+
+    def add(self, where, arr: np.ndarray) -> bool:
+        if isinstance(where, list):
+            _, rank, size = where
+            if self.ranges or self.size not in (None, size) or rank in self.slices:
+                return False
+            self.size = size
+            self.slices[rank] = arr if self.keep else np.empty(0, arr.dtype)
+            return True
+        if self.slices or where + arr.size > self.total:
+            return False
+        self.ranges.append((where, arr.size))
+        if self.keep:
+            if self.flat is None:
+                self.flat = np.empty(self.total, dtype=self.dtype)
+            self.flat[where : where + arr.size] = arr
+        return True
+
+    def whole(self) -> np.ndarray | None:
+        """The tensor (None: not covered exactly once)."""
+        if self.size is not None:
+            if sorted(self.slices) != list(range(self.size)):
+                return None
+            if not self.keep:
+                return np.empty(0)
+            leaf = self.name.rsplit("/", 1)[-1]
+            local = tensor_parallel.local_shape(leaf, self.shape, self.size)
+            parts = [self.slices[r].reshape(local) for r in range(self.size)]
+            out = tensor_parallel.unshard(leaf, parts)
+            return out if list(out.shape) == self.shape else None
+        pos = 0
+        for start, count in sorted(self.ranges):
+            if start != pos:
+                return None
+            pos += count
+        if pos != self.total:
+            return None
+        if not self.keep:
+            return np.empty(0)
+        if self.flat is None:  # a tensor without elements
+            self.flat = np.empty(0, dtype=self.dtype)
+        return self.flat.reshape(self.shape)
 
 
 def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict, int, int]:
@@ -187,7 +256,7 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
     (whole-file digest, pieces) and then like a checkpoint of its own; with keep, the
     pieces joined into whole tensors. Returns (arrays or {}, tensor count, bytes)."""
     folder = commit.parent / fmt.shards_dir_name(step)
-    joined: dict[str, tuple] = {}  # name -> (flat, elements seen, shape)
+    joined: dict[str, _Joined] = {}
     nbytes = 0
     for record in table["files"]:
         shard = folder / record["file"]
@@ -214,27 +283,25 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
             raise CheckpointError(
                 f"{commit}: shard file {shard} holds other tensors than committed"
             )
-        for name, (dtype_str, shape, start, count) in record["pieces"].items():
+        for name, (dtype_str, shape, where, count) in record["pieces"].items():
             arr = arrays[name][0]
             if arr.dtype.str != dtype_str or arr.shape != (count,):
                 raise CheckpointError(f"{shard}: piece /{name} differs from the commit's table")
-            total = int(np.prod(shape, dtype=np.int64))
             if name not in joined:
-                joined[name] = (np.empty(total, dtype=arr.dtype), np.zeros(1, np.int64), shape)
-            flat, seen, want = joined[name]
-            if list(want) != list(shape) or flat.dtype != arr.dtype or start + count > total:
+                joined[name] = _Joined(name, shape, arr.dtype, keep)
+            j = joined[name]
+            if j.shape != list(shape) or j.dtype != arr.dtype or not j.add(where, arr):
                 raise CheckpointError(f"{commit}: pieces of /{name} disagree on its shape")
-            if keep:
-                flat[start : start + count] = arr
-            seen[0] += count
         nbytes += size
-    for name in table["order"]:
-        if name not in joined or joined[name][1][0] != joined[name][0].size:
-            raise CheckpointError(f"{commit}: the shards do not cover /{name} exactly")
     if sorted(joined) != sorted(table["order"]):
         raise CheckpointError(f"{commit}: the shard table's tensors and order disagree")
-    arrays = {n: (joined[n][0].reshape(joined[n][2]), "") for n in table["order"]} if keep else {}
-    return arrays, len(joined), nbytes
+    out = {}
+    for name in table["order"]:
+        whole = joined[name].whole()
+        if whole is None:
+            raise CheckpointError(f"{commit}: the shards do not cover /{name} exactly")
+        out[name] = (whole, "")
+    return (out if keep else {}), len(joined), nbytes
 
 
 def _check_digest(path: Path, name: str, digest: str, computed) -> None:

@@ -5,7 +5,10 @@
 
 A piece is a flat element range of a canonical tensor (`model/<name>`,
 `optimizer/<slot>/<name>`): replicated tensors are cut so that each writer holds about
-1/W of their bytes, and a ZeRO rank writes the optimizer state it alone owns. Each shard
+1/W of their bytes, and a ZeRO rank writes the optimizer state it alone owns. A
+tensor-parallel rank's slice of a split tensor (not one flat range: a column slice, or
+q, k and v rows) is a piece of its own kind, ("tensor", rank, T), joined at load with
+tensor/parallel.py's `unshard`, so no rank ever holds the whole model. Each shard
 file is an ordinary hpctrain checkpoint file (header digest, manifest, per-dataset
 digests). The commit file holds the trainer state, every rank's random state and the
 shard table (each file's name, whole-file digest and pieces), so a shard replaced, lost
@@ -33,14 +36,16 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from ..tensor import parallel as tensor_parallel
 from ..version import __version__
 from . import format as fmt
 from . import writer
 
 MIN_SHARD_BYTES = 1 << 20  # replicated state is not cut into files smaller than this
 
-# canonical name -> (whole tensor's shape, first flat element, 1-D elements)
-Pieces = dict[str, tuple[tuple[int, ...], int, np.ndarray]]
+# canonical name -> (whole tensor's shape, first flat element or ("tensor", rank, T),
+# 1-D elements)
+Pieces = dict[str, tuple[tuple[int, ...], int | tuple[str, int, int], np.ndarray]]
 
 
 def writer_ranks(total_bytes: int, size: int, min_bytes: int = MIN_SHARD_BYTES) -> list[int]:
@@ -88,12 +93,20 @@ def write_shard(directory: str | Path, step: int, rank: int, size: int, pieces: 
         writer._check_path("shard piece", name)
         arr = fmt.check_array(f"shard piece {name!r}", np.ascontiguousarray(arr).reshape(-1))
         count = int(np.prod(shape, dtype=np.int64))
-        if not 0 <= start <= start + arr.size <= count:
+        if isinstance(start, tuple):  # ("tensor", rank, size): a tensor-parallel slice
+            _, t_rank, t_size = start
+            want = tensor_parallel.local_shape(name.rsplit("/", 1)[-1], shape, t_size)
+            if arr.size != int(np.prod(want, dtype=np.int64)) or not 0 <= t_rank < t_size:
+                raise CheckpointError(f"shard piece {name!r}: not a 1/{t_size} slice of {shape}")
+            where = ["tensor", int(t_rank), int(t_size)]
+        elif not 0 <= start <= start + arr.size <= count:
             raise CheckpointError(
                 f"shard piece {name!r}: elements {start}..{start + arr.size} outside {shape}"
             )
+        else:
+            where = int(start)
         datasets.append((name, arr, ""))
-        table[name] = [arr.dtype.str, [int(d) for d in shape], int(start), int(arr.size)]
+        table[name] = [arr.dtype.str, [int(d) for d in shape], where, int(arr.size)]
     attrs = {
         "format": fmt.FORMAT,
         "hpctrain_version": __version__,

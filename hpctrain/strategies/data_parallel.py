@@ -164,12 +164,12 @@ class DataParallel(StrategyBase):
     def export_pieces(self, min_bytes: int) -> dict | None:
         """Replicated tensors cut evenly over the writers; under ZeRO each rank's own
         optimizer shard; spread experts written by their own ranks (each expert's copies
-        over the data axis share it out like replicated state). Tensor-parallel slices
-        gather instead (a column slice is not one flat range of the canonical tensor)."""
-        if self.tensor > 1:
-            return None
+        over the data axis share it out like replicated state); tensor-parallel slices
+        written by their ranks. ZeRO with experts or tensor parallelism gathers."""
         w = self.world
         zero = getattr(self.backend, "zero", None)
+        if self.tensor > 1:
+            return None if zero is not None else self._tensor_pieces(min_bytes)
         if self._spread_experts():
             if zero is not None:
                 return None
@@ -185,6 +185,27 @@ class DataParallel(StrategyBase):
             return split_replicated(self.backend.export_state(), w.rank, w.size, min_bytes)
         replicated, owned = self.backend.export_owned_state()
         return {**split_replicated(replicated, w.rank, w.size, min_bytes), **owned}
+
+    def _tensor_pieces(self, min_bytes: int) -> dict:
+        """Each rank's slices of the split tensors, as ("tensor", rank, T) pieces: the
+        split tensors are dealt out over the data replicas (tensor i to replica i mod R,
+        all T slices of it from that replica's tensor group); the replicated rest is cut
+        over every rank as without tensor parallelism."""
+        w, g = self.world, self.grid.tensor
+        local = self.backend.export_state()
+        split = {
+            k: v
+            for k, v in local.items()
+            if np.ndim(v) > 0 and tensor_parallel.split_kind(k.rsplit("/", 1)[-1])
+        }
+        rest = {k: v for k, v in local.items() if k not in split}
+        pieces = split_replicated(rest, w.rank, w.size, min_bytes)
+        replicas, mine = self.grid.num_replicas, self.grid.replica
+        for i, (k, v) in enumerate(split.items()):
+            if i % replicas == mine:
+                shape = tensor_parallel.full_shape(k.rsplit("/", 1)[-1], np.shape(v), g.size)
+                pieces[k] = (shape, ("tensor", g.rank, g.size), np.asarray(v).reshape(-1))
+        return pieces
 
     def _spread_experts(self) -> bool:
         return zoo.has_moe(self.cfg.model) and self.grid.expert.size > 1

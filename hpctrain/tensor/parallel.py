@@ -122,6 +122,21 @@ def local_layers(layers: list, size: int) -> list:
     return out
 
 
+def full_shape(name: str, local: tuple, size: int) -> tuple:
+    """The canonical shape of a tensor whose piece on each of `size` ranks is `local`."""
+    kind = split_kind(name)
+    if kind in ("qkv", "rows"):
+        return (local[0] * size, *local[1:])
+    if kind == "cols":
+        return (local[0], local[1] * size)
+    return tuple(local)
+
+
+def local_shape(name: str, shape: tuple, size: int) -> tuple:
+    """Each rank's piece shape of a canonical tensor of `shape` split over `size` ranks."""
+    return _local_shape(name, tuple(shape), size)
+
+
 def _local_shape(name: str, shape: tuple, size: int) -> tuple:
     kind = split_kind(name)
     if kind in ("qkv", "rows"):
