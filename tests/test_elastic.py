@@ -37,6 +37,23 @@ def test_hostfile_reads_open_mpi_lines_and_refuses_nonsense(tmp_path):
         read_hostfile(tmp_path / "missing")
 
 
+def test_allocation_hosts_come_from_slurm_variables(monkeypatch):
+    from hpctrain.elastic import hosts as hosts_module
+
+    assert hosts_module.expand_tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    with pytest.raises(ConfigError, match="SLURM_JOB_NODELIST is not set"):
+        hosts_module.allocation_hosts({})
+
+    class Done:
+        returncode, stdout, stderr = 0, "n01\nn02\n", ""
+
+    monkeypatch.setattr(hosts_module.subprocess, "run", lambda *a, **k: Done())
+    env = {"SLURM_JOB_NODELIST": "n[01-02]", "SLURM_TASKS_PER_NODE": "4(x2)"}
+    assert hosts_module.allocation_hosts(env) == [Host("n01", 4), Host("n02", 4)]
+    with pytest.raises(ConfigError, match="does not match the 2 nodes"):
+        hosts_module.allocation_hosts({**env, "SLURM_TASKS_PER_NODE": "4"})
+
+
 def test_np_range_and_reuse_flags():
     assert _np_range(None) == (1, None)
     assert _np_range("2:8") == (2, 8)

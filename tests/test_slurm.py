@@ -622,3 +622,59 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     assert step == ref_step == 3 * 65536 // 128
     for k in ref_model:
         np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)
+
+
+ELASTIC_SETS = [
+    "backend=torch",
+    "model.hidden=[32]",
+    "data.train_samples=1024",
+    "data.val_samples=128",
+    "train.batch_size=16",
+    "train.epochs=1",
+    "train.allreduce=mpi",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=10",
+    "metrics.tensorboard=false",
+    "metrics.progress_bar=false",
+]
+
+
+@pytest.mark.timeout(420)
+def test_elastic_restarts_a_failed_srun_step_inside_the_allocation(slurm, tmp_path):
+    """`hpctrain elastic --launcher srun` in a batch script: rank 1 is killed at step 8,
+    the step fails, and the supervisor runs a new srun step of the same allocation from
+    the step-6 checkpoint; the job ends bit for bit where an uninterrupted run ends."""
+    from mpirun import mpirun
+
+    from hpctrain.checkpoint import find_latest_valid, load
+
+    sets = [w for o in ELASTIC_SETS for w in ("--set", o)]
+    ref = tmp_path / "ref"
+    plain = mpirun(2, HPCTRAIN, "train", "--run-dir", str(ref), *sets, timeout=240)
+    assert plain.returncode == 0, plain.output
+    run, log = tmp_path / "run", tmp_path / "elastic.out"
+    script = tmp_path / "elastic.sbatch"
+    script.write_text(
+        "#!/bin/bash\n#SBATCH --ntasks=2\n#SBATCH --time=00:06:00\n"
+        f"#SBATCH --output={log}\n"
+        "export HPCTRAIN_FAULT_DIE_AT_STEP=1:8\n"
+        f"{HPCTRAIN} elastic --launcher srun --launcher-args=--mpi=pmix --max-restarts 2 "
+        f"--probe-timeout 2 -- train --run-dir {run} {' '.join(sets)}\n"
+    )
+    sub = slurm.run("sbatch", "--parsable", str(script), cwd=tmp_path)
+    assert sub.returncode == 0, sub.stderr
+    job_id = sub.stdout.strip().split(";")[0]
+    info = slurm.wait_job(job_id, timeout=360)
+    out = log.read_text() if log.exists() else ""
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    events = [json.loads(x) for x in (run / "elastic" / "events.jsonl").open()]
+    kinds = [e["event"] for e in events]
+    assert kinds == ["start", "launch", "failure", "probe", "launch", "end"], (kinds, out)
+    assert events[0]["launcher"] == "srun" and events[0]["hosts"] == ["localhost"], events
+    assert "restart 1 of 2: 2 ranks on localhost" in out, out
+    assert "resumed from" in out and "at step 6" in out, out
+    a = load(find_latest_valid(run / "checkpoints").path).model_weights()
+    b = load(find_latest_valid(ref / "checkpoints").path).model_weights()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert (a[k] == b[k]).all(), k

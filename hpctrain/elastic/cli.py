@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import shutil
 import sys
@@ -10,7 +11,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
-from .hosts import read_hostfile
+from .hosts import allocation_hosts, read_hostfile
 from .supervisor import Options, Supervisor
 
 EPILOG = """\
@@ -18,7 +19,9 @@ example (run it where a batch script would run mpirun):
   hpctrain elastic --hostfile hosts --np 2:8 --max-restarts 3 -- \\
       train --config configs/demo.yaml --run-dir runs/demo
   Each attempt is `mpirun --hostfile <hosts that answer> -np N [--mpirun-args]
-  hpctrain train ... --resume auto`. The global batch stays as launched (grad_accum
+  hpctrain train ... --resume auto`. Inside a SLURM allocation (sbatch script):
+  hpctrain elastic --launcher srun --launcher-args "--mpi=pmix" -- train ...
+  runs each attempt as `srun --nodes=K --ntasks=N --nodelist=<nodes that answer>`. The global batch stays as launched (grad_accum
   absorbs lost replicas) where it divides; events in <run-dir>/elastic/events.jsonl.
 """
 
@@ -34,7 +37,19 @@ def register(sub) -> dict:
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--hostfile", required=True, help="Open MPI hostfile: `host slots=N` lines")
+    p.add_argument(
+        "--launcher",
+        choices=("mpirun", "srun"),
+        default="mpirun",
+        help="mpirun (default), or srun: each attempt is a job step of the SLURM allocation "
+        "this runs in (sbatch/salloc), on its nodes that still answer",
+    )
+    p.add_argument(
+        "--hostfile",
+        default=None,
+        help="Open MPI hostfile: `host slots=N` lines (mpirun: required; srun: default the "
+        "allocation's nodes and tasks per node)",
+    )
     p.add_argument(
         "--np",
         default=None,
@@ -44,9 +59,12 @@ def register(sub) -> dict:
     p.add_argument("--max-restarts", type=int, default=3, help="restart budget (0: never restart)")
     p.add_argument(
         "--mpirun-args",
+        "--launcher-args",
+        dest="mpirun_args",
         default="",
         metavar="ARGS",
-        help='more mpirun arguments, one shell-quoted string (e.g. "--mca btl self,vader,tcp")',
+        help="more launcher arguments, one shell-quoted string (mpirun: e.g. "
+        '"--mca btl self,vader,tcp"; srun: e.g. "--mpi=pmix")',
     )
     p.add_argument(
         "--rsh-agent",
@@ -113,6 +131,14 @@ def _hpctrain_command() -> list[str]:
     return [found] if found else [sys.executable, "-m", "hpctrain"]
 
 
+def _hosts(args):
+    if args.hostfile:
+        return read_hostfile(args.hostfile)
+    if args.launcher == "srun":
+        return allocation_hosts(dict(os.environ))
+    raise ConfigError("hpctrain elastic: --hostfile is required with mpirun")
+
+
 def run(args) -> int:
     words = list(args.train)
     if words and words[0] == "--":
@@ -149,7 +175,8 @@ def run(args) -> int:
         train_args=_without_reuse_flags(words),
         first_flags=first,
         run_dir=Path(t.run_dir),
-        hosts=read_hostfile(args.hostfile),
+        hosts=_hosts(args),
+        launcher=args.launcher,
         np_min=np_min,
         np_max=np_max,
         max_restarts=args.max_restarts,

@@ -58,6 +58,52 @@ def read_hostfile(path: str | Path) -> list[Host]:
     return hosts
 
 
+def expand_tasks_per_node(text: str) -> list[int]:
+    """SLURM_TASKS_PER_NODE ("2(x3),1") as one count per node ([2, 2, 2, 1])."""
+    counts = []
+    for part in text.split(","):
+        number, _, repeat = part.partition("(x")
+        try:
+            counts += [int(number)] * (int(repeat.rstrip(")")) if repeat else 1)
+        except ValueError:
+            raise ConfigError(f"SLURM_TASKS_PER_NODE={text!r}: cannot read it") from None
+    return counts
+
+
+def allocation_hosts(env: dict) -> list[Host]:
+    """The nodes of the SLURM allocation this runs in, with their task counts as slots.
+
+    `scontrol show hostnames` expands the node list (`node[01-04]`); one call, whatever
+    the number of nodes.
+    """
+    nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST")
+    if not nodelist:
+        raise ConfigError(
+            "--launcher srun runs inside an allocation (sbatch or salloc): "
+            "SLURM_JOB_NODELIST is not set"
+        )
+    try:
+        done = subprocess.run(
+            ["scontrol", "show", "hostnames", nodelist],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            env=env,
+        )
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ConfigError(f"cannot expand SLURM_JOB_NODELIST with scontrol: {exc}") from None
+    names = done.stdout.split()
+    if done.returncode != 0 or not names:
+        raise ConfigError(f"scontrol show hostnames {nodelist}: {done.stderr.strip()}")
+    tasks = env.get("SLURM_TASKS_PER_NODE")
+    counts = expand_tasks_per_node(tasks) if tasks else [1] * len(names)
+    if len(counts) != len(names):
+        raise ConfigError(
+            f"SLURM_TASKS_PER_NODE={tasks!r} does not match the {len(names)} nodes of {nodelist}"
+        )
+    return [Host(n, c) for n, c in zip(names, counts, strict=True)]
+
+
 def write_hostfile(path: Path, hosts: list[Host]) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text("".join(f"{h.name} slots={h.slots}\n" for h in hosts))

@@ -1,5 +1,6 @@
-"""The elastic supervisor: launch the job with mpirun, watch it, and on a failure restart
-it from the newest checkpoint that verifies, on the hosts that still answer.
+"""The elastic supervisor: launch the job with mpirun (or as an srun step inside a SLURM
+allocation), watch it, and on a failure restart it from the newest checkpoint that
+verifies, on the hosts that still answer.
 
 One process on the launch node (where a batch script's mpirun would run). Each attempt
 is `mpirun --hostfile <alive hosts> -np N ... hpctrain train ... --resume auto`; the
@@ -38,7 +39,8 @@ class Options:
     np_min: int = 1
     np_max: int | None = None
     max_restarts: int = 3
-    mpirun_args: list[str] = field(default_factory=list)
+    mpirun_args: list[str] = field(default_factory=list)  # the launcher's own arguments
+    launcher: str = "mpirun"  # or "srun": a job step inside the allocation
     agent: list[str] | None = None
     probe_port: int = 22
     probe_timeout: float = 5.0
@@ -91,18 +93,12 @@ class Supervisor:
             sets += ["--set", f"pipeline.microbatches={plan.microbatches}"]
         if plan.lr != float(self.cfg.optimizer["lr"]):
             sets += ["--set", f"optimizer.lr={plan.lr!r}"]
-        return [
-            "mpirun",
-            "--hostfile",
-            str(hostfile),
-            "-np",
-            str(n),
-            *o.mpirun_args,
-            *o.hpctrain,
-            *o.train_args,
-            *flags,
-            *sets,
-        ]
+        if o.launcher == "srun":  # a new step of this allocation, on the nodes left
+            launch = ["srun", f"--nodes={len(hosts)}", f"--ntasks={n}"]
+            launch += [f"--nodelist={','.join(h.name for h in hosts)}", "--kill-on-bad-exit=1"]
+        else:
+            launch = ["mpirun", "--hostfile", str(hostfile), "-np", str(n)]
+        return [*launch, *o.mpirun_args, *o.hpctrain, *o.train_args, *flags, *sets]
 
     def launch(self, argv: list[str]) -> int:
         self.proc = subprocess.Popen(argv)
@@ -127,7 +123,13 @@ class Supervisor:
             say(f"the hostfile gives {n} ranks, below the minimum {self.minimum()}")
             return 1
         first = replicas_of(self.cfg, n)
-        self.event("start", hosts=[h.name for h in hosts], np=n, max_restarts=o.max_restarts)
+        self.event(
+            "start",
+            launcher=o.launcher,
+            hosts=[h.name for h in hosts],
+            np=n,
+            max_restarts=o.max_restarts,
+        )
         attempt = 0
         while True:
             plan = plan_batch(self.cfg, first, replicas_of(self.cfg, n))
