@@ -624,31 +624,17 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)
 
 
-ELASTIC_SETS = [
-    "backend=torch",
-    "model.hidden=[32]",
-    "data.train_samples=1024",
-    "data.val_samples=128",
-    "train.batch_size=16",
-    "train.epochs=1",
-    "train.allreduce=mpi",
-    "checkpoint.every_steps=3",
-    "checkpoint.keep_last=10",
-    "metrics.tensorboard=false",
-    "metrics.progress_bar=false",
-]
-
-
 @pytest.mark.timeout(420)
 def test_elastic_restarts_a_failed_srun_step_inside_the_allocation(slurm, tmp_path):
     """`hpctrain elastic --launcher srun` in a batch script: rank 1 is killed at step 8,
     the step fails, and the supervisor runs a new srun step of the same allocation from
     the step-6 checkpoint; the job ends bit for bit where an uninterrupted run ends."""
     from mpirun import mpirun
+    from test_elastic import SMALL  # the job of the mpirun elastic tests
 
     from hpctrain.checkpoint import find_latest_valid, load
 
-    sets = [w for o in ELASTIC_SETS for w in ("--set", o)]
+    sets = [w for o in SMALL for w in ("--set", o)]
     ref = tmp_path / "ref"
     plain = mpirun(2, HPCTRAIN, "train", "--run-dir", str(ref), *sets, timeout=240)
     assert plain.returncode == 0, plain.output
