@@ -145,6 +145,25 @@ def run_sharded(mb: float, repeats: int, directory: Path, ranks: int) -> dict[st
     return json.loads(out.read_text())
 
 
+def training_step(torch, nbytes: int, repeats: int) -> tuple[str, list[float]]:
+    """One SGD step (forward, backward, update) of an MLP of 4096 x 4096 layers holding
+    about the checkpoint's bytes, batch 64: what the async save's stall is compared to."""
+    width = 4096
+    layers = max(1, round(nbytes / (width * width * 4)))
+    model = torch.nn.Sequential(*[torch.nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(64, width)
+
+    def step():
+        opt.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+
+    step()  # warm-up: first-touch of the gradient buffers
+    mb = sum(p.numel() for p in model.parameters()) * 4 / 1e6
+    return f"training step, {layers} x 4096^2 mlp ({mb:.0f} MB), batch 64", timed(step, repeats)
+
+
 def timed(fn, repeats: int) -> list[float]:
     times = []
     for _ in range(repeats):
@@ -188,6 +207,10 @@ def run(mb: float, repeats: int, directory: Path, ranks: int = 2) -> dict:
         total.append(time.perf_counter() - t0)
     rows["async save (caller blocked)"] = caller
     rows["async save (until written)"] = total
+    step_row = None
+    if torch is not None:
+        step_row, rows_step = training_step(torch, nbytes, repeats)
+        rows[step_row] = rows_step
     file_mb = (ours / "ckpt-00000001.h5").stat().st_size / 1e6
     if ranks > 1:
         # the rows above leave GBs of files in the page cache, which measurably slowed
@@ -213,7 +236,13 @@ def run(mb: float, repeats: int, directory: Path, ranks: int = 2) -> dict:
         ratios["sharded load / plain h5py read"] = (
             med["plain h5py read"] / med[f"sharded load, {ranks} ranks each (verify all)"]
         )
+    stall = None
+    if step_row is not None:
+        stall = med["async save (caller blocked)"] / med[step_row]
     return {
+        "async stall / training step (lower is better; target <= 0.05)": (
+            None if stall is None else round(stall, 4)
+        ),
         "mb": nbytes / 1e6,
         "arrays": len(state),
         "repeats": repeats,
@@ -251,6 +280,9 @@ def print_table(report: dict) -> None:
     print(f"{'operation':<44} {'seconds':>9} {'MB/s':>9}")
     for name, r in report["results"].items():
         print(f"{name:<44} {r['median_s']:>9.3f} {r['mb_per_s']:>9.0f}")
+    stall = next((v for k, v in report.items() if k.startswith("async stall")), None)
+    if stall is not None:
+        print(f"async stall / training step: {stall:.3f} (target <= 0.05)")
     for title, ratios in report.items():
         if title.startswith("ratios"):
             print(title)
