@@ -270,3 +270,18 @@ def test_flat_pieces_must_tile_the_tensor_not_just_add_up(tmp_path):
     path = _commit(tmp_path, 3, records)
     with pytest.raises(CheckpointError, match="do not cover /model/a exactly"):
         load(path)
+
+
+def test_the_reserved_bytes_cover_a_commit_with_a_large_shard_table(tmp_path):
+    # 4,096 writers' records: the commit's manifest is MBs, all inside the reservation
+    # (HDF5 must never write past it, where a full disk would meet it mid-file).
+    record = {"file": "", "digest": "0" * 32, "bytes": 1, "pieces": {}}
+    files = [
+        {**record, "file": fmt.shard_name(r, 4096), "pieces": {f"model/w{r}": ["<f4", [9], 0, 9]}}
+        for r in range(4096)
+    ]
+    table = {"order": [f"model/w{r}" for r in range(4096)], "files": files}
+    snap = writer.snapshot(3, {}, {"step": 3}, shards=table)
+    path = writer.write(tmp_path, snap)
+    assert path.stat().st_size <= writer.estimated_bytes(snap)
+    assert path.stat().st_size > 512 * 1024  # the table is what makes it big

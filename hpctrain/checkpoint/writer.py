@@ -198,9 +198,12 @@ def _disk_full(exc: BaseException) -> bool:
 
 def estimated_bytes(snap: Snapshot) -> int:
     """At least the file's size: the arrays, and for HDF5's object headers, group
-    indexes and the manifest entry of every dataset 2 KiB, plus 64 KiB and the header."""
+    indexes and the manifest entry of every dataset 2 KiB, plus the manifest's shard
+    table and attributes (a sharded commit's table grows with the ranks), 64 KiB and
+    the header."""
     per_dataset = sum(arr.nbytes + 2048 + len(path) for path, arr, _ in snap.datasets)
-    return fmt.HEADER_SIZE + (64 << 10) + per_dataset
+    table = json.dumps({"shards": snap.shards, "attrs": snap.attrs}, default=str)
+    return fmt.HEADER_SIZE + (64 << 10) + per_dataset + 2 * len(table)
 
 
 def _libc_fallocate():
