@@ -369,8 +369,9 @@ SCHEMA: dict[str, Any] = {
         "sharded": _f(
             True,
             bool,
-            "every rank writes its part (data parallelism, ZeRO) to its own file, rank 0 "
-            "commits; false, or async, or other strategies: rank 0 gathers and writes one file",
+            "every rank writes what it owns (replicated slice, ZeRO shard, stage, experts, "
+            "tensor slices) to its own file, rank 0 commits; false, async, the parameter "
+            "server, or ZeRO with experts or tensor parallelism: rank 0 writes one file",
         ),
         "shard_min_mb": _f(
             1.0,

@@ -776,15 +776,10 @@ class TensorFlowBackend(BackendBase):
         return {**with_model_prefix(self.get_weights()), **self.optimizer.export_state()}
 
     def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
-        """(the replicated canonical state, {name: (shape, start, elements)} this rank
-        alone holds): under ZeRO the optimizer slots are the rank's own shard pieces, so
-        a sharded checkpoint needs no communication."""
-        if self.zero is None:
-            return self.export_state(), {}
-        replicated = with_model_prefix(self.get_weights())
-        opt = self.zero.optimizer
-        if opt.kind == "adam":
-            replicated["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
+        """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
+        this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
+        communication."""
+        replicated = {**with_model_prefix(self.get_weights()), **self.zero.step_state()}
         return replicated, self.zero.optimizer_pieces(self._dense)
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:

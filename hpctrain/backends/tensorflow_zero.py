@@ -93,9 +93,14 @@ class TensorFlowZero:
             views = self.part.views(full)
             for name, var, view in zip(names, self.variables, views, strict=True):
                 state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(var.shape)).copy()
-        if opt.kind == "adam":
-            state["optimizer/step"] = np.array(int(opt.step.numpy()), dtype=np.int64)
-        return state
+        return {**state, **self.step_state()}
+
+    def step_state(self) -> dict[str, np.ndarray]:
+        """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
+        opt = self.optimizer
+        if opt.kind != "adam":
+            return {}
+        return {"optimizer/step": np.array(int(opt.step.numpy()), dtype=np.int64)}
 
     def optimizer_pieces(self, names: list[str]) -> dict:
         """This rank's own part of every `optimizer/<slot>/<name>` (no communication):

@@ -680,17 +680,12 @@ class TorchBackend(BackendBase):
         }
 
     def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
-        """(the replicated canonical state, {name: (shape, start, elements)} this rank
-        alone holds): under ZeRO the optimizer slots are the rank's own shard pieces, so
-        a sharded checkpoint needs no communication."""
-        if self.zero is None:
-            return self.export_state(), {}
+        """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
+        this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
+        communication."""
         names = [self._names[p] for p in self._dense]
         kind = self.cfg.optimizer["name"]
-        replicated = with_model_prefix(self.get_weights())
-        st = self.zero.optimizer.state.get(self.zero.shard, {})
-        if kind == "adam":
-            replicated["optimizer/step"] = np.array(int(float(st.get("step", 0))), np.int64)
+        replicated = {**with_model_prefix(self.get_weights()), **self.zero.step_state(kind)}
         return replicated, self.zero.optimizer_pieces(names, kind)
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:

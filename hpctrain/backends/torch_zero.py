@@ -149,31 +149,35 @@ class TorchZero:
     # --- checkpoints: the canonical layout ---------------------------------------------
     def export_optimizer(self, names: list[str], kind: str) -> dict[str, np.ndarray]:
         """`optimizer/<slot>/<name>` for every dense parameter, on rank 0 (collective)."""
-        st = self.optimizer.state.get(self.shard, {})
         state = {}
         for slot in OPTIMIZER_SLOTS[kind]:
-            value = st.get(slot)
-            shard = np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
-            full = self.part.gather_full(shard, f"ZeRO checkpoint: gather {slot}")
+            full = self.part.gather_full(self._slot_shard(slot), f"ZeRO checkpoint: gather {slot}")
             if full is None:
                 continue
             for name, p, view in zip(names, self.params, self.part.views(full), strict=True):
                 state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(p.shape)).copy()
-        if kind == "adam":
-            state["optimizer/step"] = np.array(int(float(st.get("step", 0))), dtype=np.int64)
-        return state
+        return {**state, **self.step_state(kind)}
+
+    def _slot_shard(self, slot: str) -> np.ndarray:
+        """This rank's shard of an optimizer slot (zeros before the first step)."""
+        value = self.optimizer.state.get(self.shard, {}).get(slot)
+        return np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
+
+    def step_state(self, kind: str) -> dict[str, np.ndarray]:
+        """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
+        if kind != "adam":
+            return {}
+        st = self.optimizer.state.get(self.shard, {})
+        return {"optimizer/step": np.array(int(float(st.get("step", 0))), dtype=np.int64)}
 
     def optimizer_pieces(self, names: list[str], kind: str) -> dict:
         """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
         what a sharded checkpoint writes from this rank."""
-        st = self.optimizer.state.get(self.shard, {})
         shapes = [tuple(p.shape) for p in self.params]
         pieces = {}
         for slot in OPTIMIZER_SLOTS[kind]:
-            value = st.get(slot)
-            shard = np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
             keys = [f"optimizer/{slot}/{n}" for n in names]
-            pieces.update(self.part.owned_pieces(shard, keys, shapes))
+            pieces.update(self.part.owned_pieces(self._slot_shard(slot), keys, shapes))
         return pieces
 
     def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:

@@ -137,11 +137,11 @@ def make_header(digest: str, length: int, fmt: str | None = None) -> bytes:
     return text + b"\0" * (HEADER_SIZE - len(text))
 
 
-def _hash_file_tail(fh, length: int, fmt: str | None = None) -> str:
-    h = SCHEMES[fmt or FORMAT].new()
-    fh.seek(HEADER_SIZE)
-    remaining = length - HEADER_SIZE
-    buf = bytearray(_CHUNK)
+def _update_from_file(h, fh, start: int, end: int) -> None:
+    """Feed the file's bytes [start, end) to `h`, _CHUNK at a time (stops early at EOF)."""
+    fh.seek(start)
+    remaining = end - start
+    buf = bytearray(min(_CHUNK, max(remaining, 0)))
     view = memoryview(buf)
     while remaining > 0:
         n = fh.readinto(view[: min(_CHUNK, remaining)])
@@ -149,6 +149,11 @@ def _hash_file_tail(fh, length: int, fmt: str | None = None) -> str:
             break
         h.update(view[:n])
         remaining -= n
+
+
+def _hash_file_tail(fh, length: int, fmt: str | None = None) -> str:
+    h = SCHEMES[fmt or FORMAT].new()
+    _update_from_file(h, fh, HEADER_SIZE, length)
     return h.hexdigest()
 
 
@@ -165,18 +170,10 @@ def _hash_with_extents(fh, length: int, extents: list[tuple[int, memoryview]]) -
     for offset, data in sorted(extents, key=lambda e: e[0]):
         if offset < pos or offset + len(data) > length:
             raise CheckpointError("internal error: dataset extents overlap or pass the end")
-        if offset > pos:
-            fh.seek(pos)
-            h.update(fh.read(offset - pos))
+        _update_from_file(h, fh, pos, offset)
         h.update(data)
         pos = offset + len(data)
-    fh.seek(pos)
-    while pos < length:
-        chunk = fh.read(min(_CHUNK, length - pos))
-        if not chunk:
-            break
-        h.update(chunk)
-        pos += len(chunk)
+    _update_from_file(h, fh, pos, length)
     return h.hexdigest()
 
 

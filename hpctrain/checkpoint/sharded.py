@@ -8,7 +8,7 @@ A piece is a flat element range of a canonical tensor (`model/<name>`,
 1/W of their bytes, and a ZeRO rank writes the optimizer state it alone owns. A
 tensor-parallel rank's slice of a split tensor (not one flat range: a column slice, or
 q, k and v rows) is a piece of its own kind, ("tensor", rank, T), joined at load with
-tensor/parallel.py's `unshard`, so no rank ever holds the whole model. Each shard
+tensor/parallel.py's `unshard`, so no rank gathers the whole model to save it. Each shard
 file is an ordinary hpctrain checkpoint file (header digest, manifest, per-dataset
 digests). The commit file holds the trainer state, every rank's random state and the
 shard table (each file's name, whole-file digest and pieces), so a shard replaced, lost

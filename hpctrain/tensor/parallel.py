@@ -116,7 +116,7 @@ def local_layers(layers: list, size: int) -> list:
             out.append(spec)
             continue
         local = copy.copy(spec)
-        local.params = {k: _local_shape(k, tuple(s), size) for k, s in spec.params.items()}
+        local.params = {k: local_shape(k, tuple(s), size) for k, s in spec.params.items()}
         local.attrs = {**spec.attrs, "n_heads": spec.attrs["n_heads"] // size, "tensor": size}
         out.append(local)
     return out
@@ -134,13 +134,9 @@ def full_shape(name: str, local: tuple, size: int) -> tuple:
 
 def local_shape(name: str, shape: tuple, size: int) -> tuple:
     """Each rank's piece shape of a canonical tensor of `shape` split over `size` ranks."""
-    return _local_shape(name, tuple(shape), size)
-
-
-def _local_shape(name: str, shape: tuple, size: int) -> tuple:
     kind = split_kind(name)
     if kind in ("qkv", "rows"):
         return (shape[0] // size, *shape[1:])
     if kind == "cols":
         return (shape[0], shape[1] // size)
-    return shape
+    return tuple(shape)
