@@ -242,8 +242,17 @@ class SlurmCluster:
         SLURM sets the begin time when the first run has finished completing, which can
         come after the job already shows PENDING; an update sent before that is
         overwritten. So the update is repeated every 2 s until the job leaves PENDING.
+
+        The first update waits until the wall clock is 2 s past the call: slurmd revokes the
+        killed run's credential with a time in whole seconds and rejects any credential
+        created in that same second ("Killing non-startable batch job: Job credential
+        revoked"), so a job restarted within the second of its requeue fails for good. On a
+        fast machine the requeue and the forced start landed in one second (CI, stop 21).
         """
         deadline = time.monotonic() + timeout
+        not_before = int(time.time()) + 2
+        while time.time() < not_before:
+            time.sleep(0.2)
         while time.monotonic() < deadline:
             info = self.job(job_id)
             if info.get("JobState") not in ("PENDING", "REQUEUED", "COMPLETING"):

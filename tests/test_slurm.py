@@ -599,17 +599,23 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         slurm.start_requeued_now(job_id, timeout=240)
         out_file = logs / f"hpctrain-train-{job_id}.out"
         deadline = time.monotonic() + 360
-        info = {}
+        info, rerun = {}, False
         while time.monotonic() < deadline:
             info = slurm.job(job_id)
             rerun = "(restart 1)" in out_file.read_text()
-            if rerun and info.get("JobState") in TERMINAL_STATES:
+            if info.get("JobState") in TERMINAL_STATES or not info:
                 break
             time.sleep(1.0)
+        diagnosis = slurm.diagnose(job_id)
     finally:
         slurm.run("scancel", job_id, timeout=20)
     out = _job_logs(logs)
-    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert rerun, (info, out, diagnosis)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (
+        info,
+        out,
+        diagnosis,
+    )
     assert "SIGUSR1 received: stopped at step" in out, out
     assert "job requeued" in out and "(restart 1)" in out, out
     assert "resumed from" in out, out
