@@ -155,6 +155,57 @@ def test_async_save_copies_then_writes_in_background(tmp_path):
     assert steps_in(tmp_path) == [7, 8, 9]
 
 
+def test_async_saves_copy_into_buffers_reused_from_the_last_save(tmp_path):
+    """The second save copies into the first one's buffers (no fresh pages to fault in);
+    the caller's arrays changed after each save never reach either file."""
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}))
+    big = {"model/w": np.full((3, 1 << 20), 1.0, np.float32), "model/b": np.ones(5, np.float32)}
+    ck.save(1, big)
+    first = {p: a for p, a, _ in ck._thread._args[0].datasets}
+    big["model/w"][:] = 2.0  # changes while step 1 is written
+    ck.wait()
+    ck.save(2, big)
+    second = {p: a for p, a, _ in ck._thread._args[0].datasets}
+    big["model/w"][:], big["model/b"][:] = 3.0, 3.0
+    ck.wait()
+    assert second["model/w"] is first["model/w"] and second["model/b"] is first["model/b"]
+    assert ck._staging.nbytes == big["model/w"].nbytes + big["model/b"].nbytes
+    assert np.all(load(tmp_path / "ckpt-00000001.h5").state["model/w"] == 1.0)
+    again = load(tmp_path / "ckpt-00000002.h5").state
+    assert np.all(again["model/w"] == 2.0) and np.all(again["model/b"] == 1.0)
+
+
+def test_a_private_save_keeps_arrays_it_was_handed_and_copies_views(tmp_path):
+    """private=True (the loop's export_state copies): an array owning its memory is
+    written as handed over; a view into memory the caller keeps is still copied."""
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}))
+    live = np.zeros((4, 8), np.float32)
+    handed = {"model/w": np.ones((4, 8), np.float32), "model/v": live[1:3]}
+    ck.save(1, handed, private=True)
+    written = {p: a for p, a, _ in ck._thread._args[0].datasets}
+    live[:] = 5.0  # training changes the live buffer the view looks into
+    ck.wait()
+    assert written["model/w"] is handed["model/w"] and written["model/v"] is not handed["model/v"]
+    assert np.all(load(tmp_path / "ckpt-00000001.h5").state["model/v"] == 0.0)
+
+
+def test_staging_splits_large_arrays_over_threads_exactly():
+    from hpctrain.checkpoint.staging import Staging
+
+    rng = np.random.default_rng(0)
+    items = [
+        ("a", rng.random((3, 1_500_001), dtype=np.float32)),  # chunks with a ragged tail
+        ("b", np.arange(7, dtype=np.int64)),
+        ("c", np.array(3.5)),  # 0-d
+        ("d", rng.random((9, 4)).T),  # not contiguous: copied whole
+    ]
+    for threads in (1, 3):
+        copies = Staging(threads).stage(items)
+        for (_, src), dst in zip(items, copies):
+            assert dst.shape == src.shape and dst.dtype == src.dtype
+            assert np.array_equal(dst, src) and not np.shares_memory(dst, src)
+
+
 def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
     target = tmp_path / "ckpts"
     ck = Checkpointer(CheckpointPolicy({"dir": str(target), "async": True, "every_steps": 1}))

@@ -2,30 +2,19 @@
 within a point of dense accuracy, top-k without error feedback is clearly worse (the
 safeguard matters), and both backends follow the same trajectory through a compressor."""
 
-import re
-
 import pytest
-from mpirun import HPCTRAIN, ROOT, mpirun
+from demo_runs import demo_accuracy
 from test_trainer_jobs import _train
 
-DEMO = str(ROOT / "configs" / "demo.yaml")
+MPI = "train.allreduce=mpi"  # the compressors run in hpctrain's MPI engine
 
 
-def _demo_accuracy(tmp_path, name, *overrides) -> float:
-    args = ["train", "--config", DEMO, "--run-dir", str(tmp_path / name), "--new"]
-    for o in ["train.allreduce=mpi", "checkpoint.enabled=false", *overrides]:
-        args += ["--set", o]
-    job = mpirun(2, HPCTRAIN, *args, timeout=300)
-    assert job.returncode == 0, job.output
-    return float(re.search(r"val_accuracy=([0-9.]+)", job.output).group(1))
-
-
-def test_compressed_training_reaches_dense_accuracy_and_error_feedback_matters(tmp_path):
-    dense = _demo_accuracy(tmp_path, "dense")
-    topk = ["train.compression=topk", "compression.ratio=0.01"]
-    with_ef = _demo_accuracy(tmp_path, "topk-ef", *topk)
-    without_ef = _demo_accuracy(tmp_path, "topk-noef", *topk, "compression.error_feedback=false")
-    powersgd = _demo_accuracy(tmp_path, "powersgd", "train.compression=powersgd")
+def test_compressed_training_reaches_dense_accuracy_and_error_feedback_matters(tmp_path_factory):
+    dense = demo_accuracy(tmp_path_factory)
+    topk = [MPI, "train.compression=topk", "compression.ratio=0.01"]
+    with_ef = demo_accuracy(tmp_path_factory, *topk)
+    without_ef = demo_accuracy(tmp_path_factory, *topk, "compression.error_feedback=false")
+    powersgd = demo_accuracy(tmp_path_factory, MPI, "train.compression=powersgd")
     assert dense > 0.8  # the demo's own bar
     for acc in (with_ef, powersgd):
         assert acc > dense - 0.01, (acc, dense)
@@ -49,12 +38,12 @@ def test_both_backends_follow_the_same_trajectory_through_a_compressor(tmp_path,
         assert abs(wt[k] - wf[k]).max() < 1e-4, k
 
 
-def test_tensorflow_converges_through_a_lossy_compressor(tmp_path):
+def test_tensorflow_converges_through_a_lossy_compressor(tmp_path_factory):
     """The TF backend trains the demo through top-k 1% with error feedback to within a
     point of dense (dense: 0.817 with torch; the backends follow the same trajectory)."""
-    acc = _demo_accuracy(
-        tmp_path,
-        "tf-topk",
+    acc = demo_accuracy(
+        tmp_path_factory,
+        MPI,
         "backend=tensorflow",
         "train.compression=topk",
         "compression.ratio=0.01",

@@ -4,14 +4,14 @@ the backends follow the same trajectory within bfloat16's resolution; parameters
 gradients and optimizer state stay float32 (checkpoints are the usual float32 ones)."""
 
 import pytest
-from test_compression_jobs import _demo_accuracy
+from demo_runs import demo_accuracy
 from test_trainer_jobs import _train
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_bf16_reaches_float32_accuracy_on_the_demo(tmp_path, backend):
-    fp32 = _demo_accuracy(tmp_path, "fp32", f"backend={backend}")
-    bf16 = _demo_accuracy(tmp_path, "bf16", f"backend={backend}", "train.precision=bf16")
+def test_bf16_reaches_float32_accuracy_on_the_demo(tmp_path_factory, backend):
+    fp32 = demo_accuracy(tmp_path_factory, f"backend={backend}")  # shared with other tests
+    bf16 = demo_accuracy(tmp_path_factory, f"backend={backend}", "train.precision=bf16")
     assert fp32 > 0.8
     assert bf16 > fp32 - 0.01, (bf16, fp32)
 

@@ -95,6 +95,34 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     assert losses == ref_losses  # every step's loss identical, before and after the resume
 
 
+@pytest.mark.parametrize("backend,ranks", [("torch", 1), ("tensorflow", 2)])
+def test_async_checkpoints_hold_their_step_and_resume_bit_for_bit(tmp_path, backend, ranks):
+    """checkpoint.async: training goes on while the file is written, from a copy taken
+    at the save (torch exports views of its live tensors, copied into reused buffers;
+    2 ranks gather onto rank 0, one file). Resuming from the step-20 file of such a run
+    ends bit for bit where the run itself ended: the file held step 20's state."""
+    common = [f"backend={backend}", "optimizer.name=adam", "optimizer.lr=0.003"]
+    common += ["checkpoint.async=true", "checkpoint.sharded=false", "train.max_steps=40"]
+    run_dir = tmp_path / "run"
+    # each file written 0.3 s late, while training goes on (several steps of this model)
+    ref, job = _run(
+        tmp_path, "ref", ranks, run_dir, *common, env={"HPCTRAIN_FAULT_WRITE_DELAY": "0:0.3"}
+    )
+    ckpts = run_dir / "checkpoints"
+    assert [s for s, _ in list_checkpoints(ckpts)] == [10, 20, 30, 40]
+    again = tmp_path / "again"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpts / "ckpt-00000020.h5", again / "checkpoints")
+    shutil.copy(run_dir / "config.yaml", again / "config.yaml")
+    final, job = _run(tmp_path, "again", ranks, again, *common, resume="auto")
+    assert "ckpt-00000020.h5" in job.output, job.output
+    for k in ref:
+        np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
+    losses, ref_losses = _step_losses(again), _step_losses(run_dir)
+    assert sorted(losses) == list(range(21, 41))
+    assert all(losses[s] == ref_losses[s] for s in losses)
+
+
 def test_checkpoint_from_four_ranks_resumes_on_two_and_one_rank(tmp_path):
     # 4 ranks x batch 8 for 5 steps; then continue with a global batch of 16 either as
     # 2 ranks x 8 or 1 rank x 16. Both must equal one process doing the same math.

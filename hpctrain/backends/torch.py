@@ -237,11 +237,13 @@ def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
     return build_user_model(model_cfg, inp, seed)
 
 
-def export_optimizer_state(optimizer, named_params, kind: str) -> dict[str, np.ndarray]:
+def export_optimizer_state(
+    optimizer, named_params, kind: str, copy: bool = True
+) -> dict[str, np.ndarray]:
     """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
 
     torch creates slots at the first step; before it they are exported as zeros, which is
-    what they would start from.
+    what they would start from. copy=False: live slots as views (valid until the next step).
     """
     state, step = {}, 0
     for name, param in named_params:
@@ -251,7 +253,7 @@ def export_optimizer_state(optimizer, named_params, kind: str) -> dict[str, np.n
             state[f"optimizer/{slot}/{name}"] = (
                 np.zeros(tuple(param.shape), np.float32)
                 if value is None
-                else value.detach().numpy().copy()
+                else (value.detach().numpy().copy() if copy else value.detach().numpy())
             )
         if "step" in st:
             step = int(float(st["step"]))
@@ -665,7 +667,8 @@ class TorchBackend(BackendBase):
             self.zero.sync_shard()
 
     def export_state(self) -> dict[str, np.ndarray]:
-        """The canonical state; under ZeRO a collective whose result is whole on rank 0."""
+        """The canonical state; under ZeRO a collective whose result is whole on rank 0.
+        Valid until the next step (without ZeRO, views of the live tensors)."""
         if self.zero is not None:
             names = [self._names[p] for p in self._dense]
             kind = self.cfg.optimizer["name"]
@@ -673,10 +676,13 @@ class TorchBackend(BackendBase):
                 **with_model_prefix(self.get_weights()),
                 **self.zero.export_optimizer(names, kind),
             }
+        # Views of the live tensors, no copy: a checkpoint writes them before the next
+        # step, or an async save copies them into its reused buffers (staging.py).
         names = ((n, p) for p, n in self._names.items())
+        weights = ((k, v.detach().numpy()) for k, v in self.model.state_dict().items())
         return {
-            **with_model_prefix(self.get_weights()),
-            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"]),
+            **with_model_prefix(OrderedDict(weights)),
+            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], False),
         }
 
     def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:

@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointError
 from . import reader, sharded, writer
 from .policy import CheckpointPolicy, Entry
+from .staging import Staging
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -29,6 +30,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._error_step: int | None = None
         self._metrics: dict[Path, float | None] = {}
+        self._staging = Staging()  # async saves' reused copy buffers
 
     # --- saving ---------------------------------------------------------------------
     def maybe_save(self, step: int, collect, epoch_end=False, final=False, agree=None) -> bool:
@@ -60,15 +62,27 @@ class Checkpointer:
         attrs=None,
         metrics=None,
         shards=None,
+        private=False,
     ) -> Path | None:
         """Save now (writer only). Sync: returns the path. Async: copies the arrays on
-        this thread, writes in the background and returns None (see `wait`). `shards`:
+        this thread (into buffers reused from the last save), writes in the background
+        and returns None (see `wait`). private=True: the caller will not touch `state`'s
+        arrays again, so those owning their memory are written without a copy. `shards`:
         the table of a sharded save's per-rank files, already written (this file commits
         them; it is always written on this thread)."""
         self.wait()
         async_save = self.policy.async_save and shards is None
         snap = writer.snapshot(
-            step, state, trainer_state, rng_by_rank, attrs, metrics, async_save, shards
+            step,
+            state,
+            trainer_state,
+            rng_by_rank,
+            attrs,
+            metrics,
+            async_save,
+            shards,
+            staging=self._staging,
+            private=private,
         )
         self.policy.mark_saved(step)
         if not async_save:

@@ -153,6 +153,7 @@ class RunCheckpoints:
         if not w.is_root:
             return None
         payload = self.payload(state, gathered, metrics)
+        payload["private"] = True  # export_state's own arrays are fresh; views get copied
         if table is not None:
             payload["shards"] = table
         return payload

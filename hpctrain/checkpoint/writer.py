@@ -16,6 +16,7 @@ import logging
 import os
 import signal
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,6 +30,7 @@ from ..runtime import diskspace
 from ..testing import faults
 from ..version import __version__
 from . import format as fmt
+from .staging import Staging
 
 log = logging.getLogger("hpctrain.checkpoint")
 
@@ -103,10 +105,15 @@ def snapshot(
     metrics: dict[str, float] | None = None,
     copy: bool = False,
     shards: dict | None = None,
+    staging: Staging | None = None,
+    private: bool = False,
 ) -> Snapshot:
-    """Validate what will be saved; with copy=True take private copies of every array.
+    """Validate what will be saved; with copy=True take private copies of the arrays.
 
-    The copy is what lets an asynchronous save run while training changes the weights.
+    The copy is what lets an asynchronous save run while training changes the weights;
+    it goes into `staging`'s reused buffers when given. private=True: the caller hands
+    its arrays over (e.g. export_state's fresh copies), so an array that owns its memory
+    is kept as is; views into other memory (a live tensor's) are still copied.
     """
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
@@ -115,7 +122,7 @@ def snapshot(
     def add(path: str, value, kind: str = "") -> None:
         _check_path("checkpoint dataset", path)
         arr = fmt.check_array(f"checkpoint dataset {path!r}", value)
-        datasets.append((path, np.array(arr, copy=True) if copy else arr, kind))
+        datasets.append((path, arr, kind))
 
     for key in state:  # the caller's order (the model's) is kept and restored on load
         if not key.startswith(STATE_PREFIXES):
@@ -153,7 +160,19 @@ def snapshot(
             meta[f"metric.{key}"] = float(value)
     if shards is not None:
         meta["shards"] = len(shards["files"])
+    if copy:
+        datasets = _private_copies(datasets, staging or Staging(), private)
     return Snapshot(int(step), datasets, meta, shards)
+
+
+def _private_copies(datasets: list, staging: Staging, private: bool) -> list:
+    """The datasets with every array the caller may still change copied (staged)."""
+    todo = [i for i, (_, arr, _) in enumerate(datasets) if not (private and arr.flags.owndata)]
+    copies = staging.stage([(datasets[i][0], datasets[i][1]) for i in todo])
+    out = list(datasets)
+    for i, arr in zip(todo, copies):
+        out[i] = (datasets[i][0], arr, datasets[i][2])
+    return out
 
 
 def _kill_after() -> int | None:
@@ -329,6 +348,9 @@ def write_file(directory: str | Path, name: str, snap: Snapshot, tidy: bool = Tr
         problem = diskspace.check_room(directory, need)
         if problem:  # refused before writing: HDF5 meeting ENOSPC midway is the worse path
             raise CheckpointError(f"cannot write checkpoint {final}: {problem}")
+        delay = faults.value("write_delay")
+        if delay:
+            time.sleep(delay)
         extents = _write_hdf5(tmp, snap, kill_after, need)
         digest = fmt.stamp_header(tmp, extents if _extents_match(tmp, extents) else None)
         if kill_after is not None and kill_after > len(snap.datasets):

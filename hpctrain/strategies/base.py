@@ -37,7 +37,9 @@ class Strategy(Protocol):
     def step(self, batch, lr: float) -> StepStats: ...
     def evaluate(self) -> np.ndarray | None: ...  # local (loss_sum, correct, count)
     def average_buffers(self) -> None: ...  # collective
-    def export_state(self) -> dict | None: ...  # collective; canonical state on rank 0
+    # collective; the canonical state on rank 0, valid until the next step: arrays may
+    # be views of live tensors (an async checkpoint copies those, keeps fresh ones)
+    def export_state(self) -> dict | None: ...
     def export_pieces(self, min_bytes: int) -> dict | None: ...  # local; None: gather
     def import_state(self, ckpt) -> None: ...
     def weight_shapes(self) -> dict[str, tuple]: ...  # the whole canonical model

@@ -12,6 +12,8 @@ Faults in use:
 - `ps_slow` (key: worker index): make each step `value` times as long.
 - `die_at_step` (key: world rank): SIGKILL that rank after step `value`, unless resumed.
 - `step_sleep` (key: world rank): sleep `value` seconds after every step.
+- `write_delay` (key: 0): a checkpoint writer waits `value` seconds before writing
+  (an async save's file is then written while training has moved on).
 """
 
 from __future__ import annotations
