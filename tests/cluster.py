@@ -140,8 +140,9 @@ PartitionName=debug Nodes={node_list} Default=YES MaxTime=INFINITE State=UP Over
 """
 
 
-def start_slurm_on(cluster, directory, timeout: float = 60):
-    """A SLURM cluster whose compute nodes are the emulated nodes; `.stop()` ends it."""
+def start_slurm_on(cluster, directory, timeout: float = 60, extra_conf: str = ""):
+    """A SLURM cluster whose compute nodes are the emulated nodes; `.stop()` ends it.
+    extra_conf: more slurm.conf lines (e.g. a short SlurmdTimeout for node loss)."""
     import socket
     from pathlib import Path
 
@@ -184,6 +185,7 @@ def start_slurm_on(cluster, directory, timeout: float = 60):
         node_list=",".join(cluster.nodes),
     )
     conf = d / "slurm.conf"
+    conf_text += extra_conf
     conf.write_text(conf_text)
     env = dict(os.environ)
     env.update(SLURM_CONF=str(conf), **ENV)

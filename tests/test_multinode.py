@@ -461,6 +461,8 @@ def _final_accuracy(run_dir: Path) -> float:
     return [x for x in lines if "val_accuracy" in x][-1]["val_accuracy"]
 
 
+_UNINTERRUPTED: dict[str, float] = {}  # final accuracy of each layout's uninterrupted run
+
 ELASTIC_LAYOUTS = {
     # strategy: (hostfile, extra settings, ranks at the relaunch, grad_accum and global
     # batch there). The hostfile's first host gets rank 0; the parameter server's last
@@ -555,10 +557,87 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
     assert steps[-1]["step"] == 3 * 8192 // batch
     accuracy, uninterrupted = _final_accuracy(run), _final_accuracy(reference)
+    _UNINTERRUPTED[strategy] = uninterrupted
     assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
     print(
         f"\nelastic {strategy}: failure noticed {failed_at - down_at:.1f} s after the link "
         f"went down, relaunched after {launches[1]['time'] - down_at:.1f} s, first step "
         f"after {after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
         f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted"
+    )
+
+
+@pytest.mark.timeout(600)
+def test_elastic_srun_step_finishes_on_the_node_left_when_a_node_is_lost(two_nodes, tmp_path):
+    """`hpctrain elastic --launcher srun` in an `sbatch --nodes=2 --no-kill` job: hpcn2's
+    link goes down mid-run; the step fails, the supervisor probes the allocation's nodes
+    and runs a new step on hpcn1 alone (global batch kept by grad_accum 2) from the
+    newest checkpoint; the job ends with an uninterrupted run's accuracy (within 1 point)."""
+    from slurm_cluster import SlurmUnavailable
+
+    # srun ends a step with a silent node once slurmctld marks the node down: after
+    # SlurmdTimeout (300 s by default; a cluster's own setting decides this wait)
+    try:
+        slurm = emulated.start_slurm_on(
+            two_nodes, tmp_path / "slurm", extra_conf="SlurmdTimeout=20\n"
+        )
+    except SlurmUnavailable as exc:
+        pytest.skip(f"SLURM on the emulated nodes: {exc}")
+    run, log, reference = tmp_path / "run", tmp_path / "elastic.out", tmp_path / "ref"
+    try:
+        if "data_parallel" not in _UNINTERRUPTED:  # else the mpirun test's run of this job
+            ref = launch(
+                two_nodes.mpirun(1, HPCTRAIN, "train", "--run-dir", str(reference), *ELASTIC_SETS),
+                timeout=240,
+            )
+            assert ref.returncode == 0, ref.output
+            _UNINTERRUPTED["data_parallel"] = _final_accuracy(reference)
+        script = tmp_path / "elastic.sbatch"
+        script.write_text(
+            "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --no-kill\n"
+            f"#SBATCH --time=00:08:00\n#SBATCH --output={log}\n"
+            "export HPCTRAIN_FAULT_STEP_SLEEP=0:0.03\n"
+            f"{HPCTRAIN} elastic --launcher srun --launcher-args=--mpi=pmix --max-restarts 2 "
+            f"--probe-timeout 3 -- train --run-dir {run} {shlex.join(ELASTIC_SETS)}\n"
+        )
+        sub = slurm.run("sbatch", "--parsable", str(script), cwd=tmp_path, timeout=60)
+        assert sub.returncode == 0, sub.stderr
+        job_id = sub.stdout.strip().split(";")[0]
+        t0 = time.monotonic()
+        while '"step": 110,' not in _read(run / "metrics.jsonl"):
+            assert time.monotonic() - t0 < 240, (
+                f"no step 110:\n{_read(log)}\n{slurm.diagnose(job_id)}"
+            )
+            time.sleep(0.1)
+        two_nodes.link_down("hpcn2")
+        down_at = time.time()
+        try:
+            info = slurm.wait_job(job_id, timeout=300)
+        except TimeoutError as exc:
+            pytest.fail(f"{exc}\n{_read(log)}\n{slurm.diagnose(job_id)}")
+        finally:
+            two_nodes.link_up("hpcn2")
+    finally:
+        emulated.stop_slurm(slurm)
+    out = _read(log)
+    events = [json.loads(x) for x in (run / "elastic" / "events.jsonl").open()]
+    launches = [e for e in events if e["event"] == "launch"]
+    assert [e["hosts"] for e in launches] == [["hpcn1", "hpcn2"], ["hpcn1"]], (launches, out)
+    assert (launches[1]["np"], launches[1]["grad_accum"]) == (1, 2), launches[1]
+    assert "host hpcn2 is lost" in out and events[-1]["event"] == "end", (events, out)
+    assert info["ExitCode"] == "0:0", (info, out)
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").open()) if x["event"] == "step"]
+    failed_at = next(e["time"] for e in events if e["event"] == "failure")
+    before = max(x["step"] for x in steps if x["time"] < failed_at)
+    after = [x for x in steps if x["time"] > launches[1]["time"]]
+    lost = before - (after[0]["step"] - 1)
+    assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
+    assert steps[-1]["step"] == 3 * 8192 // 64
+    accuracy, uninterrupted = _final_accuracy(run), _UNINTERRUPTED["data_parallel"]
+    assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
+    print(
+        f"\nelastic srun: failure noticed {failed_at - down_at:.1f} s after the link went "
+        f"down, relaunched after {launches[1]['time'] - down_at:.1f} s, first step after "
+        f"{after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
+        f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted; job {info.get('JobState')}"
     )

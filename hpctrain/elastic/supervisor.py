@@ -96,6 +96,10 @@ class Supervisor:
         if o.launcher == "srun":  # a new step of this allocation, on the nodes left
             launch = ["srun", f"--nodes={len(hosts)}", f"--ntasks={n}"]
             launch += [f"--nodelist={','.join(h.name for h in hosts)}", "--kill-on-bad-exit=1"]
+            if attempt > 0:
+                # the failed step still holds its CPUs while a lost node cannot confirm
+                # its end ("Requested nodes are busy"): let the new step share them
+                launch.append("--overlap")
         else:
             launch = ["mpirun", "--hostfile", str(hostfile), "-np", str(n)]
         return [*launch, *o.mpirun_args, *o.hpctrain, *o.train_args, *flags, *sets]
