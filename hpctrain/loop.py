@@ -113,7 +113,8 @@ class TrainingLoop:
         self.resumed_from = self.checkpoints.resume(resume)
         # A test's lost rank (elastic restart): SIGKILL itself at that step, first run only.
         self._die_at = None if self.resumed_from else faults.value("die_at_step", w.rank)
-        self._step_sleep = faults.value("step_sleep", w.rank)  # a test's slow rank
+        # a test's slow first run (time to unplug a node); its restart runs at full speed
+        self._step_sleep = None if self.resumed_from else faults.value("step_sleep", w.rank)
         self._write_config()  # only now: a refused resume leaves the earlier run's file
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch

@@ -11,7 +11,7 @@ Faults in use:
 - `ps_delay` (key: worker index): sleep `value` seconds before every push.
 - `ps_slow` (key: worker index): make each step `value` times as long.
 - `die_at_step` (key: world rank): SIGKILL that rank after step `value`, unless resumed.
-- `step_sleep` (key: world rank): sleep `value` seconds after every step.
+- `step_sleep` (key: world rank): sleep `value` seconds after every step, unless resumed.
 - `write_delay` (key: 0): a checkpoint writer waits `value` seconds before writing
   (an async save's file is then written while training has moved on).
 """
