@@ -76,8 +76,9 @@ def test_kill_9_from_outside_at_random_moments(tmp_path):
     rnd = random.Random(1234)
     seen_steps, mid_write = set(), 0
     # At least 6 rounds, and on until 2 kills have landed inside a write (how often a
-    # random moment does depends on the machine's load; 20 rounds is the limit).
-    for round_ in range(20):
+    # random moment does depends on the machine's load: 1 in 20 once on a busy VM, so
+    # 40 rounds is the limit).
+    for round_ in range(40):
         if round_ >= 6 and mid_write >= 2:
             break
         job = run_writer(tmp_path, 1000 * (round_ + 1), 50, 8.0)
@@ -95,4 +96,4 @@ def test_kill_9_from_outside_at_random_moments(tmp_path):
         assert len(left) <= 1
         mid_write += bool(left)
     assert len(seen_steps) >= 6
-    assert mid_write >= 2, "no kill landed inside a write in 20 rounds"
+    assert mid_write >= 2, f"{mid_write} kill(s) landed inside a write in 40 rounds"
