@@ -548,21 +548,27 @@ def test_elastic_restart_finishes_on_the_node_left_when_a_node_is_lost(
     ], launches
     kept = (launches[1]["np"], launches[1]["grad_accum"], launches[1]["global_batch"])
     assert kept == (relaunch_np, accum, batch), launches[1]  # a replica (worker) fewer
+    _UNINTERRUPTED[strategy] = _final_accuracy(reference)
+    print(f"\nelastic {strategy}: " + _check_restart(run, events, down_at, batch, strategy))
+
+
+def _check_restart(run: Path, events: list, down_at: float, batch: int, layout: str) -> str:
+    """A restart after a lost node: at most one checkpoint interval redone, every step of
+    the 3 epochs taken, and the uninterrupted run's accuracy within 1 point; the figures."""
+    launches = [e for e in events if e["event"] == "launch"]
     failed_at = next(e["time"] for e in events if e["event"] == "failure")
-    steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
-    steps = [x for x in steps if x["event"] == "step"]
+    steps = [x for x in map(json.loads, (run / "metrics.jsonl").open()) if x["event"] == "step"]
     before = max(x["step"] for x in steps if x["time"] < failed_at)
     after = [x for x in steps if x["time"] > launches[1]["time"]]
     lost = before - (after[0]["step"] - 1)
     assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
     assert steps[-1]["step"] == 3 * 8192 // batch
-    accuracy, uninterrupted = _final_accuracy(run), _final_accuracy(reference)
-    _UNINTERRUPTED[strategy] = uninterrupted
+    accuracy, uninterrupted = _final_accuracy(run), _UNINTERRUPTED[layout]
     assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
-    print(
-        f"\nelastic {strategy}: failure noticed {failed_at - down_at:.1f} s after the link "
-        f"went down, relaunched after {launches[1]['time'] - down_at:.1f} s, first step "
-        f"after {after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
+    return (
+        f"failure noticed {failed_at - down_at:.1f} s after the link went down, relaunched "
+        f"after {launches[1]['time'] - down_at:.1f} s, first step after "
+        f"{after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
         f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted"
     )
 
@@ -626,18 +632,5 @@ def test_elastic_srun_step_finishes_on_the_node_left_when_a_node_is_lost(two_nod
     assert (launches[1]["np"], launches[1]["grad_accum"]) == (1, 2), launches[1]
     assert "host hpcn2 is lost" in out and events[-1]["event"] == "end", (events, out)
     assert info["ExitCode"] == "0:0", (info, out)
-    steps = [x for x in map(json.loads, (run / "metrics.jsonl").open()) if x["event"] == "step"]
-    failed_at = next(e["time"] for e in events if e["event"] == "failure")
-    before = max(x["step"] for x in steps if x["time"] < failed_at)
-    after = [x for x in steps if x["time"] > launches[1]["time"]]
-    lost = before - (after[0]["step"] - 1)
-    assert 0 <= lost <= 25, (before, after[0]["step"])  # at most one checkpoint interval
-    assert steps[-1]["step"] == 3 * 8192 // 64
-    accuracy, uninterrupted = _final_accuracy(run), _UNINTERRUPTED["data_parallel"]
-    assert abs(accuracy - uninterrupted) <= 0.01, (accuracy, uninterrupted)
-    print(
-        f"\nelastic srun: failure noticed {failed_at - down_at:.1f} s after the link went "
-        f"down, relaunched after {launches[1]['time'] - down_at:.1f} s, first step after "
-        f"{after[0]['time'] - down_at:.1f} s; {lost} steps redone; val_accuracy "
-        f"{accuracy:.4f} vs {uninterrupted:.4f} uninterrupted; job {info.get('JobState')}"
-    )
+    figures = _check_restart(run, events, down_at, 64, "data_parallel")
+    print(f"\nelastic srun: {figures}; job {info.get('JobState')}")

@@ -651,9 +651,11 @@ class TorchBackend(BackendBase):
         return list(self._names.values())
 
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        return OrderedDict(
-            (k, v.detach().numpy().copy()) for k, v in self.model.state_dict().items()
-        )
+        return OrderedDict((k, v.copy()) for k, v in self._live_weights().items())
+
+    def _live_weights(self) -> OrderedDict[str, np.ndarray]:
+        """Views of the model's parameters and buffers (valid until the next step)."""
+        return OrderedDict((k, v.detach().numpy()) for k, v in self.model.state_dict().items())
 
     def weight_shapes(self) -> dict[str, tuple]:
         return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
@@ -679,9 +681,8 @@ class TorchBackend(BackendBase):
         # Views of the live tensors, no copy: a checkpoint writes them before the next
         # step, or an async save copies them into its reused buffers (staging.py).
         names = ((n, p) for p, n in self._names.items())
-        weights = ((k, v.detach().numpy()) for k, v in self.model.state_dict().items())
         return {
-            **with_model_prefix(OrderedDict(weights)),
+            **with_model_prefix(self._live_weights()),
             **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], False),
         }
 

@@ -71,7 +71,7 @@ def _copy(batch: list[tuple[np.ndarray, np.ndarray]]) -> None:
 
 def _pieces(dst: np.ndarray, src: np.ndarray) -> list[tuple[np.ndarray, np.ndarray]]:
     """(destination, source) pairs: a large contiguous array in chunks, else whole."""
-    if src.nbytes <= _CHUNK or not src.flags.c_contiguous or dst.ndim == 0:
+    if src.nbytes <= _CHUNK or not src.flags.c_contiguous:
         return [(dst, src)]
     flat_dst, flat_src = dst.reshape(-1), src.reshape(-1)
     step = max(1, _CHUNK // src.itemsize)

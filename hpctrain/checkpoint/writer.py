@@ -112,8 +112,8 @@ def snapshot(
 
     The copy is what lets an asynchronous save run while training changes the weights;
     it goes into `staging`'s reused buffers when given. private=True: the caller hands
-    its arrays over (e.g. export_state's fresh copies), so an array that owns its memory
-    is kept as is; views into other memory (a live tensor's) are still copied.
+    its arrays over (export_state's), so an array that owns its memory (gathered, or a
+    backend's copy) is kept as is; views into other memory (a live tensor's) are copied.
     """
     if not isinstance(step, (int, np.integer)) or isinstance(step, bool) or step < 0:
         raise CheckpointError(f"checkpoint step must be an int >= 0, got {step!r}")
