@@ -26,7 +26,7 @@ QUICK_TESTS := test_bench_projection test_zero_layout test_checkpoint_atomic tes
 	test_checkpoint_format test_checkpoint_policy test_config test_data test_docs \
 	test_gradient_engine test_grid test_moe_routing test_rundir test_zoo_parity \
 	test_preemption test_launcher test_activation_checkpointing test_memory_limit \
-	test_checkpoint_sharded
+	test_checkpoint_sharded test_async_fence
 test-quick: install
 	$(PY) -m pytest -q $(QUICK_TESTS:%=tests/%.py)
 	cd $(CURDIR) && $(VENV)/bin/lint-imports

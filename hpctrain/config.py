@@ -370,8 +370,8 @@ SCHEMA: dict[str, Any] = {
             True,
             bool,
             "every rank writes what it owns (replicated slice, ZeRO shard, stage, experts, "
-            "tensor slices) to its own file, rank 0 commits; false, async, the parameter "
-            "server, or ZeRO with experts or tensor parallelism: rank 0 writes one file",
+            "tensor slices) to its own file, rank 0 commits; false, async or the parameter "
+            "server: rank 0 writes one file",
         ),
         "shard_min_mb": _f(
             1.0,

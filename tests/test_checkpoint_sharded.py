@@ -262,6 +262,33 @@ def test_tensor_parallel_slices_are_joined_into_canonical_tensors(tmp_path):
         load(path)
 
 
+def test_ranges_of_tensor_slices_are_joined_and_must_tile_each_slice(tmp_path):
+    # ZeRO x tensor parallelism: 2 data ranks own halves of each tensor rank's slice
+    # of an optimizer slot, written as ("tensor", t, 2, first) by the 4 ranks.
+    rng = np.random.default_rng(1)
+    name = "optimizer/exp_avg/blocks.0.attn.qkv.weight"
+    full = rng.standard_normal((12, 4)).astype(np.float32)
+    pieces = []
+    for t in range(2):
+        flat = tensor_parallel.shard("attn.qkv.weight", full, 2, t).reshape(-1)
+        half = flat.size // 2
+        pieces += [
+            {name: (full.shape, ("tensor", t, 2, d * half), flat[d * half : (d + 1) * half])}
+            for d in range(2)
+        ]
+    records = [sharded.write_shard(tmp_path, 5, r, 4, p) for r, p in enumerate(pieces)]
+    path = _commit(tmp_path, 5, records)
+    np.testing.assert_array_equal(load(path).state[name], full)
+    # tensor rank 1's second half missing: its slice is not covered, named
+    (tmp_path / "ckpt-00000005.h5").unlink()
+    path = _commit(tmp_path, 5, records[:3])
+    with pytest.raises(CheckpointError, match="do not cover /optimizer/exp_avg/blocks.0.attn"):
+        load(path)
+    # a range past the end of its slice is refused when written
+    with pytest.raises(CheckpointError, match="not a 1/2 slice"):
+        sharded.write_shard(tmp_path, 6, 0, 1, {name: (full.shape, ("tensor", 0, 2, 22), full[0])})
+
+
 def test_flat_pieces_must_tile_the_tensor_not_just_add_up(tmp_path):
     # two copies of the first half: as many elements as the tensor, half of it missing
     a = np.arange(10, dtype=np.float32)

@@ -98,16 +98,18 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("tensorflow", 2)])
 def test_async_checkpoints_hold_their_step_and_resume_bit_for_bit(tmp_path, backend, ranks):
     """checkpoint.async: training goes on while the file is written, from a copy taken
-    at the save (torch exports views of its live tensors, copied into reused buffers;
-    2 ranks gather onto rank 0, one file). Resuming from the step-20 file of such a run
+    at the save (torch exports views of its live tensors, copied into reused buffers
+    while the next step computes, before its update; 2 ranks gather onto rank 0, one
+    file). Resuming from the step-20 file of such a run
     ends bit for bit where the run itself ended: the file held step 20's state."""
     common = [f"backend={backend}", "optimizer.name=adam", "optimizer.lr=0.003"]
     common += ["checkpoint.async=true", "checkpoint.sharded=false", "train.max_steps=40"]
     run_dir = tmp_path / "run"
     # each file written 0.3 s late, while training goes on (several steps of this model)
-    ref, job = _run(
-        tmp_path, "ref", ranks, run_dir, *common, env={"HPCTRAIN_FAULT_WRITE_DELAY": "0:0.3"}
-    )
+    # and torch's copy of its live tensors, made during the next step, starts 0.3 s late:
+    # the step's update must wait for it (the backend's fence)
+    late = {"HPCTRAIN_FAULT_WRITE_DELAY": "0:0.3", "HPCTRAIN_FAULT_COPY_DELAY": "0:0.3"}
+    ref, job = _run(tmp_path, "ref", ranks, run_dir, *common, env=late)
     ckpts = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(ckpts)] == [10, 20, 30, 40]
     again = tmp_path / "again"

@@ -103,13 +103,14 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
 
 
 def _tensor_slices(checkpoints) -> dict:
-    """{file: names of its tensor-parallel pieces} of the step-3 sharded checkpoint."""
+    """{file: {name: where} of its tensor-parallel pieces} of the step-3 sharded
+    checkpoint (where: ["tensor", rank, T] or, a range of the slice, [..., first])."""
     import h5py
 
     with h5py.File(checkpoints / "ckpt-00000003.h5", "r") as f:
         table = json.loads(f["manifest"][()].tobytes())["shards"]
     return {
-        r["file"]: sorted(n for n, p in r["pieces"].items() if isinstance(p[2], list))
+        r["file"]: {n: p[2] for n, p in r["pieces"].items() if isinstance(p[2], list)}
         for r in table["files"]
     }
 
@@ -129,10 +130,16 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
-    if case.startswith("tp"):  # each tensor rank wrote its own slices (sharded, default)
+    if case != "plain-then-tp":  # each tensor rank wrote its own slices (sharded, default)
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == first_np, slices
         assert any("attn.qkv.weight" in n for names in slices.values() for n in names)
+    if case == "zero-tp-then-plain":  # and its ZeRO shard of its slices' optimizer state
+        ranges = [{n for n, w in names.items() if len(w) == 4} for names in slices.values()]
+        assert sum(1 for names in ranges if names) == first_np, slices
+        assert any(
+            n.startswith("optimizer/") and "attn.qkv.weight" in n for n in set().union(*ranges)
+        )
     run = tmp_path / case
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")

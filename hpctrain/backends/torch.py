@@ -411,6 +411,9 @@ class TorchBackend(BackendBase):
                 op=hvd.Average,
             )
         self._dense = params
+        self._fence = None  # an async save still copying export_state's views (save())
+        # modules with buffers (BatchNorm statistics) may change them in a forward
+        self._forward_writes = any(True for _ in self.model.buffers())
         self._flat = (
             self.zero.part
             if self.zero is not None
@@ -467,7 +470,22 @@ class TorchBackend(BackendBase):
 
     # --- training ---------------------------------------------------------------
 
+    def hold_exported_state(self, fence) -> bool:
+        """An async checkpoint copies export_state's views while the next step runs:
+        `fence()` (the copy's end) is awaited before anything here changes them, i.e.
+        the next optimizer update, a forward that updates buffers, set_weights,
+        import_state and average_buffers."""
+        self._fence = fence
+        return True
+
+    def _release_exported(self) -> None:
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence()
+
     def train_step(self, micro_batches, lr: float) -> StepStats:
+        if self._forward_writes:
+            self._release_exported()
         if self.zero is not None:
             return self._zero_step(micro_batches, lr)
         self.model.train()
@@ -492,6 +510,7 @@ class TorchBackend(BackendBase):
             torch_tensor.clip_grad_norm_(list(self.model.named_parameters()), self.clip)
         elif self.clip is not None:
             torch_moe.clip_grad_norm_(self.model, self.clip)
+        self._release_exported()  # the copy overlapped forward and backward; now update
         if self.hvd is None:
             self.optimizer.step()
         else:
@@ -524,6 +543,7 @@ class TorchBackend(BackendBase):
         z.reduce()
         if self.clip is not None:
             z.clip(float(self.clip), self._tensor_split_mask())
+        self._release_exported()
         z.step()
         comm = t_comm[0] + time.perf_counter() - t0  # includes the shard's update
         self.exchange_step += 1
@@ -640,6 +660,7 @@ class TorchBackend(BackendBase):
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which Horovod leaves per replica."""
+        self._release_exported()
         for name, buf in self.model.named_buffers():
             if self.hvd is not None:
                 buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
@@ -662,6 +683,7 @@ class TorchBackend(BackendBase):
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
+        self._release_exported()
         with torch.no_grad():
             for key, tensor in self.model.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
@@ -696,6 +718,7 @@ class TorchBackend(BackendBase):
         return replicated, self.zero.optimizer_pieces(names, kind)
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
+        self._release_exported()
         self.set_weights(model_part(state))
         if self.zero is not None:
             names = [self._names[p] for p in self._dense]

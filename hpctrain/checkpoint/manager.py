@@ -3,15 +3,22 @@
 At most one background write is in flight: a new save first joins the previous one.
 An error in a background write is kept and re-raised by the next `maybe_save`, `save`
 or `wait`, so a failed checkpoint is never silently lost.
+
+An async save copies the arrays it must not see change (views of live tensors) into
+reused buffers (staging.py), on the caller's thread, or with `defer_copy=True` on the
+background thread while training goes on: then the caller must call `fence()` before
+it changes any of those arrays (the torch backend does, before its next update).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from pathlib import Path
 
 from ..errors import CheckpointError
+from ..testing import faults
 from . import reader, sharded, writer
 from .policy import CheckpointPolicy, Entry
 from .staging import Staging
@@ -31,6 +38,7 @@ class Checkpointer:
         self._error_step: int | None = None
         self._metrics: dict[Path, float | None] = {}
         self._staging = Staging()  # async saves' reused copy buffers
+        self._staged: threading.Event | None = None  # set once a deferred copy is done
 
     # --- saving ---------------------------------------------------------------------
     def maybe_save(self, step: int, collect, epoch_end=False, final=False, agree=None) -> bool:
@@ -63,15 +71,19 @@ class Checkpointer:
         metrics=None,
         shards=None,
         private=False,
+        defer_copy=False,
     ) -> Path | None:
         """Save now (writer only). Sync: returns the path. Async: copies the arrays on
         this thread (into buffers reused from the last save), writes in the background
         and returns None (see `wait`). private=True: the caller will not touch `state`'s
         arrays again, so those owning their memory are written without a copy. `shards`:
         the table of a sharded save's per-rank files, already written (this file commits
-        them; it is always written on this thread)."""
+        them; it is always written on this thread). defer_copy=True (async only): the
+        copy too runs in the background; the caller calls `fence()` before it changes
+        `state`'s arrays."""
         self.wait()
         async_save = self.policy.async_save and shards is None
+        deferred = async_save and defer_copy
         snap = writer.snapshot(
             step,
             state,
@@ -79,7 +91,7 @@ class Checkpointer:
             rng_by_rank,
             attrs,
             metrics,
-            async_save,
+            async_save and not deferred,
             shards,
             staging=self._staging,
             private=private,
@@ -87,17 +99,38 @@ class Checkpointer:
         self.policy.mark_saved(step)
         if not async_save:
             return self._write(snap)
+        self._staged = threading.Event()
+        if not deferred:
+            self._staged.set()
         self._thread = threading.Thread(
-            target=self._background, args=(snap,), name="hpctrain-checkpoint", daemon=False
+            target=self._background,
+            args=(snap, deferred and private, deferred),
+            name="hpctrain-checkpoint",
+            daemon=False,
         )
         self._thread.start()
         return None
 
-    def _background(self, snap: writer.Snapshot) -> None:
+    def _background(self, snap: writer.Snapshot, private: bool, copy: bool) -> None:
         try:
+            try:
+                if copy:
+                    late = faults.value("copy_delay")  # a test: a copy slower than a step
+                    if late:
+                        time.sleep(late)
+                    snap = writer.private_copy(snap, self._staging, private)
+            finally:
+                self._staged.set()  # the caller may change its arrays now (or it failed)
             self._write(snap)
         except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
             self._error, self._error_step = exc, snap.step
+
+    def fence(self) -> None:
+        """Block until the background save has copied the caller's arrays (a deferred
+        copy: `save(defer_copy=True)`); at once when nothing is being copied."""
+        staged = self._staged
+        if staged is not None:
+            staged.wait()
 
     def _write(self, snap: writer.Snapshot) -> Path:
         try:

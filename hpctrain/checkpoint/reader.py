@@ -184,37 +184,64 @@ def _valid_table(table) -> bool:
 
 
 def _valid_where(where) -> bool:
-    """A flat start, or ["tensor", rank, T] (a tensor-parallel slice)."""
+    """A flat start, or ["tensor", rank, T] (a tensor-parallel slice), or ["tensor", rank,
+    T, start] (a flat range of that slice: a ZeRO shard of it)."""
     if isinstance(where, int):
         return where >= 0
     return (
         isinstance(where, list)
-        and len(where) == 3
+        and len(where) in (3, 4)
         and where[0] == "tensor"
         and all(isinstance(x, int) for x in where[1:])
         and 0 <= where[1] < where[2]
+        and (len(where) == 3 or where[3] >= 0)
     )
+
+
+def _tiled(ranges: list[tuple[int, int]], total: int) -> bool:
+    """The (start, count) ranges cover 0..total exactly once."""
+    pos = 0
+    for start, count in sorted(ranges):
+        if start != pos:
+            return False
+        pos += count
+    return pos == total
 
 
 class _Joined:
     """One canonical tensor being assembled from its pieces, each checked for shape,
-    dtype and exactly-once coverage (flat ranges tile it, or every tensor rank once)."""
+    dtype and exactly-once coverage (flat ranges tile it, or ranges tile every tensor
+    rank's slice)."""
 
     def __init__(self, name: str, shape: list, dtype, keep: bool):
         self.name, self.shape, self.dtype, self.keep = name, list(shape), dtype, keep
+        self.leaf = name.rsplit("/", 1)[-1]
         self.total = int(np.prod(shape, dtype=np.int64))
         self.ranges: list[tuple[int, int]] = []
-        self.slices: dict[int, np.ndarray] = {}
+        self.slices: dict[int, tuple[list, np.ndarray | None]] = {}  # rank: ranges, buffer
         self.size = None  # T of tensor-parallel slices
         self.flat = None  # the flat pieces' buffer, made at the first one
 
+    def _local(self) -> tuple[int, ...]:
+        return tuple(tensor_parallel.local_shape(self.leaf, self.shape, self.size))
+
     def add(self, where, arr: np.ndarray) -> bool:
         if isinstance(where, list):
-            _, rank, size = where
-            if self.ranges or self.size not in (None, size) or rank in self.slices:
+            rank, size = where[1], where[2]
+            if self.ranges or self.size not in (None, size):
                 return False
             self.size = size
-            self.slices[rank] = arr if self.keep else np.empty(0, arr.dtype)
+            count = int(np.prod(self._local(), dtype=np.int64))
+            start = where[3] if len(where) == 4 else 0
+            if start + arr.size > count:
+                return False
+            ranges, buf = self.slices.setdefault(rank, ([], None))
+            if buf is None and self.keep:
+                buf = np.empty(count, dtype=self.dtype)
+                self.slices[rank] = (ranges, buf)
+            ranges.append((start, arr.size))
+            if self.keep:
+                buf[start : start + arr.size] = arr
             return True
         if self.slices or where + arr.size > self.total:
             return False
@@ -230,19 +257,16 @@ class _Joined:
         if self.size is not None:
             if sorted(self.slices) != list(range(self.size)):
                 return None
+            local = self._local()
+            count = int(np.prod(local, dtype=np.int64))
+            if not all(_tiled(ranges, count) for ranges, _ in self.slices.values()):
+                return None
             if not self.keep:
                 return np.empty(0)
-            leaf = self.name.rsplit("/", 1)[-1]
-            local = tensor_parallel.local_shape(leaf, self.shape, self.size)
-            parts = [self.slices[r].reshape(local) for r in range(self.size)]
-            out = tensor_parallel.unshard(leaf, parts)
+            parts = [self.slices[r][1].reshape(local) for r in range(self.size)]
+            out = tensor_parallel.unshard(self.leaf, parts)
             return out if list(out.shape) == self.shape else None
-        pos = 0
-        for start, count in sorted(self.ranges):
-            if start != pos:
-                return None
-            pos += count
-        if pos != self.total:
+        if not _tiled(self.ranges, self.total):
             return None
         if not self.keep:
             return np.empty(0)

@@ -139,6 +139,7 @@ class RunCheckpoints:
         them; otherwise the strategy gathers the whole state onto rank 0."""
         t, w = self.trainer, self.trainer.world
         s = t.strategy
+        self.checkpointer.fence()  # the previous save's copy is done before buffers change
         s.average_buffers()
         rng = {**capture_process_rng(), **s.rng_state()}
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
@@ -154,6 +155,9 @@ class RunCheckpoints:
             return None
         payload = self.payload(state, gathered, metrics)
         payload["private"] = True  # export_state's own arrays are fresh; views get copied
+        if self.policy.async_save and table is None:
+            # the copy of the views overlaps the next step, up to the strategy's fence
+            payload["defer_copy"] = s.hold_exported_state(self.checkpointer.fence)
         if table is not None:
             payload["shards"] = table
         return payload

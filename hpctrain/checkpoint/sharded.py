@@ -8,7 +8,9 @@ A piece is a flat element range of a canonical tensor (`model/<name>`,
 1/W of their bytes, and a ZeRO rank writes the optimizer state it alone owns. A
 tensor-parallel rank's slice of a split tensor (not one flat range: a column slice, or
 q, k and v rows) is a piece of its own kind, ("tensor", rank, T), joined at load with
-tensor/parallel.py's `unshard`, so no rank gathers the whole model to save it. Each shard
+tensor/parallel.py's `unshard`, so no rank gathers the whole model to save it; under
+ZeRO with tensor parallelism a rank owns a flat range of its slice's optimizer state,
+("tensor", rank, T, first). Each shard
 file is an ordinary hpctrain checkpoint file (header digest, manifest, per-dataset
 digests). The commit file holds the trainer state, every rank's random state and the
 shard table (each file's name, whole-file digest and pieces), so a shard replaced, lost
@@ -43,8 +45,8 @@ from . import writer
 
 MIN_SHARD_BYTES = 1 << 20  # replicated state is not cut into files smaller than this
 
-# canonical name -> (whole tensor's shape, first flat element or ("tensor", rank, T),
-# 1-D elements)
+# canonical name -> (whole tensor's shape, first flat element or ("tensor", rank, T) or
+# ("tensor", rank, T, first flat element of the slice), 1-D elements)
 Pieces = dict[str, tuple[tuple[int, ...], int | tuple[str, int, int], np.ndarray]]
 
 
@@ -93,12 +95,17 @@ def write_shard(directory: str | Path, step: int, rank: int, size: int, pieces: 
         writer._check_path("shard piece", name)
         arr = fmt.check_array(f"shard piece {name!r}", np.ascontiguousarray(arr).reshape(-1))
         count = int(np.prod(shape, dtype=np.int64))
-        if isinstance(start, tuple):  # ("tensor", rank, size): a tensor-parallel slice
-            _, t_rank, t_size = start
+        if isinstance(start, tuple):  # ("tensor", rank, T[, first]): a tensor-parallel
+            _, t_rank, t_size, *first = start  # slice, or a flat range of one (ZeRO's)
             want = tensor_parallel.local_shape(name.rsplit("/", 1)[-1], shape, t_size)
-            if arr.size != int(np.prod(want, dtype=np.int64)) or not 0 <= t_rank < t_size:
-                raise CheckpointError(f"shard piece {name!r}: not a 1/{t_size} slice of {shape}")
-            where = ["tensor", int(t_rank), int(t_size)]
+            local = int(np.prod(want, dtype=np.int64))
+            lo = int(first[0]) if first else 0
+            fits = (0 <= lo <= local - arr.size) if first else arr.size == local
+            if not fits or not 0 <= t_rank < t_size:
+                raise CheckpointError(
+                    f"shard piece {name!r}: not a 1/{t_size} slice of {shape} (or a range of one)"
+                )
+            where = ["tensor", int(t_rank), int(t_size), *([lo] if first else [])]
         elif not 0 <= start <= start + arr.size <= count:
             raise CheckpointError(
                 f"shard piece {name!r}: elements {start}..{start + arr.size} outside {shape}"

@@ -18,7 +18,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -163,6 +163,11 @@ def snapshot(
     if copy:
         datasets = _private_copies(datasets, staging or Staging(), private)
     return Snapshot(int(step), datasets, meta, shards)
+
+
+def private_copy(snap: Snapshot, staging: Staging, private: bool = False) -> Snapshot:
+    """`snap` with its arrays copied as snapshot(copy=True) would (a deferred copy)."""
+    return replace(snap, datasets=_private_copies(snap.datasets, staging, private))
 
 
 def _private_copies(datasets: list, staging: Staging, private: bool) -> list:

@@ -41,6 +41,9 @@ class Strategy(Protocol):
     # be views of live tensors (an async checkpoint copies those, keeps fresh ones)
     def export_state(self) -> dict | None: ...
     def export_pieces(self, min_bytes: int) -> dict | None: ...  # local; None: gather
+    # True: rank 0's exported arrays stay unchanged until `fence()`, which the strategy
+    # calls before it changes them (an async save copies them during the next step)
+    def hold_exported_state(self, fence) -> bool: ...
     def import_state(self, ckpt) -> None: ...
     def weight_shapes(self) -> dict[str, tuple]: ...  # the whole canonical model
     def rng_state(self) -> dict[str, np.ndarray]: ...
@@ -95,6 +98,10 @@ class StrategyBase:
 
     def trainer_extras(self) -> dict:
         return {}
+
+    def hold_exported_state(self, fence) -> bool:
+        """False: an async save copies the exported arrays before the loop goes on."""
+        return False
 
     def export_pieces(self, min_bytes: int) -> dict | None:
         """This rank's part of the canonical state for a sharded checkpoint

@@ -161,18 +161,24 @@ class DataParallel(StrategyBase):
             return state if self.world.is_root else None
         return self.backend.export_state() if self.world.is_root else None
 
+    def hold_exported_state(self, fence) -> bool:
+        """The backend fences before its next change of what it exported; local SGD's
+        averages change parameters out of its sight, so there the save copies first."""
+        return self.local is None and self.backend.hold_exported_state(fence)
+
     def export_pieces(self, min_bytes: int) -> dict | None:
         """Replicated tensors cut evenly over the writers; under ZeRO each rank's own
         optimizer shard; spread experts written by their own ranks (each expert's copies
         over the data axis share it out like replicated state); tensor-parallel slices
-        written by their ranks. ZeRO with experts or tensor parallelism gathers."""
+        written by their ranks, and under ZeRO their optimizer shards (ranges of the
+        slices). (ZeRO with experts is refused by the configuration.)"""
         w = self.world
         zero = getattr(self.backend, "zero", None)
         if self.tensor > 1:
-            return None if zero is not None else self._tensor_pieces(min_bytes)
+            if zero is None:
+                return self._tensor_pieces(min_bytes, self.backend.export_state())
+            return self._tensor_pieces(min_bytes, *self.backend.export_owned_state())
         if self._spread_experts():
-            if zero is not None:
-                return None
             local = self.backend.export_state()
             experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
             shared = {k: v for k, v in local.items() if k not in experts}
@@ -186,13 +192,15 @@ class DataParallel(StrategyBase):
         replicated, owned = self.backend.export_owned_state()
         return {**split_replicated(replicated, w.rank, w.size, min_bytes), **owned}
 
-    def _tensor_pieces(self, min_bytes: int) -> dict:
+    def _tensor_pieces(self, min_bytes: int, local: dict, owned: dict | None = None) -> dict:
         """Each rank's slices of the split tensors, as ("tensor", rank, T) pieces: the
-        split tensors are dealt out over the data replicas (tensor i to replica i mod R,
-        all T slices of it from that replica's tensor group); the replicated rest is cut
-        over every rank as without tensor parallelism."""
+        split tensors of `local` (this rank's state) are dealt out over the data replicas
+        (tensor i to replica i mod R, all T slices of it from that replica's tensor group);
+        the replicated rest is cut over every rank as without tensor parallelism. `owned`
+        (ZeRO: {name: (slice shape, first, elements)}, this rank's optimizer shard of
+        its slices): ranges of split tensors' slices as ("tensor", rank, T, first); the
+        ranges of tensors every tensor rank holds alike from tensor rank 0 alone."""
         w, g = self.world, self.grid.tensor
-        local = self.backend.export_state()
         split = {
             k: v
             for k, v in local.items()
@@ -205,6 +213,13 @@ class DataParallel(StrategyBase):
             if i % replicas == mine:
                 shape = tensor_parallel.full_shape(k.rsplit("/", 1)[-1], np.shape(v), g.size)
                 pieces[k] = (shape, ("tensor", g.rank, g.size), np.asarray(v).reshape(-1))
+        for k, (shape, first, elements) in (owned or {}).items():
+            leaf = k.rsplit("/", 1)[-1]
+            if len(shape) > 0 and tensor_parallel.split_kind(leaf):
+                whole = tensor_parallel.full_shape(leaf, shape, g.size)
+                pieces[k] = (whole, ("tensor", g.rank, g.size, first), elements)
+            elif g.rank == 0:
+                pieces[k] = (shape, first, elements)
         return pieces
 
     def _spread_experts(self) -> bool:

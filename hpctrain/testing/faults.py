@@ -14,6 +14,8 @@ Faults in use:
 - `step_sleep` (key: world rank): sleep `value` seconds after every step, unless resumed.
 - `write_delay` (key: 0): a checkpoint writer waits `value` seconds before writing
   (an async save's file is then written while training has moved on).
+- `copy_delay` (key: 0): an async save's deferred copy (the torch backend's views,
+  copied during the next step) starts `value` seconds late.
 """
 
 from __future__ import annotations
