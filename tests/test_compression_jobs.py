@@ -4,7 +4,7 @@ safeguard matters), and both backends follow the same trajectory through a compr
 
 import pytest
 from demo_runs import demo_accuracy
-from test_trainer_jobs import _train
+from test_trainer_jobs import BACKENDS, share, shared_run
 
 MPI = "train.allreduce=mpi"  # the compressors run in hpctrain's MPI engine
 
@@ -22,17 +22,17 @@ def test_compressed_training_reaches_dense_accuracy_and_error_feedback_matters(t
     assert without_ef < with_ef - 0.015, (without_ef, with_ef)
 
 
-@pytest.mark.parametrize("method", ["bf16", "powersgd"])
-def test_both_backends_follow_the_same_trajectory_through_a_compressor(tmp_path, method):
-    common = [
-        "train.allreduce=mpi",
-        f"train.compression={method}",
-        "train.max_steps=8",
-        "model.hidden=[32]",
-        "compression.rank=2",
-    ]
-    wt, lt = _train(tmp_path, f"{method}-torch", 2, "backend=torch", *common)
-    wf, lf = _train(tmp_path, f"{method}-tf", 2, "backend=tensorflow", *common)
+METHODS = ["bf16", "powersgd"]
+for _b in BACKENDS:
+    for _method in METHODS:  # trained in the launch test_trainer_jobs.py's runs share
+        share(2, _b, f"{_method}-compressed", MPI, f"train.compression={_method}",
+              "train.max_steps=8", "model.hidden=[32]", "compression.rank=2")  # fmt: skip
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_both_backends_follow_the_same_trajectory_through_a_compressor(tmp_path_factory, method):
+    wt, lt = shared_run(tmp_path_factory, 2, "torch", f"{method}-compressed")
+    wf, lf = shared_run(tmp_path_factory, 2, "tensorflow", f"{method}-compressed")
     assert lt == pytest.approx(lf, abs=1e-4)
     for k in wt:
         assert abs(wt[k] - wf[k]).max() < 1e-4, k

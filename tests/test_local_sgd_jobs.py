@@ -7,7 +7,7 @@ import re
 
 import pytest
 from mpirun import HPCTRAIN, ROOT, mpirun
-from test_trainer_jobs import _assert_same_weights, _train
+from test_trainer_jobs import _assert_same_weights, _train_many
 
 from hpctrain.exchange.local_sgd import LocalSchedule
 
@@ -22,16 +22,19 @@ def test_schedule_syncs_the_warmup_then_averages_every_h_steps():
 
 def test_warmup_is_synchronous_and_replicas_end_identical(tmp_path):
     common = ["train.allreduce=mpi", "train.max_steps=7", "model.hidden=[32]"]
-    sync, sync_losses = _train(tmp_path, "sync", 2, *common)
-    warm, warm_losses = _train(
-        tmp_path, "warm", 2, *common, "train.sync_every=4", "train.local_sgd_warmup_steps=7"
-    )
+    runs = _train_many(
+        tmp_path,
+        2,
+        {
+            "sync": common,
+            "warm": [*common, "train.sync_every=4", "train.local_sgd_warmup_steps=7"],
+            # 7 steps with H=3 after 2 synchronous ones: the last two are local, then
+            # averaged at the end (_train_many asserts every rank holds the same parameters).
+            "local": [*common, "train.sync_every=3", "train.local_sgd_warmup_steps=2"],
+        },
+    )  # one launch, three runs (each reseeds the process)
+    (sync, sync_losses), (warm, _), (local, local_losses) = runs.values()
     _assert_same_weights(warm, sync, 1e-6)  # every step inside the warm-up: synchronous
-    # 7 steps with H=3 after 2 synchronous ones: the last two are local, then averaged at
-    # the end (_train asserts every rank holds the same parameters).
-    local, local_losses = _train(
-        tmp_path, "local", 2, *common, "train.sync_every=3", "train.local_sgd_warmup_steps=2"
-    )
     assert local_losses[:2] == pytest.approx(sync_losses[:2], abs=1e-6)
     assert max(abs(local[k] - sync[k]).max() for k in sync) > 1e-6  # it did step locally
 

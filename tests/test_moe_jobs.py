@@ -3,6 +3,8 @@ reference, the MoE transformer trains in both backends, np=2 equals np=1 when no
 dropped, and bad input stops every rank with a clear message."""
 
 import json
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -36,39 +38,80 @@ def test_expert_parallel_layer_equals_single_process_reference(np_):
         assert f"MOE LAYER OK: {backend}, 4 cases, {np_} rank(s)" in job.output, job.output
 
 
-def _train(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
-    out = tmp_path / f"{name}.npz"
-    run_dir = run_dir or tmp_path / f"{name}.npz.run"
-    args = [str(SCRIPTS / "moe_train_dump.py"), str(out), "--run-dir", str(run_dir)]
-    if resume:
-        args += ["--resume", resume]
-    for o in [*MOE, *overrides]:
-        args += ["--set", o]
-    job = mpirun(np_, PYTHON, *args, timeout=300)
+def _train_many(tmp_path, np_, runs: dict[str, list[str]], timeout=300, run_dir=None, resume=None):
+    """{name: (weights, step lines)} of runs trained one after the other in one mpirun
+    launch (moe_train_dump.py --next; each run reseeds the process): the launch, not
+    the steps, is most of a small run's time. run_dir/resume: for a single run."""
+    args = [str(SCRIPTS / "moe_train_dump.py")]
+    dirs = {}
+    for name, overrides in runs.items():
+        args += ["--next"] if len(args) > 1 else []
+        dirs[name] = run_dir or tmp_path / f"{name}.npz.run"
+        args += [str(tmp_path / f"{name}.npz"), "--run-dir", str(dirs[name])]
+        if resume:
+            args += ["--resume", resume]
+        for o in [*MOE, *overrides]:
+            args += ["--set", o]
+    job = mpirun(np_, PYTHON, *args, timeout=timeout)
     assert job.returncode == 0, job.output
-    assert f"DENSE REPLICAS IDENTICAL over {np_} rank(s)" in job.output, job.output
-    with np.load(out) as f:
-        weights = {k: f[k] for k in f.files}
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-    return weights, [x for x in lines if x["event"] == "step"]
+    results = {}
+    for name in runs:
+        out = tmp_path / f"{name}.npz"
+        said = rf"DENSE REPLICAS IDENTICAL over {np_} rank\(s\); \d+ expert tensors gathered: "
+        assert re.search(said + re.escape(str(out)), job.output), job.output
+        with np.load(out) as f:
+            weights = {k: f[k] for k in f.files}
+        lines = [json.loads(x) for x in (dirs[name] / "metrics.jsonl").open()]
+        results[name] = weights, [x for x in lines if x["event"] == "step"]
+    return results
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_moe_transformer_trains_and_respects_capacity(tmp_path, backend):
-    cf = 1.25
-    moe = f"model.moe={{experts: 4, top_k: 2, capacity_factor: {cf}, min_capacity: 0}}"
-    _, steps = _train(
-        tmp_path,
-        backend,
-        2,
-        f"backend={backend}",
-        moe,
-        "train.max_steps=40",
-        "train.epochs=2",
-        "train.batch_size=16",
-        "optimizer.name=adam",
-        "optimizer.lr=0.003",
-    )
+def _train(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
+    runs = {name: list(overrides)}
+    return _train_many(tmp_path, np_, runs, run_dir=run_dir, resume=resume)[name]
+
+
+# The runs tests compare, by (ranks, backend): trained in one launch the first time any
+# test asks for one of them, then shared by the session (as test_trainer_jobs.py's).
+# A launch costs 5-11 s on 2 cores; one more small run in it about a second.
+SHARED: dict[tuple[int, str], dict[str, list[str]]] = {}
+_SHARED_DONE: dict[tuple[int, str], tuple[Path, dict] | AssertionError] = {}
+
+
+def share(np_, backend, name, *overrides):
+    runs = SHARED.setdefault((np_, backend), {})
+    assert name not in runs, f"two shared runs named {name} ({np_} ranks, {backend})"
+    runs[name] = [f"backend={backend}", *overrides]
+
+
+def shared_run(tmp_path_factory, np_, backend, name, run_dir=False):
+    """(weights, step lines) of the run `share` registered; run_dir=True: its directory."""
+    key = (np_, backend)
+    if key not in _SHARED_DONE:
+        where = tmp_path_factory.mktemp(f"moe-np{np_}-{backend}")
+        try:
+            _SHARED_DONE[key] = where, _train_many(where, np_, SHARED[key], timeout=600)
+        except AssertionError as exc:
+            _SHARED_DONE[key] = exc  # reported once, not relaunched by every test
+            raise
+    if isinstance(_SHARED_DONE[key], AssertionError):
+        raise AssertionError(f"the shared {key} launch failed (first test)") from None
+    where, results = _SHARED_DONE[key]
+    return where / f"{name}.npz.run" if run_dir else results[name]
+
+
+BACKENDS = ["torch", "tensorflow"]
+CF = 1.25
+for _b in BACKENDS:
+    share(2, _b, "trains", f"model.moe={{experts: 4, top_k: 2, capacity_factor: {CF}, "
+          "min_capacity: 0}", "train.max_steps=40", "train.epochs=2", "train.batch_size=16",
+          "optimizer.name=adam", "optimizer.lr=0.003")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_transformer_trains_and_respects_capacity(tmp_path_factory, backend):
+    cf = CF
+    _, steps = shared_run(tmp_path_factory, 2, backend, "trains")
     losses = [s["loss"] for s in steps]
     assert len(losses) == 40
     assert np.mean(losses[-5:]) < np.mean(losses[:5]) - 0.2, losses  # it learns
@@ -85,25 +128,30 @@ def test_moe_transformer_trains_and_respects_capacity(tmp_path, backend):
 # Global batch 16 everywhere. np=2: one expert group of 2 ranks. np=4 with
 # parallel.expert=2: tokens are exchanged within 2 expert groups of 2 ranks, and each
 # expert's 2 copies average their gradients over the grid's data axis (MoE x DP).
-@pytest.mark.parametrize(
-    "np_,overrides",
-    [(2, ["train.batch_size=8"]), (4, ["train.batch_size=4", "parallel.expert=2"])],
-    ids=["one-group-of-2", "two-groups-of-2"],
-)
-def test_expert_parallel_ranks_equal_one_rank_when_nothing_is_dropped(tmp_path, np_, overrides):
-    # The balancing loss is a product of per-batch means (f_i * P_i), so it is computed
-    # per rank's batch (as Switch does per core) and is not split-invariant: alpha = 0.
-    common = [
-        "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
-        "train.max_steps=4",
-        "optimizer.name=sgd",
-        "optimizer.lr=0.1",
-        "train.clip_norm=0.5",
-    ]
-    ref, ref_steps = _train(tmp_path, "np1", 1, *common, "train.batch_size=16")
-    got, got_steps = _train(tmp_path, f"np{np_}", np_, *common, *overrides)
+# The balancing loss is a product of per-batch means (f_i * P_i), so it is computed
+# per rank's batch (as Switch does per core) and is not split-invariant: alpha = 0.
+EQUAL = [
+    "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
+    "train.max_steps=4",
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "train.clip_norm=0.5",
+]
+LAYOUTS = [(2, ["train.batch_size=8"]), (4, ["train.batch_size=4", "parallel.expert=2"])]
+share(1, "torch", "equal-np1", *EQUAL, "train.batch_size=16")
+for _np, _overrides in LAYOUTS:
+    share(_np, "torch", "equal", *EQUAL, *_overrides)
+
+
+@pytest.mark.parametrize("np_,overrides", LAYOUTS, ids=["one-group-of-2", "two-groups-of-2"])
+def test_expert_parallel_ranks_equal_one_rank_when_nothing_is_dropped(
+    tmp_path_factory, np_, overrides
+):
+    ref, ref_steps = shared_run(tmp_path_factory, 1, "torch", "equal-np1")
+    got, got_steps = shared_run(tmp_path_factory, np_, "torch", "equal")
     if "parallel.expert=2" in overrides:
-        assert "expert: 2" in (tmp_path / f"np{np_}.npz.run" / "config.yaml").read_text()
+        run_dir = shared_run(tmp_path_factory, np_, "torch", "equal", run_dir=True)
+        assert "expert: 2" in (run_dir / "config.yaml").read_text()
     assert ref.keys() == got.keys()
     assert sum(".moe.experts." in k for k in ref) == 2 * 4 * 4  # 2 blocks x 4 experts x 4
     for k in ref:
@@ -150,32 +198,40 @@ def _manifest(path) -> dict:
         return json.loads(f["manifest"][()].tobytes())
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_moe_checkpoints_resume_bit_for_bit_and_on_another_expert_layout(tmp_path, backend):
+CKPT = [
+    "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
+    # SGD with momentum (a slot to checkpoint): Adam would turn the key bias's
+    # rounding-noise gradients into full steps, different at each layout.
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "optimizer.momentum=0.9",
+    "train.clip_norm=0.5",
+    "checkpoint.every_steps=3",
+    "checkpoint.keep_last=null",
+    "train.epochs=1",
+]
+for _b in BACKENDS:
+    share(1, _b, "ckpt-np1", *CKPT, "train.batch_size=16", "train.max_steps=6")
+    share(2, _b, "ckpt-np2", *CKPT, "train.batch_size=8", "train.max_steps=6")
+    share(2, _b, "ckpt-part1", *CKPT, "train.batch_size=8", "train.max_steps=3")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_moe_checkpoints_resume_bit_for_bit_and_on_another_expert_layout(
+    tmp_path, tmp_path_factory, backend
+):
     """Experts live on different ranks: each rank writes its experts' weights and
     optimizer slots under canonical names to its own shard file (sharded, the default),
     or rank 0 gathers them into one file. A 2-rank run stopped at step 3 resumes on 2
     ranks bit for bit, and on 4 ranks as 2 expert groups x 2 replicas (resharded by
-    name) equal to one process, as the uninterrupted runs are."""
+    name) equal to one process, as the uninterrupted runs are. The resumed runs start
+    fresh processes; the others share their launch with other tests' runs."""
     import shutil
 
-    common = [
-        f"backend={backend}",
-        "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}",
-        # SGD with momentum (a slot to checkpoint): Adam would turn the key bias's
-        # rounding-noise gradients into full steps, different at each layout.
-        "optimizer.name=sgd",
-        "optimizer.lr=0.1",
-        "optimizer.momentum=0.9",
-        "train.clip_norm=0.5",
-        "checkpoint.every_steps=3",
-        "checkpoint.keep_last=null",
-        "train.epochs=1",
-    ]
-    ref, ref_steps = _train(tmp_path, "np1", 1, *common, "train.batch_size=16", "train.max_steps=6")
-    whole, _ = _train(tmp_path, "np2", 2, *common, "train.batch_size=8", "train.max_steps=6")
-    first = tmp_path / "first"
-    _train(tmp_path, "part1", 2, *common, "train.batch_size=8", "train.max_steps=3", run_dir=first)
+    common = [f"backend={backend}", *CKPT]
+    ref, _ = shared_run(tmp_path_factory, 1, backend, "ckpt-np1")
+    whole, _ = shared_run(tmp_path_factory, 2, backend, "ckpt-np2")
+    first = shared_run(tmp_path_factory, 2, backend, "ckpt-part1", run_dir=True)
     assert (first / "checkpoints" / "ckpt-00000003.h5").exists()
     shards = sorted((first / "checkpoints" / "ckpt-00000003.shards").glob("shard-*.h5"))
     assert [p.name for p in shards] == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"]

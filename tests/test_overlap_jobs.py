@@ -3,7 +3,7 @@ same parameters as the synchronous engine (SGD with momentum and Adam, clipping,
 accumulation, several buckets), in both backends."""
 
 import pytest
-from test_trainer_jobs import _assert_same_weights, _train
+from test_trainer_jobs import _assert_same_weights, share, shared_run
 
 COMMON = ["train.max_steps=5", "model.hidden=[64, 32]", "train.batch_size=8"]
 TORTURE = [
@@ -13,15 +13,18 @@ TORTURE = [
 ]
 
 
-@pytest.mark.parametrize(
-    "backend, np_, optimizer",
-    [("torch", 2, "sgd"), ("torch", 4, "adam"), ("tensorflow", 2, "sgd")],
-)
-def test_overlap_equals_the_synchronous_engine(tmp_path, backend, np_, optimizer):
-    opts = [f"backend={backend}", f"optimizer.name={optimizer}", *COMMON, *TORTURE]
-    if optimizer == "sgd":
-        opts.append("optimizer.momentum=0.9")
-    sync, sync_losses = _train(tmp_path, "sync", np_, *opts, "train.allreduce=mpi")
-    over, over_losses = _train(tmp_path, "overlap", np_, *opts, "train.allreduce=overlap")
+CASES = [("torch", 2, "sgd"), ("torch", 4, "adam"), ("tensorflow", 2, "sgd")]
+for _backend, _np, _optimizer in CASES:  # trained in the launches other tests' runs share
+    _opts = [f"optimizer.name={_optimizer}", *COMMON, *TORTURE]
+    if _optimizer == "sgd":
+        _opts.append("optimizer.momentum=0.9")
+    for _engine in ("mpi", "overlap"):
+        share(_np, _backend, f"engine-{_engine}-{_optimizer}", *_opts, f"train.allreduce={_engine}")
+
+
+@pytest.mark.parametrize("backend, np_, optimizer", CASES)
+def test_overlap_equals_the_synchronous_engine(tmp_path_factory, backend, np_, optimizer):
+    sync, sync_losses = shared_run(tmp_path_factory, np_, backend, f"engine-mpi-{optimizer}")
+    over, over_losses = shared_run(tmp_path_factory, np_, backend, f"engine-overlap-{optimizer}")
     _assert_same_weights(over, sync, 1e-6)
     assert over_losses == pytest.approx(sync_losses, abs=1e-6)

@@ -5,7 +5,7 @@ gradients and optimizer state stay float32 (checkpoints are the usual float32 on
 
 import pytest
 from demo_runs import demo_accuracy
-from test_trainer_jobs import _train
+from test_trainer_jobs import BACKENDS, share, shared_run
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
@@ -16,11 +16,17 @@ def test_bf16_reaches_float32_accuracy_on_the_demo(tmp_path_factory, backend):
     assert bf16 > fp32 - 0.01, (bf16, fp32)
 
 
-def test_bf16_backends_agree_and_keep_float32_master_weights(tmp_path):
-    common = ["train.precision=bf16", "train.max_steps=8", "model.hidden=[64]"]
-    wt, lt = _train(tmp_path, "bf16-torch", 2, "backend=torch", *common)
-    wf, lf = _train(tmp_path, "bf16-tf", 2, "backend=tensorflow", *common)
-    w32, l32 = _train(tmp_path, "fp32-torch", 2, "backend=torch", *common[1:])
+# Trained in the launches other tests' runs share (each run reseeds the process).
+BF16 = ["train.precision=bf16", "train.max_steps=8", "model.hidden=[64]"]
+for _b in BACKENDS:
+    share(2, _b, "bf16-mlp64", *BF16)
+share(2, "torch", "fp32-mlp64", *BF16[1:])
+
+
+def test_bf16_backends_agree_and_keep_float32_master_weights(tmp_path_factory):
+    wt, lt = shared_run(tmp_path_factory, 2, "torch", "bf16-mlp64")
+    wf, lf = shared_run(tmp_path_factory, 2, "tensorflow", "bf16-mlp64")
+    w32, l32 = shared_run(tmp_path_factory, 2, "torch", "fp32-mlp64")
     # bfloat16 keeps 8 bits of mantissa: the losses agree to its resolution, and differ
     # from float32's by more than float32 rounding (bf16 really computed).
     assert lt == pytest.approx(lf, rel=2e-2)
@@ -31,18 +37,22 @@ def test_bf16_backends_agree_and_keep_float32_master_weights(tmp_path):
         assert abs(wt[k] - wf[k]).max() < 2e-2, k
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_bf16_transformer_loss_within_two_percent_of_float32(tmp_path, backend):
-    common = [
-        f"backend={backend}",
-        "model.name=transformer",
-        "data.task=tokens",
-        "train.max_steps=20",
-        "optimizer.name=adam",
-        "optimizer.lr=0.003",
-    ]
-    _, l32 = _train(tmp_path, "fp32", 2, *common)
-    _, l16 = _train(tmp_path, "bf16", 2, *common, "train.precision=bf16")
+TRANSFORMER = [
+    "model.name=transformer",
+    "data.task=tokens",
+    "train.max_steps=20",
+    "optimizer.name=adam",
+    "optimizer.lr=0.003",
+]
+for _b in BACKENDS:
+    share(2, _b, "fp32-transformer", *TRANSFORMER)
+    share(2, _b, "bf16-transformer", *TRANSFORMER, "train.precision=bf16")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_transformer_loss_within_two_percent_of_float32(tmp_path_factory, backend):
+    _, l32 = shared_run(tmp_path_factory, 2, backend, "fp32-transformer")
+    _, l16 = shared_run(tmp_path_factory, 2, backend, "bf16-transformer")
     assert l16[-1] == pytest.approx(l32[-1], rel=0.02), (l16[-1], l32[-1])
     assert l16[-1] < l16[0]  # it learned
 

@@ -3,6 +3,7 @@ both backends agree, replicas stay identical, and bad input stops every rank cle
 
 import json
 import re
+from pathlib import Path
 
 import h5py
 import numpy as np
@@ -21,19 +22,67 @@ SMALL = [
 ]
 
 
-def _train(tmp_path, name, np_, *overrides, timeout=300):
-    out = tmp_path / f"{name}.npz"
-    args = [SCRIPT, str(out)]
-    for o in [*SMALL, *overrides]:
-        args += ["--set", o]
+def _train_many(tmp_path, np_, runs: dict[str, list[str]], timeout=300) -> dict:
+    """{name: (weights, losses)} of several runs trained one after the other in one
+    mpirun launch (train_dump.py --next): the launch, not the steps, is most of a small
+    run's time, and every run reseeds the process (equal to a run in a fresh process)."""
+    args = [SCRIPT]
+    for name, overrides in runs.items():
+        args += ["--next"] if len(args) > 1 else []
+        args.append(str(tmp_path / f"{name}.npz"))
+        for o in [*SMALL, *overrides]:
+            args += ["--set", o]
     job = mpirun(np_, PYTHON, *args, timeout=timeout)
     assert job.returncode == 0, job.output
-    assert f"REPLICAS IDENTICAL over {np_} rank(s)" in job.output
-    with np.load(out) as f:
-        weights = {k: f[k] for k in f.files}
-    lines = [json.loads(x) for x in (tmp_path / f"{name}.npz.run" / "metrics.jsonl").open()]
-    losses = [x["loss"] for x in lines if x["event"] == "step"]
-    return weights, losses
+    results = {}
+    for name in runs:
+        out = tmp_path / f"{name}.npz"
+        said = rf"REPLICAS IDENTICAL over {np_} rank\(s\): \d+ tensors: "
+        assert re.search(said + re.escape(str(out)), job.output), job.output
+        with np.load(out) as f:
+            weights = {k: f[k] for k in f.files}
+        lines = [json.loads(x) for x in (tmp_path / f"{name}.npz.run" / "metrics.jsonl").open()]
+        results[name] = weights, [x["loss"] for x in lines if x["event"] == "step"]
+    return results
+
+
+def _train(tmp_path, name, np_, *overrides, timeout=300):
+    return _train_many(tmp_path, np_, {name: list(overrides)}, timeout=timeout)[name]
+
+
+# The small runs that tests compare, by (ranks, backend): trained in one launch the first
+# time any test asks for one of them, then shared by every test of the session (like
+# demo_runs.py). A launch costs 5-11 s on 2 cores (imports, MPI, Horovod); one more
+# small run in it under 1 s. Other test files (compression, local SGD, overlap, ZeRO,
+# bf16) add theirs at import. Every run reseeds the process, so sharing a launch changes
+# no number; test_overlapped_step_metrics_change_nothing_but_timing would see a leak.
+SHARED: dict[tuple[int, str], dict[str, list[str]]] = {}
+_SHARED_DONE: dict[tuple[int, str], tuple[Path, dict] | AssertionError] = {}
+
+
+def share(np_, backend, name, *overrides):
+    runs = SHARED.setdefault((np_, backend), {})
+    assert name not in runs, f"two shared runs named {name} ({np_} ranks, {backend})"
+    runs[name] = [f"backend={backend}", *overrides]
+
+
+def shared_run(tmp_path_factory, np_, backend, name, run_dir=False):
+    """(weights, losses) of the run `share` registered (all of its launch trained once);
+    run_dir=True: that run's directory instead."""
+    key = (np_, backend)
+    if key not in _SHARED_DONE:
+        where = tmp_path_factory.mktemp(f"np{np_}-{backend}")
+        runs = SHARED[key]  # Horovod, once started, stays in the process: its runs last
+        runs = dict(sorted(runs.items(), key=lambda r: "train.allreduce=horovod" in r[1]))
+        try:
+            _SHARED_DONE[key] = where, _train_many(where, np_, runs, timeout=600)
+        except AssertionError as exc:
+            _SHARED_DONE[key] = exc  # reported once, not relaunched by every test
+            raise
+    if isinstance(_SHARED_DONE[key], AssertionError):
+        raise AssertionError(f"the shared {key} launch failed (first test)") from None
+    where, results = _SHARED_DONE[key]
+    return where / f"{name}.npz.run" if run_dir else results[name]
 
 
 def _assert_same_weights(a, b, tol):
@@ -42,47 +91,57 @@ def _assert_same_weights(a, b, tol):
         np.testing.assert_allclose(a[k], b[k], rtol=0, atol=tol, err_msg=k)
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation(tmp_path, backend):
-    common = [f"backend={backend}", "train.max_steps=6", "model.hidden=[32]"]
-    ref, ref_losses = _train(tmp_path, "np1-b32", 1, *common, "train.batch_size=32")
-    acc1, _ = _train(
-        tmp_path, "np1-b16-a2", 1, *common, "train.batch_size=16", "train.grad_accum=2"
-    )
+BACKENDS = ["torch", "tensorflow"]
+for _b in BACKENDS:
+    _common = ["train.max_steps=6", "model.hidden=[32]"]
+    share(1, _b, "np1-b32", *_common, "train.batch_size=32")
+    share(1, _b, "np1-b16-a2", *_common, "train.batch_size=16", "train.grad_accum=2")
+    share(1, _b, "np1-init", *_common, "train.batch_size=32", "optimizer.lr=1e-12")
+    for _engine in ("mpi", "horovod"):  # both ways of averaging gradients
+        _e = f"train.allreduce={_engine}"
+        share(2, _b, f"np2-b16-{_engine}", *_common, _e, "train.batch_size=16")
+        share(
+            2, _b, f"np2-b8-a2-{_engine}", *_common, _e, "train.batch_size=8", "train.grad_accum=2"
+        )
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_two_ranks_equal_one_rank_with_double_batch_and_accumulation(tmp_path_factory, backend):
+    def run(np_, name):
+        return shared_run(tmp_path_factory, np_, backend, name)
+
+    ref, ref_losses = run(1, "np1-b32")
+    acc1, _ = run(1, "np1-b16-a2")
     # The weights moved (the comparison is not between untouched initial values).
-    init, _ = _train(tmp_path, "np1-init", 1, *common, "train.batch_size=32", "optimizer.lr=1e-12")
+    init, _ = run(1, "np1-init")
     assert max(np.abs(ref[k] - init[k]).max() for k in ref) > 1e-3
     _assert_same_weights(acc1, ref, 1e-5)
     for engine in ("horovod", "mpi"):  # both ways of averaging gradients
-        e = f"train.allreduce={engine}"
-        dp, dp_losses = _train(tmp_path, f"np2-b16-{engine}", 2, *common, e, "train.batch_size=16")
-        acc2, _ = _train(
-            tmp_path,
-            f"np2-b8-a2-{engine}",
-            2,
-            *common,
-            e,
-            "train.batch_size=8",
-            "train.grad_accum=2",
-        )
+        dp, dp_losses = run(2, f"np2-b16-{engine}")
+        acc2, _ = run(2, f"np2-b8-a2-{engine}")
         _assert_same_weights(dp, ref, 1e-5)
         _assert_same_weights(acc2, ref, 1e-5)
         np.testing.assert_allclose(dp_losses, ref_losses, atol=1e-5)
 
 
-@pytest.mark.parametrize("model,task", [("mlp", "vectors"), ("cnn", "images")])
-def test_torch_and_tensorflow_follow_the_same_loss_trajectory(tmp_path, model, task):
-    common = [
-        f"model.name={model}",
-        f"data.task={task}",
-        "train.max_steps=12",
-        "train.batch_size=16",
-        "optimizer.name=adam",
-        "optimizer.lr=0.003",
-        "data.image_size=8",
-    ]
-    wt, lt = _train(tmp_path, f"{model}-torch", 2, "backend=torch", *common)
-    wf, lf = _train(tmp_path, f"{model}-tf", 2, "backend=tensorflow", *common)
+MODELS = [("mlp", "vectors"), ("cnn", "images")]
+for _b in BACKENDS:
+    for _model, _task in MODELS:
+        share(2, _b, f"{_model}-adam", f"model.name={_model}", f"data.task={_task}",
+              "train.max_steps=12", "train.batch_size=16", "optimizer.name=adam",
+              "optimizer.lr=0.003", "data.image_size=8")  # fmt: skip
+    _common = ["train.max_steps=6", "model.hidden=[32]", "train.batch_size=16"]
+    share(2, _b, "fp32", *_common)
+    share(2, _b, "fp16", *_common, "train.compression=fp16")
+for _overlap in ("true", "false"):
+    share(2, "torch", f"overlap-{_overlap}", "train.max_steps=7", "model.hidden=[32]",
+          "train.batch_size=16", f"train.overlap_step_metrics={_overlap}")  # fmt: skip
+
+
+@pytest.mark.parametrize("model,task", MODELS)
+def test_torch_and_tensorflow_follow_the_same_loss_trajectory(tmp_path_factory, model, task):
+    wt, lt = shared_run(tmp_path_factory, 2, "torch", f"{model}-adam")
+    wf, lf = shared_run(tmp_path_factory, 2, "tensorflow", f"{model}-adam")
     assert len(lt) == len(lf) == 12
     np.testing.assert_allclose(lt, lf, atol=1e-4)
     assert lt[-1] < lt[0]  # it trained
@@ -133,14 +192,14 @@ def test_dataset_present_on_only_some_ranks_is_reported_on_every_rank(tmp_path):
     )
 
 
-def test_overlapped_step_metrics_change_nothing_but_timing(tmp_path):
+def test_overlapped_step_metrics_change_nothing_but_timing(tmp_path_factory):
     """Step metrics read one step late log the same steps, losses and final weights."""
-    common = ["train.max_steps=7", "model.hidden=[32]", "train.batch_size=16"]
     runs = {}
     for overlap in ("true", "false"):
         name = f"overlap-{overlap}"
-        runs[overlap] = _train(tmp_path, name, 2, *common, f"train.overlap_step_metrics={overlap}")
-        lines = [json.loads(x) for x in (tmp_path / f"{name}.npz.run" / "metrics.jsonl").open()]
+        runs[overlap] = shared_run(tmp_path_factory, 2, "torch", name)
+        run_dir = shared_run(tmp_path_factory, 2, "torch", name, run_dir=True)
+        lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
         steps = [x["step"] for x in lines if x["event"] == "step"]
         assert steps == list(range(1, 8)), steps
     _assert_same_weights(runs["true"][0], runs["false"][0], 0)
@@ -188,26 +247,24 @@ def test_nan_in_the_data_stops_every_rank_at_the_same_step(tmp_path, overlap):
     assert step > 1, "the bad rows should not all be in the first batch"
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-@pytest.mark.parametrize("engine", ["horovod", "mpi"])
+ENGINES = ["horovod", "mpi"]
+for _b in BACKENDS:
+    for _engine in ENGINES:
+        share(4, _b, f"resnet-{_engine}", f"train.allreduce={_engine}", "model.name=resnet",
+              "model.width=4", "data.task=images", "data.image_size=8", "train.max_steps=4",
+              "train.batch_size=8")  # fmt: skip
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("engine", ENGINES)
 def test_replicas_stay_identical_at_four_ranks_including_batchnorm_statistics(
-    tmp_path, backend, engine
+    tmp_path_factory, backend, engine
 ):
     # resnet has BatchNorm running statistics, which Horovod leaves per replica; hpctrain
-    # averages them, so every tensor (parameters and buffers) must match on all ranks.
-    _train(
-        tmp_path,
-        f"resnet-{backend}-{engine}",
-        4,
-        f"backend={backend}",
-        f"train.allreduce={engine}",
-        "model.name=resnet",
-        "model.width=4",
-        "data.task=images",
-        "data.image_size=8",
-        "train.max_steps=4",
-        "train.batch_size=8",
-    )
+    # averages them, so every tensor (parameters and buffers) must match on all ranks
+    # (train_dump.py checks it after each run; _train_many asserts it said so).
+    weights, losses = shared_run(tmp_path_factory, 4, backend, f"resnet-{engine}")
+    assert any("running_mean" in k for k in weights) and len(losses) == 4
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
@@ -232,11 +289,10 @@ def test_demo_config_reaches_its_stated_accuracy(tmp_path_factory, backend):
     assert (run / "tb").is_dir() and any((run / "tb").iterdir())
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_fp16_compression_trains_close_to_full_precision(tmp_path, backend):
-    common = [f"backend={backend}", "train.max_steps=6", "model.hidden=[32]", "train.batch_size=16"]
-    full, _ = _train(tmp_path, f"fp32-{backend}", 2, *common)
-    half, _ = _train(tmp_path, f"fp16-{backend}", 2, *common, "train.compression=fp16")
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_fp16_compression_trains_close_to_full_precision(tmp_path_factory, backend):
+    full, _ = shared_run(tmp_path_factory, 2, backend, "fp32")
+    half, _ = shared_run(tmp_path_factory, 2, backend, "fp16")
     diffs = [np.abs(full[k] - half[k]).max() for k in full]
     assert max(diffs) < 1e-2  # fp16 rounding of the averaged gradients only
     assert max(diffs) > 0  # and the gradients really went through fp16

@@ -10,7 +10,7 @@ import shutil
 import numpy as np
 import pytest
 from test_resume_jobs import _run, _step_losses
-from test_trainer_jobs import _assert_same_weights, _train
+from test_trainer_jobs import _assert_same_weights, _train, share, shared_run
 
 COMMON = ["train.max_steps=5", "model.hidden=[64, 32]", "train.batch_size=8"]
 TORTURE = [
@@ -27,29 +27,35 @@ def _metrics(run_dir):
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
 
 
-@pytest.mark.parametrize(
-    "backend, np_, optimizer, stage",
-    [
-        ("torch", 2, "sgd", 1),
-        ("torch", 4, "adam", 2),
-        ("tensorflow", 2, "adam", 2),
-        ("tensorflow", 4, "sgd", 1),
-    ],
-)
-def test_zero_equals_plain_data_parallel(tmp_path, backend, np_, optimizer, stage):
-    opts = [f"backend={backend}", f"optimizer.name={optimizer}", *COMMON, *TORTURE]
-    if optimizer == "sgd":
-        opts.append("optimizer.momentum=0.9")
+CASES = [
+    ("torch", 2, "sgd", 1),
+    ("torch", 4, "adam", 2),
+    ("tensorflow", 2, "adam", 2),
+    ("tensorflow", 4, "sgd", 1),
+]
+for _backend, _np, _optimizer, _stage in CASES:  # in the launches other tests' runs share
+    _opts = [f"optimizer.name={_optimizer}", *COMMON, *TORTURE]
+    if _optimizer == "sgd":
+        _opts.append("optimizer.momentum=0.9")
     else:
         # Adam's default here (lr 0.05) turns last-bit differences of the clip coefficient
         # (torch sums per-parameter float32 norms, the shards a float64 sum) into 1e-6
         # steps on near-zero gradients; at a usual Adam lr they stay below 1e-7.
-        opts.append("optimizer.lr=0.003")
-    plain, plain_losses = _train(tmp_path, "plain", np_, *opts)
-    zero, zero_losses = _train(tmp_path, "zero", np_, *opts, f"train.zero={stage}")
+        _opts.append("optimizer.lr=0.003")
+    share(_np, _backend, f"plain-{_optimizer}", *_opts)
+    share(_np, _backend, f"zero{_stage}-{_optimizer}", *_opts, f"train.zero={_stage}")
+
+
+@pytest.mark.parametrize("backend, np_, optimizer, stage", CASES)
+def test_zero_equals_plain_data_parallel(tmp_path_factory, backend, np_, optimizer, stage):
+    def run(name, run_dir=False):
+        return shared_run(tmp_path_factory, np_, backend, name, run_dir=run_dir)
+
+    plain, plain_losses = run(f"plain-{optimizer}")
+    zero, zero_losses = run(f"zero{stage}-{optimizer}")
     _assert_same_weights(zero, plain, 1e-6)
     assert zero_losses == pytest.approx(plain_losses, abs=1e-6)
-    steps = [x for x in _metrics(tmp_path / "zero.npz.run") if x["event"] == "step"]
+    steps = [x for x in _metrics(run(f"zero{stage}-{optimizer}", True)) if x["event"] == "step"]
     # Reduce-scatter + allgather: what a ring allreduce sends, 2 (N-1)/N of the vector;
     # stage 2 reduce-scatters every micro-batch (grad_accum=2): 3 (N-1)/N.
     psi = steps[-1]["zero_model_param_bytes"]

@@ -4,6 +4,9 @@ usage: moe_train_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key
 Dense parameters must be identical on every rank (allreduce MIN = MAX of checksums);
 each expert lives on one rank, so rank 0 gathers them under their global names and
 writes every tensor (pickle-free npz), which is comparable across world sizes.
+`... --next OUT2.npz [--run-dir DIR] [--set key=value ...]`: one more run after it in the
+same processes (one launch for several runs; each run's Trainer reseeds the process, as
+in train_dump.py).
 """
 
 import sys
@@ -15,8 +18,8 @@ from hpctrain.moe.parallel import gather_expert_weights, is_expert_param
 from hpctrain.runtime import run_fail_together
 
 
-def main():
-    out, args = sys.argv[1], sys.argv[2:]
+def run_one(argv: list[str]) -> None:
+    out, args = argv[0], argv[1:]
     opts = {"--run-dir": out + ".run", "--resume": None}
     for flag in opts:
         if flag in args:
@@ -35,12 +38,27 @@ def main():
     lo = w.allreduce_array(sums, "min", "replica checksum min")
     hi = w.allreduce_array(sums, "max", "replica checksum max")
     if not np.array_equal(lo, hi):
-        raise SystemExit("dense replicas differ after training")
+        raise SystemExit(f"{out}: dense replicas differ after training")
     full = gather_expert_weights(weights)
     if w.rank == 0:
         np.savez(out, **full)
         n_exp = sum(is_expert_param(k) for k in full)
-        print(f"DENSE REPLICAS IDENTICAL over {w.size} rank(s); {n_exp} expert tensors gathered")
+        sys.stdout.write(  # one write: a log line could land between text and newline
+            f"DENSE REPLICAS IDENTICAL over {w.size} rank(s); "
+            f"{n_exp} expert tensors gathered: {out}\n"
+        )
+        sys.stdout.flush()
+
+
+def main():
+    runs: list[list[str]] = [[]]
+    for arg in sys.argv[1:]:
+        if arg == "--next":
+            runs.append([])
+        else:
+            runs[-1].append(arg)
+    for argv in runs:
+        run_one(argv)
 
 
 sys.exit(run_fail_together(main))
