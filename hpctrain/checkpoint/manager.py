@@ -121,7 +121,7 @@ class Checkpointer:
                     snap = writer.private_copy(snap, self._staging, private)
             finally:
                 self._staged.set()  # the caller may change its arrays now (or it failed)
-            self._write(snap)
+            self._write(snap, background=True)
         except BaseException as exc:  # noqa: BLE001 - kept and re-raised on the caller
             self._error, self._error_step = exc, snap.step
 
@@ -132,9 +132,9 @@ class Checkpointer:
         if staged is not None:
             staged.wait()
 
-    def _write(self, snap: writer.Snapshot) -> Path:
+    def _write(self, snap: writer.Snapshot, background: bool = False) -> Path:
         try:
-            path = writer.write(self.policy.dir, snap)
+            path = writer.write(self.policy.dir, snap, direct=background)
         except CheckpointError:
             if snap.shards is not None:  # the commit failed (a full disk): its shards go
                 sharded.remove_uncommitted(self.policy.dir, snap.step)
