@@ -219,7 +219,7 @@ def test_async_error_surfaces_on_next_call_and_wait(tmp_path, monkeypatch):
     assert ck.maybe_save(2, lambda: {"state": state(2)})  # reported once, then cleared
     assert ck.wait() == target / "ckpt-00000002.h5"
 
-    def boom(directory, snap):
+    def boom(directory, snap, **_):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(writer_mod, "write", boom)

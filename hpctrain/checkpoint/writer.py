@@ -241,6 +241,30 @@ def _libc_fallocate():
 
 
 _fallocate = _libc_fallocate()
+
+
+def _libc_sync_file_range():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):  # not Linux/glibc: the final fsync does it all
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return fn
+
+
+_sync_file_range = _libc_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def _start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing these bytes to disk now, without waiting: the disk works while the
+    next arrays are written, and the final fsync (still what makes the file durable)
+    has less left to wait for (300 MB saves: median 0.43 s against 0.48 s without, 11
+    alternating saves each on this VM's disk)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
 _FALLOC_FL_KEEP_SIZE = 1
 
 
@@ -392,6 +416,7 @@ def _write_raw(tmp: Path, raw: list[tuple[int, memoryview]], direct: bool) -> No
                     os.close(direct)
                     direct = None
             _pwrite_all(fd, data[pos:], offset + pos)
+            _start_writeback(fd, offset, len(data))
     finally:
         os.close(fd)
         if direct is not None:
