@@ -4,11 +4,11 @@ dropped, and bad input stops every rank with a clear message."""
 
 import json
 import re
-from pathlib import Path
 
 import numpy as np
 import pytest
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
+from shared_runs import SharedRuns
 
 SCRIPTS = ROOT / "tests" / "scripts"
 MOE = [
@@ -71,33 +71,9 @@ def _train(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
     return _train_many(tmp_path, np_, runs, run_dir=run_dir, resume=resume)[name]
 
 
-# The runs tests compare, by (ranks, backend): trained in one launch the first time any
-# test asks for one of them, then shared by the session (as test_trainer_jobs.py's).
-# A launch costs 5-11 s on 2 cores; one more small run in it about a second.
-SHARED: dict[tuple[int, str], dict[str, list[str]]] = {}
-_SHARED_DONE: dict[tuple[int, str], tuple[Path, dict] | AssertionError] = {}
-
-
-def share(np_, backend, name, *overrides):
-    runs = SHARED.setdefault((np_, backend), {})
-    assert name not in runs, f"two shared runs named {name} ({np_} ranks, {backend})"
-    runs[name] = [f"backend={backend}", *overrides]
-
-
-def shared_run(tmp_path_factory, np_, backend, name, run_dir=False):
-    """(weights, step lines) of the run `share` registered; run_dir=True: its directory."""
-    key = (np_, backend)
-    if key not in _SHARED_DONE:
-        where = tmp_path_factory.mktemp(f"moe-np{np_}-{backend}")
-        try:
-            _SHARED_DONE[key] = where, _train_many(where, np_, SHARED[key], timeout=600)
-        except AssertionError as exc:
-            _SHARED_DONE[key] = exc  # reported once, not relaunched by every test
-            raise
-    if isinstance(_SHARED_DONE[key], AssertionError):
-        raise AssertionError(f"the shared {key} launch failed (first test)") from None
-    where, results = _SHARED_DONE[key]
-    return where / f"{name}.npz.run" if run_dir else results[name]
+# The runs tests compare, one launch per (ranks, backend) (shared_runs.py).
+_SHARED = SharedRuns(_train_many, "moe-np")
+share, shared_run = _SHARED.share, _SHARED.get  # (weights, step lines) of a run
 
 
 BACKENDS = ["torch", "tensorflow"]

@@ -3,13 +3,13 @@ both backends agree, replicas stay identical, and bad input stops every rank cle
 
 import json
 import re
-from pathlib import Path
 
 import h5py
 import numpy as np
 import pytest
 from demo_runs import demo_run
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
+from shared_runs import SharedRuns
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_dump.py")
 SMALL = [
@@ -50,39 +50,11 @@ def _train(tmp_path, name, np_, *overrides, timeout=300):
     return _train_many(tmp_path, np_, {name: list(overrides)}, timeout=timeout)[name]
 
 
-# The small runs that tests compare, by (ranks, backend): trained in one launch the first
-# time any test asks for one of them, then shared by every test of the session (like
-# demo_runs.py). A launch costs 5-11 s on 2 cores (imports, MPI, Horovod); one more
-# small run in it under 1 s. Other test files (compression, local SGD, overlap, ZeRO,
-# bf16) add theirs at import. Every run reseeds the process, so sharing a launch changes
-# no number; test_overlapped_step_metrics_change_nothing_but_timing would see a leak.
-SHARED: dict[tuple[int, str], dict[str, list[str]]] = {}
-_SHARED_DONE: dict[tuple[int, str], tuple[Path, dict] | AssertionError] = {}
-
-
-def share(np_, backend, name, *overrides):
-    runs = SHARED.setdefault((np_, backend), {})
-    assert name not in runs, f"two shared runs named {name} ({np_} ranks, {backend})"
-    runs[name] = [f"backend={backend}", *overrides]
-
-
-def shared_run(tmp_path_factory, np_, backend, name, run_dir=False):
-    """(weights, losses) of the run `share` registered (all of its launch trained once);
-    run_dir=True: that run's directory instead."""
-    key = (np_, backend)
-    if key not in _SHARED_DONE:
-        where = tmp_path_factory.mktemp(f"np{np_}-{backend}")
-        runs = SHARED[key]  # Horovod, once started, stays in the process: its runs last
-        runs = dict(sorted(runs.items(), key=lambda r: "train.allreduce=horovod" in r[1]))
-        try:
-            _SHARED_DONE[key] = where, _train_many(where, np_, runs, timeout=600)
-        except AssertionError as exc:
-            _SHARED_DONE[key] = exc  # reported once, not relaunched by every test
-            raise
-    if isinstance(_SHARED_DONE[key], AssertionError):
-        raise AssertionError(f"the shared {key} launch failed (first test)") from None
-    where, results = _SHARED_DONE[key]
-    return where / f"{name}.npz.run" if run_dir else results[name]
+# The small runs that tests compare, one launch per (ranks, backend) (shared_runs.py);
+# test_overlapped_step_metrics_change_nothing_but_timing would see a leak between runs.
+_SHARED = SharedRuns(_train_many, "np", last=lambda o: "train.allreduce=horovod" in o)
+share = _SHARED.share  # other test files (compression, local SGD, overlap, ZeRO, bf16)
+shared_run = _SHARED.get  # add their runs at import: (weights, losses) of a run
 
 
 def _assert_same_weights(a, b, tol):

@@ -17,6 +17,7 @@ import argparse
 import sys
 
 import numpy as np
+from run_list import split_runs
 
 from hpctrain import Config, Trainer
 from hpctrain.runtime import run_fail_together
@@ -56,13 +57,7 @@ def run_one(argv: list[str]) -> None:
 
 
 def main():
-    runs: list[list[str]] = [[]]
-    for arg in sys.argv[1:]:
-        if arg == "--next":
-            runs.append([])
-        else:
-            runs[-1].append(arg)
-    for argv in runs:
+    for argv in split_runs(sys.argv[1:]):
         run_one(argv)
 
 
