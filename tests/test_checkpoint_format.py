@@ -457,3 +457,27 @@ def test_large_arrays_written_beside_hdf5_read_back_exactly(tmp_path, direct):
         np.testing.assert_array_equal(ckpt.state[k], v, err_msg=k)
     with h5py.File(path, "r") as f:  # plain h5py sees the same file
         np.testing.assert_array_equal(f["model/long"][()], state["model/long"])
+
+
+def test_a_filesystem_refusing_o_direct_midway_still_gets_every_byte(tmp_path, monkeypatch):
+    """O_DIRECT refused after the file was opened (EINVAL at the first aligned write):
+    the rest of every array goes buffered, and the file reads back bit for bit."""
+    import errno
+
+    from hpctrain.checkpoint import writer
+
+    refused = []
+
+    def refuse(fd, bounce, data, pos, offset):
+        refused.append(offset)
+        raise OSError(errno.EINVAL, "Invalid argument")
+
+    monkeypatch.setattr(writer, "_write_direct", refuse)
+    # opened on any filesystem (tmpfs refuses O_DIRECT already at open)
+    monkeypatch.setattr(writer, "_open_direct", lambda path: os.open(path, os.O_WRONLY))
+    rng = np.random.default_rng(3)
+    state = {f"model/w{i}": rng.standard_normal(70_001 + i).astype(np.float32) for i in range(3)}
+    path = writer.write(tmp_path, writer.snapshot(2, state, {"step": 2}), direct=True)
+    assert len(refused) == 1  # refused once, then buffered for the rest of the file
+    for k, v in state.items():
+        np.testing.assert_array_equal(load(path).state[k], v, err_msg=k)
