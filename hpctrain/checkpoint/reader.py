@@ -10,8 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -133,31 +131,27 @@ def _read_open(
     unexpected = sorted(set(present) - set(expected) - groups - {"manifest"})
     if unexpected:
         raise CheckpointError(f"{path}: unexpected dataset(s) {_names(unexpected)}")
-    arrays, nbytes, pending = {}, 0, deque()
-    # a helper thread hashes (GIL released) while HDF5 reads the next dataset
-    with ThreadPoolExecutor(1, thread_name_prefix="ckpt-hash") as pool:
-        for name in order:
-            dtype_str, shape, kind, digest = expected[name]
-            ds = f[name]
-            arr = np.asarray(ds[()])
-            if arr.dtype.str != dtype_str or list(arr.shape) != shape:
-                raise CheckpointError(
-                    f"{path}: dataset /{name} is {arr.dtype.str}{list(arr.shape)}, the "
-                    f"manifest says {dtype_str}{shape}"
-                )
-            if scheme.dataset_attr:  # format 1 repeats them on the dataset
-                stored = _py(ds.attrs.get(scheme.dataset_attr, b""))
-                if _py(ds.attrs.get("kind", b"")) != kind or stored != digest:
-                    raise CheckpointError(f"{path}: attributes of dataset /{name} were changed")
-            job = pool.submit(fmt.dataset_digest, name, arr, kind, version)
-            pending.append((name, digest, job))
-            while pending and (pending[0][2].done() or (not keep and len(pending) > 4)):
-                _check_digest(path, *pending.popleft())
-            nbytes += arr.nbytes
-            if keep:
-                arrays[name] = (arr, kind)
-        while pending:
-            _check_digest(path, *pending.popleft())
+    arrays, nbytes = {}, 0
+    # hashed inline: XXH3 takes 11 ms for 300 MB, less than handing 1,175 datasets to a
+    # helper thread cost (load 0.196 s -> 0.156 s)
+    for name in order:
+        dtype_str, shape, kind, digest = expected[name]
+        ds = f[name]
+        arr = np.asarray(ds[()])
+        if arr.dtype.str != dtype_str or list(arr.shape) != shape:
+            raise CheckpointError(
+                f"{path}: dataset /{name} is {arr.dtype.str}{list(arr.shape)}, the "
+                f"manifest says {dtype_str}{shape}"
+            )
+        if scheme.dataset_attr:  # format 1 repeats them on the dataset
+            stored = _py(ds.attrs.get(scheme.dataset_attr, b""))
+            if _py(ds.attrs.get("kind", b"")) != kind or stored != digest:
+                raise CheckpointError(f"{path}: attributes of dataset /{name} were changed")
+        if fmt.dataset_digest(name, arr, kind, version) != digest:
+            raise CheckpointError(f"{path}: checksum mismatch in dataset /{name}")
+        nbytes += arr.nbytes
+        if keep:
+            arrays[name] = (arr, kind)
     attrs = {k: _py(v) for k, v in f.attrs.items() if k not in fmt.CONTENT_ATTRS}
     # compared as JSON text, where NaN equals NaN (a NaN metric is legitimate)
     if json.dumps(attrs, sort_keys=True) != json.dumps(recorded_attrs, sort_keys=True):
@@ -326,11 +320,6 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
             raise CheckpointError(f"{commit}: the shards do not cover /{name} exactly")
         out[name] = (whole, "")
     return (out if keep else {}), len(joined), nbytes
-
-
-def _check_digest(path: Path, name: str, digest: str, computed) -> None:
-    if computed.result() != digest:
-        raise CheckpointError(f"{path}: checksum mismatch in dataset /{name}")
 
 
 def _diagnose(path: Path, version: str) -> str:
