@@ -136,18 +136,22 @@ def _weights(run):
 KILL_RANK_1_AT_STEP_8 = {"HPCTRAIN_FAULT_DIE_AT_STEP": "1:8"}
 
 
-STRATEGIES = {
-    "data_parallel": [],
-    "pipeline": ["strategy=pipeline", "model.hidden=[32,32]", "pipeline.microbatches=2"],
+STRATEGIES = {  # strategy: (settings, the rank killed at step 8)
+    "data_parallel": ([], 1),
+    "pipeline": (["strategy=pipeline", "model.hidden=[32,32]", "pipeline.microbatches=2"], 1),
+    # rank 0 is the one worker (rank 1 serves): a dead worker process ends the job under
+    # Open MPI, and the supervisor's restart is the parameter server's answer to it
+    "parameter_server": (["strategy=parameter_server", "ps.mode=sync"], 0),
 }
 
 
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_killed_rank_is_restarted_from_the_checkpoint_and_ends_bit_for_bit(tmp_path, strategy):
-    sets = STRATEGIES[strategy]
+    sets, victim = STRATEGIES[strategy]
     plain = _elastic(tmp_path, tmp_path / "plain", *sets)
     assert plain.returncode == 0, plain.output
-    job = _elastic(tmp_path, tmp_path / "run", *sets, env=KILL_RANK_1_AT_STEP_8)
+    kill = {"HPCTRAIN_FAULT_DIE_AT_STEP": f"{victim}:8"}
+    job = _elastic(tmp_path, tmp_path / "run", *sets, env=kill)
     assert job.returncode == 0, job.output
     kinds = [e["event"] for e in _events(tmp_path / "run")]
     assert kinds == ["start", "launch", "failure", "probe", "launch", "end"], kinds
