@@ -718,8 +718,7 @@ class TorchBackend(BackendBase):
         return replicated, self.zero.optimizer_pieces(names, kind)
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
-        self._release_exported()
-        self.set_weights(model_part(state))
+        self.set_weights(model_part(state))  # waits for an async save's copy first
         if self.zero is not None:
             names = [self._names[p] for p in self._dense]
             self.zero.import_optimizer(names, self.cfg.optimizer["name"], state)

@@ -310,6 +310,7 @@ def _extents_match(path: Path, extents: list[tuple[int, memoryview]]) -> bool:
 
 _RAW_MIN = 64 << 10  # bytes: arrays this large are written by pwrite, not by HDF5
 _RAW_CHUNK = 8 << 20  # bytes per pwrite: the GIL is free during each one
+_DIRECT_ALIGN = 4096  # file offsets, lengths and memory of O_DIRECT writes
 
 
 def _early_dcpl():
@@ -424,9 +425,6 @@ def _write_raw(tmp: Path, raw: list[tuple[int, memoryview]], direct: bool) -> No
         if bounce is not None:
             with contextlib.suppress(BufferError):  # a view still held by a traceback
                 bounce.close()
-
-
-_DIRECT_ALIGN = 4096  # file offsets, lengths and memory of O_DIRECT writes
 
 
 def _open_direct(path: Path) -> int | None:
