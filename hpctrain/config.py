@@ -310,7 +310,12 @@ SCHEMA: dict[str, Any] = {
         ),
     },
     "pipeline": {
-        "stages": _f(2, int, "pipeline stages P (ranks = P x data-parallel replicas)", **POS_INT),
+        "stages": _f(
+            2,
+            int,
+            "pipeline stages P (ranks = P x parallel.tensor x data-parallel replicas)",
+            **POS_INT,
+        ),
         "microbatches": _f(4, int, "micro-batches m per step (train.batch_size each)", **POS_INT),
         "schedule": _f("1f1b", str, "micro-batch schedule", choices=("gpipe", "1f1b")),
         "partition": _f("parameters", (str, list), "parameters | time | [layers per stage, ...]"),
@@ -320,7 +325,8 @@ SCHEMA: dict[str, Any] = {
             1,
             int,
             "tensor-parallel degree: each transformer block's heads and MLP split over this "
-            "many consecutive ranks (Megatron); the rest of the job replicates the groups",
+            "many consecutive ranks (Megatron), inside each pipeline stage under strategy "
+            "pipeline; the rest of the job replicates the groups",
             **POS_INT,
         ),
         "expert": _f(
@@ -628,7 +634,10 @@ def _cross_checks(v: dict) -> list[str]:
         clash = [
             what
             for what, bad in (
-                (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+                (
+                    f"strategy {v['strategy']}",
+                    v["strategy"] not in ("data_parallel", "pipeline"),
+                ),
                 (f"model {model.get('name')}", model.get("name") != "transformer"),
                 ("mixture-of-experts", bool(model.get("moe"))),
                 (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
@@ -641,7 +650,8 @@ def _cross_checks(v: dict) -> list[str]:
         if clash:
             problems.append(
                 f"parallel.tensor={tensor}: tensor parallelism splits the zoo transformer "
-                f"under strategy data_parallel on the MPI engine; not with {', '.join(clash)}"
+                f"under strategy data_parallel or pipeline on the MPI engine; not with "
+                f"{', '.join(clash)}"
             )
         elif model.get("name") == "transformer":
             from .models.zoo import model_options

@@ -75,3 +75,18 @@ def test_lr_warmup_scaling_and_cosine():
     assert lr_at(100, o, 4, 10, 100) == pytest.approx(0.0, abs=1e-12)
     o.update(lr_scaling="sqrt", warmup_epochs=0, schedule="constant")
     assert lr_at(7, o, 4, 10, 100) == pytest.approx(0.2)
+
+
+def test_tensor_parallelism_composes_with_the_pipeline_and_names_what_it_does_not():
+    tp = ["model.name=transformer", "data.task=tokens", "parallel.tensor=2"]
+    cfg = Config.load(None, [*tp, "strategy=pipeline"])  # data x pipe x tensor
+    assert cfg.parallel["tensor"] == 2 and cfg.strategy == "pipeline"
+    with pytest.raises(ConfigError) as err:
+        Config.load(None, [*tp, "strategy=parameter_server", "train.allreduce=horovod"])
+    text = str(err.value)
+    assert "under strategy data_parallel or pipeline on the MPI engine" in text
+    assert "strategy parameter_server" in text and "train.allreduce=horovod" in text
+    with pytest.raises(ConfigError, match="model.n_heads=3 and model.d_ff=63 must be divisible"):
+        Config.load(
+            None, [*tp, "strategy=pipeline", "model.d_model=33", "model.n_heads=3", "model.d_ff=63"]
+        )

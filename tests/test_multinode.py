@@ -167,6 +167,75 @@ def test_network_exchanges_across_nodes_equal_one_process(
     _assert_close(_weights(run), _weights(ref), TOL)
 
 
+TRANSFORMER = [
+    "model.name=transformer",
+    "data.task=tokens",
+    "model.d_model=32",
+    "model.n_heads=4",
+    "model.d_ff=64",
+    "data.seq_len=16",
+    "data.vocab=32",
+    # SGD: Adam turns the key bias's zero gradient (softmax ignores it) into rounding
+    # noise divided by its own size, which no two summation orders agree on.
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "optimizer.momentum=0.9",
+    "train.clip_norm=0.5",
+    "checkpoint.every_steps=6",
+]
+
+
+def _transformer_sets(*overrides: str) -> list[str]:
+    out = []
+    for o in [*SMALL, *TRANSFORMER, *overrides]:
+        if not o.startswith("model.hidden="):
+            out += ["--set", o]
+    return out
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=8"],
+        ["train.zero=2", "train.batch_size=8"],
+    ],
+    ids=["pipe2-tensor2", "zero2-data2-tensor2"],
+)
+def test_tensor_parallel_groups_within_a_node_equal_one_process(
+    two_nodes, tmp_path, tmp_path_factory, layout
+):
+    """2 nodes x 2 ranks, tensor pairs inside a node (the grid's innermost axis), the
+    pipeline stages or the ZeRO data replicas across the link; the sharded checkpoint
+    (each rank its tensor slices) is written to the shared run directory from both
+    nodes and reads back as the one-process model."""
+    if "transformer" not in _REFERENCE:
+        ref = tmp_path_factory.mktemp("ref-transformer") / "run"
+        job = launch(
+            [HPCTRAIN, "train", "--run-dir", str(ref), *_transformer_sets("train.batch_size=16")],
+            timeout=240,
+        )
+        assert job.returncode == 0, job.output
+        _REFERENCE["transformer"] = ref
+    ref = _REFERENCE["transformer"]
+    run = tmp_path / "run"
+    argv = two_nodes.mpirun(
+        2,
+        HPCTRAIN,
+        "train",
+        "--run-dir",
+        str(run),
+        *_transformer_sets("parallel.tensor=2", "train.allreduce=mpi", *layout),
+    )
+    job = launch(argv, timeout=300)
+    assert job.returncode == 0, job.output
+    assert "tensor 2" in job.output, job.output
+    _assert_close(_weights(run), _weights(ref), TOL)
+    got, want = _losses(run), _losses(ref)
+    np.testing.assert_allclose(
+        [got[s] for s in sorted(got)], [want[s] for s in sorted(want)], atol=1e-4
+    )
+
+
 def test_auto_engine_agrees_across_uneven_nodes(two_nodes, tmp_path, tmp_path_factory):
     # hpcn1 runs 2 ranks, hpcn2 one; with one thread each, hpcn1's cores are full and
     # hpcn2's are not, so each node alone would pick differently: the job must agree.

@@ -171,6 +171,12 @@ BAD = [
     (2, ["pipeline.stages=2", "pipeline.partition=[1,1]"], "sums to 2 layers but the model has 3"),
     (2, ["pipeline.microbatches=0"], "pipeline.microbatches: must be >= 1, got 0"),
     (4, ["pipeline.stages=4", "model.hidden=[8]"], "pipeline.stages=4 is more than the model's 2"),
+    (
+        2,
+        ["parallel.tensor=2", "model.name=transformer", "data.task=tokens"],
+        "world size 2 is not divisible by pipeline.stages=2 x parallel.tensor=2: launch a "
+        "multiple of 4 ranks",
+    ),
 ]
 
 

@@ -1,7 +1,8 @@
 """Tensor parallelism (`parallel.tensor`) under real mpirun: the Megatron-split
 transformer trains to the weights of one process (forward allreduce after attention
-and MLP, backward allreduce before them), alone and combined with data parallelism;
-each rank holds ~1/T of the split layers; checkpoints are canonical."""
+and MLP, backward allreduce before them), alone and combined with data parallelism and
+with pipeline stages (data x pipe x tensor); each rank holds ~1/T of the split layers;
+checkpoints are canonical."""
 
 import json
 import re
@@ -64,6 +65,7 @@ def reference(tmp_path_factory):
     return get
 
 
+PIPE_TP = ["strategy=pipeline", "pipeline.microbatches=2", "parallel.tensor=2"]
 LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
     "tensor2": (2, ["parallel.tensor=2", "train.batch_size=16"]),
     "tensor4": (4, ["parallel.tensor=4", "train.batch_size=16"]),
@@ -72,13 +74,16 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
         4,
         ["parallel.tensor=2", "train.batch_size=8", "train.zero=2", "train.bucket_mb=0.004"],
     ),
+    # Pipeline stages of tensor-parallel blocks: 2 micro-batches x 8, and x 4 x 2 replicas.
+    "pipe2-tensor2": (4, [*PIPE_TP, "train.batch_size=8"]),
+    "data2-pipe2-tensor2": (8, [*PIPE_TP, "train.batch_size=4", "pipeline.schedule=gpipe"]),
 }
 
 
 @pytest.mark.parametrize(
     "backend, layout",
     [("torch", k) for k in LAYOUTS]
-    + [("tensorflow", "tensor2"), ("tensorflow", "zero2-data2-tensor2")],
+    + [("tensorflow", k) for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2")],
 )
 def test_tensor_parallel_equals_one_process(tmp_path, reference, backend, layout):
     np_, overrides = LAYOUTS[layout]
@@ -91,7 +96,15 @@ def test_tensor_parallel_equals_one_process(tmp_path, reference, backend, layout
     tensor = int(next(o for o in overrides if o.startswith("parallel.tensor")).split("=")[1])
     split = sum(v.size for k, v in ref.items() if ".attn." in k or ".ffn." in k)
     split -= sum(v.size for k, v in ref.items() if k.endswith(("proj.bias", "fc2.bias")))
-    assert counts[0] == pytest.approx(ref_counts[0] - split + split / tensor, rel=1e-6)
+    if "strategy=pipeline" not in overrides:
+        assert counts[0] == pytest.approx(ref_counts[0] - split + split / tensor, rel=1e-6)
+        return
+    # One replica's P x T ranks hold the model once: the split layers in T slices, the
+    # rest on each of a stage's T ranks; a stage's tensor ranks hold equal shares.
+    replica = counts[: 2 * tensor]
+    assert sum(replica) == tensor * (ref_counts[0] - split) + split
+    assert all(len(set(replica[s * tensor : (s + 1) * tensor])) == 1 for s in range(2))
+    assert counts == replica * (np_ // len(replica))
 
 
 CASES = {  # name: (first np, first overrides, then np, then overrides)
@@ -99,6 +112,8 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
     "plain-then-tp": (1, [], 2, ["parallel.tensor=2"]),
     "zero-tp-then-plain": (4, ["parallel.tensor=2", "train.zero=2", "train.batch_size=8"], 1, []),
     "tp-data-then-tp": (4, ["parallel.tensor=2", "train.batch_size=8"], 2, ["parallel.tensor=2"]),
+    "pipe-tp-then-plain": (4, [*PIPE_TP, "train.batch_size=8"], 1, []),
+    "plain-then-pipe-tp": (1, [], 4, [*PIPE_TP, "train.batch_size=8"]),
 }
 
 
@@ -117,12 +132,14 @@ def _tensor_slices(checkpoints) -> dict:
 
 @pytest.mark.parametrize(
     "backend, case",
-    [("torch", c) for c in CASES] + [("tensorflow", "zero-tp-then-plain")],
+    [("torch", c) for c in CASES]
+    + [("tensorflow", c) for c in ("zero-tp-then-plain", "pipe-tp-then-plain")],
 )
 def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend, case):
     """A tensor-parallel run (np=2, tensor 2) stopped at step 3 resumes as one process,
     a one-process checkpoint resumes at tensor 2, and a ZeRO-2 x tensor 2 x data 2 run
-    resumes as one process: all end equal to one process."""
+    resumes as one process, and a pipeline of tensor-parallel stages (pipe 2 x tensor 2)
+    resumes as one process and back: all end equal to one process."""
     import shutil
 
     common = [f"backend={backend}", "train.batch_size=16", "checkpoint.every_steps=3"]
@@ -130,7 +147,7 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
-    if case != "plain-then-tp":  # each tensor rank wrote its own slices (sharded, default)
+    if not case.startswith("plain-then"):  # each tensor rank wrote its slices (sharded)
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == first_np, slices
         assert any("attn.qkv.weight" in n for names in slices.values() for n in names)

@@ -122,6 +122,14 @@ class TensorFlowStage:
     def grad_square_sum(self) -> float:
         return float(sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc))
 
+    def grad_square_sums(self, is_split) -> tuple[float, float]:
+        """(split, replicated): squared gradient norms of the variables `is_split(name)`
+        names as tensor-parallel slices and of the rest."""
+        sums = [0.0, 0.0]
+        for name, g in zip(self.net.vars, self.acc, strict=True):
+            sums[0 if is_split(name) else 1] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+        return sums[0], sums[1]
+
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
         if self.mpi is not None:

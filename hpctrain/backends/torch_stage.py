@@ -116,6 +116,15 @@ class TorchStage:
     def grad_square_sum(self) -> float:
         return float(sum(float((p.grad.double() ** 2).sum()) for p in self._grads()))
 
+    def grad_square_sums(self, is_split) -> tuple[float, float]:
+        """(split, replicated): squared gradient norms of the parameters `is_split(name)`
+        names as tensor-parallel slices and of the rest."""
+        sums = [0.0, 0.0]
+        for name, p in self.net.named_parameters():
+            if p.grad is not None:
+                sums[0 if is_split(name) else 1] += float((p.grad.double() ** 2).sum())
+        return sums[0], sums[1]
+
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
         if self.mpi is not None:

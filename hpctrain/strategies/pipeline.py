@@ -10,6 +10,13 @@ the m micro-batches; each stage's replicas average them (the `mpi` engine: one f
 MPI allreduce on the `replicas` axis; or Horovod process sets); each stage then steps
 its optimizer once. The result equals one step of single-process training on the
 whole global batch (tests/test_pipeline.py checks it to 1e-5).
+
+With `parallel.tensor: T` the grid is 3-D (data x pipe x tensor): each stage's
+transformer blocks are split over its T consecutive ranks (tensor/parallel.py), every
+tensor rank of stage s exchanges activations with the same tensor rank of stages s-1 and
+s+1 (the activations between stages are whole on every tensor rank), and gradients are
+averaged over the data axis of each (stage, tensor) slot. Checkpoints stay canonical:
+each tensor rank writes its slices, rank 0 joins them for a gathered state.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
 from ..pipeline.schedule import bubble_theory, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
+from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 
 
@@ -52,11 +60,17 @@ def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
 
 def config_problem(cfg, world_size: int) -> str | None:
     """What the pipeline refuses before any work (every rank sees the same config)."""
-    stages = cfg.pipeline["stages"]
-    if world_size % stages:
+    stages, tensor = cfg.pipeline["stages"], cfg.parallel["tensor"]
+    if world_size % (stages * tensor):
+        if tensor == 1:
+            return (
+                f"world size {world_size} is not divisible by pipeline.stages={stages}: "
+                f"launch a multiple of {stages} ranks (stages x data-parallel replicas)"
+            )
         return (
-            f"world size {world_size} is not divisible by pipeline.stages={stages}: "
-            f"launch a multiple of {stages} ranks (stages x data-parallel replicas)"
+            f"world size {world_size} is not divisible by pipeline.stages={stages} x "
+            f"parallel.tensor={tensor}: launch a multiple of {stages * tensor} ranks "
+            "(stages x tensor x data-parallel replicas)"
         )
     if cfg.train["grad_accum"] != 1:
         return (
@@ -79,7 +93,10 @@ class Pipeline(StrategyBase):
         pcfg = cfg.pipeline
         self.stages, self.micro = pcfg["stages"], pcfg["microbatches"]
         w.agree(config_problem(cfg, w.size))
-        self.grid = g = ProcessGrid(w, pipe=self.stages)
+        self.tensor = cfg.parallel["tensor"]
+        self.grid = g = ProcessGrid(w, pipe=self.stages, tensor=self.tensor)
+        if self.tensor > 1:
+            tensor_parallel.use_axis(g.tensor)
         self.dataset, self.data, inp = self.build_data(
             g.replica, g.num_replicas, self.micro, prefetch=g.first or g.last
         )
@@ -98,8 +115,9 @@ class Pipeline(StrategyBase):
         self.canonical_shapes = {k: tuple(v.shape) for k, v in weights.items()}
         self.counts = self._partition(weights, inp)
         start, stop = stage_bounds(self.counts)[g.stage]
+        layers = tensor_parallel.local_layers(self.layers[start:stop], self.tensor)
         self.stage = stage_class(cfg.backend)(
-            cfg, self.layers[start:stop], weights, g.first, g.last, threads, w.rank
+            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank
         )
         self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
         if self.engine == "mpi":
@@ -118,7 +136,7 @@ class Pipeline(StrategyBase):
             self.stages,
             None if g.first else in_shape,
             None if g.last else out_shape,
-            peer_rank=lambda s: g.rank_of(data=g.coord["data"], pipe=s),
+            peer_rank=lambda s: g.rank_of(data=g.coord["data"], pipe=s, tensor=g.coord["tensor"]),
         )
         self.actions = stage_actions(pcfg["schedule"], g.stage, self.stages, self.micro)
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
@@ -130,14 +148,29 @@ class Pipeline(StrategyBase):
 
     def describe(self) -> str:
         c, g = self.cfg, self.grid
+        split = f" x tensor {self.tensor}" if self.tensor > 1 else ""
         return (
             f"pipeline: {c.backend} backend, model {c.model['name']}, {self.stages} stage(s) "
-            f"{self.counts} x {g.num_replicas} replica(s), {c.pipeline['schedule']} schedule, "
+            f"{self.counts}{split} x {g.num_replicas} replica(s), {c.pipeline['schedule']} "
+            "schedule, "
             f"{self.micro} micro-batches of {c.train['batch_size']}, gradients by "
             f"{self.engine} ({self.engine_reason})"
         )
 
     # --- set-up helpers -----------------------------------------------------------
+    def _shard(self, state: dict) -> dict:
+        """This rank's tensor-parallel piece of every split array of a canonical dict
+        (`model/...`, `optimizer/<slot>/...` or bare names); the rest as it is."""
+        if self.tensor == 1:
+            return state
+        t = self.grid.tensor
+        return {
+            k: tensor_parallel.shard(k.rsplit("/", 1)[-1], v, t.size, t.rank)
+            if np.ndim(v) > 0
+            else v
+            for k, v in state.items()
+        }
+
     def _partition(self, weights, inp) -> list[int]:
         spec = self.cfg.pipeline["partition"]
         if isinstance(spec, list):
@@ -188,8 +221,8 @@ class Pipeline(StrategyBase):
         comm = self.stage.average_grads()
         coef = 1.0
         clip = self.cfg.train["clip_norm"]
-        if clip is not None:  # the global norm spans every stage of the replica
-            sq = np.array([self.stage.grad_square_sum()])
+        if clip is not None:  # the global norm spans every stage (and tensor slice)
+            sq = np.array([self._grad_square_sum()])
             g.pipe.allreduce_inplace(sq, "sum", "pipeline gradient norm")
             coef = min(float(clip) / (math.sqrt(sq[0]) + 1e-6), 1.0)
         self.stage.apply(lr, coef)
@@ -200,9 +233,20 @@ class Pipeline(StrategyBase):
         busy, wall = np.zeros(P), np.zeros(P)
         busy[g.stage], wall[g.stage] = timing.busy * P, timing.wall * P
         extra = {"stage_busy_sec": list(busy), "stage_idle_sec": list(wall - busy)}
-        if g.last:
+        if g.last and g.coord["tensor"] == 0:  # a tensor group counts its batch once
             return StepStats(loss_sum, correct, self.terms, comm, extra)
         return StepStats(0.0, 0, 0, comm, extra)
+
+    def _grad_square_sum(self) -> float:
+        """This stage's squared gradient norm: split parameters' squares summed over
+        the tensor axis, replicated ones (equal on every tensor rank) counted once."""
+        if self.tensor == 1:
+            return self.stage.grad_square_sum()
+        split, whole = self.stage.grad_square_sums(tensor_parallel.split_kind)
+        t = self.grid.tensor
+        sq = np.array([split + (whole if t.rank == 0 else 0.0)])
+        t.allreduce_inplace(sq, "sum", "tensor-parallel gradient norm")
+        return float(sq[0])
 
     def evaluate(self) -> np.ndarray | None:
         """Validation through the pipeline (eval mode), each replica on its own block."""
@@ -214,7 +258,7 @@ class Pipeline(StrategyBase):
         batches = iterate_val(self.dataset, g.replica, g.num_replicas, b) if g.first else None
         outputs = run_inference(self.stage, self.link, batches, n_batches, b)
         sums = np.zeros(3)
-        if g.last:
+        if g.last and g.coord["tensor"] == 0:
             val = iterate_val(self.dataset, g.replica, g.num_replicas, b)
             for (_, y), logits in zip(val, outputs, strict=True):
                 logits = logits[: len(y)]
@@ -234,20 +278,25 @@ class Pipeline(StrategyBase):
 
         Replica 0's stages send their tensors and slots to rank 0; the names and layouts
         are those of a data-parallel run, so checkpoints move between the strategies.
-        Cost: P objects gathered to rank 0 (the model's size in bytes), once per save.
+        With tensor parallelism rank 0 joins each split tensor from its T slices.
+        Cost: P x T objects gathered to rank 0 (the model's size in bytes), once per save.
         """
         mine = self.stage.export_state() if self.grid.replica == 0 else None
         parts = self.world.gather_object(mine, what="gather pipeline state")
         if not self.world.is_root:
             return None
-        merged: dict[str, np.ndarray] = {}
+        slices: dict[str, list] = {}
         steps = []
-        for part in parts:
+        for part in parts:  # world order: tensor innermost, so slices arrive in order
             for k, v in (part or {}).items():
                 if k == "optimizer/step":
                     steps.append(int(v))
                 else:
-                    merged[k] = v
+                    slices.setdefault(k, []).append(v)
+        merged = {
+            k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], v) if len(v) > 1 else v[0]
+            for k, v in slices.items()
+        }
         state = {f"model/{k}": merged[f"model/{k}"] for k in self.canonical_names}
         for key in sorted(k for k in merged if k.startswith("optimizer/")):
             state[key] = merged[key]
@@ -256,19 +305,29 @@ class Pipeline(StrategyBase):
         return state
 
     def export_pieces(self, min_bytes: int) -> dict | None:
-        """Replica 0's stages write the tensors they own, whole; the optimizer step
-        (equal on every stage) is rank 0's."""
+        """Replica 0's stages write the tensors they own, whole, or with tensor
+        parallelism each tensor rank its slices of the split ones (("tensor", rank, T)
+        pieces) and tensor rank 0 the replicated rest; the optimizer step (equal on
+        every stage) is rank 0's."""
         if self.grid.replica != 0:
             return {}
         state = self.stage.export_state()
         step = state.pop("optimizer/step", None)
-        pieces = {k: (np.shape(v), 0, np.asarray(v).reshape(-1)) for k, v in state.items()}
+        t = self.grid.tensor
+        pieces = {}
+        for k, v in state.items():
+            leaf = k.rsplit("/", 1)[-1]
+            if self.tensor > 1 and np.ndim(v) > 0 and tensor_parallel.split_kind(leaf):
+                shape = tensor_parallel.full_shape(leaf, np.shape(v), t.size)
+                pieces[k] = (shape, ("tensor", t.rank, t.size), np.asarray(v).reshape(-1))
+            elif t.rank == 0:
+                pieces[k] = (np.shape(v), 0, np.asarray(v).reshape(-1))
         if step is not None and self.world.is_root:
             pieces["optimizer/step"] = ((), 0, np.asarray(step).reshape(-1))
         return pieces
 
     def import_state(self, ckpt) -> None:
-        self.stage.import_state(ckpt.state)
+        self.stage.import_state(self._shard(ckpt.state))
 
     def get_weights(self) -> dict | None:
         """The whole model under canonical names on rank 0 (collective; None elsewhere)."""
@@ -277,7 +336,7 @@ class Pipeline(StrategyBase):
 
     def set_weights(self, weights: dict) -> None:
         """Load a full canonical dict (every rank passes it; each takes its stage's part)."""
-        self.stage.set_weights(weights)
+        self.stage.set_weights(self._shard(weights))
 
     def weight_shapes(self) -> dict[str, tuple]:
         return dict(self.canonical_shapes)
@@ -305,6 +364,7 @@ class Pipeline(StrategyBase):
         return {
             **summary,
             "stages": self.stages,
+            "tensor": self.tensor,
             "replicas": g.num_replicas,
             "schedule": self.cfg.pipeline["schedule"],
             "microbatches": self.micro,
@@ -319,4 +379,5 @@ class Pipeline(StrategyBase):
 
     def rank_name(self, index: int) -> str:
         c = self.grid.shape.coords(index)
-        return f"rank {index} (stage {c['pipe']}, replica {c['data']})"
+        split = f", tensor {c['tensor']}" if self.tensor > 1 else ""
+        return f"rank {index} (stage {c['pipe']}{split}, replica {c['data']})"

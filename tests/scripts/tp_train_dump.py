@@ -27,7 +27,8 @@ def main():
     )
     trainer.fit()
     w = trainer.world
-    local = sum(int(np.prod(v.shape)) for v in trainer.strategy.backend.get_weights().values())
+    holder = getattr(trainer.strategy, "backend", None) or trainer.strategy.stage  # pipeline
+    local = sum(int(np.prod(v.shape)) for v in holder.get_weights().values())
     counts = w.gather_object(local, what="gather parameter counts")
     state = trainer.strategy.export_state()
     if w.rank == 0:
