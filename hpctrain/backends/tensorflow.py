@@ -44,6 +44,10 @@ from .tensorflow_zero import TensorFlowZero
 
 tf_env.quiet_python_loggers()
 
+# Elementwise intermediates of one variable's optimizer update alive at once, at most
+# (Adam: b1*m, (1-b1)*g, g*g, b2*v, ... scheduled together by TF's executor).
+UPDATE_TEMPORARIES = 4
+
 
 def probe() -> dict:
     """Versions and Horovod build facts, for `hpctrain doctor`."""
@@ -403,34 +407,51 @@ class _Optimizer:
 
     @tf.function(reduce_retracing=True)
     def apply(self, grads, lr):
+        """One update of every variable, one variable after the other: TF's executor
+        would otherwise start every variable's elementwise ops at once and hold all their
+        temporaries together (measured: 2x the model for Adam on the 48M transformer of
+        tests/test_memory_limit_jobs.py), where in turn it holds one variable's
+        (`workspace_bytes`). The same ops in the same order per variable: same numbers."""
         self.step.assign_add(1)
         vars_ = list(self.variables.values())
+        done = []  # the previous variable's last update: the next one waits for it
         if self.kind == "sgd":
             bufs = list(self.slots["momentum_buffer"].values())
             for var, g, buf in zip(vars_, grads, bufs, strict=True):
-                if self.wd:
-                    g = g + self.wd * var
-                if self.momentum:
-                    buf.assign(
-                        tf.cond(
-                            self.started, lambda b=buf, g=g: self.momentum * b + g, lambda g=g: g
+                with tf.control_dependencies(done):
+                    if self.wd:
+                        g = g + self.wd * var
+                    if self.momentum:
+                        buf.assign(
+                            tf.cond(
+                                self.started,
+                                lambda b=buf, g=g: self.momentum * b + g,
+                                lambda g=g: g,
+                            )
                         )
-                    )
-                    g = buf
-                var.assign_sub(lr * g)
-            self.started.assign(True)
+                        g = buf
+                    done = [var.assign_sub(lr * g)]
+            with tf.control_dependencies(done):
+                self.started.assign(True)
         else:
             t = tf.cast(self.step, tf.float32)
             bc1 = 1.0 - tf.pow(self.b1, t)
             bc2 = 1.0 - tf.pow(self.b2, t)
             ms, vs = self.slots["exp_avg"].values(), self.slots["exp_avg_sq"].values()
             for var, g, m, v in zip(vars_, grads, ms, vs, strict=True):
-                if self.wd:
-                    g = g + self.wd * var
-                m.assign(self.b1 * m + (1 - self.b1) * g)
-                v.assign(self.b2 * v + (1 - self.b2) * g * g)
-                denom = tf.sqrt(v) / tf.sqrt(bc2) + self.eps
-                var.assign_sub((lr / bc1) * m / denom)
+                with tf.control_dependencies(done):
+                    if self.wd:
+                        g = g + self.wd * var
+                    m.assign(self.b1 * m + (1 - self.b1) * g)
+                    v.assign(self.b2 * v + (1 - self.b2) * g * g)
+                    denom = tf.sqrt(v) / tf.sqrt(bc2) + self.eps
+                    done = [var.assign_sub((lr / bc1) * m / denom)]
+
+    def workspace_bytes(self) -> int:
+        """Temporaries one `apply` holds at once: the elementwise intermediates of the
+        largest variable's update (measured: 3.3x a 48 MiB ZeRO shard for Adam)."""
+        largest = max((int(np.prod(v.shape)) * 4 for v in self.variables.values()), default=0)
+        return UPDATE_TEMPORARIES * largest
 
     def export_state(self) -> dict[str, np.ndarray]:
         """Slots in torch's canonical layout (`optimizer/<slot>/<name>`, `optimizer/step`)."""
@@ -600,6 +621,7 @@ class TensorFlowBackend(BackendBase):
         for x, y in micro_batches:
             loss, corr, grads = self._grad_fn(tf.constant(x), tf.constant(y), scale)
             acc = grads if acc is None else [a + g for a, g in zip(acc, grads, strict=True)]
+            grads = None  # only `acc` holds the gradients (the MPI engine frees them)
             loss_sum += float(loss)
             correct += int(corr)
         t0 = time.perf_counter()
@@ -669,22 +691,28 @@ class TensorFlowBackend(BackendBase):
     def memory_plan(self) -> dict[str, float]:
         """Bytes of gradients and optimizer state this rank will hold once training runs
         (`grad`, `optimizer`) and how much of them is resident now (`*_now`: the slots
-        exist from the start; gradients come from the tape, numpy buffers fill at use)."""
+        exist from the start; gradients come from the tape, numpy buffers fill at use).
+        The optimizer's figure includes the temporaries of its update (one variable's
+        at a time, see _Optimizer.apply), which come on top of the slots."""
         slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
         opt_now = self.memory()["mem_optimizer_bytes"]
+        workspace = float(self.optimizer.workspace_bytes())
         if self.zero is not None:
             e = self.zero.part.expected_bytes(slots)
             return {
-                # the tape returns every local gradient at once, then they are reduced
+                # the tape returns every local gradient at once, then they are reduced;
+                # the step hands the shard's gradient to TF as a copy (tf.constant)
                 "grad": e["zero_model_param_bytes"]
-                + e["zero_model_grad_bytes"]
+                + 2 * e["zero_model_grad_bytes"]
                 + self.zero.part.largest_segment_bytes(),
                 "grad_now": 0.0,
-                "optimizer": e["zero_model_optimizer_bytes"],
+                "optimizer": e["zero_model_optimizer_bytes"] + workspace,
                 "optimizer_now": opt_now,
             }
         trainable = sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
-        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
+        plan = replicated_memory_plan(trainable, self._flat, slots, opt_now)
+        plan["optimizer"] += workspace
+        return plan
 
     def memory(self, grads=None) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
@@ -711,20 +739,27 @@ class TensorFlowBackend(BackendBase):
         return out
 
     def _average_with_mpi(self, grads: list, names: list[str]) -> list:
-        """One MPI_Allreduce of every dense gradient (the `mpi` engine); experts / ranks."""
+        """One MPI_Allreduce of every dense gradient (the `mpi` engine); experts / ranks.
+        Takes the gradients out of `grads` (the caller's list) as they are copied."""
         size = self._size()
         if size == 1:
             return grads
-        by_name = dict(zip(names, grads, strict=True))
+        experts = tensorflow_moe.expert_grads(grads, names)  # dense: the same tensors
+        shapes = [tuple(g.shape) for g in grads]
+        at = {n: i for i, n in enumerate(names)}
         for name, view in zip(self._dense, self._flat.views, strict=True):
-            view[:] = by_name[name].numpy().reshape(-1)
+            i = at[name]
+            view[:] = grads[i].numpy().reshape(-1)
+            # The buffer holds it now: drop the tape's tensor (`grads` is the caller's
+            # list), so the reduced copies below replace the gradients instead of
+            # coming on top of them (memory_plan counts one gradient and the buffer).
+            grads[i] = experts[i] = None
         self._flat.reduce(self.exchange_step)
         self.exchange_step += 1
         dense = dict(zip(self._dense, self._flat.views, strict=True))
-        experts = tensorflow_moe.expert_grads(grads, names)
         return [
-            tf.constant(dense[n].reshape(g.shape)) if n in dense else e
-            for n, g, e in zip(names, grads, experts, strict=True)
+            tf.constant(dense[n].reshape(shape)) if n in dense else e
+            for n, shape, e in zip(names, shapes, experts, strict=True)
         ]
 
     def evaluate(self, x, y) -> EvalStats:
