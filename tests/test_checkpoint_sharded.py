@@ -166,6 +166,46 @@ def test_damaged_missing_or_replaced_shards_are_named(tmp_path):
     assert find_latest_valid(tmp_path).step == 10
 
 
+def test_rank_state_files_are_read_by_their_rank_and_verified(tmp_path):
+    """Each rank's private arrays (error-feedback residuals) in a file of its own: a load
+    reads none of them, a rank reads its own against the committed digest, `verify`
+    checks them all (a resume with a damaged one starts the residuals from zero:
+    test_resume_jobs)."""
+    from hpctrain.checkpoint.reader import read_rank_state
+
+    residual = [np.full(1000, r + 0.5, np.float32) for r in range(2)]
+
+    def save(step):
+        ranks = [
+            sharded.write_rank_state(tmp_path, step, r, 2, {"residual": residual[r]})
+            for r in range(2)
+        ]
+        policy = CheckpointPolicy({"keep_last": None}, tmp_path)
+        policy.dir = tmp_path
+        trainer = {"step": step, "epoch": 0, "position": 0}
+        table = {"order": [], "files": [], "rank_state": ranks}
+        return Checkpointer(policy).save(step, dict(_state()), trainer, shards=table)
+
+    path = save(20)
+    ckpt = load(path)
+    assert sorted(r["rank"] for r in ckpt.rank_files) == [0, 1]
+    for r in range(2):
+        np.testing.assert_array_equal(read_rank_state(ckpt, r)["residual"], residual[r])
+    assert read_rank_state(ckpt, 2) is None
+    assert verify(path).nbytes >= sum(a.nbytes for a in residual)
+    damaged = tmp_path / "ckpt-00000020.shards" / fmt.rank_state_name(1, 2)
+    data = bytearray(damaged.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    damaged.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"rank-state-00001-of-00002\.h5.*digest mismatch"):
+        read_rank_state(load(path), 1)
+    with pytest.raises(CheckpointError, match="rank-state-00001-of-00002.h5"):
+        verify(path)
+    damaged.unlink()
+    with pytest.raises(CheckpointError, match="rank-state-00001-of-00002.h5 is missing"):
+        read_rank_state(load(path), 1)
+
+
 def test_commit_table_is_covered_by_the_commit_digest(tmp_path):
     path = _write_sharded(tmp_path, 10, _state(), 2)
     raw = bytearray(path.read_bytes())

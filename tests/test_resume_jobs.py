@@ -125,6 +125,66 @@ def test_async_checkpoints_hold_their_step_and_resume_bit_for_bit(tmp_path, back
     assert all(losses[s] == ref_losses[s] for s in losses)
 
 
+@pytest.mark.parametrize(
+    "backend,method,layout",
+    [("torch", "topk", "sharded"), ("tensorflow", "powersgd", "async")],
+)
+def test_compressed_runs_resume_bit_for_bit_with_their_residuals(tmp_path, backend, method, layout):
+    """Error feedback keeps per-rank memory (what earlier steps did not send; PowerSGD
+    also its warm-start factors): each rank writes it to its own file beside the shards,
+    committed with the checkpoint, and takes it back at the same world size, so a
+    compressed run resumed from step 20 ends bit for bit where it ended uninterrupted.
+    At another world size the residuals start from zero, said once."""
+    common = [f"backend={backend}", "train.allreduce=mpi", f"train.compression={method}"]
+    common += ["compression.ratio=0.05", "compression.warmup_steps=2", "train.max_steps=30"]
+    if layout == "async":
+        common += ["checkpoint.async=true", "checkpoint.sharded=false"]
+    run_dir = tmp_path / "run"
+    ref, _ = _run(tmp_path, "ref", 2, run_dir, *common)
+    ckpts = run_dir / "checkpoints"
+    names = sorted(p.name for p in (ckpts / "ckpt-00000020.shards").iterdir())
+    assert [n for n in names if n.startswith("rank-state")] == [
+        "rank-state-00000-of-00002.h5",
+        "rank-state-00001-of-00002.h5",
+    ]
+    assert verify(ckpts / "ckpt-00000020.h5").step == 20  # their digests too
+    again = tmp_path / "again"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpts / "ckpt-00000020.h5", again / "checkpoints")
+    shutil.copytree(ckpts / "ckpt-00000020.shards", again / "checkpoints" / "ckpt-00000020.shards")
+    shutil.copy(run_dir / "config.yaml", again / "config.yaml")
+    final, job = _run(tmp_path, "again", 2, again, *common, resume="auto")
+    assert "ckpt-00000020.h5" in job.output and "start from zero" not in job.output
+    for k in ref:
+        np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
+    losses, ref_losses = _step_losses(again), _step_losses(run_dir)
+    assert sorted(losses) == list(range(21, 31))
+    assert all(losses[s] == ref_losses[s] for s in losses)
+    if layout == "sharded":  # one rank: the residuals of 2 ranks do not apply
+        one = tmp_path / "one"
+        shutil.copytree(again / "checkpoints", one / "checkpoints", ignore=_newer_than_20)
+        shutil.copy(run_dir / "config.yaml", one / "config.yaml")
+        _, job = _run(tmp_path, "one", 1, one, *common, resume="auto")
+        assert job.output.count("error-feedback residuals start from zero") == 1, job.output
+        assert "saved at another world size" in job.output
+        # a damaged residual file: named by its rank; every rank starts from zero
+        hurt = tmp_path / "hurt"
+        shutil.copytree(one / "checkpoints", hurt / "checkpoints", ignore=_newer_than_20)
+        shutil.copy(run_dir / "config.yaml", hurt / "config.yaml")
+        bad = hurt / "checkpoints" / "ckpt-00000020.shards" / "rank-state-00001-of-00002.h5"
+        data = bytearray(bad.read_bytes())
+        data[len(data) // 2] ^= 0x40
+        bad.write_bytes(bytes(data))
+        _, job = _run(tmp_path, "hurt", 2, hurt, *common, resume="auto")
+        assert "ckpt-00000020.h5" in job.output, job.output
+        assert "rank-state-00001-of-00002.h5" in job.output and "digest mismatch" in job.output
+        assert job.output.count("error-feedback residuals start from zero") == 1, job.output
+
+
+def _newer_than_20(folder, names):
+    return [n for n in names if n.startswith("ckpt-") and not n.startswith("ckpt-00000020")]
+
+
 def test_checkpoint_from_four_ranks_resumes_on_two_and_one_rank(tmp_path):
     # 4 ranks x batch 8 for 5 steps; then continue with a global batch of 16 either as
     # 2 ranks x 8 or 1 rank x 16. Both must equal one process doing the same math.

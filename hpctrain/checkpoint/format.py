@@ -81,6 +81,11 @@ def shard_name(rank: int, count: int) -> str:
     return f"shard-{rank:05d}-of-{count:05d}.h5"
 
 
+def rank_state_name(rank: int, count: int) -> str:
+    """rank-state-00003-of-00004.h5: rank 3's private memory (error-feedback residuals)."""
+    return f"rank-state-{rank:05d}-of-{count:05d}.h5"
+
+
 def step_of(name: str) -> int | None:
     """The step of a checkpoint file name, or None for any other file (temps included)."""
     m = NAME_RE.match(name)

@@ -34,6 +34,7 @@ class Checkpoint:
     rng: dict[int, dict[str, np.ndarray]]  # per rank: capture_process_rng() + backend keys
     attrs: dict  # format, versions, backend, world_size, config_yaml, created_utc, ...
     nbytes: int = 0
+    rank_files: list = field(default_factory=list)  # per-rank private files (sharded.py)
 
     @property
     def config_yaml(self) -> str | None:
@@ -166,12 +167,22 @@ def _read_open(
 
 def _valid_table(table) -> bool:
     try:
-        return isinstance(table["order"], list) and all(
-            isinstance(r["file"], str)
-            and "/" not in r["file"]
-            and isinstance(r["digest"], str)
-            and all(len(p) == 4 and _valid_where(p[2]) for p in r["pieces"].values())
-            for r in table["files"]
+        return (
+            isinstance(table["order"], list)
+            and all(
+                isinstance(r["file"], str)
+                and "/" not in r["file"]
+                and isinstance(r["digest"], str)
+                and all(len(p) == 4 and _valid_where(p[2]) for p in r["pieces"].values())
+                for r in table["files"]
+            )
+            and all(
+                isinstance(r["rank"], int)
+                and isinstance(r["file"], str)
+                and "/" not in r["file"]
+                and isinstance(r["digest"], str)
+                for r in table.get("rank_state", [])
+            )
         )
     except (KeyError, TypeError, AttributeError):
         return False
@@ -313,6 +324,9 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
         nbytes += size
     if sorted(joined) != sorted(table["order"]):
         raise CheckpointError(f"{commit}: the shard table's tensors and order disagree")
+    if not keep:  # verify: every rank's private file too (a load reads only its own)
+        for record in table.get("rank_state", []):
+            nbytes += sum(a.nbytes for a in _read_rank_file(commit, step, record).values())
     out = {}
     for name in table["order"]:
         whole = joined[name].whole()
@@ -352,19 +366,19 @@ def _open_and_read(path: str | Path, keep: bool):
             raise CheckpointError(f"{path}: a tensor is both in the commit file and a shard")
         arrays.update(joined)
         count, nbytes = count + more, nbytes + size
-    return path, (arrays, attrs, count, nbytes)
+    return path, (arrays, attrs, count, nbytes, table)
 
 
 def verify(path: str | Path) -> Summary:
     """Check every byte and digest of a checkpoint (and of its shard files, if sharded);
     raise CheckpointError naming the problem."""
-    path, (_, attrs, count, nbytes) = _open_and_read(path, keep=False)
+    path, (_, attrs, count, nbytes, _) = _open_and_read(path, keep=False)
     return Summary(path, int(attrs.get("step", -1)), count, nbytes, attrs)
 
 
 def load(path: str | Path) -> Checkpoint:
     """Read and verify a checkpoint; raise CheckpointError naming the file and the problem."""
-    path, (arrays, attrs, _, nbytes) = _open_and_read(path, keep=True)
+    path, (arrays, attrs, _, nbytes, table) = _open_and_read(path, keep=True)
     state, trainer, rng = {}, {}, {}
     for name, (arr, kind) in arrays.items():
         if name.startswith(("model/", "optimizer/")):
@@ -374,7 +388,38 @@ def load(path: str | Path) -> Checkpoint:
         elif name.startswith("rng/rank"):
             rank, key = name[len("rng/rank") :].split("/", 1)
             rng.setdefault(int(rank), {})[key] = arr
-    return Checkpoint(path, int(attrs["step"]), state, trainer, rng, attrs, nbytes)
+    ranks = list((table or {}).get("rank_state", []))
+    return Checkpoint(path, int(attrs["step"]), state, trainer, rng, attrs, nbytes, ranks)
+
+
+def read_rank_state(ckpt: Checkpoint, rank: int) -> dict[str, np.ndarray] | None:
+    """Rank `rank`'s private arrays of `ckpt` (None: the checkpoint has none for it),
+    checked against the digest the commit recorded; CheckpointError naming the file."""
+    record = next((r for r in ckpt.rank_files if r["rank"] == rank), None)
+    if record is None:
+        return None
+    return _read_rank_file(ckpt.path, ckpt.step, record)
+
+
+def _read_rank_file(commit: Path, step: int, record: dict) -> dict[str, np.ndarray]:
+    path = commit.parent / fmt.shards_dir_name(step) / record["file"]
+    if not path.exists():
+        raise CheckpointError(f"{commit}: rank {record['rank']}'s state file {path} is missing")
+    try:
+        version, digest = fmt.check_header(path)
+    except fmt.DigestMismatch as exc:
+        raise CheckpointError(f"{commit}: {exc}; {_diagnose(path, exc.version)}") from None
+    if digest != record["digest"]:
+        raise CheckpointError(
+            f"{commit}: rank state file {path} is not the one this checkpoint committed"
+        )
+    try:
+        f = h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
+    with f:
+        arrays = _read_open(path, f, keep=True, version=version)[0]
+    return {k[len("rank/") :]: a for k, (a, _) in arrays.items() if k.startswith("rank/")}
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:

@@ -131,6 +131,32 @@ def write_shard(directory: str | Path, step: int, rank: int, size: int, pieces: 
     return {"file": path.name, "digest": digest, "bytes": path.stat().st_size, "pieces": table}
 
 
+def write_rank_state(
+    directory: str | Path, step: int, rank: int, size: int, arrays: dict[str, np.ndarray]
+) -> dict:
+    """Write this rank's private memory (arrays that are this rank's alone and matter only
+    to it: error-feedback residuals) as its own file in the checkpoint's shard directory;
+    return its record for the commit. Only the same rank of a job of the same size reads
+    it back (reader.read_rank_state), so a resume reads 1 file per rank, not N: at
+    1,024 or 4,096 ranks each rank still reads one model-sized file."""
+    datasets = []
+    for key, arr in arrays.items():
+        name = f"rank/{key}"
+        writer._check_path("rank state", name)
+        datasets.append((name, fmt.check_array(f"rank state {key!r}", np.asarray(arr)), ""))
+    attrs = {
+        "format": fmt.FORMAT,
+        "hpctrain_version": __version__,
+        "step": int(step),
+        "rank": int(rank),
+        "rank_of": int(size),
+    }
+    folder = Path(directory) / fmt.shards_dir_name(step)
+    snap = writer.Snapshot(int(step), datasets, attrs)
+    path, digest = writer.write_file(folder, fmt.rank_state_name(rank, size), snap, tidy=False)
+    return {"rank": int(rank), "file": path.name, "digest": digest}
+
+
 def shard_table(records: list) -> dict:
     """The commit's table from every rank's record (None: a rank without pieces)."""
     files = [r for r in records if r is not None]

@@ -49,6 +49,8 @@ class Strategy(Protocol):
     def rng_state(self) -> dict[str, np.ndarray]: ...
     def set_rng_state(self, state: dict[str, np.ndarray]) -> None: ...
     def checkpoint_attrs(self) -> dict: ...
+    def rank_state(self) -> dict[str, np.ndarray]: ...  # this rank's private memory
+    def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None: ...
     def trainer_extras(self) -> dict: ...  # strategy facts for the checkpoint's trainer state
     def serve(self, loop) -> None: ...
     def finish(self, loop) -> None: ...  # collective, after training / serving
@@ -107,6 +109,14 @@ class StrategyBase:
         """This rank's part of the canonical state for a sharded checkpoint
         (checkpoint/sharded.py), without communication; None on every rank alike where
         the strategy gathers its state onto rank 0 instead."""
+        return None
+
+    def rank_state(self) -> dict[str, np.ndarray]:
+        """Arrays that are this rank's alone and that a bit-exact resume needs (error-
+        feedback residuals), saved one file per rank; {} on every rank alike for none."""
+        return {}
+
+    def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None:
         return None
 
     # --- the loop's hooks ---------------------------------------------------------------

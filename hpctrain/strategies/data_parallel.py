@@ -259,6 +259,17 @@ class DataParallel(StrategyBase):
                         shapes[f"{spec.name}.{name}"] = tuple(shape)
         return shapes
 
+    def rank_state(self) -> dict[str, np.ndarray]:
+        """The gradient reducer's per-rank memory: error-feedback residuals and
+        PowerSGD's warm-start factors (exchange/compression/lossy.py); {} for the dense
+        engines, Horovod and ZeRO."""
+        reducer = getattr(self.backend, "_flat", None)
+        state = getattr(reducer, "state", None)
+        return state() if state is not None else {}
+
+    def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self.backend._flat.load_state(arrays)
+
     def rng_state(self) -> dict[str, np.ndarray]:
         return self.backend.rng_state()
 

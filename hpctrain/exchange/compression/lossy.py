@@ -71,8 +71,9 @@ class _Lossy:
         return {"residual": self.residual.copy()} if self.feedback else {}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
-        if self.feedback and "residual" in state:
-            self.residual[:] = state["residual"]
+        residual = state.get("residual")
+        if self.feedback and residual is not None and residual.size == self.residual.size:
+            self.residual[:] = residual.reshape(-1)
 
     def _k(self) -> int:
         return max(1, int(self.buffer.size * float(self.opts["ratio"])))
@@ -193,6 +194,24 @@ class PowerSGD(_Lossy):
             g[lo:hi] = first[at : at + hi - lo]
             at += hi - lo
         return sent
+
+    def state(self) -> dict[str, np.ndarray]:
+        """The residual and the warm-start factors Q (equal on every rank)."""
+        out = super().state()
+        if self.mats:
+            out["powersgd.q"] = np.concatenate([q.reshape(-1) for *_, q in self.mats])
+        return out
+
+    def load_state(self, state: dict[str, np.ndarray]) -> None:
+        super().load_state(state)
+        q = state.get("powersgd.q")
+        sizes = [cols * q_.shape[1] for _, _, cols, q_ in self.mats]
+        if q is None or q.size != sum(sizes):  # another rank setting: start Q afresh
+            return
+        at = 0
+        for i, (lo, rows, cols, old) in enumerate(self.mats):
+            self.mats[i] = (lo, rows, cols, q[at : at + cols * old.shape[1]].reshape(old.shape))
+            at += cols * old.shape[1]
 
     def _mean(self, buf: np.ndarray, part: str) -> None:
         self.world.allreduce_inplace(buf, "sum", f"{self.what} (PowerSGD {part})")
