@@ -289,25 +289,7 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
     nbytes = 0
     for record in table["files"]:
         shard = folder / record["file"]
-        if not shard.exists():
-            raise CheckpointError(f"{commit}: shard file {shard} is missing")
-        try:
-            version, digest = fmt.check_header(shard)
-        except fmt.DigestMismatch as exc:
-            raise CheckpointError(f"{commit}: {exc}; {_diagnose(shard, exc.version)}") from None
-        except CheckpointError as exc:
-            raise CheckpointError(f"{commit}: {exc}") from None
-        if digest != record["digest"]:
-            raise CheckpointError(
-                f"{commit}: shard file {shard} is not the one this checkpoint committed "
-                "(its digest differs: rewritten by a later save or replaced)"
-            )
-        try:
-            f = h5py.File(shard, "r", locking=False)
-        except OSError as exc:
-            raise CheckpointError(f"{shard}: the HDF5 library cannot open it ({exc})") from None
-        with f:
-            arrays, _, _, size, _ = _read_open(shard, f, keep=True, version=version)
+        arrays, size = _read_committed(commit, shard, record["digest"], "shard file")
         if sorted(arrays) != sorted(record["pieces"]):
             raise CheckpointError(
                 f"{commit}: shard file {shard} holds other tensors than committed"
@@ -403,23 +385,34 @@ def read_rank_state(ckpt: Checkpoint, rank: int) -> dict[str, np.ndarray] | None
 
 def _read_rank_file(commit: Path, step: int, record: dict) -> dict[str, np.ndarray]:
     path = commit.parent / fmt.shards_dir_name(step) / record["file"]
+    what = f"rank {record['rank']}'s state file"
+    arrays, _ = _read_committed(commit, path, record["digest"], what)
+    return {k[len("rank/") :]: a for k, (a, _) in arrays.items() if k.startswith("rank/")}
+
+
+def _read_committed(commit: Path, path: Path, committed: str, what: str) -> tuple[dict, int]:
+    """A file the commit names (a shard, a rank's state), checked whole against the
+    digest the commit recorded, then as a checkpoint file of its own: (arrays, bytes)."""
     if not path.exists():
-        raise CheckpointError(f"{commit}: rank {record['rank']}'s state file {path} is missing")
+        raise CheckpointError(f"{commit}: {what} {path} is missing")
     try:
         version, digest = fmt.check_header(path)
     except fmt.DigestMismatch as exc:
         raise CheckpointError(f"{commit}: {exc}; {_diagnose(path, exc.version)}") from None
-    if digest != record["digest"]:
+    except CheckpointError as exc:
+        raise CheckpointError(f"{commit}: {exc}") from None
+    if digest != committed:
         raise CheckpointError(
-            f"{commit}: rank state file {path} is not the one this checkpoint committed"
+            f"{commit}: {what} {path} is not the one this checkpoint committed "
+            "(its digest differs: rewritten by a later save or replaced)"
         )
     try:
         f = h5py.File(path, "r", locking=False)
     except OSError as exc:
         raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
     with f:
-        arrays = _read_open(path, f, keep=True, version=version)[0]
-    return {k[len("rank/") :]: a for k, (a, _) in arrays.items() if k.startswith("rank/")}
+        arrays, _, _, size, _ = _read_open(path, f, keep=True, version=version)
+    return arrays, size
 
 
 def list_checkpoints(directory: str | Path) -> list[tuple[int, Path]]:

@@ -170,41 +170,33 @@ class RunCheckpoints:
         return payload
 
     def _write_rank_state(self, arrays: dict) -> list | None:
-        """Every rank writes its private arrays to its own file; a failure on any rank
-        stops every rank naming it. The records (one per rank, ~100 bytes: 0.4 MB at
-        4,096 ranks, once per save) on rank 0."""
-        w, step, folder = self.trainer.world, self.trainer.state.step, self.policy.dir
-        record, error = None, None
-        try:
-            record = sharded.write_rank_state(folder, step, w.rank, w.size, arrays)
-        except CheckpointError as exc:
-            error = str(exc)
-        try:
-            w.agree(error, prefix="checkpoint rank state: ", error_type=CheckpointError)
-        except CheckpointError:
-            if w.is_root:
-                sharded.remove_uncommitted(folder, step)
-            raise
-        records = w.gather_object(record, what="gather checkpoint rank-state records")
-        return records if w.is_root else None
+        """Every rank writes its private arrays to its own file. The records (one per
+        rank, ~100 bytes: 0.4 MB at 4,096 ranks, once per save) on rank 0."""
+        return self._every_rank_writes(sharded.write_rank_state, arrays, "rank state")
 
     def _write_shards(self, pieces) -> dict | None:
-        """Every rank writes its shard file; a failure on any rank (a full disk) stops
-        every rank naming it, and the uncommitted files go. The table on rank 0."""
+        """Every rank writes its shard file. The table on rank 0."""
+        records = self._every_rank_writes(sharded.write_shard, pieces, "shard")
+        return sharded.shard_table(records) if records is not None else None
+
+    def _every_rank_writes(self, write, what, label: str) -> list | None:
+        """`write(folder, step, rank, size, what)` on every rank; a failure on any rank (a
+        full disk) stops every rank naming it, and the uncommitted files go. Returns
+        every rank's record on rank 0 (None elsewhere)."""
         w, step, folder = self.trainer.world, self.trainer.state.step, self.policy.dir
         record, error = None, None
         try:
-            record = sharded.write_shard(folder, step, w.rank, w.size, pieces)
+            record = write(folder, step, w.rank, w.size, what)
         except CheckpointError as exc:
             error = str(exc)
         try:
-            w.agree(error, prefix="checkpoint shard: ", error_type=CheckpointError)
+            w.agree(error, prefix=f"checkpoint {label}: ", error_type=CheckpointError)
         except CheckpointError:
             if w.is_root:
                 sharded.remove_uncommitted(folder, step)
             raise
-        records = w.gather_object(record, what="gather checkpoint shard records")
-        return sharded.shard_table(records) if w.is_root else None
+        records = w.gather_object(record, what=f"gather checkpoint {label} records")
+        return records if w.is_root else None
 
     def payload(self, state: dict, gathered: list, metrics: dict | None) -> dict:
         """save()'s keyword arguments from the model/optimizer state and gathered rng."""
