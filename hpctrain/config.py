@@ -639,7 +639,10 @@ def _cross_checks(v: dict) -> list[str]:
                     v["strategy"] not in ("data_parallel", "pipeline"),
                 ),
                 (f"model {model.get('name')}", model.get("name") != "transformer"),
-                ("mixture-of-experts", bool(model.get("moe"))),
+                (
+                    "mixture-of-experts under strategy pipeline",
+                    bool(model.get("moe")) and v["strategy"] == "pipeline",
+                ),
                 (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
                 (f"train.compression={compression}", compression != "none"),
                 ("train.hierarchical", v["train"]["hierarchical"]),

@@ -193,30 +193,42 @@ def _transformer_sets(*overrides: str) -> list[str]:
     return out
 
 
+MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
+
+
 @pytest.mark.parametrize(
     "layout",
     [
         ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=8"],
         ["train.zero=2", "train.batch_size=8"],
+        [MOE, "train.batch_size=8"],
     ],
-    ids=["pipe2-tensor2", "zero2-data2-tensor2"],
+    ids=["pipe2-tensor2", "zero2-data2-tensor2", "experts-data2-tensor2"],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(
     two_nodes, tmp_path, tmp_path_factory, layout
 ):
     """2 nodes x 2 ranks, tensor pairs inside a node (the grid's innermost axis), the
-    pipeline stages or the ZeRO data replicas across the link; the sharded checkpoint
-    (each rank its tensor slices) is written to the shared run directory from both
-    nodes and reads back as the one-process model."""
-    if "transformer" not in _REFERENCE:
+    pipeline stages, the ZeRO data replicas or the experts' all-to-alls across the link;
+    the sharded checkpoint (each rank its tensor slices, and its experts) is written to
+    the shared run directory from both nodes and reads back as the one-process model."""
+    model = [o for o in layout if o.startswith("model.")]
+    key = f"transformer{model}"
+    if key not in _REFERENCE:
         ref = tmp_path_factory.mktemp("ref-transformer") / "run"
         job = launch(
-            [HPCTRAIN, "train", "--run-dir", str(ref), *_transformer_sets("train.batch_size=16")],
+            [
+                HPCTRAIN,
+                "train",
+                "--run-dir",
+                str(ref),
+                *_transformer_sets(*model, "train.batch_size=16"),
+            ],
             timeout=240,
         )
         assert job.returncode == 0, job.output
-        _REFERENCE["transformer"] = ref
-    ref = _REFERENCE["transformer"]
+        _REFERENCE[key] = ref
+    ref = _REFERENCE[key]
     run = tmp_path / "run"
     argv = two_nodes.mpirun(
         2,

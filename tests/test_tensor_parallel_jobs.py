@@ -163,3 +163,83 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     got, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{case} {k}")
+
+
+# Mixture of experts inside tensor-parallel blocks: attention split over the tensor
+# axis, each tensor rank routing half of its group's samples to experts spread over the
+# expert x tensor ranks. With nothing dropped and no balancing loss it is one process's
+# math; with capacity dropping and the balancing loss (both per routing rank's batch)
+# it is data-parallel MoE's with the same routing batches (np 4, batch 4 per rank).
+MOE_EXACT = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
+MOE_DROPS = "model.moe={experts: 4, top_k: 2, capacity_factor: 1.0, min_capacity: 0}"
+
+
+@pytest.fixture(scope="module")
+def moe_reference(tmp_path_factory):
+    made = {}
+
+    def get(backend):
+        if backend not in made:
+            where = tmp_path_factory.mktemp(f"moe-reference-{backend}")
+            made[backend] = _run(
+                where, "np1", 1, f"backend={backend}", MOE_EXACT, "train.batch_size=16"
+            )
+        return made[backend]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "backend, np_, overrides",
+    [
+        ("torch", 2, ["parallel.tensor=2", "train.batch_size=16"]),
+        ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
+        ("tensorflow", 2, ["parallel.tensor=2", "train.batch_size=16"]),
+    ],
+    ids=["torch-tensor2", "torch-data2-tensor2", "tensorflow-tensor2"],
+)
+def test_experts_in_tensor_parallel_blocks_equal_one_process(
+    tmp_path, moe_reference, backend, np_, overrides
+):
+    ref, ref_losses, _ = moe_reference(backend)
+    got, losses, counts = _run(tmp_path, "tp-moe", np_, f"backend={backend}", MOE_EXACT, *overrides)
+    assert ref.keys() == got.keys() and sum(".moe.experts." in k for k in ref) == 2 * 4 * 4
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
+    experts = sum(v.size for k, v in ref.items() if ".moe.experts." in k)
+    assert all(c < sum(v.size for v in ref.values()) - experts + experts / np_ + 1 for c in counts)
+
+
+def test_experts_in_tensor_parallel_blocks_drop_and_balance_like_data_parallel_moe(tmp_path):
+    common = ["backend=torch", MOE_DROPS]
+    dp, dp_losses, _ = _run(tmp_path, "dp-moe", 4, *common, "train.batch_size=4")
+    tp, tp_losses, _ = _run(
+        tmp_path, "tp-moe", 4, *common, "train.batch_size=8", "parallel.tensor=2"
+    )
+    for k in dp:
+        np.testing.assert_allclose(tp[k], dp[k], rtol=0, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(tp_losses, dp_losses, atol=1e-5)
+    steps = [json.loads(x) for x in (tmp_path / "tp-moe.npz.run" / "metrics.jsonl").open()]
+    drops = [x["moe_drop_rate"] for x in steps if x["event"] == "step"]
+    assert min(drops) > 0.05, drops  # capacity really dropped tokens
+
+
+def test_tensor_parallel_moe_checkpoint_resumes_as_one_process(tmp_path, moe_reference):
+    """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, stopped at step 3
+    (sharded: each rank its experts and its tensor slices), resumes as one process."""
+    import shutil
+
+    ref, _, _ = moe_reference("torch")
+    common = ["backend=torch", MOE_EXACT, "checkpoint.every_steps=3"]
+    part = tmp_path / "part1"
+    first = [*common, "parallel.tensor=2", "train.batch_size=8", "train.max_steps=3"]
+    _run(tmp_path, "a", 4, *first, run_dir=part)
+    slices = _tensor_slices(part / "checkpoints")
+    assert sum(1 for names in slices.values() if names) == 4, slices
+    run = tmp_path / "resumed"
+    shutil.copytree(part / "checkpoints", run / "checkpoints")
+    shutil.copy(part / "config.yaml", run / "config.yaml")
+    got, _, _ = _run(tmp_path, "b", 1, *common, "train.batch_size=16", run_dir=run, resume="auto")
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)

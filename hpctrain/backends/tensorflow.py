@@ -26,7 +26,7 @@ import tensorflow as tf
 from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
-from ..moe.parallel import is_expert_param, local_layers
+from ..moe.parallel import expert_group, is_expert_param, local_layers
 from ..runtime.memory import peak_rss_bytes
 from ..tensor import parallel as tensor_parallel
 from . import gradient_engine, tensorflow_moe, tensorflow_user
@@ -327,7 +327,7 @@ class ZooNet(tf.Module):
 
     def _block(self, x, v, heads, spec=None, training=False):
         if spec is not None and spec.attrs.get("tensor", 1) > 1:
-            return self._tensor_parallel_block(x, v, heads)
+            return self._tensor_parallel_block(x, v, heads, spec, training)
         shape = tf.shape(x)
         n, t = shape[0], shape[1]
         h = _layer_norm(x, v["ln1.weight"], v["ln1.bias"])
@@ -343,9 +343,10 @@ class ZooNet(tf.Module):
         )
         return x + h
 
-    def _tensor_parallel_block(self, x, v, heads):
+    def _tensor_parallel_block(self, x, v, heads, spec, training):
         """The block with this rank's heads and MLP slice (Megatron): f before the
-        column-parallel layers, g after the row-parallel ones, biases after g."""
+        column-parallel layers, g after the row-parallel ones, biases after g; with
+        experts, this rank's samples through them (tensor/parallel.py)."""
         shape = tf.shape(x)
         n, t = shape[0], shape[1]
         h = _copy_to_tensor_axis(_layer_norm(x, v["ln1.weight"], v["ln1.bias"]))
@@ -353,6 +354,12 @@ class ZooNet(tf.Module):
         out = tf.linalg.matmul(y, v["attn.proj.weight"], transpose_b=True)
         x = x + _reduce_from_tensor_axis(out) + v["attn.proj.bias"]
         h = _copy_to_tensor_axis(_layer_norm(x, v["ln2.weight"], v["ln2.bias"]))
+        if spec is not None and "moe" in spec.attrs:  # this rank's samples, to the experts
+            lo, hi = tensor_parallel.tensor_group().my_rows(n)
+            router = _copy_to_tensor_axis(v["moe.router.weight"])
+            y = tensorflow_moe.moe_ffn(self, spec, v, h[lo:hi], training, router)
+            y = tf.pad(y, [[lo, n - hi], [0, 0], [0, 0]])  # the other ranks' rows: 0
+            return x + _reduce_from_tensor_axis(y)
         h = tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"]))
         out = tf.linalg.matmul(h, v["ffn.fc2.weight"], transpose_b=True)
         return x + _reduce_from_tensor_axis(out) + v["ffn.fc2.bias"]
@@ -492,19 +499,21 @@ def _clip_like_torch(grads, max_norm):
 
 def _clip_tensor_parallel(grads, names, max_norm):
     """torch's rule on the whole model: squares of split variables summed over the
-    tensor axis, replicated ones counted once."""
-    split = sum(
-        float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
-        for n, g in zip(names, grads, strict=True)
-        if tensor_parallel.split_kind(n) is not None
-    )
-    whole = sum(
-        float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
-        for n, g in zip(names, grads, strict=True)
-        if tensor_parallel.split_kind(n) is None
-    )
-    split = float(tensor_parallel.tensor_group().allreduce_sum(np.array([split]), "norm")[0])
-    coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
+    tensor axis, those of experts over their group (each expert lives on one of its
+    ranks), replicated ones counted once."""
+    sq = {"split": 0.0, "whole": 0.0, "experts": 0.0}
+    for n, g in zip(names, grads, strict=True):
+        kind = (
+            "experts"
+            if is_expert_param(n)
+            else ("whole" if tensor_parallel.split_kind(n) is None else "split")
+        )
+        sq[kind] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+    split = float(tensor_parallel.tensor_group().allreduce_sum(np.array([sq["split"]]), "norm")[0])
+    experts = 0.0
+    if any(is_expert_param(n) for n in names):
+        experts = expert_group().allreduce_sum(sq["experts"])
+    coef = max_norm / ((sq["whole"] + split + experts) ** 0.5 + 1e-6)
     return [g * coef for g in grads] if coef < 1.0 else grads
 
 

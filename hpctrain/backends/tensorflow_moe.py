@@ -70,9 +70,11 @@ def _timed(moe: MoELayer, start: bool):
     return mark
 
 
-def moe_ffn(net, spec, v, h, training: bool):
-    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]."""
+def moe_ffn(net, spec, v, h, training: bool, router=None):
+    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]. `router`:
+    the router weight as the caller passes it on (tensor parallelism: through `f`)."""
     moe = _runtime(net, spec)
+    router = v["moe.router.weight"] if router is None else router
     record = bool(training)  # fixed per traced graph: only training calls are counted
     opts = moe.opts
     d = h.shape[-1]
@@ -81,7 +83,7 @@ def moe_ffn(net, spec, v, h, training: bool):
     if training and opts["jitter"] > 0:
         noise = tf.numpy_function(moe.jitter_noise, [tf.shape(x)], tf.float32)
         xr = x * tf.reshape(noise, tf.shape(x))
-    probs = tf.nn.softmax(tf.linalg.matmul(xr, v["moe.router.weight"], transpose_b=True), -1)
+    probs = tf.nn.softmax(tf.linalg.matmul(xr, router, transpose_b=True), -1)
     out_types = [tf.int64] * 8 + [tf.float32]
     plan = tf.numpy_function(
         lambda p: moe.plan(p, record).arrays(), [tf.stop_gradient(probs)], out_types
@@ -123,9 +125,12 @@ def moe_ffn(net, spec, v, h, training: bool):
 
 
 def aux_loss(net):
-    """Sum of the load-balancing losses of the net's latest call (None without MoE)."""
+    """Sum of the load-balancing losses of the net's latest call (None without MoE), per
+    batch: with tensor parallelism each of a batch's T ranks routed 1/T of it."""
     losses = list(_aux.get(net, {}).values())
-    return tf.add_n(losses) if losses else None
+    if not losses:
+        return None
+    return tf.add_n(losses) / float(expert_group().ranks_per_batch)
 
 
 def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
@@ -146,16 +151,16 @@ def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
 
 
 def expert_grads(grads: list, names: list[str]) -> list:
-    """Local experts' gradients: each sums its expert group's tokens, so divided by the
-    group's size, then averaged over the group's data-parallel replicas. Dense
-    gradients are returned unchanged."""
+    """Local experts' gradients: each sums its expert group's batches, so divided by
+    their number (`grad_scale`), then averaged over the group's data-parallel replicas.
+    Dense gradients are returned unchanged."""
     group = expert_group()
     idx = [i for i, n in enumerate(names) if is_expert_param(n)]
     out = list(grads)
     if not idx:
         return out
     flat = np.concatenate([np.asarray(grads[i]).reshape(-1) for i in idx]).astype(np.float32)
-    flat *= np.float32(1.0 / group.size)
+    flat *= np.float32(group.grad_scale)
     group.average_over_replicas(flat)
     at = 0
     for i in idx:

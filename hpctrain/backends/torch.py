@@ -180,6 +180,12 @@ class _Layer(nn.Module):
         h = torch_tensor.copy_to_tensor_axis(
             F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
         )
+        if "moe" in self.spec.attrs:  # this rank's samples through the experts
+            lo, hi = tensor_parallel.tensor_group().my_rows(h.shape[0])
+            router = torch_tensor.copy_to_tensor_axis(p["moe.router.weight"])
+            y = torch_moe.moe_ffn(self, h[lo:hi], router)
+            y = F.pad(y, (0, 0, 0, 0, lo, h.shape[0] - hi))  # the other ranks' rows: 0
+            return x + torch_tensor.reduce_from_tensor_axis(y)
         h = F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"]))
         out = torch_tensor.reduce_from_tensor_axis(F.linear(h, p["ffn.fc2.weight"]))
         return x + out + p["ffn.fc2.bias"]

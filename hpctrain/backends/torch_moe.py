@@ -44,17 +44,19 @@ def _runtime(layer) -> MoELayer:
     return _layers[layer]
 
 
-def moe_ffn(layer, h: torch.Tensor) -> torch.Tensor:
-    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]."""
+def moe_ffn(layer, h: torch.Tensor, router: torch.Tensor | None = None) -> torch.Tensor:
+    """The MoE feed-forward of a transformer block: h [n, t, d] -> [n, t, d]. `router`:
+    the router weight as the caller passes it on (tensor parallelism: through `f`)."""
     moe = _runtime(layer)
     opts, p = moe.opts, layer.p
+    router = p["moe.router.weight"] if router is None else router
     record = layer.training  # only training calls count in the step's metrics
     shape, d = h.shape, h.shape[-1]
     x = h.reshape(-1, d)
     xr = x
     if layer.training and opts["jitter"] > 0:
         xr = x * torch.from_numpy(moe.jitter_noise(x.shape))
-    probs = torch.softmax(F.linear(xr, p["moe.router.weight"]), dim=-1)
+    probs = torch.softmax(F.linear(xr, router), dim=-1)
     plan = moe.plan(probs.detach().numpy(), record)
     top = probs.gather(1, torch.from_numpy(plan.experts))
     gates = top if moe.k == 1 else top / top.sum(dim=-1, keepdim=True)
@@ -83,9 +85,12 @@ def _moe_modules(model) -> list:
 
 
 def aux_loss(model) -> torch.Tensor | None:
-    """Sum of the load-balancing losses of the model's last forward (None without MoE)."""
+    """Sum of the load-balancing losses of the model's last forward (None without MoE),
+    per batch: with tensor parallelism each of a batch's T ranks routed 1/T of it."""
     losses = [_aux[m] for m in _moe_modules(model) if m in _aux]
-    return torch.stack(losses).sum() if losses else None
+    if not losses:
+        return None
+    return torch.stack(losses).sum() / expert_group().ranks_per_batch
 
 
 def dense_named_parameters(model) -> list:
@@ -99,12 +104,13 @@ def add_expert_params(optimizer, model) -> None:
     Horovod's DistributedOptimizer allreduces exactly the parameters it was built with;
     a group added afterwards is stepped by the same torch optimizer (same lr, same
     state layout for checkpoints) but never allreduced or broadcast. Each expert
-    gradient sums every rank's tokens, so it is divided by the number of ranks.
+    gradient sums every batch's tokens, so it is divided by the number of batches (the
+    group's ranks, or with tensor parallelism its tensor groups).
     """
     experts = [p for n, p in model.named_parameters() if is_expert_param(n)]
     if not experts:
         return
-    scale = 1.0 / expert_group().size
+    scale = expert_group().grad_scale
     for p in experts:
         p.register_hook(lambda g: g * scale)
     optimizer.add_param_group({"params": experts})

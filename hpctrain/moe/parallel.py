@@ -34,14 +34,25 @@ class ExpertGroup:
 
     Tokens are exchanged within `axis`; each expert has one copy per data-parallel
     replica of the group, and those copies average their gradients over `data`.
+
+    With tensor parallelism the group is the expert x tensor ranks of one replica and
+    the T ranks of a tensor group share one batch, each routing 1/T of its samples
+    (`ranks_per_batch` = T): the group's ranks hold size / T batches between them.
     """
 
-    def __init__(self, axis, data=None):
+    def __init__(self, axis, data=None, ranks_per_batch: int = 1):
         self.axis, self.data = axis, data
         self.comm = axis.comm
         self.rank = axis.rank
         self.size = axis.size
         self.MPI = axis.MPI
+        self.ranks_per_batch = int(ranks_per_batch)
+
+    @property
+    def grad_scale(self) -> float:
+        """An expert's gradient sums the tokens of every batch the group holds; scaled
+        by this it is their mean, as the dense parameters' data-parallel average is."""
+        return self.ranks_per_batch / self.size
 
     def alltoall_counts(self, send: np.ndarray) -> np.ndarray:
         """send [R, n] int64 (row r goes to rank r) -> [R, n] (row s came from rank s)."""
@@ -79,10 +90,11 @@ class ExpertGroup:
 _group: ExpertGroup | None = None
 
 
-def use_axes(expert_axis, data_axis=None) -> ExpertGroup:
-    """Put the experts on the grid's `expert` axis (called once by the strategy)."""
+def use_axes(expert_axis, data_axis=None, ranks_per_batch: int = 1) -> ExpertGroup:
+    """Put the experts on the grid's `expert` axis, or with tensor parallelism on the
+    expert x tensor ranks of a replica (called once by the strategy)."""
     global _group
-    _group = ExpertGroup(expert_axis, data_axis)
+    _group = ExpertGroup(expert_axis, data_axis, ranks_per_batch)
     return _group
 
 

@@ -30,11 +30,12 @@ log = logging.getLogger("hpctrain.memory")
 
 
 def expert_degree(cfg, world_size: int) -> int:
-    """Ranks per expert group: `parallel.expert`, else the whole job for MoE models."""
+    """Ranks per expert group along the grid's `expert` axis: `parallel.expert`, else
+    the whole job (over the tensor groups, with tensor parallelism) for MoE models."""
     wanted = cfg.parallel["expert"]
     if wanted is not None:
         return wanted
-    return world_size if zoo.has_moe(cfg.model) else 1
+    return world_size // cfg.parallel["tensor"] if zoo.has_moe(cfg.model) else 1
 
 
 class DataParallel(StrategyBase):
@@ -44,7 +45,17 @@ class DataParallel(StrategyBase):
         self.grid = g = ProcessGrid(
             world, expert=expert_degree(cfg, world.size), tensor=self.tensor
         )
-        if zoo.has_moe(cfg.model):
+        if zoo.has_moe(cfg.model) and self.tensor > 1:
+            # the experts live on the expert x tensor ranks of a replica; each rank of a
+            # tensor group routes 1/T of the group's batch (tensor/parallel.py)
+            c, shape = g.coord, g.shape
+            group = world.guarded_split(
+                f"grid.{shape.data}x{shape.expert}x{shape.pipe}x{shape.tensor}.experts-x-tensor",
+                g.rank_of(data=c["data"]),
+                key=c["expert"] * self.tensor + c["tensor"],
+            )
+            moe_parallel.use_axes(group, g.data, ranks_per_batch=self.tensor)
+        elif zoo.has_moe(cfg.model):
             moe_parallel.use_axes(g.expert, g.data)
         tcfg = cfg.train
         # Tensor parallelism: the ranks of a tensor group read the same batches and hold
@@ -143,19 +154,25 @@ class DataParallel(StrategyBase):
         ranks each expert's weights and optimizer slots are gathered over the expert
         axis (rank 0 receives the experts it lacks: (E - E/R) experts' state, whatever
         the world size; the other ranks send theirs once)."""
-        if self._spread_experts():
-            state = moe_parallel.gather_expert_weights(self.backend.export_state())
-            return state if self.world.is_root else None
         if self.tensor > 1:  # the tensor group's pieces joined under canonical names
-            pieces = self.grid.tensor.gather_object(
-                self.backend.export_state(), what="gather tensor-parallel shards"
-            )
+            local = self.backend.export_state()
+            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+            if experts and self.grid.coord["data"] == 0:  # replica 0's expert x tensor
+                experts = moe_parallel.gather_expert_weights(experts) or {}  # group
+            dense = {k: v for k, v in local.items() if not moe_parallel.is_expert_param(k)}
+            pieces = self.grid.tensor.gather_object(dense, what="gather tensor-parallel shards")
             if not self.world.is_root:
                 return None
             return {
-                k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p[k] for p in pieces])
-                for k in pieces[0]
+                **{
+                    k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p[k] for p in pieces])
+                    for k in pieces[0]
+                },
+                **experts,
             }
+        if self._spread_experts():
+            state = moe_parallel.gather_expert_weights(self.backend.export_state())
+            return state if self.world.is_root else None
         if getattr(self.backend, "zero", None) is not None:
             state = self.backend.export_state()
             return state if self.world.is_root else None
@@ -199,15 +216,20 @@ class DataParallel(StrategyBase):
         the replicated rest is cut over every rank as without tensor parallelism. `owned`
         (ZeRO: {name: (slice shape, first, elements)}, this rank's optimizer shard of
         its slices): ranges of split tensors' slices as ("tensor", rank, T, first); the
-        ranges of tensors every tensor rank holds alike from tensor rank 0 alone."""
+        ranges of tensors every tensor rank holds alike from tensor rank 0 alone. Experts
+        (each on one rank of the expert x tensor group) are cut over their copies on the
+        data axis."""
         w, g = self.world, self.grid.tensor
         split = {
             k: v
             for k, v in local.items()
             if np.ndim(v) > 0 and tensor_parallel.split_kind(k.rsplit("/", 1)[-1])
         }
-        rest = {k: v for k, v in local.items() if k not in split}
+        experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+        rest = {k: v for k, v in local.items() if k not in split and k not in experts}
         pieces = split_replicated(rest, w.rank, w.size, min_bytes)
+        d = self.grid.data
+        pieces.update(split_replicated(experts, d.rank, d.size, min_bytes))
         replicas, mine = self.grid.num_replicas, self.grid.replica
         for i, (k, v) in enumerate(split.items()):
             if i % replicas == mine:
@@ -223,7 +245,7 @@ class DataParallel(StrategyBase):
         return pieces
 
     def _spread_experts(self) -> bool:
-        return zoo.has_moe(self.cfg.model) and self.grid.expert.size > 1
+        return zoo.has_moe(self.cfg.model) and moe_parallel.expert_group().size > 1
 
     def import_state(self, ckpt) -> None:
         state = ckpt.state

@@ -13,6 +13,16 @@ Embeddings, layer norms, the head and the biases added after `g` are replicated;
 gradients are the same on every rank of the axis (the `f` allreduce makes the inputs'
 gradients whole), so they need no tensor-axis reduction.
 
+Mixture-of-experts blocks (DeepSpeed's "drop duplicate tokens"): attention is split
+as above; the MoE feed-forward is not split but its tokens are. Every rank of a tensor
+group holds the same [batch, seq, d_model] input, so rank t routes only samples
+`my_rows` (1/T of them) to the experts, which live on the expert x tensor ranks of the
+replica (moe/parallel.py), and the outputs are joined with one allreduce of the
+zero-padded rows (`g`; twice an allgather's bytes, for one collective fewer to write);
+backward, `f` before the row split makes the input's gradient whole again. The router
+weight goes through `f` too: each rank's copy saw 1/T of the tokens, so its gradient is
+summed over the axis.
+
 Canonical names and shapes never change: `shard` cuts a full array into this rank's
 piece, `unshard` joins the pieces, so checkpoints are world- and T-independent.
 """
@@ -33,6 +43,11 @@ class TensorGroup:
         self.axis = axis
         self.size = axis.size if axis is not None else 1
         self.rank = axis.rank if axis is not None else 0
+
+    def my_rows(self, n: int) -> tuple[int, int]:
+        """[lo, hi) of the n samples of the group's batch that this rank routes through
+        a mixture-of-experts layer (each rank 1/T of them: no token goes twice)."""
+        return self.rank * n // self.size, (self.rank + 1) * n // self.size
 
     def allreduce_sum(self, x: np.ndarray, what: str) -> np.ndarray:
         buf = np.ascontiguousarray(x, dtype=np.float32).copy()
