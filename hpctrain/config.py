@@ -610,7 +610,7 @@ def _cross_checks(v: dict) -> list[str]:
         clash = [
             what
             for what, bad in (
-                (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+                (f"strategy {v['strategy']}", v["strategy"] not in ("data_parallel", "pipeline")),
                 (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
                 (f"train.compression={compression}", compression != "none"),
                 ("train.hierarchical", v["train"]["hierarchical"]),
@@ -625,8 +625,9 @@ def _cross_checks(v: dict) -> list[str]:
         if clash:
             problems.append(
                 f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
-                f"engine (strategy data_parallel, train.allreduce mpi or auto, no compression, "
-                f"hierarchical, local SGD or experts); not with {', '.join(clash)}"
+                f"engine (strategy data_parallel, or pipeline with train.zero=1; "
+                f"train.allreduce mpi or auto, no compression, hierarchical, local SGD or "
+                f"experts); not with {', '.join(clash)}"
             )
     tensor = v["parallel"]["tensor"]
     if tensor > 1:

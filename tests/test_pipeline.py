@@ -177,6 +177,7 @@ BAD = [
         "world size 2 is not divisible by pipeline.stages=2 x parallel.tensor=2: launch a "
         "multiple of 4 ranks",
     ),
+    (2, ["train.zero=2"], "train.zero=2: the pipeline shards with ZeRO-1 (optimizer state)"),
 ]
 
 

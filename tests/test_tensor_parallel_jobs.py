@@ -66,6 +66,7 @@ def reference(tmp_path_factory):
 
 
 PIPE_TP = ["strategy=pipeline", "pipeline.microbatches=2", "parallel.tensor=2"]
+PIPE_ZERO = ["strategy=pipeline", "pipeline.microbatches=2", "train.zero=1"]
 LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
     "tensor2": (2, ["parallel.tensor=2", "train.batch_size=16"]),
     "tensor4": (4, ["parallel.tensor=4", "train.batch_size=16"]),
@@ -77,13 +78,19 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
     # Pipeline stages of tensor-parallel blocks: 2 micro-batches x 8, and x 4 x 2 replicas.
     "pipe2-tensor2": (4, [*PIPE_TP, "train.batch_size=8"]),
     "data2-pipe2-tensor2": (8, [*PIPE_TP, "train.batch_size=4", "pipeline.schedule=gpipe"]),
+    # ZeRO-1 over each stage's replicas, with and without tensor parallelism
+    "zero1-data2-pipe2": (4, [*PIPE_ZERO, "parallel.tensor=1", "train.batch_size=4"]),
+    "zero1-data2-pipe2-tensor2": (8, [*PIPE_ZERO, "parallel.tensor=2", "train.batch_size=4"]),
 }
 
 
 @pytest.mark.parametrize(
     "backend, layout",
     [("torch", k) for k in LAYOUTS]
-    + [("tensorflow", k) for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2")],
+    + [
+        ("tensorflow", k)
+        for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2", "zero1-data2-pipe2")
+    ],
 )
 def test_tensor_parallel_equals_one_process(tmp_path, reference, backend, layout):
     np_, overrides = LAYOUTS[layout]
@@ -114,7 +121,26 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
     "tp-data-then-tp": (4, ["parallel.tensor=2", "train.batch_size=8"], 2, ["parallel.tensor=2"]),
     "pipe-tp-then-plain": (4, [*PIPE_TP, "train.batch_size=8"], 1, []),
     "plain-then-pipe-tp": (1, [], 4, [*PIPE_TP, "train.batch_size=8"]),
+    "zero-pipe-tp-then-plain": (8, [*PIPE_ZERO, "parallel.tensor=2", "train.batch_size=4"], 1, []),
+    "zero-pipe-then-plain": (4, [*PIPE_ZERO, "train.batch_size=4"], 1, []),
 }
+
+
+def _flat_ranges(checkpoints) -> dict:
+    """{file: names of optimizer pieces that are a part of their tensor} of the step-3
+    checkpoint: what ZeRO ranks write of the state they alone hold."""
+    import h5py
+
+    with h5py.File(checkpoints / "ckpt-00000003.h5", "r") as f:
+        table = json.loads(f["manifest"][()].tobytes())["shards"]
+    return {
+        r["file"]: [
+            n
+            for n, p in r["pieces"].items()
+            if n.startswith("optimizer/") and p[3] < int(np.prod(p[1]))
+        ]
+        for r in table["files"]
+    }
 
 
 def _tensor_slices(checkpoints) -> dict:
@@ -133,7 +159,10 @@ def _tensor_slices(checkpoints) -> dict:
 @pytest.mark.parametrize(
     "backend, case",
     [("torch", c) for c in CASES]
-    + [("tensorflow", c) for c in ("zero-tp-then-plain", "pipe-tp-then-plain")],
+    + [
+        ("tensorflow", c)
+        for c in ("zero-tp-then-plain", "pipe-tp-then-plain", "zero-pipe-then-plain")
+    ],
 )
 def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend, case):
     """A tensor-parallel run (np=2, tensor 2) stopped at step 3 resumes as one process,
@@ -147,11 +176,14 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
-    if not case.startswith("plain-then"):  # each tensor rank wrote its slices (sharded)
+    if "parallel.tensor=2" in first:  # each tensor rank wrote its slices (sharded)
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == first_np, slices
         assert any("attn.qkv.weight" in n for names in slices.values() for n in names)
-    if case == "zero-tp-then-plain":  # and its ZeRO shard of its slices' optimizer state
+    if case == "zero-pipe-then-plain":  # every replica wrote its own optimizer ranges
+        ranges = _flat_ranges(part / "checkpoints")
+        assert sum(1 for names in ranges.values() if names) == first_np, ranges
+    if case in ("zero-tp-then-plain", "zero-pipe-tp-then-plain"):  # and its ZeRO ranges
         ranges = [{n for n, w in names.items() if len(w) == 4} for names in slices.values()]
         assert sum(1 for names in ranges if names) == first_np, slices
         assert any(

@@ -4,6 +4,8 @@ The slice is the backend's own `ZooNet` built from the stage's layers, so variab
 carry canonical names and torch's update rules (`_Optimizer`) apply. Each forward runs
 under its own `GradientTape`, kept with the micro-batch until its backward, which is
 `tape.gradient(output, variables + [input], output_gradients=grad_from_next_stage)`.
+ZeRO-1 (`attach_zero`): the accumulated gradients are reduce-scattered over the stage's
+replicas once per step and each replica updates its shard (tensorflow_zero.py).
 
 Layout: ZooNet takes canonical NCHW images and switches to NHWC at its first conv-type
 layer. Between stages activations always travel NCHW, so a stage whose output is still
@@ -31,6 +33,7 @@ from .tensorflow import (
     set_rng_state,
     tf,
 )
+from .tensorflow_zero import TensorFlowZero
 
 # Kinds at which ZooNet moves images from NCHW to NHWC (see ZooNet.__call__).
 _NHWC_KINDS = ("conv", "conv_bn", "resblock", "gap")
@@ -64,6 +67,7 @@ class TensorFlowStage:
     def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
         prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
         self.first, self.last = first, last
+        self.zero = None  # ZeRO-1: attach_zero
         self.net = ZooNet(layers, weights)
         self.opt = _Optimizer(cfg.optimizer, self.net.vars)
         self._vars = list(self.net.vars.values())
@@ -71,7 +75,18 @@ class TensorFlowStage:
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = self.mpi = None
+        self.hvd = self.process_set = self.mpi = self.zero = None
+        self._ocfg = cfg.optimizer
+
+    def attach_zero(self, replicas, bucket_bytes: int) -> None:
+        """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
+        holds this replica's shard of the stage's state only."""
+        self.mpi = replicas
+        self.zero = TensorFlowZero(
+            replicas, self._vars, 1, bucket_bytes, lambda v: _Optimizer(self._ocfg, v)
+        )
+        self.opt = self.zero.optimizer
+        self.zero.begin_step()
 
     def attach_replicas(self, hvd, process_set) -> None:
         self.hvd, self.process_set = hvd, process_set
@@ -120,11 +135,18 @@ class TensorFlowStage:
 
     # --- the step ----------------------------------------------------------------
     def grad_square_sum(self) -> float:
+        if self.zero is not None:
+            return sum(self.grad_square_sums(lambda name: False))
         return float(sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated): squared gradient norms of the variables `is_split(name)`
-        names as tensor-parallel slices and of the rest."""
+        names as tensor-parallel slices and of the rest (ZeRO: of the averaged gradient,
+        from the replicas' shards)."""
+        if self.zero is not None:
+            part = self.zero.part
+            mask = part.shard_mask({i for i, n in enumerate(self.net.vars) if is_split(n)})
+            return part.square_sums(self.zero.shard_grad, mask)
         sums = [0.0, 0.0]
         for name, g in zip(self.net.vars, self.acc, strict=True):
             sums[0 if is_split(name) else 1] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
@@ -132,6 +154,11 @@ class TensorFlowStage:
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
+        if self.zero is not None:  # reduce-scatter: this replica's shard of the mean
+            t0 = time.perf_counter()
+            self.zero.reduce(self.acc)
+            self.acc = None
+            return time.perf_counter() - t0
         if self.mpi is not None:
             if self.mpi.size == 1:
                 return 0.0
@@ -151,6 +178,12 @@ class TensorFlowStage:
 
     def apply(self, lr: float, clip_coef: float = 1.0) -> None:
         """One optimizer step with the accumulated (averaged, clipped) gradients."""
+        if self.zero is not None:
+            if clip_coef < 1.0:
+                self.zero.shard_grad *= np.float32(clip_coef)
+            self.zero.step(lr)  # the shard's update, then every replica's shard gathered
+            self.zero.begin_step()
+            return
         acc = self.acc if clip_coef >= 1.0 else [g * clip_coef for g in self.acc]
         self.opt.apply(acc, tf.constant(lr, tf.float32))
         self.acc = None
@@ -185,14 +218,32 @@ class TensorFlowStage:
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         assign_weights(self.net, weights)
+        if self.zero is not None:
+            self.zero.sync_shard()
 
     def export_state(self) -> dict[str, np.ndarray]:
-        """This stage's part of a checkpoint, in the data-parallel backend's layout."""
+        """This stage's part of a checkpoint, in the data-parallel backend's layout
+        (ZeRO: collective over the replicas, the optimizer state on replica 0)."""
+        if self.zero is not None:
+            names = list(self.net.vars)
+            return {**with_model_prefix(self.get_weights()), **self.zero.export_optimizer(names)}
         return {**with_model_prefix(self.get_weights()), **self.opt.export_state()}
+
+    def export_owned(self) -> tuple[dict, dict]:
+        """ZeRO: (the weights, this replica's own ranges of the optimizer state as
+        {name: (shape, first, elements)}), without communication."""
+        step = self.zero.step_state()
+        return (
+            {**with_model_prefix(self.get_weights()), **step},
+            self.zero.optimizer_pieces(list(self.net.vars)),
+        )
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
         self.set_weights(model_part(state))
+        if self.zero is not None:
+            self.zero.import_optimizer(list(self.net.vars), state)
+            return
         self.opt.import_state(state)
 
     rng_state = staticmethod(rng_state)

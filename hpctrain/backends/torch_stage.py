@@ -7,12 +7,19 @@ micro-batch's stage input (a leaf that requires grad) and output until its backw
 which is `torch.autograd.backward(output, gradient_from_next_stage)`; the input's
 `.grad` is what goes to the previous stage. Gradients accumulate over the step's
 micro-batches and the optimizer steps once, with torch's own SGD/Adam.
+
+ZeRO-1 (`train.zero: 1`, `attach_zero`): the stage's parameters become views of one
+flat tensor sharded over the stage's replicas (torch_zero.py); gradients accumulate
+into the flat gradient over the micro-batches and are reduce-scattered once per step,
+each replica updates its shard with its own optimizer state, and the updated shards
+are all-gathered. (ZeRO-2 would reduce-scatter after every micro-batch: refused.)
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from functools import partial
 
 import numpy as np
 import torch
@@ -25,10 +32,12 @@ from .torch import (
     ZooNet,
     export_optimizer_state,
     import_optimizer_state,
+    make_optimizer,
     prepare_process,
     rng_state,
     set_rng_state,
 )
+from .torch_zero import TorchZero
 
 
 def init_replicas(comm, groups: list[list[int]], mine: int):
@@ -55,6 +64,7 @@ class TorchStage:
     def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
         prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
         self.first, self.last = first, last
+        self.zero = None  # ZeRO-1: attach_zero
         self.net = ZooNet(layers)
         self.set_weights(weights)
         ocfg = cfg.optimizer
@@ -74,7 +84,8 @@ class TorchStage:
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = self.mpi = None
+        self.hvd = self.process_set = self.mpi = self.zero = None
+        self._ocfg = ocfg
 
     def attach_replicas(self, hvd, process_set) -> None:
         self.hvd, self.process_set = hvd, process_set
@@ -84,6 +95,18 @@ class TorchStage:
         flat MPI_Allreduce per step instead of Horovod."""
         self.mpi = replicas
         self._flat = gradient_engine.FlatMean(replicas, [p.numel() for p in self.net.parameters()])
+
+    def attach_zero(self, replicas, bucket_bytes: int) -> None:
+        """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
+        holds this replica's shard of the stage's state only."""
+        self.mpi = replicas
+        params = list(self.net.parameters())
+        self.zero = TorchZero(
+            replicas, params, 1, bucket_bytes, partial(make_optimizer, self._ocfg)
+        )
+        self.opt = self.zero.optimizer
+        self._names = [n for n, _ in self.net.named_parameters()]
+        self.zero.begin_step()
 
     # --- the schedule's two actions --------------------------------------------
     def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
@@ -114,11 +137,18 @@ class TorchStage:
 
     # --- the step ----------------------------------------------------------------
     def grad_square_sum(self) -> float:
+        if self.zero is not None:
+            return sum(self.grad_square_sums(lambda name: False))
         return float(sum(float((p.grad.double() ** 2).sum()) for p in self._grads()))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated): squared gradient norms of the parameters `is_split(name)`
-        names as tensor-parallel slices and of the rest."""
+        names as tensor-parallel slices and of the rest (ZeRO: of the averaged gradient,
+        from the replicas' shards)."""
+        if self.zero is not None:
+            part = self.zero.part
+            mask = part.shard_mask({i for i, n in enumerate(self._names) if is_split(n)})
+            return part.square_sums(self.zero.shard_grad, mask)
         sums = [0.0, 0.0]
         for name, p in self.net.named_parameters():
             if p.grad is not None:
@@ -127,6 +157,10 @@ class TorchStage:
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
+        if self.zero is not None:  # reduce-scatter: this replica's shard of the mean
+            t0 = time.perf_counter()
+            self.zero.reduce()
+            return time.perf_counter() - t0
         if self.mpi is not None:
             return self._average_with_mpi()
         if self.hvd is None or self.process_set.size() == 1:
@@ -157,6 +191,14 @@ class TorchStage:
 
     def apply(self, lr: float, clip_coef: float = 1.0) -> None:
         """One optimizer step with the accumulated (averaged, clipped) gradients."""
+        if self.zero is not None:
+            if clip_coef < 1.0:
+                self.zero.shard_grad *= np.float32(clip_coef)
+            for group in self.opt.param_groups:
+                group["lr"] = lr
+            self.zero.step()  # the shard's update, then every replica's shard gathered
+            self.zero.begin_step()  # the next step's gradients accumulate from zero
+            return
         if clip_coef < 1.0:
             for p in self._grads():
                 p.grad.mul_(clip_coef)
@@ -202,19 +244,40 @@ class TorchStage:
         with torch.no_grad():
             for key, tensor in self.net.state_dict(keep_vars=True).items():
                 tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+        if self.zero is not None:
+            self.zero.sync_shard()
 
     def export_state(self) -> dict[str, np.ndarray]:
-        """This stage's part of a checkpoint, in the data-parallel backend's layout."""
-        kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
+        """This stage's part of a checkpoint, in the data-parallel backend's layout
+        (ZeRO: collective over the replicas, the optimizer state on replica 0)."""
+        kind = self._ocfg["name"]
+        if self.zero is not None:
+            return {
+                **with_model_prefix(self.get_weights()),
+                **self.zero.export_optimizer(self._names, kind),
+            }
         return {
             **with_model_prefix(self.get_weights()),
             **export_optimizer_state(self.opt, self.net.named_parameters(), kind),
         }
 
+    def export_owned(self) -> tuple[dict, dict]:
+        """ZeRO: (the weights, this replica's own ranges of the optimizer state as
+        {name: (shape, first, elements)}), without communication."""
+        kind = self._ocfg["name"]
+        step = self.zero.step_state(kind)
+        return (
+            {**with_model_prefix(self.get_weights()), **step},
+            self.zero.optimizer_pieces(self._names, kind),
+        )
+
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         """Take this stage's tensors (and their optimizer slots) from a full checkpoint."""
         self.set_weights(model_part(state))
-        kind = "sgd" if isinstance(self.opt, torch.optim.SGD) else "adam"
+        kind = self._ocfg["name"]
+        if self.zero is not None:
+            self.zero.import_optimizer(self._names, kind, state)
+            return
         import_optimizer_state(self.opt, self.net.named_parameters(), kind, state)
 
     rng_state = staticmethod(rng_state)

@@ -191,6 +191,15 @@ class ZeroPartition:
             sums[1] = float(split[1].allreduce_sum(sums[1:2], "ZeRO gradient norm")[0])
         return float(np.sqrt(sums.sum()))
 
+    def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+        """(masked, unmasked) sums of squares of the whole (averaged) gradient, from the
+        shards: one allreduce of two numbers (the pipeline adds them over its stages)."""
+        g = shard_grad.astype(np.float64)
+        sums = np.array([np.dot(g[mask], g[mask]), np.dot(g[~mask], g[~mask])])
+        if self.n > 1:
+            sums = self.comm.allreduce_array(sums, "sum", "ZeRO gradient norm")
+        return float(sums[0]), float(sums[1])
+
     def shard_mask(self, params: set[int]) -> np.ndarray:
         """True where this rank's shard holds elements of the parameters `params`."""
         flat = np.zeros(self.flat_len, dtype=np.float32)

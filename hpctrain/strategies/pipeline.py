@@ -77,6 +77,12 @@ def config_problem(cfg, world_size: int) -> str | None:
             "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
             "leave train.grad_accum at 1"
         )
+    if cfg.train["zero"] > 1:
+        return (
+            f"train.zero={cfg.train['zero']}: the pipeline shards with ZeRO-1 "
+            "(optimizer state); ZeRO-2 would reduce-scatter every micro-batch's gradients, "
+            f"pipeline.microbatches={cfg.pipeline['microbatches']} times a step's traffic"
+        )
     if zoo.has_moe(cfg.model):
         return (
             "model.moe: mixture-of-experts blocks inside pipeline stages are not supported "
@@ -120,7 +126,10 @@ class Pipeline(StrategyBase):
             cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank
         )
         self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
-        if self.engine == "mpi":
+        self.zero = cfg.train["zero"]
+        if self.zero:  # ZeRO-1 over each stage's replicas (config: MPI engine, stage 1)
+            self.stage.attach_zero(g.replicas, int(cfg.train["bucket_mb"] * 2**20))
+        elif self.engine == "mpi":
             self.stage.attach_mpi(g.replicas)
         elif g.num_replicas > 1:
             mod = stage_module(cfg.backend)
@@ -281,7 +290,11 @@ class Pipeline(StrategyBase):
         With tensor parallelism rank 0 joins each split tensor from its T slices.
         Cost: P x T objects gathered to rank 0 (the model's size in bytes), once per save.
         """
-        mine = self.stage.export_state() if self.grid.replica == 0 else None
+        if self.zero:  # collective over each stage's replicas; replica 0 gets the slots
+            mine = self.stage.export_state()
+            mine = mine if self.grid.replica == 0 else None
+        else:
+            mine = self.stage.export_state() if self.grid.replica == 0 else None
         parts = self.world.gather_object(mine, what="gather pipeline state")
         if not self.world.is_root:
             return None
@@ -307,14 +320,27 @@ class Pipeline(StrategyBase):
     def export_pieces(self, min_bytes: int) -> dict | None:
         """Replica 0's stages write the tensors they own, whole, or with tensor
         parallelism each tensor rank its slices of the split ones (("tensor", rank, T)
-        pieces) and tensor rank 0 the replicated rest; the optimizer step (equal on
-        every stage) is rank 0's."""
-        if self.grid.replica != 0:
-            return {}
-        state = self.stage.export_state()
-        step = state.pop("optimizer/step", None)
+        pieces) and tensor rank 0 the replicated rest; under ZeRO every replica writes
+        its own ranges of its stage's optimizer state (of its slices: ("tensor", rank,
+        T, first)); the optimizer step (equal on every stage) is rank 0's."""
         t = self.grid.tensor
         pieces = {}
+        if self.zero:
+            state, owned = self.stage.export_owned()
+            for k, (shape, first, elements) in owned.items():
+                leaf = k.rsplit("/", 1)[-1]
+                if self.tensor > 1 and len(shape) > 0 and tensor_parallel.split_kind(leaf):
+                    whole = tensor_parallel.full_shape(leaf, shape, t.size)
+                    pieces[k] = (whole, ("tensor", t.rank, t.size, first), elements)
+                elif t.rank == 0:
+                    pieces[k] = (shape, first, elements)
+            if self.grid.replica != 0:
+                return pieces
+        elif self.grid.replica != 0:
+            return {}
+        else:
+            state = self.stage.export_state()
+        step = state.pop("optimizer/step", None)
         for k, v in state.items():
             leaf = k.rsplit("/", 1)[-1]
             if self.tensor > 1 and np.ndim(v) > 0 and tensor_parallel.split_kind(leaf):
