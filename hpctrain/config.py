@@ -615,10 +615,6 @@ def _cross_checks(v: dict) -> list[str]:
                 (f"train.compression={compression}", compression != "none"),
                 ("train.hierarchical", v["train"]["hierarchical"]),
                 (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
-                (
-                    "mixture-of-experts",
-                    isinstance(v["model"], dict) and bool(v["model"].get("moe")),
-                ),
             )
             if bad
         ]
@@ -626,8 +622,8 @@ def _cross_checks(v: dict) -> list[str]:
             problems.append(
                 f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
                 f"engine (strategy data_parallel, or pipeline with train.zero=1; "
-                f"train.allreduce mpi or auto, no compression, hierarchical, local SGD or "
-                f"experts); not with {', '.join(clash)}"
+                f"train.allreduce mpi or auto, no compression, hierarchical allreduce or "
+                f"local SGD); not with {', '.join(clash)}"
             )
     tensor = v["parallel"]["tensor"]
     if tensor > 1:

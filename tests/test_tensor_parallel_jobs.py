@@ -221,16 +221,32 @@ def moe_reference(tmp_path_factory):
     return get
 
 
+ZERO2 = ["train.zero=2", "train.bucket_mb=0.004", "train.batch_size=8"]
+
+
 @pytest.mark.parametrize(
     "backend, np_, overrides",
     [
         ("torch", 2, ["parallel.tensor=2", "train.batch_size=16"]),
         ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
         ("tensorflow", 2, ["parallel.tensor=2", "train.batch_size=16"]),
+        # ZeRO shards the dense state; the experts, local to their ranks, step beside it
+        ("torch", 2, ["train.zero=1", "train.batch_size=8"]),
+        ("torch", 2, ZERO2),
+        ("tensorflow", 2, ZERO2),
+        ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
     ],
-    ids=["torch-tensor2", "torch-data2-tensor2", "tensorflow-tensor2"],
+    ids=[
+        "torch-tensor2",
+        "torch-data2-tensor2",
+        "tensorflow-tensor2",
+        "torch-zero1",
+        "torch-zero2",
+        "tensorflow-zero2",
+        "torch-zero2-data2-tensor2",
+    ],
 )
-def test_experts_in_tensor_parallel_blocks_equal_one_process(
+def test_experts_with_tensor_parallelism_or_zero_equal_one_process(
     tmp_path, moe_reference, backend, np_, overrides
 ):
     ref, ref_losses, _ = moe_reference(backend)
@@ -257,18 +273,33 @@ def test_experts_in_tensor_parallel_blocks_drop_and_balance_like_data_parallel_m
     assert min(drops) > 0.05, drops  # capacity really dropped tokens
 
 
-def test_tensor_parallel_moe_checkpoint_resumes_as_one_process(tmp_path, moe_reference):
-    """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, stopped at step 3
-    (sharded: each rank its experts and its tensor slices), resumes as one process."""
+@pytest.mark.parametrize(
+    "backend, np_, layout",
+    [
+        ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
+        ("tensorflow", 2, ZERO2),
+    ],
+    ids=["torch-data2-tensor2", "tensorflow-zero2"],
+)
+def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
+    tmp_path, moe_reference, backend, np_, layout
+):
+    """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, or ZeRO-2 with
+    the experts on 2 ranks, stopped at step 3 (sharded: each rank its experts, its
+    tensor slices, its ZeRO ranges), resumes as one process."""
     import shutil
 
-    ref, _, _ = moe_reference("torch")
-    common = ["backend=torch", MOE_EXACT, "checkpoint.every_steps=3"]
+    ref, _, _ = moe_reference(backend)
+    common = [f"backend={backend}", MOE_EXACT, "checkpoint.every_steps=3"]
     part = tmp_path / "part1"
-    first = [*common, "parallel.tensor=2", "train.batch_size=8", "train.max_steps=3"]
-    _run(tmp_path, "a", 4, *first, run_dir=part)
-    slices = _tensor_slices(part / "checkpoints")
-    assert sum(1 for names in slices.values() if names) == 4, slices
+    first = [*common, *layout, "train.max_steps=3"]
+    _run(tmp_path, "a", np_, *first, run_dir=part)
+    if "parallel.tensor=2" in layout:
+        slices = _tensor_slices(part / "checkpoints")
+        assert sum(1 for names in slices.values() if names) == 4, slices
+    else:  # each rank its own experts' slots and its ZeRO ranges of the dense ones
+        ranges = _flat_ranges(part / "checkpoints")
+        assert sum(1 for names in ranges.values() if names) == np_, ranges
     run = tmp_path / "resumed"
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")

@@ -553,6 +553,9 @@ class TensorFlowBackend(BackendBase):
             )
             self.optimizer = self.zero.optimizer
             self._flat = self.zero.part
+            experts = OrderedDict((n, v) for n, v in self.net.vars.items() if is_expert_param(n))
+            # MoE experts are local to a rank: their own optimizer, beside the shard's
+            self.expert_optimizer = _Optimizer(cfg.optimizer, experts) if experts else None
         else:
             self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
             self._flat = make_reducer(
@@ -580,7 +583,8 @@ class TensorFlowBackend(BackendBase):
             return
         opt = self.optimizer
         if self.zero is not None:  # each rank's optimizer state is its own shard
-            for i, var in enumerate([*self.net.vars.values(), *self.net.buffers.values()]):
+            dense = [v for k, v in self.net.vars.items() if not is_expert_param(k)]
+            for i, var in enumerate([*dense, *self.net.buffers.values()]):
                 var.assign(self.world.bcast_inplace(np.array(var.numpy()), what=f"broadcast {i}"))
             self.zero.sync_shard()
             return
@@ -661,9 +665,15 @@ class TensorFlowBackend(BackendBase):
         scale = tf.constant(1.0 / total, tf.float32)
         z.begin_step()
         acc, loss_sum, correct, comm = None, 0.0, 0, 0.0
-        dense = [list(self.net.vars).index(n) for n in self._dense]
+        names = list(self.net.vars)
+        dense = [names.index(n) for n in self._dense]
+        local = [i for i, n in enumerate(names) if is_expert_param(n)]  # MoE experts
+        experts = None
         for x, y in micro_batches:
             loss, corr, grads = self._grad_fn(tf.constant(x), tf.constant(y), scale)
+            if local:
+                mine = [grads[i] for i in local]
+                experts = mine if experts is None else [a + g for a, g in zip(experts, mine)]
             grads = [grads[i] for i in dense]
             loss_sum += float(loss)
             correct += int(corr)
@@ -676,9 +686,19 @@ class TensorFlowBackend(BackendBase):
         t0 = time.perf_counter()
         if acc is not None:
             z.reduce(acc)
+        if experts is not None:  # scaled to the batches' mean, averaged over copies
+            experts = tensorflow_moe.expert_grads(experts, [names[i] for i in local])
         if self.clip is not None:
-            z.clip(float(self.clip), self._tensor_split_mask())
+            extra_sq = 0.0
+            if experts is not None:  # each expert lives on one rank of its group
+                sq = sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in experts)
+                extra_sq = expert_group().allreduce_sum(sq)
+            coef = z.clip(float(self.clip), self._tensor_split_mask(), extra_sq)
+            if experts is not None and coef < 1.0:
+                experts = [g * coef for g in experts]
         z.step(lr)
+        if experts is not None:
+            self.expert_optimizer.apply(experts, tf.constant(lr, tf.float32))
         comm += time.perf_counter() - t0  # includes the shard's update
         self.exchange_step += 1
         extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
@@ -815,6 +835,7 @@ class TensorFlowBackend(BackendBase):
         if self.zero is not None:
             return {
                 **with_model_prefix(self.get_weights()),
+                **self._expert_optimizer_state(),
                 **self.zero.export_optimizer(self._dense),
             }
         return {**with_model_prefix(self.get_weights()), **self.optimizer.export_state()}
@@ -823,12 +844,26 @@ class TensorFlowBackend(BackendBase):
         """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
         this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
         communication."""
-        replicated = {**with_model_prefix(self.get_weights()), **self.zero.step_state()}
+        replicated = {  # with experts: each rank its own
+            **with_model_prefix(self.get_weights()),
+            **self._expert_optimizer_state(),
+            **self.zero.step_state(),
+        }
         return replicated, self.zero.optimizer_pieces(self._dense)
+
+    def _expert_optimizer_state(self) -> dict[str, np.ndarray]:
+        """ZeRO with MoE: the local experts' slots (`optimizer/<slot>/<name>`)."""
+        if getattr(self, "expert_optimizer", None) is None:
+            return {}
+        state = self.expert_optimizer.export_state()
+        state.pop("optimizer/step", None)  # the shard's, the same count
+        return state
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))
         if self.zero is not None:
+            if getattr(self, "expert_optimizer", None) is not None:
+                self.expert_optimizer.import_state(state)
             self.zero.import_optimizer(self._dense, state)
             return
         self.optimizer.import_state(state)

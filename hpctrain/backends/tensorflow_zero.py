@@ -57,12 +57,15 @@ class TensorFlowZero:
             self.grad_bytes_peak = max(self.grad_bytes_peak, held + extra + self.shard_grad.nbytes)
             part.reduce_segment(s, buf, self.shard_grad)
 
-    def clip(self, max_norm: float, split=None) -> None:
+    def clip(self, max_norm: float, split=None, extra_sq: float = 0.0) -> float:
         """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
-        tensor parallelism, see ZeroPartition.global_norm)."""
-        coef = max_norm / (self.part.global_norm(self.shard_grad, split) + 1e-6)
+        tensor parallelism, see ZeroPartition.global_norm; `extra_sq`: the squares of
+        gradients outside the partition, MoE experts). Returns the coefficient."""
+        norm = (self.part.global_norm(self.shard_grad, split) ** 2 + extra_sq) ** 0.5
+        coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             self.shard_grad *= np.float32(coef)
+        return coef
 
     def step(self, lr: float) -> None:
         self.optimizer.apply([tf.constant(self.shard_grad)], tf.constant(lr, tf.float32))

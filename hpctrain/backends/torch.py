@@ -535,6 +535,9 @@ class TorchBackend(BackendBase):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         z.begin_step()
+        experts = self._expert_params()
+        for p in experts:  # local experts: plain gradients, stepped with the shard
+            p.grad = None
         t_comm = [0.0]
 
         def after_backward():  # stage 2 reduces during backward: count it as comm
@@ -543,19 +546,39 @@ class TorchBackend(BackendBase):
             t_comm[0] += time.perf_counter() - t0
 
         loss_sum, correct, total = backward_mean_loss(
-            self.model, micro_batches, after_each=after_backward, bf16=self.bf16
+            self.model,
+            micro_batches,
+            torch_moe.aux_loss,
+            after_each=after_backward,
+            bf16=self.bf16,
         )
         t0 = time.perf_counter()
         z.reduce()
+        torch_moe.average_expert_grads(self.model)
         if self.clip is not None:
-            z.clip(float(self.clip), self._tensor_split_mask())
+            extra_sq = 0.0
+            if experts:  # each expert lives on one rank of its group
+                local = sum(
+                    float(p.grad.double().pow(2).sum()) for p in experts if p.grad is not None
+                )
+                extra_sq = torch_moe.expert_group().allreduce_sum(local)
+            coef = z.clip(float(self.clip), self._tensor_split_mask(), extra_sq)
+            for p in experts:
+                if p.grad is not None and coef < 1.0:
+                    p.grad.mul_(coef)
         self._release_exported()
-        z.step()
+        z.step()  # the shard's update (and the local experts', same optimizer)
         comm = t_comm[0] + time.perf_counter() - t0  # includes the shard's update
         self.exchange_step += 1
         extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
         extra.update(self.memory())
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _expert_params(self) -> list:
+        return [p for p, n in self._names.items() if is_expert_param(n)]
+
+    def _expert_named(self) -> list:
+        return [(n, p) for p, n in self._names.items() if is_expert_param(n)]
 
     def _tensor_split_mask(self):
         """(shard mask of tensor-split parameters, tensor group), or None without TP."""
@@ -704,6 +727,7 @@ class TorchBackend(BackendBase):
             kind = self.cfg.optimizer["name"]
             return {
                 **with_model_prefix(self.get_weights()),
+                **export_optimizer_state(self.optimizer, self._expert_named(), kind),
                 **self.zero.export_optimizer(names, kind),
             }
         # Views of the live tensors, no copy: a checkpoint writes them before the next
@@ -720,14 +744,21 @@ class TorchBackend(BackendBase):
         communication."""
         names = [self._names[p] for p in self._dense]
         kind = self.cfg.optimizer["name"]
-        replicated = {**with_model_prefix(self.get_weights()), **self.zero.step_state(kind)}
+        replicated = {
+            **with_model_prefix(self.get_weights()),  # with experts: each rank its own
+            **export_optimizer_state(self.optimizer, self._expert_named(), kind),
+            **self.zero.step_state(kind),
+        }
         return replicated, self.zero.optimizer_pieces(names, kind)
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))  # waits for an async save's copy first
         if self.zero is not None:
             names = [self._names[p] for p in self._dense]
-            self.zero.import_optimizer(names, self.cfg.optimizer["name"], state)
+            kind = self.cfg.optimizer["name"]
+            if self._expert_named():
+                import_optimizer_state(self.optimizer, self._expert_named(), kind, state)
+            self.zero.import_optimizer(names, kind, state)
             return
         names = ((n, p) for p, n in self._names.items())
         import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)

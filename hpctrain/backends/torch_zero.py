@@ -124,13 +124,15 @@ class TorchZero:
                     view.copy_(p.grad)  # autograd replaced the view: take its gradient
             self.part.reduce_all(flat, self.shard_grad)
 
-    def clip(self, max_norm: float, split=None) -> None:
+    def clip(self, max_norm: float, split=None, extra_sq: float = 0.0) -> float:
         """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
-        tensor parallelism, see ZeroPartition.global_norm)."""
-        norm = self.part.global_norm(self.shard_grad, split)
+        tensor parallelism, see ZeroPartition.global_norm; `extra_sq`: the squares of
+        gradients outside the partition, MoE experts). Returns the coefficient."""
+        norm = (self.part.global_norm(self.shard_grad, split) ** 2 + extra_sq) ** 0.5
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
             self.shard_grad *= np.float32(coef)
+        return coef
 
     def step(self) -> None:
         self.shard.grad = torch.from_numpy(self.shard_grad)

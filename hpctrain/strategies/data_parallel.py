@@ -188,26 +188,26 @@ class DataParallel(StrategyBase):
         optimizer shard; spread experts written by their own ranks (each expert's copies
         over the data axis share it out like replicated state); tensor-parallel slices
         written by their ranks, and under ZeRO their optimizer shards (ranges of the
-        slices). (ZeRO with experts is refused by the configuration.)"""
+        slices)."""
         w = self.world
         zero = getattr(self.backend, "zero", None)
         if self.tensor > 1:
             if zero is None:
                 return self._tensor_pieces(min_bytes, self.backend.export_state())
             return self._tensor_pieces(min_bytes, *self.backend.export_owned_state())
-        if self._spread_experts():
-            local = self.backend.export_state()
-            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
-            shared = {k: v for k, v in local.items() if k not in experts}
-            d = self.grid.data
-            return {
-                **split_replicated(shared, w.rank, w.size, min_bytes),
-                **split_replicated(experts, d.rank, d.size, min_bytes),
-            }
+        owned = {}
         if zero is None:
-            return split_replicated(self.backend.export_state(), w.rank, w.size, min_bytes)
-        replicated, owned = self.backend.export_owned_state()
-        return {**split_replicated(replicated, w.rank, w.size, min_bytes), **owned}
+            local = self.backend.export_state()
+        else:
+            local, owned = self.backend.export_owned_state()
+        experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+        shared = {k: v for k, v in local.items() if k not in experts}
+        d = self.grid.data  # an expert's copies share it out as replicated state is
+        return {
+            **split_replicated(shared, w.rank, w.size, min_bytes),
+            **split_replicated(experts, d.rank, d.size, min_bytes),
+            **owned,
+        }
 
     def _tensor_pieces(self, min_bytes: int, local: dict, owned: dict | None = None) -> dict:
         """Each rank's slices of the split tensors, as ("tensor", rank, T) pieces: the
