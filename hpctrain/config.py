@@ -333,7 +333,8 @@ SCHEMA: dict[str, Any] = {
             None,
             int,
             "ranks per expert-parallel group (MoE models; the rest of the job replicates "
-            "the groups); null: the whole job",
+            "the groups; x parallel.tensor with tensor parallelism); null: the whole job "
+            "(a pipeline: each stage's replicas)",
             nullable=True,
             **POS_INT,
         ),
@@ -636,10 +637,6 @@ def _cross_checks(v: dict) -> list[str]:
                     v["strategy"] not in ("data_parallel", "pipeline"),
                 ),
                 (f"model {model.get('name')}", model.get("name") != "transformer"),
-                (
-                    "mixture-of-experts under strategy pipeline",
-                    bool(model.get("moe")) and v["strategy"] == "pipeline",
-                ),
                 (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
                 (f"train.compression={compression}", compression != "none"),
                 ("train.hierarchical", v["train"]["hierarchical"]),

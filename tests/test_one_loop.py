@@ -192,12 +192,15 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
     assert f"at step {step}" in job.output and "resumed from" in job.output, job.output
 
 
-def test_moe_inside_pipeline_stages_is_refused_before_any_work(tmp_path):
+def test_moe_inside_pipeline_stages_with_zero_is_refused_before_any_work(tmp_path):
+    """Experts in pipeline stages train (tests/test_tensor_parallel_jobs.py); with ZeRO
+    (which would shard them with the dense state) every rank stops first."""
     overrides = [
         *PIPE2,
         "model.name=transformer",
         "data.task=tokens",
         "model.moe={experts: 2, top_k: 1}",
+        "train.zero=1",
     ]
     job = mpirun(2, *_args(tmp_path / "run", overrides), timeout=120)
     assert job.returncode == 2, job.output

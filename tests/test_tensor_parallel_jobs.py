@@ -126,6 +126,15 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
 }
 
 
+def _files_with(checkpoints, text: str) -> list:
+    """The step-3 checkpoint's shard files holding pieces whose name contains `text`."""
+    import h5py
+
+    with h5py.File(checkpoints / "ckpt-00000003.h5", "r") as f:
+        table = json.loads(f["manifest"][()].tobytes())["shards"]
+    return [r["file"] for r in table["files"] if any(text in n for n in r["pieces"])]
+
+
 def _flat_ranges(checkpoints) -> dict:
     """{file: names of optimizer pieces that are a part of their tensor} of the step-3
     checkpoint: what ZeRO ranks write of the state they alone hold."""
@@ -222,6 +231,7 @@ def moe_reference(tmp_path_factory):
 
 
 ZERO2 = ["train.zero=2", "train.bucket_mb=0.004", "train.batch_size=8"]
+PIPE_MOE = ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=4"]
 
 
 @pytest.mark.parametrize(
@@ -235,6 +245,10 @@ ZERO2 = ["train.zero=2", "train.bucket_mb=0.004", "train.batch_size=8"]
         ("torch", 2, ZERO2),
         ("tensorflow", 2, ZERO2),
         ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
+        # pipeline stages: each stage's experts over its replicas (x its tensor ranks)
+        ("torch", 4, PIPE_MOE),
+        ("tensorflow", 4, PIPE_MOE),
+        ("torch", 8, [*PIPE_MOE, "parallel.tensor=2"]),
     ],
     ids=[
         "torch-tensor2",
@@ -244,6 +258,9 @@ ZERO2 = ["train.zero=2", "train.bucket_mb=0.004", "train.batch_size=8"]
         "torch-zero2",
         "tensorflow-zero2",
         "torch-zero2-data2-tensor2",
+        "torch-data2-pipe2",
+        "tensorflow-data2-pipe2",
+        "torch-data2-pipe2-tensor2",
     ],
 )
 def test_experts_with_tensor_parallelism_or_zero_equal_one_process(
@@ -273,13 +290,30 @@ def test_experts_in_tensor_parallel_blocks_drop_and_balance_like_data_parallel_m
     assert min(drops) > 0.05, drops  # capacity really dropped tokens
 
 
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_experts_in_pipeline_stages_drop_and_balance_like_data_parallel_moe(tmp_path, backend):
+    """2 stages x 2 replicas, 2 micro-batches of 4: each stage's MoE layers route every
+    micro-batch over the stage's 2 replicas, with capacity drops and the balancing loss
+    (backpropagated in the stage that holds the layer), as data-parallel MoE on 2 ranks
+    with 2 accumulated micro-batches of 4 does."""
+    common = [f"backend={backend}", MOE_DROPS, "train.batch_size=4"]
+    dp, dp_losses, _ = _run(tmp_path, "dp-moe", 2, *common, "train.grad_accum=2")
+    pipe, pipe_losses, _ = _run(
+        tmp_path, "pipe-moe", 4, *common, "strategy=pipeline", "pipeline.microbatches=2"
+    )
+    for k in dp:
+        np.testing.assert_allclose(pipe[k], dp[k], rtol=0, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(pipe_losses, dp_losses, atol=1e-6)
+
+
 @pytest.mark.parametrize(
     "backend, np_, layout",
     [
         ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
         ("tensorflow", 2, ZERO2),
+        ("torch", 4, PIPE_MOE),
     ],
-    ids=["torch-data2-tensor2", "tensorflow-zero2"],
+    ids=["torch-data2-tensor2", "tensorflow-zero2", "torch-data2-pipe2"],
 )
 def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
     tmp_path, moe_reference, backend, np_, layout
@@ -297,9 +331,11 @@ def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
     if "parallel.tensor=2" in layout:
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == 4, slices
-    else:  # each rank its own experts' slots and its ZeRO ranges of the dense ones
+    elif "train.zero=2" in layout:  # each rank its ZeRO ranges of the dense state
         ranges = _flat_ranges(part / "checkpoints")
         assert sum(1 for names in ranges.values() if names) == np_, ranges
+    experts = _files_with(part / "checkpoints", ".moe.experts.")
+    assert len(experts) == np_, experts  # every rank wrote its own experts
     run = tmp_path / "resumed"
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")

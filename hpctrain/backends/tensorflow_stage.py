@@ -20,7 +20,8 @@ from collections import OrderedDict
 
 import numpy as np
 
-from . import gradient_engine
+from ..moe.parallel import is_expert_param
+from . import gradient_engine, tensorflow_moe
 from .base import model_part, with_model_prefix
 from .gradient_engine import average_array
 from .tensorflow import (
@@ -71,6 +72,9 @@ class TensorFlowStage:
         self.net = ZooNet(layers, weights)
         self.opt = _Optimizer(cfg.optimizer, self.net.vars)
         self._vars = list(self.net.vars.values())
+        # MoE experts in this stage: local to a rank of the stage's expert group
+        self._experts = [i for i, n in enumerate(self.net.vars) if is_expert_param(n)]
+        self._dense = [i for i, n in enumerate(self.net.vars) if not is_expert_param(n)]
         self.acc: list | None = None
         self.stash: dict[int, tuple] = {}
         self.peak_stash = 0
@@ -95,7 +99,7 @@ class TensorFlowStage:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
         flat MPI_Allreduce per step instead of Horovod."""
         self.mpi = replicas
-        sizes = [int(np.prod(v.shape)) for v in self.net.vars.values()]
+        sizes = [int(np.prod(self._vars[i].shape)) for i in self._dense]
         self._flat = gradient_engine.FlatMean(replicas, sizes)
 
     # --- the schedule's two actions --------------------------------------------
@@ -106,24 +110,32 @@ class TensorFlowStage:
             if not self.first:
                 tape.watch(xt)
             out = _run_nchw(self.net, xt, training=True)
+            aux = tensorflow_moe.aux_loss(self.net)  # MoE balancing, weighted per token
+            if aux is not None:
+                aux = aux * (float(np.prod(x.shape[:2])) * scale)
             if self.last:
                 losses = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), out)
                 loss = tf.reduce_sum(losses)
-                target = loss * scale
+                target = loss * scale if aux is None else loss * scale + aux
         if self.last:
             self.loss_sum += float(loss)
             self.correct += int(np.sum(np.argmax(out.numpy(), -1) == y))
-            out = target
-        self.stash[micro] = (tape, xt, out)
+            out, aux = target, None
+        self.stash[micro] = (tape, xt, out, aux)
         self.peak_stash = max(self.peak_stash, len(self.stash))
         return None if self.last else out.numpy()
 
     def backward(self, micro: int, grad: np.ndarray | None):
         """Backward of `micro`; returns the gradient for the previous stage (None on the first)."""
-        tape, xt, out = self.stash.pop(micro)
+        tape, xt, out, aux = self.stash.pop(micro)
         sources = self._vars + ([] if self.first else [xt])
         upstream = None if self.last else tf.constant(grad)
-        grads = tape.gradient(out, sources, output_gradients=upstream)
+        if aux is None:
+            grads = tape.gradient(out, sources, output_gradients=upstream)
+        else:  # the stage's balancing loss joins the gradient from the next stage
+            grads = tape.gradient(
+                [out, aux], sources, output_gradients=[upstream, tf.ones_like(aux)]
+            )
         grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
         n = len(self._vars)
         self.acc = (
@@ -135,9 +147,7 @@ class TensorFlowStage:
 
     # --- the step ----------------------------------------------------------------
     def grad_square_sum(self) -> float:
-        if self.zero is not None:
-            return sum(self.grad_square_sums(lambda name: False))
-        return float(sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc))
+        return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated): squared gradient norms of the variables `is_split(name)`
@@ -147,9 +157,12 @@ class TensorFlowStage:
             part = self.zero.part
             mask = part.shard_mask({i for i, n in enumerate(self.net.vars) if is_split(n)})
             return part.square_sums(self.zero.shard_grad, mask)
-        sums = [0.0, 0.0]
+        sums = [0.0, 0.0, 0.0]
         for name, g in zip(self.net.vars, self.acc, strict=True):
-            sums[0 if is_split(name) else 1] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+            at = 2 if is_expert_param(name) else (0 if is_split(name) else 1)
+            sums[at] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
+        if self._experts:  # each expert on one rank of the group: counted once, whole
+            sums[1] += tensorflow_moe.expert_group().allreduce_sum(sums[2])
         return sums[0], sums[1]
 
     def average_grads(self) -> float:
@@ -163,10 +176,18 @@ class TensorFlowStage:
             if self.mpi.size == 1:
                 return 0.0
             t0 = time.perf_counter()
-            for view, g in zip(self._flat.views, self.acc, strict=True):
+            dense = [self.acc[i] for i in self._dense]
+            for view, g in zip(self._flat.views, dense, strict=True):
                 view[:] = g.numpy().reshape(-1)
             self._flat.reduce()
-            self.acc = [tf.constant(v.reshape(g.shape)) for v, g in zip(self._flat.views, self.acc)]
+            for i, view in zip(self._dense, self._flat.views, strict=True):
+                self.acc[i] = tf.constant(view.reshape(self.acc[i].shape))
+            if self._experts:  # scaled to the batches' mean, averaged over their copies
+                names = list(self.net.vars)
+                mine = [self.acc[i] for i in self._experts]
+                mine = tensorflow_moe.expert_grads(mine, [names[i] for i in self._experts])
+                for i, g in zip(self._experts, mine, strict=True):
+                    self.acc[i] = g
             return time.perf_counter() - t0
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0

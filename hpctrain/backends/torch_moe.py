@@ -107,13 +107,19 @@ def add_expert_params(optimizer, model) -> None:
     gradient sums every batch's tokens, so it is divided by the number of batches (the
     group's ranks, or with tensor parallelism its tensor groups).
     """
+    experts = scale_expert_grads(model)
+    if experts:
+        optimizer.add_param_group({"params": experts})
+
+
+def scale_expert_grads(model) -> list:
+    """Hooks scaling each local expert's gradient to the mean over the batches its
+    group holds; returns the expert parameters."""
     experts = [p for n, p in model.named_parameters() if is_expert_param(n)]
-    if not experts:
-        return
-    scale = expert_group().grad_scale
+    scale = expert_group().grad_scale if experts else 1.0
     for p in experts:
         p.register_hook(lambda g: g * scale)
-    optimizer.add_param_group({"params": experts})
+    return experts
 
 
 @torch.no_grad()

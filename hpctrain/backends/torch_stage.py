@@ -25,7 +25,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from . import gradient_engine
+from ..moe.parallel import is_expert_param
+from . import gradient_engine, torch_moe
 from .base import model_part, with_model_prefix
 from .gradient_engine import average_array
 from .torch import (
@@ -67,6 +68,9 @@ class TorchStage:
         self.zero = None  # ZeRO-1: attach_zero
         self.net = ZooNet(layers)
         self.set_weights(weights)
+        # MoE experts in this stage: local to a rank of the stage's expert group; their
+        # gradients are scaled (hooks) and averaged over their copies, not the replicas
+        self._experts = torch_moe.scale_expert_grads(self.net)
         ocfg = cfg.optimizer
         params = list(self.net.parameters())
         if ocfg["name"] == "sgd":
@@ -94,7 +98,7 @@ class TorchStage:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
         flat MPI_Allreduce per step instead of Horovod."""
         self.mpi = replicas
-        self._flat = gradient_engine.FlatMean(replicas, [p.numel() for p in self.net.parameters()])
+        self._flat = gradient_engine.FlatMean(replicas, [p.numel() for p in self._dense()])
 
     def attach_zero(self, replicas, bucket_bytes: int) -> None:
         """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
@@ -116,30 +120,33 @@ class TorchStage:
         if not self.first:
             xt.requires_grad_(True)
         out = self.net(xt)
+        aux = torch_moe.aux_loss(self.net)  # MoE balancing, weighted per token like the loss
+        aux = None if aux is None else aux * (int(np.prod(x.shape[:2])) * scale)
         if self.last:
             yt = torch.from_numpy(y)
             loss = _loss(out, yt)
             self.loss_sum += float(loss.detach())
             self.correct += int((out.detach().argmax(-1) == yt).sum())
             out = loss * scale  # this rank's share of the step's mean loss
-        self.stash[micro] = (xt, out)
+            out, aux = (out if aux is None else out + aux), None
+        self.stash[micro] = (xt, out, aux)
         self.peak_stash = max(self.peak_stash, len(self.stash))
         return None if self.last else out.detach().numpy()
 
     def backward(self, micro: int, grad: np.ndarray | None):
         """Backward of `micro`; returns the gradient for the previous stage (None on the first)."""
-        xt, out = self.stash.pop(micro)
+        xt, out, aux = self.stash.pop(micro)
         if self.last:
             torch.autograd.backward(out)
-        else:
+        elif aux is None:
             torch.autograd.backward(out, torch.from_numpy(grad))
+        else:  # the stage's balancing loss joins the gradient from the next stage
+            torch.autograd.backward([out, aux], [torch.from_numpy(grad), None])
         return None if self.first else xt.grad.numpy()
 
     # --- the step ----------------------------------------------------------------
     def grad_square_sum(self) -> float:
-        if self.zero is not None:
-            return sum(self.grad_square_sums(lambda name: False))
-        return float(sum(float((p.grad.double() ** 2).sum()) for p in self._grads()))
+        return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated): squared gradient norms of the parameters `is_split(name)`
@@ -149,10 +156,13 @@ class TorchStage:
             part = self.zero.part
             mask = part.shard_mask({i for i, n in enumerate(self._names) if is_split(n)})
             return part.square_sums(self.zero.shard_grad, mask)
-        sums = [0.0, 0.0]
+        sums = [0.0, 0.0, 0.0]
         for name, p in self.net.named_parameters():
             if p.grad is not None:
-                sums[0 if is_split(name) else 1] += float((p.grad.double() ** 2).sum())
+                at = 2 if is_expert_param(name) else (0 if is_split(name) else 1)
+                sums[at] += float((p.grad.double() ** 2).sum())
+        if self._experts:  # each expert on one rank of the group: counted once, whole
+            sums[1] += torch_moe.expert_group().allreduce_sum(sums[2])
         return sums[0], sums[1]
 
     def average_grads(self) -> float:
@@ -162,7 +172,10 @@ class TorchStage:
             self.zero.reduce()
             return time.perf_counter() - t0
         if self.mpi is not None:
-            return self._average_with_mpi()
+            seconds = self._average_with_mpi()
+            t0 = time.perf_counter()
+            torch_moe.average_expert_grads(self.net)  # over each expert's copies
+            return seconds + time.perf_counter() - t0
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0
         t0 = time.perf_counter()
@@ -179,7 +192,7 @@ class TorchStage:
         if self.mpi.size == 1:
             return 0.0
         t0 = time.perf_counter()
-        params = list(self.net.parameters())
+        params = self._dense()
         flat = torch.from_numpy(self._flat.buffer)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         torch.cat([g.reshape(-1) for g in grads], out=flat)
@@ -209,6 +222,10 @@ class TorchStage:
 
     def _grads(self):
         return [p for p in self.net.parameters() if p.grad is not None]
+
+    def _dense(self) -> list:
+        """The parameters every replica of the stage holds (all but MoE experts)."""
+        return [p for n, p in self.net.named_parameters() if not is_expert_param(n)]
 
     def take_stats(self) -> tuple[float, int]:
         out = (self.loss_sum, self.correct)

@@ -98,6 +98,22 @@ def use_axes(expert_axis, data_axis=None, ranks_per_batch: int = 1) -> ExpertGro
     return _group
 
 
+def place_experts(world, grid) -> ExpertGroup:
+    """Put the experts on the process grid (collective): on its `expert` axis, or with
+    tensor parallelism on the expert x tensor ranks of one (data, pipe) slot, where each
+    rank of a tensor group routes 1/T of the group's samples (tensor/parallel.py)."""
+    t = grid.shape.tensor
+    if t == 1:
+        return use_axes(grid.expert, grid.data)
+    c, s = grid.coord, grid.shape
+    group = world.guarded_split(
+        f"grid.{s.data}x{s.expert}x{s.pipe}x{s.tensor}.experts-x-tensor",
+        grid.rank_of(data=c["data"], pipe=c["pipe"]),
+        key=c["expert"] * t + c["tensor"],
+    )
+    return use_axes(group, grid.data, ranks_per_batch=t)
+
+
 def expert_group() -> ExpertGroup:
     """The job's expert-parallel group: the grid's axis, else the whole job."""
     global _group

@@ -45,18 +45,8 @@ class DataParallel(StrategyBase):
         self.grid = g = ProcessGrid(
             world, expert=expert_degree(cfg, world.size), tensor=self.tensor
         )
-        if zoo.has_moe(cfg.model) and self.tensor > 1:
-            # the experts live on the expert x tensor ranks of a replica; each rank of a
-            # tensor group routes 1/T of the group's batch (tensor/parallel.py)
-            c, shape = g.coord, g.shape
-            group = world.guarded_split(
-                f"grid.{shape.data}x{shape.expert}x{shape.pipe}x{shape.tensor}.experts-x-tensor",
-                g.rank_of(data=c["data"]),
-                key=c["expert"] * self.tensor + c["tensor"],
-            )
-            moe_parallel.use_axes(group, g.data, ranks_per_batch=self.tensor)
-        elif zoo.has_moe(cfg.model):
-            moe_parallel.use_axes(g.expert, g.data)
+        if zoo.has_moe(cfg.model):
+            moe_parallel.place_experts(world, g)
         tcfg = cfg.train
         # Tensor parallelism: the ranks of a tensor group read the same batches and hold
         # one model between them; gradients are averaged over the replicas axis.

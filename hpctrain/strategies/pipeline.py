@@ -30,9 +30,10 @@ from ..backends import stage_class, stage_module, versions
 from ..backends.base import StepStats, cross_entropy_np
 from ..backends.gradient_engine import choose as choose_engine
 from ..backends.horovod_env import apply_horovod_env
+from ..checkpoint import split_replicated
 from ..data import iterate_val
-from ..data.sharded import val_block
 from ..models import zoo
+from ..moe import parallel as moe_parallel
 from ..pipeline.engine import run_inference, run_step
 from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
 from ..pipeline.schedule import bubble_theory, stage_actions
@@ -83,13 +84,27 @@ def config_problem(cfg, world_size: int) -> str | None:
             "(optimizer state); ZeRO-2 would reduce-scatter every micro-batch's gradients, "
             f"pipeline.microbatches={cfg.pipeline['microbatches']} times a step's traffic"
         )
-    if zoo.has_moe(cfg.model):
+    if zoo.has_moe(cfg.model) and (cfg.train["zero"] or cfg.train["allreduce"] == "horovod"):
         return (
-            "model.moe: mixture-of-experts blocks inside pipeline stages are not supported "
-            "(their all-to-all would run inside one stage's schedule); use strategy: "
-            "data_parallel with parallel.expert for MoE models"
+            "model.moe: mixture-of-experts blocks inside pipeline stages run on the MPI "
+            "engine without ZeRO (train.allreduce mpi or auto, train.zero 0)"
+        )
+    if zoo.has_moe(cfg.model) and world_size % (stages * tensor * expert_degree(cfg, world_size)):
+        return (
+            f"parallel.expert={cfg.parallel['expert']}: each stage's replicas "
+            f"({world_size // (stages * tensor)}) must be a multiple of it"
         )
     return None
+
+
+def expert_degree(cfg, world_size: int) -> int:
+    """Ranks of a stage's expert group along the grid's `expert` axis: `parallel.expert`,
+    else every replica of the stage (MoE models), else 1."""
+    if not zoo.has_moe(cfg.model):
+        return 1
+    wanted = cfg.parallel["expert"]
+    stages, tensor = cfg.pipeline["stages"], cfg.parallel["tensor"]
+    return wanted if wanted is not None else max(1, world_size // (stages * tensor))
 
 
 class Pipeline(StrategyBase):
@@ -100,9 +115,14 @@ class Pipeline(StrategyBase):
         self.stages, self.micro = pcfg["stages"], pcfg["microbatches"]
         w.agree(config_problem(cfg, w.size))
         self.tensor = cfg.parallel["tensor"]
-        self.grid = g = ProcessGrid(w, pipe=self.stages, tensor=self.tensor)
+        self.grid = g = ProcessGrid(
+            w, pipe=self.stages, expert=expert_degree(cfg, w.size), tensor=self.tensor
+        )
         if self.tensor > 1:
             tensor_parallel.use_axis(g.tensor)
+        self.moe = zoo.has_moe(cfg.model)
+        if self.moe:  # experts over each stage's replicas (x its tensor ranks)
+            moe_parallel.place_experts(w, g)
         self.dataset, self.data, inp = self.build_data(
             g.replica, g.num_replicas, self.micro, prefetch=g.first or g.last
         )
@@ -121,11 +141,16 @@ class Pipeline(StrategyBase):
         self.canonical_shapes = {k: tuple(v.shape) for k, v in weights.items()}
         self.counts = self._partition(weights, inp)
         start, stop = stage_bounds(self.counts)[g.stage]
-        layers = tensor_parallel.local_layers(self.layers[start:stop], self.tensor)
+        layers = self.layers[start:stop]
+        if self.moe:  # this rank's experts only
+            layers = moe_parallel.local_layers(layers, cfg.train["seed"])
+        layers = tensor_parallel.local_layers(layers, self.tensor)
         self.stage = stage_class(cfg.backend)(
             cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank
         )
         self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
+        if self.moe and self.engine != "mpi":  # experts are averaged over their copies
+            self.engine, self.engine_reason = "mpi", "mixture-of-experts runs on the MPI engine"
         self.zero = cfg.train["zero"]
         if self.zero:  # ZeRO-1 over each stage's replicas (config: MPI engine, stage 1)
             self.stage.attach_zero(g.replicas, int(cfg.train["bucket_mb"] * 2**20))
@@ -145,7 +170,7 @@ class Pipeline(StrategyBase):
             self.stages,
             None if g.first else in_shape,
             None if g.last else out_shape,
-            peer_rank=lambda s: g.rank_of(data=g.coord["data"], pipe=s, tensor=g.coord["tensor"]),
+            peer_rank=lambda s: g.rank_of(**{**g.coord, "pipe": s}),
         )
         self.actions = stage_actions(pcfg["schedule"], g.stage, self.stages, self.micro)
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
@@ -262,8 +287,9 @@ class Pipeline(StrategyBase):
         if self.dataset is None or self.dataset.val_size == 0:
             return None
         g, b = self.grid, self.cfg.train["batch_size"]
-        lo, hi = val_block(self.dataset.val_size, g.replica, g.num_replicas)
-        n_batches = math.ceil((hi - lo) / b)
+        # as many batches on every replica (iterate_val's rule): MoE layers exchange
+        # tokens between replicas inside each forward
+        n_batches = math.ceil(math.ceil(self.dataset.val_size / g.num_replicas) / b)
         batches = iterate_val(self.dataset, g.replica, g.num_replicas, b) if g.first else None
         outputs = run_inference(self.stage, self.link, batches, n_batches, b)
         sums = np.zeros(3)
@@ -293,6 +319,13 @@ class Pipeline(StrategyBase):
         if self.zero:  # collective over each stage's replicas; replica 0 gets the slots
             mine = self.stage.export_state()
             mine = mine if self.grid.replica == 0 else None
+        elif self.moe:  # every expert from its rank of data replica 0's expert group
+            local = self.stage.export_state()
+            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+            if experts and self.grid.coord["data"] == 0:
+                experts = moe_parallel.gather_expert_weights(experts) or {}
+            dense = {k: v for k, v in local.items() if k not in experts}
+            mine = {**dense, **experts} if self.grid.replica == 0 else None
         else:
             mine = self.stage.export_state() if self.grid.replica == 0 else None
         parts = self.world.gather_object(mine, what="gather pipeline state")
@@ -336,6 +369,14 @@ class Pipeline(StrategyBase):
                     pieces[k] = (shape, first, elements)
             if self.grid.replica != 0:
                 return pieces
+        elif self.moe:  # each expert written by its rank (its copies share it out)
+            state = self.stage.export_state()
+            experts = {k: v for k, v in state.items() if moe_parallel.is_expert_param(k)}
+            d = self.grid.data
+            pieces.update(split_replicated(experts, d.rank, d.size, min_bytes))
+            if self.grid.replica != 0:
+                return pieces
+            state = {k: v for k, v in state.items() if k not in experts}
         elif self.grid.replica != 0:
             return {}
         else:
