@@ -10,6 +10,7 @@ import re
 import numpy as np
 import pytest
 from mpirun import PYTHON, ROOT, mpirun
+from shared_runs import SharedRuns
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "tp_train_dump.py")
 TRANSFORMER = [
@@ -34,35 +35,46 @@ TRANSFORMER = [
 ]
 
 
-def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
-    out = tmp_path / f"{name}.npz"
-    run_dir = run_dir or tmp_path / f"{name}.npz.run"
-    args = [SCRIPT, str(out), "--run-dir", str(run_dir)]
-    if resume:
-        args += ["--resume", resume]
-    for o in [*TRANSFORMER, *overrides]:
-        args += ["--set", o]
-    job = mpirun(np_, PYTHON, *args, timeout=300)
+def _train_many(where, np_, runs: dict, timeout=300, run_dir=None, resume=None) -> dict:
+    """{name: (weights, step losses, per-rank parameter counts)} of runs trained one
+    after the other in one mpirun launch (tp_train_dump.py --next; each run reseeds
+    the process and sets its own layer groups). run_dir/resume: for a single run."""
+    args, dirs = [SCRIPT], {}
+    for name, overrides in runs.items():
+        args += ["--next"] if len(args) > 1 else []
+        dirs[name] = run_dir or where / f"{name}.npz.run"
+        args += [str(where / f"{name}.npz"), "--run-dir", str(dirs[name])]
+        if resume:
+            args += ["--resume", resume]
+        for o in [*TRANSFORMER, *overrides]:
+            args += ["--set", o]
+    job = mpirun(np_, PYTHON, *args, timeout=timeout)
     assert job.returncode == 0, job.output
-    counts = json.loads(re.search(r"local parameters (\[[0-9, ]+\])", job.output).group(1))
-    with np.load(out) as f:
-        weights = {k: f[k] for k in f.files}
-    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-    return weights, [x["loss"] for x in lines if x["event"] == "step"], counts
+    results = {}
+    for name in runs:
+        out = where / f"{name}.npz"
+        said = re.search(re.escape(f"TP DUMP {out} over") + COUNTS, job.output)
+        assert said, job.output
+        with np.load(out) as f:
+            weights = {k: f[k] for k in f.files}
+        lines = [json.loads(x) for x in (dirs[name] / "metrics.jsonl").open()]
+        losses = [x["loss"] for x in lines if x["event"] == "step"]
+        results[name] = weights, losses, json.loads(said.group(1))
+    return results
 
 
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """One process's run of TRANSFORMER (global batch 16) per backend, made once."""
-    made = {}
+COUNTS = r" \d+ rank\(s\): local parameters (\[[0-9, ]+\])"
 
-    def get(backend):
-        if backend not in made:
-            where = tmp_path_factory.mktemp(f"reference-{backend}")
-            made[backend] = _run(where, "np1", 1, f"backend={backend}", "train.batch_size=16")
-        return made[backend]
 
-    return get
+def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
+    runs = {name: list(overrides)}
+    return _train_many(tmp_path, np_, runs, run_dir=run_dir, resume=resume)[name]
+
+
+# The comparison runs, one launch per (ranks, backend) (shared_runs.py); the runs that
+# resume from a checkpoint start their own processes.
+_SHARED = SharedRuns(_train_many, "tp-np")
+share, shared_run = _SHARED.share, _SHARED.get  # (weights, losses, counts) of a run
 
 
 PIPE_TP = ["strategy=pipeline", "pipeline.microbatches=2", "parallel.tensor=2"]
@@ -84,18 +96,21 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
 }
 
 
-@pytest.mark.parametrize(
-    "backend, layout",
-    [("torch", k) for k in LAYOUTS]
-    + [
-        ("tensorflow", k)
-        for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2", "zero1-data2-pipe2")
-    ],
-)
-def test_tensor_parallel_equals_one_process(tmp_path, reference, backend, layout):
+BACKEND_LAYOUTS = [("torch", k) for k in LAYOUTS] + [
+    ("tensorflow", k)
+    for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2", "zero1-data2-pipe2")
+]
+for _b in ("torch", "tensorflow"):
+    share(1, _b, "ref", "train.batch_size=16")
+for _b, _layout in BACKEND_LAYOUTS:
+    share(LAYOUTS[_layout][0], _b, _layout, *LAYOUTS[_layout][1])
+
+
+@pytest.mark.parametrize("backend, layout", BACKEND_LAYOUTS)
+def test_tensor_parallel_equals_one_process(tmp_path_factory, backend, layout):
     np_, overrides = LAYOUTS[layout]
-    ref, ref_losses, ref_counts = reference(backend)
-    got, losses, counts = _run(tmp_path, "tp", np_, f"backend={backend}", *overrides)
+    ref, ref_losses, ref_counts = shared_run(tmp_path_factory, 1, backend, "ref")
+    got, losses, counts = shared_run(tmp_path_factory, np_, backend, layout)
     assert ref.keys() == got.keys()
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
@@ -173,7 +188,7 @@ def _tensor_slices(checkpoints) -> dict:
         for c in ("zero-tp-then-plain", "pipe-tp-then-plain", "zero-pipe-then-plain")
     ],
 )
-def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend, case):
+def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, backend, case):
     """A tensor-parallel run (np=2, tensor 2) stopped at step 3 resumes as one process,
     a one-process checkpoint resumes at tensor 2, and a ZeRO-2 x tensor 2 x data 2 run
     resumes as one process, and a pipeline of tensor-parallel stages (pipe 2 x tensor 2)
@@ -181,7 +196,7 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, reference, backend,
     import shutil
 
     common = [f"backend={backend}", "train.batch_size=16", "checkpoint.every_steps=3"]
-    ref, _, _ = reference(backend)  # checkpointing does not change the weights
+    ref, _, _ = shared_run(tmp_path_factory, 1, backend, "ref")  # (checkpoints change none)
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
@@ -215,59 +230,39 @@ MOE_EXACT = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
 MOE_DROPS = "model.moe={experts: 4, top_k: 2, capacity_factor: 1.0, min_capacity: 0}"
 
 
-@pytest.fixture(scope="module")
-def moe_reference(tmp_path_factory):
-    made = {}
-
-    def get(backend):
-        if backend not in made:
-            where = tmp_path_factory.mktemp(f"moe-reference-{backend}")
-            made[backend] = _run(
-                where, "np1", 1, f"backend={backend}", MOE_EXACT, "train.batch_size=16"
-            )
-        return made[backend]
-
-    return get
+for _b in ("torch", "tensorflow"):
+    share(1, _b, "ref-moe", MOE_EXACT, "train.batch_size=16")
 
 
 ZERO2 = ["train.zero=2", "train.bucket_mb=0.004", "train.batch_size=8"]
 PIPE_MOE = ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=4"]
 
 
-@pytest.mark.parametrize(
-    "backend, np_, overrides",
-    [
-        ("torch", 2, ["parallel.tensor=2", "train.batch_size=16"]),
-        ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
-        ("tensorflow", 2, ["parallel.tensor=2", "train.batch_size=16"]),
-        # ZeRO shards the dense state; the experts, local to their ranks, step beside it
-        ("torch", 2, ["train.zero=1", "train.batch_size=8"]),
-        ("torch", 2, ZERO2),
-        ("tensorflow", 2, ZERO2),
-        ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
-        # pipeline stages: each stage's experts over its replicas (x its tensor ranks)
-        ("torch", 4, PIPE_MOE),
-        ("tensorflow", 4, PIPE_MOE),
-        ("torch", 8, [*PIPE_MOE, "parallel.tensor=2"]),
-    ],
-    ids=[
-        "torch-tensor2",
-        "torch-data2-tensor2",
-        "tensorflow-tensor2",
-        "torch-zero1",
-        "torch-zero2",
-        "tensorflow-zero2",
-        "torch-zero2-data2-tensor2",
-        "torch-data2-pipe2",
-        "tensorflow-data2-pipe2",
-        "torch-data2-pipe2-tensor2",
-    ],
-)
-def test_experts_with_tensor_parallelism_or_zero_equal_one_process(
-    tmp_path, moe_reference, backend, np_, overrides
+MOE_LAYOUTS = {  # id: (backend, np, overrides)
+    "torch-tensor2": ("torch", 2, ["parallel.tensor=2", "train.batch_size=16"]),
+    "torch-data2-tensor2": ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
+    "tensorflow-tensor2": ("tensorflow", 2, ["parallel.tensor=2", "train.batch_size=16"]),
+    # ZeRO shards the dense state; the experts, local to their ranks, step beside it
+    "torch-zero1": ("torch", 2, ["train.zero=1", "train.batch_size=8"]),
+    "torch-zero2": ("torch", 2, ZERO2),
+    "tensorflow-zero2": ("tensorflow", 2, ZERO2),
+    "torch-zero2-data2-tensor2": ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
+    # pipeline stages: each stage's experts over its replicas (x its tensor ranks)
+    "torch-data2-pipe2": ("torch", 4, PIPE_MOE),
+    "tensorflow-data2-pipe2": ("tensorflow", 4, PIPE_MOE),
+    "torch-data2-pipe2-tensor2": ("torch", 8, [*PIPE_MOE, "parallel.tensor=2"]),
+}
+for _name, (_b, _np, _overrides) in MOE_LAYOUTS.items():
+    share(_np, _b, f"moe-{_name}", MOE_EXACT, *_overrides)
+
+
+@pytest.mark.parametrize("layout", MOE_LAYOUTS)
+def test_experts_with_tensor_parallelism_zero_or_pipeline_equal_one_process(
+    tmp_path_factory, layout
 ):
-    ref, ref_losses, _ = moe_reference(backend)
-    got, losses, counts = _run(tmp_path, "tp-moe", np_, f"backend={backend}", MOE_EXACT, *overrides)
+    backend, np_, _ = MOE_LAYOUTS[layout]
+    ref, ref_losses, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
+    got, losses, counts = shared_run(tmp_path_factory, np_, backend, f"moe-{layout}")
     assert ref.keys() == got.keys() and sum(".moe.experts." in k for k in ref) == 2 * 4 * 4
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
@@ -276,34 +271,50 @@ def test_experts_with_tensor_parallelism_or_zero_equal_one_process(
     assert all(c < sum(v.size for v in ref.values()) - experts + experts / np_ + 1 for c in counts)
 
 
-def test_experts_in_tensor_parallel_blocks_drop_and_balance_like_data_parallel_moe(tmp_path):
-    common = ["backend=torch", MOE_DROPS]
-    dp, dp_losses, _ = _run(tmp_path, "dp-moe", 4, *common, "train.batch_size=4")
-    tp, tp_losses, _ = _run(
-        tmp_path, "tp-moe", 4, *common, "train.batch_size=8", "parallel.tensor=2"
-    )
+PIPE2 = ["strategy=pipeline", "pipeline.microbatches=2"]
+SAME_ROUTING = {  # id: (backend, data-parallel MoE np and overrides, composed np and ...)
+    # each tensor rank routes 4 of its group's 8 samples, as a data-parallel rank of 4
+    "torch-data2-tensor2": (
+        "torch",
+        (4, ["train.batch_size=4"]),
+        (4, ["train.batch_size=8", "parallel.tensor=2"]),
+    ),
+    # each stage's MoE layers route every micro-batch of 4 over the stage's 2 replicas
+    # (the balancing loss backpropagated in the stage that holds the layer), as 2
+    # data-parallel ranks accumulating 2 micro-batches of 4 do
+    "torch-data2-pipe2": (
+        "torch",
+        (2, ["train.batch_size=4", "train.grad_accum=2"]),
+        (4, ["train.batch_size=4", *PIPE2]),
+    ),
+    "tensorflow-data2-pipe2": (
+        "tensorflow",
+        (2, ["train.batch_size=4", "train.grad_accum=2"]),
+        (4, ["train.batch_size=4", *PIPE2]),
+    ),
+}
+
+
+for _case, (_b, (_dp_np, _dp), (_np, _overrides)) in SAME_ROUTING.items():
+    share(_dp_np, _b, f"routing-dp-{_case}", MOE_DROPS, *_dp)
+    share(_np, _b, f"routing-{_case}", MOE_DROPS, *_overrides)
+
+
+@pytest.mark.parametrize("case", SAME_ROUTING)
+def test_composed_experts_drop_and_balance_like_data_parallel_moe(tmp_path_factory, case):
+    """With capacity dropping tokens and the balancing loss on (both per routing batch),
+    experts in tensor-parallel blocks or in pipeline stages compute what data-parallel
+    MoE computes on the same routing batches."""
+    backend, (dp_np, _), (np_, _) = SAME_ROUTING[case]
+    dp, dp_losses, _ = shared_run(tmp_path_factory, dp_np, backend, f"routing-dp-{case}")
+    got, losses, _ = shared_run(tmp_path_factory, np_, backend, f"routing-{case}")
     for k in dp:
-        np.testing.assert_allclose(tp[k], dp[k], rtol=0, atol=1e-5, err_msg=k)
-    np.testing.assert_allclose(tp_losses, dp_losses, atol=1e-5)
-    steps = [json.loads(x) for x in (tmp_path / "tp-moe.npz.run" / "metrics.jsonl").open()]
+        np.testing.assert_allclose(got[k], dp[k], rtol=0, atol=1e-5, err_msg=k)
+    np.testing.assert_allclose(losses, dp_losses, atol=1e-5)
+    run_dir = shared_run(tmp_path_factory, dp_np, backend, f"routing-dp-{case}", run_dir=True)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
     drops = [x["moe_drop_rate"] for x in steps if x["event"] == "step"]
     assert min(drops) > 0.05, drops  # capacity really dropped tokens
-
-
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
-def test_experts_in_pipeline_stages_drop_and_balance_like_data_parallel_moe(tmp_path, backend):
-    """2 stages x 2 replicas, 2 micro-batches of 4: each stage's MoE layers route every
-    micro-batch over the stage's 2 replicas, with capacity drops and the balancing loss
-    (backpropagated in the stage that holds the layer), as data-parallel MoE on 2 ranks
-    with 2 accumulated micro-batches of 4 does."""
-    common = [f"backend={backend}", MOE_DROPS, "train.batch_size=4"]
-    dp, dp_losses, _ = _run(tmp_path, "dp-moe", 2, *common, "train.grad_accum=2")
-    pipe, pipe_losses, _ = _run(
-        tmp_path, "pipe-moe", 4, *common, "strategy=pipeline", "pipeline.microbatches=2"
-    )
-    for k in dp:
-        np.testing.assert_allclose(pipe[k], dp[k], rtol=0, atol=1e-6, err_msg=k)
-    np.testing.assert_allclose(pipe_losses, dp_losses, atol=1e-6)
 
 
 @pytest.mark.parametrize(
@@ -316,14 +327,14 @@ def test_experts_in_pipeline_stages_drop_and_balance_like_data_parallel_moe(tmp_
     ids=["torch-data2-tensor2", "tensorflow-zero2", "torch-data2-pipe2"],
 )
 def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
-    tmp_path, moe_reference, backend, np_, layout
+    tmp_path, tmp_path_factory, backend, np_, layout
 ):
     """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, or ZeRO-2 with
     the experts on 2 ranks, stopped at step 3 (sharded: each rank its experts, its
     tensor slices, its ZeRO ranges), resumes as one process."""
     import shutil
 
-    ref, _, _ = moe_reference(backend)
+    ref, _, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
     common = [f"backend={backend}", MOE_EXACT, "checkpoint.every_steps=3"]
     part = tmp_path / "part1"
     first = [*common, *layout, "train.max_steps=3"]

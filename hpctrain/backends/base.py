@@ -166,6 +166,24 @@ def build_agreed(world, build):
     return model
 
 
+def stage_square_sums(names: list[str], squares, is_split, zero=None) -> tuple[float, float]:
+    """(split, replicated) sums of squares of a pipeline stage's gradients: `squares()`
+    gives one float per name; tensor-parallel slices (`is_split(name)`) apart; MoE
+    experts, each on one rank of its group, summed over the group and counted with the
+    replicated ones. Under ZeRO from the replicas' shards of the averaged gradient."""
+    from ..moe.parallel import expert_group, is_expert_param
+
+    if zero is not None:
+        mask = zero.part.shard_mask({i for i, n in enumerate(names) if is_split(n)})
+        return zero.part.square_sums(zero.shard_grad, mask)
+    sums = [0.0, 0.0, 0.0]
+    for name, sq in zip(names, squares(), strict=True):
+        sums[2 if is_expert_param(name) else (0 if is_split(name) else 1)] += sq
+    if any(is_expert_param(n) for n in names):
+        sums[1] += expert_group().allreduce_sum(sums[2])
+    return sums[0], sums[1]
+
+
 def model_part(state: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     """The `model/<name>` entries of a canonical state, without the prefix."""
     return {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}

@@ -22,7 +22,7 @@ import numpy as np
 
 from ..moe.parallel import is_expert_param
 from . import gradient_engine, tensorflow_moe
-from .base import model_part, with_model_prefix
+from .base import model_part, stage_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .tensorflow import (
     ZooNet,
@@ -150,20 +150,12 @@ class TensorFlowStage:
         return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
-        """(split, replicated): squared gradient norms of the variables `is_split(name)`
-        names as tensor-parallel slices and of the rest (ZeRO: of the averaged gradient,
-        from the replicas' shards)."""
-        if self.zero is not None:
-            part = self.zero.part
-            mask = part.shard_mask({i for i, n in enumerate(self.net.vars) if is_split(n)})
-            return part.square_sums(self.zero.shard_grad, mask)
-        sums = [0.0, 0.0, 0.0]
-        for name, g in zip(self.net.vars, self.acc, strict=True):
-            at = 2 if is_expert_param(name) else (0 if is_split(name) else 1)
-            sums[at] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
-        if self._experts:  # each expert on one rank of the group: counted once, whole
-            sums[1] += tensorflow_moe.expert_group().allreduce_sum(sums[2])
-        return sums[0], sums[1]
+        """(split, replicated) squared gradient norms (base.stage_square_sums)."""
+
+        def squares():
+            return [float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc]
+
+        return stage_square_sums(list(self.net.vars), squares, is_split, self.zero)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..moe.parallel import is_expert_param
 from . import gradient_engine, torch_moe
-from .base import model_part, with_model_prefix
+from .base import model_part, stage_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .torch import (
     ZooNet,
@@ -149,21 +149,15 @@ class TorchStage:
         return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
-        """(split, replicated): squared gradient norms of the parameters `is_split(name)`
-        names as tensor-parallel slices and of the rest (ZeRO: of the averaged gradient,
-        from the replicas' shards)."""
-        if self.zero is not None:
-            part = self.zero.part
-            mask = part.shard_mask({i for i, n in enumerate(self._names) if is_split(n)})
-            return part.square_sums(self.zero.shard_grad, mask)
-        sums = [0.0, 0.0, 0.0]
-        for name, p in self.net.named_parameters():
-            if p.grad is not None:
-                at = 2 if is_expert_param(name) else (0 if is_split(name) else 1)
-                sums[at] += float((p.grad.double() ** 2).sum())
-        if self._experts:  # each expert on one rank of the group: counted once, whole
-            sums[1] += torch_moe.expert_group().allreduce_sum(sums[2])
-        return sums[0], sums[1]
+        """(split, replicated) squared gradient norms (base.stage_square_sums)."""
+        named = list(self.net.named_parameters())
+
+        def squares():
+            return [
+                0.0 if p.grad is None else float((p.grad.double() ** 2).sum()) for _, p in named
+            ]
+
+        return stage_square_sums([n for n, _ in named], squares, is_split, self.zero)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""

@@ -98,6 +98,12 @@ def use_axes(expert_axis, data_axis=None, ranks_per_batch: int = 1) -> ExpertGro
     return _group
 
 
+def forget_axes() -> None:
+    """No expert group until a strategy places one (a new run in the same process)."""
+    global _group
+    _group = None
+
+
 def place_experts(world, grid) -> ExpertGroup:
     """Put the experts on the process grid (collective): on its `expert` axis, or with
     tensor parallelism on the expert x tensor ranks of one (data, pipe) slot, where each

@@ -15,8 +15,10 @@ import numpy as np
 
 from ..backends.base import StepStats
 from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, prepare_dataset
+from ..moe import parallel as moe_parallel
 from ..runtime.comm import GuardedComm
 from ..runtime.grid import ProcessGrid
+from ..tensor import parallel as tensor_parallel
 
 
 class Strategy(Protocol):
@@ -68,6 +70,10 @@ class StrategyBase:
 
     def __init__(self, cfg, world, run_dir, threads: int):
         self.cfg, self.world, self.run_dir, self.threads = cfg, world, run_dir, threads
+        # A run before this one in the process may have set the model's layer groups:
+        # each strategy sets its own (tensor axis, experts) or runs without them.
+        tensor_parallel.use_axis(None)
+        moe_parallel.forget_axes()
 
     # --- data -----------------------------------------------------------------------
     def build_data(self, shard: int, shards: int, accum: int, prefetch: bool = True):

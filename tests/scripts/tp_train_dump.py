@@ -1,20 +1,25 @@
-"""Train with tensor parallelism, then dump the canonical (whole) weights for a test.
+"""Train with tensor parallelism (or any layout), then dump the canonical (whole) weights.
 
 usage: tp_train_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key=value ...]
-Rank 0 writes the weights joined from every tensor rank's pieces (the checkpoint path:
-strategy.export_state, a collective) and prints each rank's own parameter count.
+         [--next OUT2.npz [--run-dir DIR] [--set key=value ...] ...]
+Rank 0 writes the weights joined from every rank's pieces (the checkpoint path:
+strategy.export_state, a collective) and prints each rank's own parameter count as
+`TP DUMP OUT.npz over N rank(s): local parameters [...]`. `--next` trains one more run
+after it in the same processes (one launch for several runs; each run's loop reseeds
+the process and sets its own layer groups).
 """
 
 import sys
 
 import numpy as np
+from run_list import split_runs
 
 from hpctrain import Config, Trainer
 from hpctrain.runtime import run_fail_together
 
 
-def main():
-    out, args = sys.argv[1], sys.argv[2:]
+def run_one(argv: list[str]) -> None:
+    out, args = argv[0], argv[1:]
     opts = {"--run-dir": out + ".run", "--resume": None}
     for flag in opts:
         if flag in args:
@@ -34,7 +39,13 @@ def main():
     if w.rank == 0:
         weights = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         np.savez(out, **weights)
-        print(f"TP DUMP over {w.size} rank(s): local parameters {counts}")
+        sys.stdout.write(f"TP DUMP {out} over {w.size} rank(s): local parameters {counts}\n")
+        sys.stdout.flush()
+
+
+def main():
+    for argv in split_runs(sys.argv[1:]):
+        run_one(argv)
 
 
 sys.exit(run_fail_together(main))
