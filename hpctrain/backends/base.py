@@ -17,6 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ConfigError, HpctrainError
+from ..moe.parallel import expert_group, is_expert_param
 
 OPTIMIZER_SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -166,13 +167,13 @@ def build_agreed(world, build):
     return model
 
 
-def stage_square_sums(names: list[str], squares, is_split, zero=None) -> tuple[float, float]:
-    """(split, replicated) sums of squares of a pipeline stage's gradients: `squares()`
-    gives one float per name; tensor-parallel slices (`is_split(name)`) apart; MoE
-    experts, each on one rank of its group, summed over the group and counted with the
-    replicated ones. Under ZeRO from the replicas' shards of the averaged gradient."""
-    from ..moe.parallel import expert_group, is_expert_param
-
+def split_square_sums(names: list[str], squares, is_split, zero=None) -> tuple[float, float]:
+    """(split, replicated) sums of squares of a model's (or pipeline stage's) gradients,
+    for a clip by the whole model's norm: `squares()` gives one float per name;
+    tensor-parallel slices (`is_split(name)`) apart, for the caller to sum over the
+    tensor axis; MoE experts, each on one rank of its group, summed over the group and
+    counted with the replicated ones. Under ZeRO from the replicas' shards of the
+    averaged gradient."""
     if zero is not None:
         mask = zero.part.shard_mask({i for i, n in enumerate(names) if is_split(n)})
         return zero.part.square_sums(zero.shard_grad, mask)

@@ -38,6 +38,7 @@ from .base import (
     build_agreed,
     model_part,
     replicated_memory_plan,
+    split_square_sums,
     with_model_prefix,
 )
 from .tensorflow_zero import TensorFlowZero
@@ -501,19 +502,13 @@ def _clip_tensor_parallel(grads, names, max_norm):
     """torch's rule on the whole model: squares of split variables summed over the
     tensor axis, those of experts over their group (each expert lives on one of its
     ranks), replicated ones counted once."""
-    sq = {"split": 0.0, "whole": 0.0, "experts": 0.0}
-    for n, g in zip(names, grads, strict=True):
-        kind = (
-            "experts"
-            if is_expert_param(n)
-            else ("whole" if tensor_parallel.split_kind(n) is None else "split")
-        )
-        sq[kind] += float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2))
-    split = float(tensor_parallel.tensor_group().allreduce_sum(np.array([sq["split"]]), "norm")[0])
-    experts = 0.0
-    if any(is_expert_param(n) for n in names):
-        experts = expert_group().allreduce_sum(sq["experts"])
-    coef = max_norm / ((sq["whole"] + split + experts) ** 0.5 + 1e-6)
+
+    def squares():
+        return [float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in grads]
+
+    split, whole = split_square_sums(names, squares, tensor_parallel.split_kind)
+    split = float(tensor_parallel.tensor_group().allreduce_sum(np.array([split]), "norm")[0])
+    coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
     return [g * coef for g in grads] if coef < 1.0 else grads
 
 

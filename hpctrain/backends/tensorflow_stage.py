@@ -22,7 +22,7 @@ import numpy as np
 
 from ..moe.parallel import is_expert_param
 from . import gradient_engine, tensorflow_moe
-from .base import model_part, stage_square_sums, with_model_prefix
+from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .tensorflow import (
     ZooNet,
@@ -150,12 +150,12 @@ class TensorFlowStage:
         return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
-        """(split, replicated) squared gradient norms (base.stage_square_sums)."""
+        """(split, replicated) squared gradient norms (base.split_square_sums)."""
 
         def squares():
             return [float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc]
 
-        return stage_square_sums(list(self.net.vars), squares, is_split, self.zero)
+        return split_square_sums(list(self.net.vars), squares, is_split, self.zero)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""

@@ -61,11 +61,7 @@ class TensorFlowZero:
         """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
         tensor parallelism, see ZeroPartition.global_norm; `extra_sq`: the squares of
         gradients outside the partition, MoE experts). Returns the coefficient."""
-        norm = (self.part.global_norm(self.shard_grad, split) ** 2 + extra_sq) ** 0.5
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            self.shard_grad *= np.float32(coef)
-        return coef
+        return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
 
     def step(self, lr: float) -> None:
         self.optimizer.apply([tf.constant(self.shard_grad)], tf.constant(lr, tf.float32))

@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from ..moe.parallel import is_expert_param
 from . import gradient_engine, torch_moe
-from .base import model_part, stage_square_sums, with_model_prefix
+from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .torch import (
     ZooNet,
@@ -149,7 +149,7 @@ class TorchStage:
         return sum(self.grad_square_sums(lambda name: False))
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
-        """(split, replicated) squared gradient norms (base.stage_square_sums)."""
+        """(split, replicated) squared gradient norms (base.split_square_sums)."""
         named = list(self.net.named_parameters())
 
         def squares():
@@ -157,7 +157,7 @@ class TorchStage:
                 0.0 if p.grad is None else float((p.grad.double() ** 2).sum()) for _, p in named
             ]
 
-        return stage_square_sums([n for n, _ in named], squares, is_split, self.zero)
+        return split_square_sums([n for n, _ in named], squares, is_split, self.zero)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""

@@ -12,8 +12,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..moe.parallel import expert_group, is_expert_param
 from ..tensor.parallel import split_kind, tensor_group
+from .base import split_square_sums
 
 
 def _allreduce(x: torch.Tensor, what: str) -> torch.Tensor:
@@ -54,21 +54,17 @@ def clip_grad_norm_(named_params, max_norm: float) -> None:
     """torch's clip_grad_norm_ rule on the whole model: the squares of split parameters
     are summed over the tensor axis, those of experts over their group (each expert
     lives on one of its ranks), replicated ones counted once."""
-    split, whole, experts = 0.0, 0.0, 0.0
-    for name, p in named_params:
-        if p.grad is None:
-            continue
-        sq = float(p.grad.detach().double().pow(2).sum())
-        if is_expert_param(name):
-            experts += sq
-        elif split_kind(name) is None:
-            whole += sq
-        else:
-            split += sq
+    names = [name for name, _ in named_params]
+
+    def squares():
+        return [
+            0.0 if p.grad is None else float(p.grad.detach().double().pow(2).sum())
+            for _, p in named_params
+        ]
+
+    split, whole = split_square_sums(names, squares, split_kind)  # experts in `whole`
     split = float(tensor_group().allreduce_sum(np.array([split]), "gradient norm")[0])
-    if any(is_expert_param(name) for name, _ in named_params):
-        experts = expert_group().allreduce_sum(experts)
-    coef = max_norm / ((whole + split + experts) ** 0.5 + 1e-6)
+    coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
     if coef < 1.0:
         for _, p in named_params:
             if p.grad is not None:

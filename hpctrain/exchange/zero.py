@@ -179,23 +179,29 @@ class ZeroPartition:
         `split` = (mask over the shard, tensor group): with tensor parallelism the
         masked elements belong to tensor-split parameters, whose squares are also summed
         over the tensor axis (replicated ones are counted once)."""
-        g = shard_grad.astype(np.float64)
-        if split is None:
-            sums = np.array([np.dot(g, g), 0.0])
-        else:
-            mask, _ = split
-            sums = np.array([np.dot(g[~mask], g[~mask]), np.dot(g[mask], g[mask])])
-        if self.n > 1:
-            sums = self.comm.allreduce_array(sums, "sum", "ZeRO gradient norm")
+        masked, rest = self.square_sums(shard_grad, None if split is None else split[0])
         if split is not None:
-            sums[1] = float(split[1].allreduce_sum(sums[1:2], "ZeRO gradient norm")[0])
-        return float(np.sqrt(sums.sum()))
+            masked = float(split[1].allreduce_sum(np.array([masked]), "ZeRO gradient norm")[0])
+        return float(np.sqrt(rest + masked))
 
-    def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray) -> tuple[float, float]:
+    def clip(self, shard_grad: np.ndarray, max_norm: float, split=None, extra_sq=0.0) -> float:
+        """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
+        see global_norm; `extra_sq`: squares of gradients outside the partition, MoE
+        experts): scales `shard_grad` in place; returns the coefficient."""
+        norm = (self.global_norm(shard_grad, split) ** 2 + extra_sq) ** 0.5
+        coef = max_norm / (norm + 1e-6)
+        if coef < 1.0:
+            shard_grad *= np.float32(coef)
+        return coef
+
+    def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None) -> tuple[float, float]:
         """(masked, unmasked) sums of squares of the whole (averaged) gradient, from the
         shards: one allreduce of two numbers (the pipeline adds them over its stages)."""
         g = shard_grad.astype(np.float64)
-        sums = np.array([np.dot(g[mask], g[mask]), np.dot(g[~mask], g[~mask])])
+        if mask is None:
+            sums = np.array([0.0, np.dot(g, g)])
+        else:
+            sums = np.array([np.dot(g[mask], g[mask]), np.dot(g[~mask], g[~mask])])
         if self.n > 1:
             sums = self.comm.allreduce_array(sums, "sum", "ZeRO gradient norm")
         return float(sums[0]), float(sums[1])

@@ -29,6 +29,12 @@ def is_expert_param(name: str) -> bool:
     return EXPERT_MARK in name
 
 
+def split_experts(state: dict) -> tuple[dict, dict]:
+    """(experts, the rest) of a dict keyed by canonical names (weights or slots)."""
+    experts = {k: v for k, v in state.items() if is_expert_param(k)}
+    return experts, {k: v for k, v in state.items() if k not in experts}
+
+
 class ExpertGroup:
     """The expert-parallel ranks (the grid's `expert` axis) and their replicas (`data`).
 
@@ -349,11 +355,10 @@ def gather_expert_weights(weights: dict, root: int = 0) -> dict | None:
     of canonical names (for checkpoints and tests). Non-expert tensors come from root.
     """
     group = expert_group()
-    mine = {k: v for k, v in weights.items() if is_expert_param(k)}
+    mine, full = split_experts(weights)
     parts = group.axis.gather_object(mine, root, "gather MoE experts")
     if group.rank != root:
         return None
-    full = {k: v for k, v in weights.items() if not is_expert_param(k)}
     for part in parts:
         full.update(part)
     return full

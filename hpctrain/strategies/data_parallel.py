@@ -145,11 +145,9 @@ class DataParallel(StrategyBase):
         axis (rank 0 receives the experts it lacks: (E - E/R) experts' state, whatever
         the world size; the other ranks send theirs once)."""
         if self.tensor > 1:  # the tensor group's pieces joined under canonical names
-            local = self.backend.export_state()
-            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+            experts, dense = moe_parallel.split_experts(self.backend.export_state())
             if experts and self.grid.coord["data"] == 0:  # replica 0's expert x tensor
                 experts = moe_parallel.gather_expert_weights(experts) or {}  # group
-            dense = {k: v for k, v in local.items() if not moe_parallel.is_expert_param(k)}
             pieces = self.grid.tensor.gather_object(dense, what="gather tensor-parallel shards")
             if not self.world.is_root:
                 return None
@@ -190,8 +188,7 @@ class DataParallel(StrategyBase):
             local = self.backend.export_state()
         else:
             local, owned = self.backend.export_owned_state()
-        experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
-        shared = {k: v for k, v in local.items() if k not in experts}
+        experts, shared = moe_parallel.split_experts(local)
         d = self.grid.data  # an expert's copies share it out as replicated state is
         return {
             **split_replicated(shared, w.rank, w.size, min_bytes),
@@ -210,28 +207,22 @@ class DataParallel(StrategyBase):
         (each on one rank of the expert x tensor group) are cut over their copies on the
         data axis."""
         w, g = self.world, self.grid.tensor
-        split = {
-            k: v
-            for k, v in local.items()
-            if np.ndim(v) > 0 and tensor_parallel.split_kind(k.rsplit("/", 1)[-1])
-        }
-        experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
-        rest = {k: v for k, v in local.items() if k not in split and k not in experts}
+        slices = {k: tensor_parallel.slice_piece(k, v, g.size, g.rank) for k, v in local.items()}
+        experts, rest = moe_parallel.split_experts(
+            {k: v for k, v in local.items() if slices[k] is None}
+        )
         pieces = split_replicated(rest, w.rank, w.size, min_bytes)
         d = self.grid.data
         pieces.update(split_replicated(experts, d.rank, d.size, min_bytes))
         replicas, mine = self.grid.num_replicas, self.grid.replica
-        for i, (k, v) in enumerate(split.items()):
+        split = [k for k, piece in slices.items() if piece is not None]
+        for i, k in enumerate(split):
             if i % replicas == mine:
-                shape = tensor_parallel.full_shape(k.rsplit("/", 1)[-1], np.shape(v), g.size)
-                pieces[k] = (shape, ("tensor", g.rank, g.size), np.asarray(v).reshape(-1))
+                pieces[k] = slices[k]
         for k, (shape, first, elements) in (owned or {}).items():
-            leaf = k.rsplit("/", 1)[-1]
-            if len(shape) > 0 and tensor_parallel.split_kind(leaf):
-                whole = tensor_parallel.full_shape(leaf, shape, g.size)
-                pieces[k] = (whole, ("tensor", g.rank, g.size, first), elements)
-            elif g.rank == 0:
-                pieces[k] = (shape, first, elements)
+            piece = tensor_parallel.range_piece(k, shape, first, elements, g.size, g.rank)
+            if piece is not None:
+                pieces[k] = piece
         return pieces
 
     def _spread_experts(self) -> bool:
@@ -246,15 +237,8 @@ class DataParallel(StrategyBase):
                 for k, v in state.items()
                 if not moe_parallel.is_expert_param(k) or k.rsplit("/", 1)[-1] in mine
             }
-        if self.tensor > 1:  # this rank's piece of every split tensor
-            g = self.grid.tensor
-            state = {
-                k: tensor_parallel.shard(k.rsplit("/", 1)[-1], v, g.size, g.rank)
-                if np.ndim(v) > 0
-                else v
-                for k, v in state.items()
-            }
-        self.backend.import_state(state)
+        g = self.grid.tensor  # this rank's piece of every split tensor
+        self.backend.import_state(tensor_parallel.shard_state(state, g.size, g.rank))
         self.backend.exchange_step = int(ckpt.step)  # warm-ups and local-SGD phases go on
 
     def weight_shapes(self) -> dict[str, tuple]:

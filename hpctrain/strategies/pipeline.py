@@ -193,17 +193,8 @@ class Pipeline(StrategyBase):
 
     # --- set-up helpers -----------------------------------------------------------
     def _shard(self, state: dict) -> dict:
-        """This rank's tensor-parallel piece of every split array of a canonical dict
-        (`model/...`, `optimizer/<slot>/...` or bare names); the rest as it is."""
-        if self.tensor == 1:
-            return state
-        t = self.grid.tensor
-        return {
-            k: tensor_parallel.shard(k.rsplit("/", 1)[-1], v, t.size, t.rank)
-            if np.ndim(v) > 0
-            else v
-            for k, v in state.items()
-        }
+        """This rank's tensor-parallel piece of every split array of a canonical dict."""
+        return tensor_parallel.shard_state(state, self.grid.tensor.size, self.grid.tensor.rank)
 
     def _partition(self, weights, inp) -> list[int]:
         spec = self.cfg.pipeline["partition"]
@@ -320,11 +311,9 @@ class Pipeline(StrategyBase):
             mine = self.stage.export_state()
             mine = mine if self.grid.replica == 0 else None
         elif self.moe:  # every expert from its rank of data replica 0's expert group
-            local = self.stage.export_state()
-            experts = {k: v for k, v in local.items() if moe_parallel.is_expert_param(k)}
+            experts, dense = moe_parallel.split_experts(self.stage.export_state())
             if experts and self.grid.coord["data"] == 0:
                 experts = moe_parallel.gather_expert_weights(experts) or {}
-            dense = {k: v for k, v in local.items() if k not in experts}
             mine = {**dense, **experts} if self.grid.replica == 0 else None
         else:
             mine = self.stage.export_state() if self.grid.replica == 0 else None
@@ -361,32 +350,26 @@ class Pipeline(StrategyBase):
         if self.zero:
             state, owned = self.stage.export_owned()
             for k, (shape, first, elements) in owned.items():
-                leaf = k.rsplit("/", 1)[-1]
-                if self.tensor > 1 and len(shape) > 0 and tensor_parallel.split_kind(leaf):
-                    whole = tensor_parallel.full_shape(leaf, shape, t.size)
-                    pieces[k] = (whole, ("tensor", t.rank, t.size, first), elements)
-                elif t.rank == 0:
-                    pieces[k] = (shape, first, elements)
+                piece = tensor_parallel.range_piece(k, shape, first, elements, t.size, t.rank)
+                if piece is not None:
+                    pieces[k] = piece
             if self.grid.replica != 0:
                 return pieces
         elif self.moe:  # each expert written by its rank (its copies share it out)
-            state = self.stage.export_state()
-            experts = {k: v for k, v in state.items() if moe_parallel.is_expert_param(k)}
+            experts, state = moe_parallel.split_experts(self.stage.export_state())
             d = self.grid.data
             pieces.update(split_replicated(experts, d.rank, d.size, min_bytes))
             if self.grid.replica != 0:
                 return pieces
-            state = {k: v for k, v in state.items() if k not in experts}
         elif self.grid.replica != 0:
             return {}
         else:
             state = self.stage.export_state()
         step = state.pop("optimizer/step", None)
         for k, v in state.items():
-            leaf = k.rsplit("/", 1)[-1]
-            if self.tensor > 1 and np.ndim(v) > 0 and tensor_parallel.split_kind(leaf):
-                shape = tensor_parallel.full_shape(leaf, np.shape(v), t.size)
-                pieces[k] = (shape, ("tensor", t.rank, t.size), np.asarray(v).reshape(-1))
+            piece = tensor_parallel.slice_piece(k, v, t.size, t.rank)
+            if piece is not None:
+                pieces[k] = piece
             elif t.rank == 0:
                 pieces[k] = (np.shape(v), 0, np.asarray(v).reshape(-1))
         if step is not None and self.world.is_root:
@@ -447,4 +430,5 @@ class Pipeline(StrategyBase):
     def rank_name(self, index: int) -> str:
         c = self.grid.shape.coords(index)
         split = f", tensor {c['tensor']}" if self.tensor > 1 else ""
-        return f"rank {index} (stage {c['pipe']}{split}, replica {c['data']})"
+        replica = c["data"] * self.grid.shape.expert + c["expert"]  # as grid.replica
+        return f"rank {index} (stage {c['pipe']}{split}, replica {replica})"

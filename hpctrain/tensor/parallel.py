@@ -93,6 +93,37 @@ def shard(name: str, full: np.ndarray, size: int, rank: int) -> np.ndarray:
     return np.array(np.split(full, size, axis=axis)[rank], copy=True)
 
 
+def shard_state(state: dict, size: int, rank: int) -> dict:
+    """This rank's piece of every split array of a canonical dict (`model/<name>`,
+    `optimizer/<slot>/<name>` or bare names, split by the leaf name); the rest as is."""
+    if size == 1:
+        return state
+    return {
+        k: shard(k.rsplit("/", 1)[-1], v, size, rank) if np.ndim(v) > 0 else v
+        for k, v in state.items()
+    }
+
+
+def slice_piece(name: str, value, size: int, rank: int):
+    """A sharded checkpoint's piece for this rank's slice of split tensor `name` (the
+    whole shape, ("tensor", rank, T), the elements), or None for a replicated one."""
+    leaf = name.rsplit("/", 1)[-1]
+    if size == 1 or np.ndim(value) == 0 or split_kind(leaf) is None:
+        return None
+    shape = full_shape(leaf, np.shape(value), size)
+    return shape, ("tensor", rank, size), np.asarray(value).reshape(-1)
+
+
+def range_piece(name: str, shape: tuple, first: int, elements, size: int, rank: int):
+    """The piece for a flat range (a ZeRO shard) of this rank's slice of `name`, or for
+    a replicated tensor's range ((shape, first, elements)) on tensor rank 0 alone (None
+    on the others, which hold the same range)."""
+    leaf = name.rsplit("/", 1)[-1]
+    if size > 1 and len(shape) > 0 and split_kind(leaf):
+        return full_shape(leaf, shape, size), ("tensor", rank, size, first), elements
+    return (shape, first, elements) if rank == 0 else None
+
+
 def unshard(name: str, pieces: list[np.ndarray]) -> np.ndarray:
     """The canonical array from every rank's piece, in tensor-rank order."""
     kind = split_kind(name)
