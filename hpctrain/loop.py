@@ -104,6 +104,7 @@ class TrainingLoop:
         else:
             self.threads_source = "runtime.threads"
         self.threads = threads
+        runtime.limit_blas_threads(threads)
         self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
         self.strategy.loop = self  # strategies with serving ranks need the loop's hooks
         self.grid = self.strategy.grid

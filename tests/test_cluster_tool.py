@@ -5,6 +5,7 @@ killed session, and refuses clearly without the capabilities it needs."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,7 +15,8 @@ from mpirun import HPCTRAIN
 
 from hpctrain.cluster import ClusterError, Lock, Plan, link_rate, mpirun_args, netns, session
 from hpctrain.cluster.agent import agent_script, on_node, write_agent
-from hpctrain.cluster.plan import HOSTS_TAG, tbf_args
+from hpctrain.cluster.cores import parse_cpu_list
+from hpctrain.cluster.plan import HOSTS_TAG, node_cores, tbf_args
 from hpctrain.cluster.system import add_hosts_lines, remove_hosts_lines, tagged_hosts_lines
 
 
@@ -77,6 +79,28 @@ def test_mpirun_arguments_confine_open_mpi_to_the_cluster():
     assert args[args.index("--host") + 1] == "hpcn1:2,hpcn2:2"
     with pytest.raises(ClusterError, match="--per-node must be at least 1"):
         mpirun_args(Plan(2), "a", per_node=0)
+
+
+def test_nodes_get_their_own_cores_or_share_them_round_robin():
+    assert node_cores([0, 1], 2) == [[0], [1]]
+    assert node_cores([3, 1, 0, 2], 2) == [[0, 1], [2, 3]]
+    assert node_cores([0, 1, 2], 2) == [[0], [1]]  # the spare core is left to the system
+    assert node_cores([0, 1], 3) == [[0], [1], [0]]  # more nodes than cores: shared
+    assert node_cores([5], 1) == [[5]]
+    assert parse_cpu_list("0-2,5,7-8\n") == [0, 1, 2, 5, 7, 8]
+    with pytest.raises(ClusterError, match="no cores"):
+        node_cores([], 2)
+
+
+def test_on_node_joins_the_nodes_cpuset_and_says_its_cores():
+    cores = {"dir": "/run/x/cpuset/hpctrain-cluster", "cores": {"hpcn2": [1]}}
+    argv = on_node("hpcn2", ["hostname"], cores)
+    assert argv[:2] == ["env", "HPCTRAIN_NODE_CORES=1"]
+    assert "/run/x/cpuset/hpctrain-cluster/hpcn2" in argv
+    assert argv[argv.index("ip") : argv.index("ip") + 4] == ["ip", "netns", "exec", "hpcn2"]
+    script = agent_script(["hpcn1", "hpcn2"], {"dir": "/d", "cores": {"hpcn1": [0], "hpcn2": [1]}})
+    assert 'echo $$ > "/d/$host/cgroup.procs" || exit 255' in script
+    assert "hpcn2) ncores=1;;" in script
 
 
 def test_on_node_passes_arguments_without_a_shell():
@@ -168,6 +192,31 @@ def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
         assert proc.returncode == 0, proc.stderr
         assert proc.stdout.splitlines()[0] == "hpcn2"
         assert "10.213.0.12/24" in proc.stdout
+        # Each node runs on its own cores (a cpuset cgroup), and says how many it has.
+        if state["cores"]:
+            own = {}
+            for node in state["nodes"]:
+                proc = subprocess.run(
+                    [
+                        state["agent"],
+                        node,
+                        "grep",
+                        "Cpus_allowed_list",
+                        "/proc/self/status;",
+                        "echo",
+                        "$HPCTRAIN_NODE_CORES",
+                    ],
+                    capture_output=True,
+                    text=True,
+                    timeout=30,
+                )
+                assert proc.returncode == 0, proc.stderr
+                allowed, count = proc.stdout.split()[-2:]
+                own[node] = parse_cpu_list(allowed)
+                assert own[node] == state["cores"]["cores"][node]
+                assert int(count) == len(own[node])
+            if len(os.sched_getaffinity(0)) >= 2:
+                assert not set(own["hpcn1"]) & set(own["hpcn2"])
         netns.set_link("hpcn2", False)
         assert netns.status()["nodes"]["hpcn2"]["link"] == "down"
         netns.shape("none")
@@ -176,6 +225,7 @@ def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
             netns.up(Plan(2), owner="pytest")
         removed = netns.down()
         assert "namespace hpcn1" in removed and "bridge hpcbr0" in removed
+        assert not state["cores"] or any(r.startswith("cpusets ") for r in removed)
     finally:
         netns.down()
         subprocess.run(["ip", "netns", "del", other_ns], timeout=30)

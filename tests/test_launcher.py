@@ -54,6 +54,9 @@ def test_batch_shell_slurm_variables_under_mpirun_are_ignored():
 def test_threads_come_from_the_launcher_or_the_cores():
     assert threads_per_rank(4, {"SLURM_CPUS_PER_TASK": "6"}) == (6, "SLURM_CPUS_PER_TASK")
     assert threads_per_rank(4, {"OMP_NUM_THREADS": "3"}) == (3, "OMP_NUM_THREADS")
+    # A node smaller than the machine (an emulated node's cpuset, a SLURM allocation).
+    assert threads_per_rank(1, {"HPCTRAIN_NODE_CORES": "1"}) == (1, "1 cores / 1 local ranks")
+    assert threads_per_rank(2, {"SLURM_CPUS_ON_NODE": "8"}) == (4, "8 cores / 2 local ranks")
     n, why = threads_per_rank(10**6, {})
     assert n == 1 and "local ranks" in why
 

@@ -27,27 +27,55 @@ case " {nodes} " in
 esac
 cmd="$*"
 case "$cmd" in *';'*) ;; *) cmd="exec $cmd";; esac
+{cores}
 exec ip netns exec "$host" unshare --uts setpriv --pdeathsig KILL -- \\
     sh -c 'hostname "$0" && eval "$1"' "$host" "$cmd"
 """
 
 
-def agent_script(node_names: list[str]) -> str:
-    return AGENT_TEMPLATE.replace("{nodes}", " ".join(node_names))
+# With per-node cpusets (cores.py) the agent joins the node's group before it enters the
+# namespace (inside, /sys/fs/cgroup is hidden), and says how many cores the node has.
+CORES_TEMPLATE = """\
+case "$host" in
+{cases}
+esac
+echo $$ > "{dir}/$host/cgroup.procs" || exit 255
+export HPCTRAIN_NODE_CORES="$ncores"
+"""
 
 
-def write_agent(path: Path, node_names: list[str]) -> Path:
+def agent_script(node_names: list[str], cores: dict | None = None) -> str:
+    block = ""
+    if cores:
+        cases = "\n".join(f"  {n}) ncores={len(c)};;" for n, c in cores["cores"].items())
+        block = CORES_TEMPLATE.replace("{cases}", cases).replace("{dir}", cores["dir"])
+    return AGENT_TEMPLATE.replace("{nodes}", " ".join(node_names)).replace("{cores}", block)
+
+
+def write_agent(path: Path, node_names: list[str], cores: dict | None = None) -> Path:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(agent_script(node_names))
+    tmp.write_text(agent_script(node_names, cores))
     tmp.chmod(0o755)
     tmp.replace(path)
     return path
 
 
-def on_node(node: str, argv: list[str]) -> list[str]:
-    """argv that runs `argv` (no shell involved) on `node` with `node` as hostname."""
+def on_node(node: str, argv: list[str], cores: dict | None = None) -> list[str]:
+    """argv that runs `argv` (no shell involved) on `node` with `node` as hostname, on
+    the node's own cores when the cluster has per-node cpusets (`cores`, from the state)."""
+    prefix: list[str] = []
+    if cores and node in cores["cores"]:
+        prefix = [
+            "env",
+            f"HPCTRAIN_NODE_CORES={len(cores['cores'][node])}",
+            "sh",
+            "-c",
+            'echo $$ > "$0/cgroup.procs" && exec "$@"',
+            f"{cores['dir']}/{node}",
+        ]
     return [
+        *prefix,
         "ip",
         "netns",
         "exec",

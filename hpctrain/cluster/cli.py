@@ -126,10 +126,15 @@ def _status(args) -> int:
         f"subnet {state['subnet']}, bridge {state['bridge']} {state['bridge_address']}, "
         f"link {state['link']}"
     )
-    print("  node    address        link  shaped          processes")
+    print("  node    address        link  shaped          cores  processes")
     for name, n in info["nodes"].items():
         shaped = f"{n['shaped_bps'] / 1e9:g} Gbit/s" if n["shaped_bps"] else "no"
-        print(f"  {name:<7} {n['address']:<14} {n['link']:<5} {shaped:<15} {n['processes']}")
+        own = ",".join(map(str, n["cores"])) if n["cores"] else "all"
+        print(
+            f"  {name:<7} {n['address']:<14} {n['link']:<5} {shaped:<15} {own:<6} {n['processes']}"
+        )
+    if state.get("cores_unavailable"):
+        print(f"nodes share the machine's cores: {state['cores_unavailable']}")
     print(f"hostfile {state['hostfile']}, rsh agent {state['agent']}")
     return 0
 
@@ -161,5 +166,6 @@ def _run(args) -> int:
     if node not in state["nodes"]:
         raise ClusterError(f"--node {node!r} is not a node ({', '.join(state['nodes'])})")
     sys.stdout.flush()
-    os.execvp("ip", on_node(node, argv))
+    argv = on_node(node, argv, state.get("cores"))
+    os.execvp(argv[0], argv)
     return 0  # not reached

@@ -21,7 +21,7 @@ import time
 from datetime import datetime, timezone
 from pathlib import Path
 
-from . import system
+from . import cores, system
 from .agent import write_agent
 from .errors import ClusterError
 from .plan import (
@@ -84,6 +84,9 @@ def leftovers(state_dir: Path = STATE_DIR) -> list[str]:
     """Everything of an emulated cluster that exists now, described for a message."""
     found = [f"namespace {n}" for n in our_namespaces()]
     found += [f"link {x}" for x in our_links()]
+    mount = cores.leftover(state_dir)
+    if mount:
+        found.append(mount)
     hosts = system.tagged_hosts_lines(HOSTS_TAG)
     if hosts:
         found.append(f"{len(hosts)} line(s) of {system.HOSTS}")
@@ -185,8 +188,12 @@ def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
             for key, value in NODE_SYSCTLS.items():
                 run(["ip", "netns", "exec", n.name, "sysctl", "-q", "-w", f"{key}={value}"])
         shape(plan.link, state_dir=state_dir, state=state)
+        try:
+            state["cores"] = cores.create(state_dir, state["nodes"])
+        except ClusterError as exc:  # the nodes share the machine's cores; status says why
+            state["cores"], state["cores_unavailable"] = None, str(exc)
         system.add_hosts_lines(plan.hosts_lines(), HOSTS_TAG)
-        write_agent(Path(state["agent"]), state["nodes"])
+        write_agent(Path(state["agent"]), state["nodes"], state["cores"])
         Path(state["hostfile"]).write_text(plan.hostfile_text())
         state["complete"] = True
         _write_state(state, state_dir)
@@ -282,6 +289,7 @@ def status(state_dir: Path = STATE_DIR) -> dict:
             else ("up" if "UP" in live[veth].get("flags", []) else "down"),
             "shaped_bps": _shaped_bps(veth) if veth in live else None,
             "processes": len(_pids_in(name)) if name in spaces else 0,
+            "cores": ((state.get("cores") or {}).get("cores") or {}).get(name),
         }
     return {"state": state, "nodes": nodes, "leftovers": [] if state else leftovers(state_dir)}
 
@@ -328,6 +336,7 @@ def down(state_dir: Path = STATE_DIR) -> list[str]:
     stuck = _end_processes(spaces)
     if stuck:
         removed.append(f"processes {stuck} would not end")
+    removed += cores.remove(state_dir)
     for link in [x for x in our_links() if x != BRIDGE]:
         # Deleting one end deletes the pair; done before the namespace, whose removal
         # the kernel finishes asynchronously.

@@ -61,6 +61,18 @@ def tbf_args(rate_bps: float) -> list[str]:
     return ["tbf", "rate", f"{int(rate_bps)}bit", "burst", str(burst), "latency", "20ms"]
 
 
+def node_cores(cpus: list[int], nodes: int) -> list[list[int]]:
+    """Each node's cores: an even share of `cpus` (a spare remainder stays unused), or,
+    with fewer cores than nodes, one core each, shared round robin."""
+    cpus = sorted(cpus)
+    if not cpus:
+        raise ClusterError("no cores to share among the nodes")
+    if len(cpus) >= nodes:
+        per = len(cpus) // nodes
+        return [cpus[i * per : (i + 1) * per] for i in range(nodes)]
+    return [[cpus[i % len(cpus)]] for i in range(nodes)]
+
+
 @dataclass(frozen=True)
 class Node:
     name: str  # namespace name = hostname

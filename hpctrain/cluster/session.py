@@ -89,10 +89,10 @@ class Cluster:
         args = mpirun_args(self.plan, self.agent, per_node)
         if hosts is not None:
             args[args.index("--host") + 1] = hosts
-        return on_node(self.nodes[0], ["mpirun", *args, *argv])
+        return on_node(self.nodes[0], ["mpirun", *args, *argv], self.state.get("cores"))
 
     def on_node(self, node: str, *argv: str) -> list[str]:
-        return on_node(node, list(argv))
+        return on_node(node, list(argv), self.state.get("cores"))
 
     def shape(self, link: str) -> None:
         netns.shape(link, state_dir=self.state_dir)

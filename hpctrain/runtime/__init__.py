@@ -6,7 +6,7 @@ environment first, so that values MPI_Init may add are not mistaken for the laun
 
 from .failfast import EXIT_USER_ERROR, run_fail_together
 from .logs import setup_logging
-from .threads import threads_per_rank
+from .threads import limit_blas_threads, threads_per_rank
 from .world import Layout, World, world, world_if_started
 
 __all__ = [
@@ -15,6 +15,7 @@ __all__ = [
     "World",
     "run_fail_together",
     "setup_logging",
+    "limit_blas_threads",
     "threads_per_rank",
     "world",
     "world_if_started",

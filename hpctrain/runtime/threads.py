@@ -3,7 +3,9 @@
 Oversubscribed ranks that each start one thread per core thrash: 4 ranks x 2 threads on
 2 cores runs several times slower than 4 x 1. The launcher usually knows the right
 number (SLURM_CPUS_PER_TASK, OMP_NUM_THREADS); otherwise the node's cores are divided
-among the ranks on it.
+among the ranks on it. The node's cores are os.cpu_count(), unless the node says
+otherwise: HPCTRAIN_NODE_CORES (an emulated node, `hpctrain cluster`, whose cpuset holds
+part of the machine) or SLURM_CPUS_ON_NODE (the cores of this job on the node).
 """
 
 from __future__ import annotations
@@ -28,4 +30,20 @@ def threads_per_rank(local_size: int, env: dict | None = None) -> tuple[int, str
     # Open MPI binds each rank to a core when ranks <= cores, so affinity already says 1;
     # count the node's cores instead of trusting a per-rank affinity mask.
     cores = os.cpu_count() or 1
+    for var in ("HPCTRAIN_NODE_CORES", "SLURM_CPUS_ON_NODE"):
+        value = env.get(var, "")
+        if value.isdigit() and int(value) > 0:
+            cores = int(value)
+            break
     return max(1, cores // max(1, local_size)), f"{cores} cores / {local_size} local ranks"
+
+
+def limit_blas_threads(threads: int) -> None:
+    """Hold numpy's BLAS (OpenBLAS) to the rank's threads, as torch and TF are held.
+
+    Why: OpenBLAS starts one spinning thread per core in every rank. PowerSGD's numpy
+    products on 2 ranks x 2 BLAS threads over 2 cores took 100 ms a step, 12 ms with
+    one thread each (measured 2026-11-26, mlp, one node)."""
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(limits=max(1, int(threads)), user_api="blas")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ...runtime.p2p import wait_or_abort
+from ...runtime.p2p import Backoff, wait_or_abort
 from ..reducer import DenseStats, flat_buffer
 
 TAG = 7_301
@@ -91,7 +91,11 @@ class HalfRing(DenseStats):
         right, left = (w.rank + 1) % w.size, (w.rank - 1) % w.size
         reqs = [self.raw.Isend(send, dest=right, tag=TAG), self.raw.Irecv(recv, left, tag=TAG)]
         wait_or_abort(
-            w, reqs, f"{self.what} ({self.kind}, {step})", [f"rank {right}", f"rank {left}"]
+            w,
+            reqs,
+            f"{self.what} ({self.kind}, {step})",
+            [f"rank {right}", f"rank {left}"],
+            backoff=Backoff(0),
         )
         self._sent += send.nbytes
 
