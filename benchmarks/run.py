@@ -36,6 +36,7 @@ SECTIONS = [
     "strategies",
     "network",
     "exchange",
+    "convergence",
     "memory",
 ]
 BUDGET_SECONDS = {True: 100, False: 13 * 60}  # quick / full, before optional work is cut

@@ -6,7 +6,10 @@ the same per-rank batch, or their ratio means nothing. Three kinds of step:
 - cnn: 3 conv layers on 32x32 images, 24k parameters: compute-bound, tiny gradients;
 - resnet: CIFAR ResNet-8, 78k parameters in 29 tensors: more compute, many tensors;
 - mlp: 256 -> 1024 -> 1024 -> 10, 1.3M parameters (5 MB of gradients) on vectors:
-  little compute per byte, so the allreduce bandwidth shows.
+  little compute per byte, so the allreduce bandwidth shows; 80% of its gradient bytes
+  are one matrix, finished only near the end of backward;
+- deepmlp: 512 -> 5 x 512 -> 10, the same 5.3 MB of gradients and about the same compute,
+  spread over five equal layers, so buckets can travel while backward goes on.
 """
 
 from __future__ import annotations
@@ -59,6 +62,9 @@ WORKLOADS = {
     "cnn": Workload("cnn", "images", {"name": "cnn"}, {"image_size": 32}),
     "resnet": Workload("resnet", "images", {"name": "resnet", "depth": 8}, {"image_size": 32}),
     "mlp": Workload("mlp", "vectors", {"name": "mlp", "hidden": [1024, 1024]}, {"features": 256}),
+    "deepmlp": Workload(
+        "deepmlp", "vectors", {"name": "mlp", "hidden": [512] * 5}, {"features": 512}
+    ),
 }
 
 

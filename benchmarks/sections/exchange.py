@@ -5,9 +5,16 @@ the network section's workload (mlp, 5.3 MB of float32 gradients). Side by side 
 run per link: hpctrain's dense engines (sync `mpi`, `overlap`), the 16-bit rings, top-k
 1% and PowerSGD r=4 (error feedback on), int8, local SGD H=4, torch DDP over Gloo, and
 raw Horovod with and without `Compression.fp16`. Reported: step time and throughput
-relative to hpctrain's dense sync engine and to DDP. Accuracy of each method after the
+relative to hpctrain's dense sync engine and to DDP, beside the physical limit: the
+same steps with no exchange at all (compute alone). Each node owns its cores (one each
+on a 2-core machine; `hpctrain cluster`'s cpusets). Accuracy of each method after the
 same epochs is proven by the tests (tests/test_compression_jobs.py,
 tests/test_local_sgd_jobs.py), not here.
+
+Then the dense engines on `deepmlp` (the same 5.3 MB of gradients over five equal
+layers): in the mlp 80% of the bytes are one matrix finished only at the end of
+backward, which bounds what any overlapping engine (DDP's too) can hide; spread over
+layers, buckets travel while backward goes on.
 
 Then 2 nodes x 2 ranks: flat MPI_Allreduce vs `train.hierarchical` per message size.
 """
@@ -37,6 +44,9 @@ METHODS = {
     ),
     "int8": ("hpctrain int8 + EF", ["train.allreduce=mpi", "train.compression=int8"]),
     "local4": ("hpctrain local SGD H=4", ["train.allreduce=mpi", "train.sync_every=4"]),
+    # The physical limit of any method: the same steps with no exchange at all (local SGD
+    # whose averaging falls after the measured steps).
+    "compute": ("compute alone (no exchange)", ["train.allreduce=mpi", "train.sync_every=100000"]),
 }
 BASELINES = {
     "ddp_gloo": "torch DDP (Gloo)",
@@ -49,8 +59,13 @@ def plan(quick: bool) -> dict:
     links = os.environ.get("HPCTRAIN_BENCH_LINKS")
     return {
         "links": links.split(",") if links else (["1gbit"] if quick else ["1gbit", "10gbit"]),
-        "methods": ["dense", "fp16", "topk"] if quick else list(METHODS),
+        "methods": ["dense", "fp16", "topk", "compute"] if quick else list(METHODS),
         "baselines": ["ddp_gloo"] if quick else list(BASELINES),
+        "spread": {  # the dense engines on the model whose bytes are spread over layers
+            "model": "deepmlp",
+            "methods": ["dense", "overlap", "compute"],
+            "baselines": ["ddp_gloo"] if quick else ["ddp_gloo", "raw_horovod"],
+        },
         "warmup": 3 if quick else 5,
         "iters": 3 if quick else 5,
         "batches": 4 if quick else 6,
@@ -64,14 +79,14 @@ def _mpi(cluster, per_node: int) -> list[str]:
     return mpirun_args(cluster.plan, cluster.agent, per_node=per_node)
 
 
-def _step(ctx, cluster, name, link, p, method=None, baseline=None) -> dict:
-    work = ctx.scratch(f"exchange-{name}-{link}")
+def _step(ctx, cluster, name, link, p, method=None, baseline=None, model=MODEL) -> dict:
+    work = ctx.scratch(f"exchange-{model}-{name}-{link}")
     for old in ("metrics.jsonl", "out.json"):
         (work / old).unlink(missing_ok=True)
     if method is not None:
         args = scaling.hpctrain_args(
             "torch",
-            MODEL,
+            model,
             2,
             p["warmup"],
             p["iters"],
@@ -82,7 +97,7 @@ def _step(ctx, cluster, name, link, p, method=None, baseline=None) -> dict:
     else:
         kind = "raw_horovod" if baseline.startswith("raw_horovod") else baseline
         args = scaling.baseline_args(
-            kind, "torch", MODEL, p["warmup"], p["iters"], p["batches"], work / "out.json"
+            kind, "torch", model, p["warmup"], p["iters"], p["batches"], work / "out.json"
         )
         if baseline == "raw_horovod_fp16":
             args.append("--fp16")
@@ -136,7 +151,17 @@ def run(ctx) -> dict:
                 cluster.shape(link)
                 rows = [_step(ctx, cluster, m, link, p, method=m) for m in p["methods"]]
                 rows += [_step(ctx, cluster, b, link, p, baseline=b) for b in p["baselines"]]
-                links.append({"link": link, "rows": rows})
+                links.append({"link": link, "model": MODEL, "rows": rows})
+                sp = p["spread"]
+                rows = [
+                    _step(ctx, cluster, m, link, p, method=m, model=sp["model"])
+                    for m in sp["methods"]
+                ]
+                rows += [
+                    _step(ctx, cluster, b, link, p, baseline=b, model=sp["model"])
+                    for b in sp["baselines"]
+                ]
+                links.append({"link": link, "model": sp["model"], "rows": rows})
             cluster.shape("1gbit")
             hier = _hierarchical(ctx, cluster, p)
     except ClusterUnavailable as exc:
@@ -152,27 +177,34 @@ def markdown(data, ctx) -> str:
     if "skipped" in data:
         return f"Skipped: {data['skipped']}\n"
     out = [
-        "2 emulated nodes x 1 rank, torch, mlp (5.3 MB of gradients), batch 64/rank, one "
-        "compute thread. Step = per-iteration mean (ms). vs dense = hpctrain's dense sync "
-        "step / this step (throughput ratio); vs DDP = DDP's step / this step.\n",
-        "| link | method | step (ms) | vs dense | vs DDP | other load |",
-        "|---|---|---:|---:|---:|---:|",
+        "2 emulated nodes x 1 rank, torch, batch 64/rank, one "
+        "compute thread, each node on its own core. Step = per-iteration mean (ms). vs dense "
+        "= hpctrain's dense sync step / this step (throughput ratio); vs DDP = DDP's step / "
+        "this step; of limit = compute alone / this step (1.00 = no time spent on the "
+        "exchange).\n",
+        "mlp = 256-1024-1024-10; deepmlp = 512-5x512-10; both 5.3 MB of gradients.\n",
+        "| link | model | method | step (ms) | vs dense | vs DDP | of limit | other load |",
+        "|---|---|---|---:|---:|---:|---:|---:|",
     ]
     for entry in data["links"]:
         by = {r["name"]: r for r in entry["rows"]}
         dense, ddp = _mean(by.get("dense", {})), _mean(by.get("ddp_gloo", {}))
+        limit = _mean(by.get("compute", {}))
+        model = entry.get("model", MODEL)
         for r in entry["rows"]:
             m = _mean(r)
             if m is None:
-                out.append(f"| {entry['link']} | {r['label']} | failed | | | |")
+                out.append(f"| {entry['link']} | {model} | {r['label']} | failed | | | | |")
                 continue
             vs_dense = f"{dense / m:.2f}x" if dense else ""
             vs_ddp = f"{ddp / m:.2f}x" if ddp else ""
+            of_limit = f"{limit / m:.2f}" if limit else ""
             load = r.get("foreign_load")
             shown = f"{load:.2f}" if load is not None else ""
             out.append(
-                f"| {entry['link']} | {r['label']} | {m * 1e3:.1f} | {vs_dense} | {vs_ddp} | "
-                f"{shown} |"
+                f"| {entry['link']} | {model} | {r['label']} | {m * 1e3:.1f} | {vs_dense} | "
+                f"{vs_ddp} | "
+                f"{of_limit} | {shown} |"
             )
     hier = data.get("hierarchical", {})
     out += [
@@ -204,7 +236,7 @@ def plots(data, ctx) -> list[str]:
         rows = [r for r in entry["rows"] if _mean(r) is not None]
         ax.barh([r["label"] for r in rows], [_mean(r) * 1e3 for r in rows])
         ax.set_xlabel("step (ms)")
-        ax.set_title(f"{entry['link']}: 2 nodes x 1 rank")
+        ax.set_title(f"{entry['link']}, {entry.get('model', MODEL)}: 2 nodes x 1 rank")
     fig.tight_layout()
     name = "exchange_steps.png"
     fig.savefig(ctx.out / name, dpi=110)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from mpi4py import MPI
 
-from hpctrain.exchange.compression import HalfRing, PowerSGD, RandomK, TopK
+from hpctrain.exchange.compression import HalfRing, PowerSGD, RandomK, TopK, halfring
 from hpctrain.exchange.compression import build as build_compressor
 from hpctrain.runtime import world
 
@@ -40,6 +40,31 @@ def test_half_ring_equals_the_average_within_half_precision(kind, tol):
     assert (everyone == everyone[0]).all()
     if w.size > 1:  # 16-bit numbers: half the bytes of the float32 ring
         assert abs(ring.stats()["compression_ratio"] - 2.0) < 0.01
+
+
+@pytest.mark.parametrize("kind, tol", [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_half_ring_in_many_pieces_equals_the_average(kind, tol, monkeypatch):
+    """Chunks travel in pieces (encoding, wire and decoding overlap); cut small here so
+    every hop has several pieces, and a last short one."""
+    monkeypatch.setattr(halfring, "PIECE", 1000)
+    w = world()
+    g = np.random.default_rng(11 + w.rank).normal(0, 1e-2, 10_007).astype(np.float32)
+    ring = HalfRing(w, [g.size], kind)
+    ring.buffer[:] = g
+    ring.reduce(0)
+    np.testing.assert_allclose(ring.buffer, _dense_mean(g), rtol=tol, atol=tol * 1e-2)
+    everyone = np.empty((w.size, g.size), np.float32)
+    MPI.COMM_WORLD.Allgather(ring.buffer, everyone)
+    assert (everyone == everyone[0]).all()
+
+
+def test_fp16_bits_equal_numpys_cast_in_the_normal_range():
+    y = np.random.default_rng(3).standard_normal(100_000).astype(np.float32) * 1e3
+    y = np.concatenate([y, np.float32([1 + 2**-11, 1 + 3 * 2**-11, 2**-14, -0.0, 32767])])
+    normal = np.abs(y) >= 2**-14
+    got = halfring._f16_bits(y.copy())
+    assert (got[normal] == y.astype(np.float16).view(np.uint16)[normal]).all()
+    assert (got[~normal] & 0x7FFF == 0).all()  # under 2^-14: zero
 
 
 def test_half_ring_error_is_one_rounding_per_hop():
