@@ -53,7 +53,7 @@ demo-tf: install
 ## and the features' own benchmarks: benchmarks/results/<UTC>/ (report.md, results.json,
 ## PNGs), benchmarks/latest points at it. Every mpirun inside has its own hard timeout.
 ## Extra options: make bench BENCH_ARGS="--network 25GbE-TCP".
-BENCH_TIMEOUT ?= 1800
+BENCH_TIMEOUT ?= 2700
 bench: install
 	$(MPIRUN_KILL) $(BENCH_TIMEOUT) $(PY) benchmarks/run.py $(BENCH_ARGS)
 

@@ -136,3 +136,33 @@ def test_implied_step_inverts_efficiency():
         w, 512, a, b, "fusion, no overlap", 0.68
     )
     assert ab.implied_step(w, 512, a, b, "fusion, no overlap", 1.5) is None
+
+
+def test_time_to_accuracy_reads_hpctrain_epochs_and_ranks_the_methods(tmp_path):
+    """The convergence section's arithmetic: time since the first step (the summary's
+    time minus its elapsed), the first epoch at the target, 'not reached' otherwise."""
+    import json
+
+    from benchmarks.sections import convergence
+
+    records = [
+        {"event": "epoch", "epoch": 0, "time": 1010.0, "val_accuracy": 0.75},
+        {"event": "epoch", "epoch": 1, "time": 1020.0, "val_accuracy": 0.81},
+        {"event": "summary", "time": 1021.0, "elapsed_sec": 21.0},
+    ]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in records))
+    epochs = convergence._epochs_of_hpctrain(tmp_path)
+    assert [e["seconds"] for e in epochs] == [10.0, 20.0] and epochs[1]["epoch"] == 2
+
+    def row(name, epochs):
+        hit = next((e for e in epochs if e["val_accuracy"] >= 0.8), None)
+        return {"name": name, "label": name, "ok": True, "epochs": epochs, "reached": hit}
+
+    slow = [{"epoch": 1, "seconds": 30.0, "val_accuracy": 0.79}]
+    data = {
+        "plan": {"epochs": 2, "hidden": [8], "target": 0.8},
+        "links": [{"link": "1gbit", "rows": [row("dense", epochs), row("topk", slow)]}],
+    }
+    text = convergence.markdown(data, None)
+    assert "| 1gbit | dense | 20.0 | 2 | 1.00x | 0.8100 | 20.0 |" in text
+    assert "| 1gbit | topk | not reached |" in text

@@ -157,3 +157,31 @@ def markdown(data, ctx) -> str:
                 f"{last['val_accuracy']:.4f} | {last['seconds']:.1f} |"
             )
     return "\n".join(out) + "\n"
+
+
+def plots(data, ctx) -> list[str]:
+    """Validation accuracy against wall time, one panel per link, the target dashed."""
+    if "skipped" in data or not data.get("links"):
+        return []
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    n = len(data["links"])
+    fig, axes = plt.subplots(1, n, figsize=(6 * n, 4), squeeze=False)
+    for ax, entry in zip(axes[0], data["links"], strict=True):
+        for r in entry["rows"]:
+            if r.get("ok") and r["epochs"]:
+                seconds = [e["seconds"] for e in r["epochs"]]
+                ax.plot(seconds, [e["val_accuracy"] for e in r["epochs"]], "o-", label=r["label"])
+        ax.axhline(data["plan"]["target"], color="grey", linestyle="--", linewidth=1)
+        ax.set_xlabel("wall time (s)")
+        ax.set_ylabel("validation accuracy")
+        ax.set_title(f"{entry['link']}: 2 nodes x 1 rank")
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = "convergence_accuracy.png"
+    fig.savefig(ctx.out / name, dpi=110)
+    plt.close(fig)
+    return [name]
