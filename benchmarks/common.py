@@ -23,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
-from .threadcpu import ThreadSampler
+from .threadcpu import NamespaceCpu, ThreadSampler
 
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
@@ -123,6 +123,9 @@ def mpirun(
     full_env.update(MPI_ENV)
     full_env.update({"PYTHONUNBUFFERED": "1", "TF_CPP_MIN_LOG_LEVEL": "2"})
     full_env.update(env or {})
+    # Ranks on emulated nodes are not this process's reaped children: sample them there.
+    on_nodes = any("plm_rsh_agent" in a for a in mpi_args or [])
+    nodes_cpu = NamespaceCpu().start() if on_nodes else None
     busy0, cpu0, t0 = _busy_seconds(), _children_cpu(), time.monotonic()
     proc = subprocess.Popen(
         cmd,
@@ -144,7 +147,7 @@ def mpirun(
         code = 124
     seconds = time.monotonic() - t0
     threads = sampler.stop() if sampler else None
-    cpu = _children_cpu() - cpu0
+    cpu = _children_cpu() - cpu0 + (nodes_cpu.stop() if nodes_cpu else 0.0)
     busy1 = _busy_seconds()
     foreign = None
     if busy0 is not None and busy1 is not None and seconds > 0:
