@@ -237,6 +237,29 @@ def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
 
 
 @needs_root
+def test_without_cpusets_the_nodes_share_the_cores_and_status_says_why(monkeypatch):
+    from hpctrain.cluster import cores
+
+    def no_cpusets(state_dir, nodes):
+        raise OSError("cpuset controller busy")
+
+    monkeypatch.setattr(cores, "create", no_cpusets)
+    lock = Lock()
+    lock.acquire(600, "pytest test_cluster_tool")
+    try:
+        netns.down()
+        state = netns.up(Plan(2), owner="pytest")
+        assert state["complete"] and state["cores"] is None
+        assert "cpuset controller busy" in state["cores_unavailable"]
+        assert "cgroup.procs" not in Path(state["agent"]).read_text()
+        assert netns.status()["nodes"]["hpcn1"]["cores"] is None
+    finally:
+        netns.down()
+        lock.release()
+    assert not netns.leftovers()
+
+
+@needs_root
 def test_a_subnet_already_in_use_is_refused():
     # Read-only: needs no lock, and runs while another session holds the cluster.
     used = subprocess.run(

@@ -190,8 +190,9 @@ def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
         shape(plan.link, state_dir=state_dir, state=state)
         try:
             state["cores"] = cores.create(state_dir, state["nodes"])
-        except ClusterError as exc:  # the nodes share the machine's cores; status says why
+        except (ClusterError, OSError) as exc:  # the nodes share the cores; status says why
             state["cores"], state["cores_unavailable"] = None, str(exc)
+            cores.remove(state_dir)
         system.add_hosts_lines(plan.hosts_lines(), HOSTS_TAG)
         write_agent(Path(state["agent"]), state["nodes"], state["cores"])
         Path(state["hostfile"]).write_text(plan.hostfile_text())
