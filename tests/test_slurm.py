@@ -461,7 +461,7 @@ if [ "${{{{SLURM_RESTART_COUNT:-0}}}}" = 0 ]; then
 import sys
 from hpctrain.runtime.preemption import Preemption
 ok = Preemption().requeue()
-print("requeued:", ok, flush=True)
+print("requeued: " + str(ok), flush=True)  # one write: slurmstepd appends its own line
 sys.exit(0 if ok else 3)'; then
         sleep 60  # scontrol requeue ends this run long before
     fi

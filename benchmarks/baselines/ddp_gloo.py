@@ -62,7 +62,7 @@ def main():
 
     _synthetic.run(benchmark_step, args, comm.rank, comm.size, "torch DDP (Gloo)")
     # Nobody closes its Gloo connections while a peer may still use them: a rank that
-    # tore down first made the other's Gloo loop abort (rc 134, 3 of ~30 runs on 26 Nov).
+    # tore down first made the other's Gloo loop abort (rc 134, three times on 26 Nov).
     dist.barrier()
     dist.destroy_process_group()
     comm.Barrier()
