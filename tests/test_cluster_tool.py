@@ -15,7 +15,6 @@ from mpirun import HPCTRAIN
 
 from hpctrain.cluster import ClusterError, Lock, Plan, link_rate, mpirun_args, netns, session
 from hpctrain.cluster.agent import agent_script, on_node, write_agent
-from hpctrain.cluster.cores import parse_cpu_list
 from hpctrain.cluster.plan import HOSTS_TAG, node_cores, tbf_args
 from hpctrain.cluster.system import add_hosts_lines, remove_hosts_lines, tagged_hosts_lines
 
@@ -79,6 +78,17 @@ def test_mpirun_arguments_confine_open_mpi_to_the_cluster():
     assert args[args.index("--host") + 1] == "hpcn1:2,hpcn2:2"
     with pytest.raises(ClusterError, match="--per-node must be at least 1"):
         mpirun_args(Plan(2), "a", per_node=0)
+
+
+def parse_cpu_list(text: str) -> list[int]:
+    """'0-2,5' -> [0, 1, 2, 5] (the kernel's cpu list format)."""
+    out: list[int] = []
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        out.extend(range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def test_nodes_get_their_own_cores_or_share_them_round_robin():

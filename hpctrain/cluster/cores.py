@@ -28,17 +28,6 @@ MOUNT_NAME = "cpuset"  # under the state directory
 GROUP = "hpctrain-cluster"
 
 
-def parse_cpu_list(text: str) -> list[int]:
-    """'0-2,5' -> [0, 1, 2, 5] (the kernel's cpu list format)."""
-    out: list[int] = []
-    for part in text.strip().split(","):
-        if not part:
-            continue
-        lo, _, hi = part.partition("-")
-        out.extend(range(int(lo), int(hi or lo) + 1))
-    return out
-
-
 def _mounts() -> list[list[str]]:
     try:
         return [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]

@@ -9,7 +9,10 @@ ends with the same bits.
 
 Cost per rank: 2(N-1)/N x S/2 bytes (half of the float32 ring) in 2(N-1) hops; at 1,024
 or 4,096 ranks the bytes stay under S, the hop count (latency) grows with N as in any
-ring. Every wait has the collective deadline and names the neighbour that is late.
+ring. A chunk travels in ceil(S/(N x PIECE x 4)) messages per hop: 6 for the 5.3 MB mlp
+at N=2, one at 1,024 or 4,096 ranks (chunks of 1.3 K or 323 values), so the message
+count stays 2(N-1) there. Every wait has the collective deadline and names the
+neighbour that is late.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ import time
 
 import numpy as np
 
-from ...runtime.p2p import Backoff, poll, wait_all
+from ...runtime.p2p import Backoff, poll, wait_or_abort
 from ..reducer import DenseStats, flat_buffer
 
 TAG = 7_301
@@ -47,25 +50,29 @@ def _f16_bits(y: np.ndarray) -> np.ndarray:
     """float32 -> float16 bits, rounded to nearest even, for |y| < 2^15 (the chunk's
     scale guarantees it). Magnitudes under float16's smallest normal, 2^-14, become
     zero: with the scale that is 2^-28 of the chunk's largest value, far below one
-    rounding of it. Integer arithmetic on the bits: numpy's own float16 cast has no
-    vector path and took 5.6 ms for 0.66 M values where this takes about 1."""
+    rounding of it. Integer arithmetic on the bits, in place where it can be: a piece of
+    128 K values takes 0.13 ms, numpy's cast 0.24 ms (to_fp16, one core)."""
     u = y.view(np.uint32)
     mag = u & np.uint32(0x7FFFFFFF)
-    h = (mag >> np.uint32(13)) & np.uint32(1)  # round half to even
+    h = mag >> np.uint32(13)
+    h &= np.uint32(1)  # round half to even
     h += mag
     h += np.uint32(0xFFF)
     h >>= np.uint32(13)
     h -= np.uint32(112 << 10)  # exponent bias 127 -> 15
     h[mag < np.uint32(0x38800000)] = 0  # below 2^-14
-    h |= (u >> np.uint32(16)) & np.uint32(0x8000)
+    np.right_shift(u, np.uint32(16), out=mag)  # mag is free now: the sign bit
+    mag &= np.uint32(0x8000)
+    h |= mag
     return h.astype(np.uint16)
 
 
 def to_fp16(x: np.ndarray) -> np.ndarray:
     """float32 -> [scale (2 x uint16)] + float16 bits. The chunk is scaled by a power of
     two that puts its largest magnitude just under 2^15: nothing overflows, gradients do
-    not sink into float16's subnormals, and the scaling itself is exact. NaN and
-    infinities go through numpy's cast (the scale is 1 then)."""
+    not sink into float16's subnormals (which also cost numpy 10x more time: 107 vs 10 ms
+    for 1.3 M values), and the scaling itself is exact. NaN and infinities go through
+    numpy's cast (the scale is 1 then)."""
     top = float(np.max(np.abs(x))) if x.size else 0.0
     finite = np.isfinite(top)
     scale = (
@@ -129,44 +136,32 @@ class HalfRing(DenseStats):
         the wire. Returns the messages received (the allgather forwards them)."""
         w, MPI = self.world, self.world.MPI
         right, left = (w.rank + 1) % w.size, (w.rank - 1) % w.size
+        what = f"{self.what} ({self.kind}, {step})"
         inbox = [np.empty(p.stop - p.start + self.header, np.uint16) for p in pieces]
         recvs = [self.raw.Irecv(m, left, tag=TAG) for m in inbox]  # matched in order
-        landed = [False] * len(recvs)
-        sent, outbox = [], []
-
-        def land_ready(block: bool) -> None:
-            while recvs and not all(landed):
-                done = (
-                    poll(MPI, recvs, self._spin, deadline)
-                    if block
-                    else (MPI.Request.Testsome(recvs) or [])
-                )
-                if block and not done:
-                    w.abort(
-                        f"{self.what} ({self.kind}, {step}): no answer from rank {left} "
-                        f"within {limit:g} s "
-                        "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
-                    )
-                for i in done:
-                    if not landed[i]:
-                        landed[i] = True
-                        land(pieces[i], inbox[i])
-                if not block:
-                    return
-
+        waiting = len(recvs)
         limit = w.watchdog.timeout
         deadline = time.monotonic() + limit if limit and limit > 0 else None
+        sent, outbox = [], []
         for msg in sends:
             outbox.append(msg)  # alive until sent
             sent.append(self.raw.Isend(msg, dest=right, tag=TAG))
             self._sent += msg.nbytes
-            land_ready(block=False)
-        land_ready(block=True)
-        if not wait_all(MPI, sent, self._spin, deadline):
-            w.abort(
-                f"{self.what} ({self.kind}, {step}): rank {right} did not take the "
-                f"messages within {limit:g} s (runtime.collective_timeout)"
-            )
+            done = MPI.Request.Testsome(recvs) or []  # land what came in meanwhile
+            for i in done:
+                land(pieces[i], inbox[i])
+            waiting -= len(done)
+        while waiting:  # a completed request turns null, so each index comes once
+            done = poll(MPI, recvs, self._spin, deadline)
+            if not done:
+                w.abort(
+                    f"{what}: no answer from rank {left} within {limit:g} s "
+                    "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
+                )
+            for i in done:
+                land(pieces[i], inbox[i])
+            waiting -= len(done)
+        wait_or_abort(w, sent, what, f"rank {right}", backoff=self._spin)
         return inbox
 
     def reduce(self, step: int = 0) -> None:
