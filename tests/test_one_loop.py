@@ -1,8 +1,10 @@
 """One training loop for every strategy, proven under real mpirun: the pipeline and the
 parameter server get the NaN stop, the step reports, preemption checkpoints and (the
 pipeline) the `mpi` gradient engine from the shared loop; a stopped pipeline peer is
-named; MoE combines with data parallelism on the grid; the layering is checked."""
+named; MoE combines with data parallelism on the grid; the layering is checked, and so is
+the structure: one method of TrainingLoop loops over epochs and batches, no other code."""
 
+import ast
 import json
 import os
 import re
@@ -126,6 +128,9 @@ def _finish(proc, timeout):
 
 def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
     run = tmp_path / "run"
+    # The deadline under test, for the whole run: in a healthy run of this job the
+    # start-up's longest wait was 1-2 s (load average 5); the job ended 9.1 s after
+    # SIGSTOP against the 18 s allowed below.
     timeout = 8
     args = _args(
         run,
@@ -243,6 +248,110 @@ def test_the_contracts_catch_a_backend_importing_a_strategy(tmp_path):
     assert "hpctrain.backends.base -> hpctrain.strategies.base" in proc.stdout, proc.stdout
 
 
+# A training loop: a `for`/`while` that itself (not through a nested loop) takes steps,
+# calling `<x>.step(batch, lr)` or `<x>.train_step(...)` with arguments (an optimizer's
+# argument-free `.step()` is not one), or that iterates over a strategy's or a shard's
+# training batches (`<x>.batches(epoch, position)`, `<x>.iterate(epoch, position)`).
+STEP_CALLS = {"step", "train_step"}
+BATCH_ITERATORS = {"batches", "iterate"}
+SCOPES = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _own_nodes(loop: ast.AST):
+    """The nodes of a loop's body and else, without those of nested loops (their headers
+    are kept: they run in this loop's body), functions or classes."""
+    todo = [*loop.body, *loop.orelse]
+    while todo:
+        node = todo.pop()
+        if isinstance(node, (ast.For, ast.AsyncFor)):
+            todo.append(node.iter)
+        elif isinstance(node, ast.While):
+            todo.append(node.test)
+        elif not isinstance(node, SCOPES):
+            yield node
+            todo.extend(ast.iter_child_nodes(node))
+
+
+def _method_call(node: ast.AST, names: set[str]) -> bool:
+    return (
+        isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in names
+        and bool(node.args or node.keywords)
+    )
+
+
+def _is_training_loop(loop: ast.AST) -> bool:
+    if isinstance(loop, (ast.For, ast.AsyncFor)) and _method_call(loop.iter, BATCH_ITERATORS):
+        return True
+    return any(_method_call(n, STEP_CALLS) for n in _own_nodes(loop))
+
+
+def _training_loops(sources: dict[str, str]) -> list[tuple]:
+    """(file, class, function, the loop, the loops around it in that function) of every
+    training loop in `sources` (path -> source text)."""
+    found = []
+
+    def visit(node, path, cls, fn, outer):
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.ClassDef):
+                visit(child, path, child.name, fn, [])
+            elif isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                visit(child, path, cls, child.name, [])
+            elif isinstance(child, (ast.For, ast.AsyncFor, ast.While)):
+                if _is_training_loop(child):
+                    found.append((path, cls, fn, child, outer))
+                visit(child, path, cls, fn, [*outer, child])
+            else:
+                visit(child, path, cls, fn, outer)
+
+    for path, text in sorted(sources.items()):
+        visit(ast.parse(text, path), path, "", "", [])
+    return found
+
+
+def _package_sources(root: Path) -> dict[str, str]:
+    return {
+        p.relative_to(root).as_posix(): p.read_text() for p in (root / "hpctrain").rglob("*.py")
+    }
+
+
 def test_there_is_one_training_loop():
     fits = [p for p in (ROOT / "hpctrain").rglob("*.py") if "def fit(" in p.read_text()]
     assert [p.relative_to(ROOT).as_posix() for p in fits] == ["hpctrain/loop.py"]
+    # The structure: one method of TrainingLoop steps through the strategy's batches, one
+    # epoch after another; no strategy, backend or other module loops over steps itself.
+    loops = _training_loops(_package_sources(ROOT))
+    where = [(path, cls, fn, loop.lineno) for path, cls, fn, loop, _ in loops]
+    assert [w[:2] for w in where] == [("hpctrain/loop.py", "TrainingLoop")], where
+    _, _, _, loop, outer = loops[0]
+    assert isinstance(loop, ast.For) and loop.iter.func.attr == "batches", ast.unparse(loop)
+    # one call per batch, to the strategy's step (never the backend's train_step directly)
+    calls = [n.func.attr for n in _own_nodes(loop) if _method_call(n, STEP_CALLS)]
+    assert calls == ["step"], ast.unparse(loop)
+    headers = [ast.unparse(o.test if isinstance(o, ast.While) else o.iter) for o in outer]
+    assert len(outer) == 1 and "epoch" in headers[0], headers  # inside the loop over epochs
+
+
+@pytest.mark.parametrize(
+    "added",
+    [
+        # a strategy that runs its own epochs over its shard, driving the backend
+        "    def fit(self):\n"
+        "        for epoch in range(self.epochs):\n"
+        "            for batch in self.data.iterate(epoch, 0):\n"
+        "                self.backend.train_step(batch, 0.1)\n",
+        # a strategy that steps itself in a while loop
+        "    def run_all(self, batches, lr):\n"
+        "        it = iter(batches)\n"
+        "        while True:\n"
+        "            self.step(next(it), lr)\n",
+    ],
+    ids=["epochs-over-train_step", "while-over-step"],
+)
+def test_the_one_loop_check_finds_a_second_loop(added):
+    sources = _package_sources(ROOT)
+    path = "hpctrain/strategies/data_parallel.py"
+    sources[path] += "\n\nclass SecondLoop:\n" + added
+    where = [(p, cls) for p, cls, *_ in _training_loops(sources)]
+    assert where == [("hpctrain/loop.py", "TrainingLoop"), (path, "SecondLoop")], where
