@@ -192,22 +192,32 @@ def _load_config_everywhere(args):
 
 
 def _cmd_train(args) -> int:
+    from . import rundir
     from .loop import TrainingLoop
+    from .runtime.preemption import interrupt_exit_code
 
     if args.command == "ps":
         args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
-    loop = TrainingLoop(
-        cfg,
-        run_dir=args.run_dir,
-        verbose=args.verbose,
-        resume=args.resume,
-        overwrite=args.overwrite,
-        new=args.new,
-    )
+    try:
+        loop = TrainingLoop(
+            cfg,
+            run_dir=args.run_dir,
+            verbose=args.verbose,
+            resume=args.resume,
+            overwrite=args.overwrite,
+            new=args.new,
+        )
+    except BaseException:
+        # Refused (a missing file, a model that does not fit) before writing anything: no
+        # empty run directory is left behind. Only directories it created, only empty ones.
+        rundir.remove_unused_run_dir()
+        raise
+    rundir.keep_run_dir()
     summary = loop.fit()
-    # Stopped by Ctrl-C (after its checkpoint): the shell's convention for SIGINT.
-    return 130 if summary.get("preempted") == "SIGINT" else 0
+    # Interrupted (Ctrl-C, or mpirun's SIGTERM outside SLURM) after its checkpoint: the
+    # shell's convention, 128 + the signal's number (130 for SIGINT).
+    return interrupt_exit_code(summary.get("preempted"))
 
 
 def _cmd_config(args) -> int:

@@ -33,7 +33,7 @@ from . import rundir, runtime
 from .checkpoint.session import RunCheckpoints
 from .config import Config
 from .errors import ConfigError, HpctrainError, TrainingDiverged
-from .lr_schedule import lr_at, scaled_lr
+from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress
 from .runtime import allocator
 from .runtime.preemption import Preemption
@@ -127,6 +127,7 @@ class TrainingLoop:
         self.steps_per_epoch = self.strategy.steps_per_epoch
         total = self.steps_per_epoch * tcfg["epochs"]
         self.total_steps = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+        self.schedule = self.checkpoints.schedule(self.total_steps)  # lr per step (resume: said)
         self.metrics = MetricsWriter(
             self.run_dir, w.is_root, cfg.metrics["jsonl"], cfg.metrics["tensorboard"]
         )
@@ -136,11 +137,14 @@ class TrainingLoop:
             w.size,
             threads,
             self.threads_source,
-            self.grid.describe(),
+            self.strategy.grid_text(),
             self.steps_per_epoch,
             self._lr_text(),
             self.run_dir,
         )
+        if w.is_root:  # every rank builds the same list; one says it
+            for warning in self.strategy.layout_warnings():
+                log.warning("%s", warning)
         dataset = getattr(self.strategy, "dataset", None)
         if dataset is not None and hasattr(dataset, "summary"):
             log.info("%s", dataset.summary())
@@ -161,7 +165,7 @@ class TrainingLoop:
                     checkpoint_dir=cfg.checkpoint["dir"],
                 )
                 rundir.apply_plan(plan)
-                self.run_dir.mkdir(parents=True, exist_ok=True)
+                rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
                 message = plan.message
             except HpctrainError as exc:
                 error = str(exc)
@@ -226,9 +230,7 @@ class TrainingLoop:
             t_epoch = t_last = time.perf_counter()
             flags: dict = {}
             for batch in s.batches(st.epoch, st.position):
-                lr = lr_at(
-                    st.step, cfg.optimizer, s.lr_replicas, self.steps_per_epoch, self.total_steps
-                )
+                lr = self.schedule.lr(st.step, s.lr_replicas)
                 stats = s.step(batch, lr)
                 st.step += 1
                 if self._die_at is not None and st.step == self._die_at:
@@ -353,11 +355,15 @@ class TrainingLoop:
         )
         if not total[2]:
             return {}
-        return {
+        samples = int(total[3]) if len(total) > 3 else int(total[2])
+        result = {
             "val_loss": total[0] / total[2],
             "val_accuracy": total[1] / total[2],
-            "val_samples": int(total[2]),
+            "val_samples": samples,  # sequences or images
         }
+        if int(total[2]) != samples:  # language models: loss and accuracy are per token
+            result["val_tokens"] = int(total[2])
+        return result
 
     def _summary(self, elapsed: float) -> dict:
         w, st, cfg, run = self.world, self.state, self.cfg, self._run

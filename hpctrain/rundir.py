@@ -11,6 +11,10 @@ TensorBoard events) is refused unless the user says what to do with it:
 - `--new` moves them into <run-dir>/previous/<UTC time>/ and starts afresh.
 The synthetic data cache (<run-dir>/data/) is kept in every case.
 
+A run refused before it wrote anything (a missing data file, a model that does not fit)
+leaves no empty run directory behind: `make_run_dir` records what it created and
+`remove_unused_run_dir` takes back whatever of that still holds no file.
+
 Framework-free and MPI-free: rank 0 calls `plan_run_dir` and `apply_plan`, the caller
 agrees the outcome over ranks. Cost: a directory listing and one small YAML read on
 one rank, whatever the number of ranks.
@@ -19,6 +23,7 @@ one rank, whatever the number of ranks.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -237,3 +242,49 @@ def apply_plan(plan: RunDirPlan) -> None:
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+
+
+# The directories this process created for its run (deepest first), until it starts.
+_created: list[Path] = []
+
+
+def make_run_dir(run_dir: str | Path) -> None:
+    """`mkdir -p run_dir` (rank 0), remembering which directories this created."""
+    run_dir = Path(run_dir)
+    missing = []
+    for d in (run_dir, *run_dir.parents):
+        if d.exists():
+            break
+        missing.append(d)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    _created[:] = missing
+
+
+def remove_unused_run_dir() -> list[Path]:
+    """After a refusal: remove the directories `make_run_dir` created, and the empty
+    directories under them, as long as they hold no file (nothing is ever deleted but
+    empty directories). Returns the directories removed; forgets what it recorded."""
+    removed: list[Path] = []
+    created, _created[:] = list(_created), []
+    if not created:
+        return removed
+    for root, _dirs, _files in os.walk(created[0], topdown=False):
+        if Path(root) == created[0]:
+            continue
+        try:
+            os.rmdir(root)
+            removed.append(Path(root))
+        except OSError:
+            pass
+    for d in created:  # deepest first: a parent only goes when its child went
+        try:
+            d.rmdir()
+        except OSError:
+            break
+        removed.append(d)
+    return removed
+
+
+def keep_run_dir() -> None:
+    """The run started: what it created is its own from here on."""
+    _created.clear()

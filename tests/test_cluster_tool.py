@@ -1,11 +1,15 @@
 """`hpctrain cluster`, the emulated multi-node cluster, as a tool: names, addresses,
 arguments and refusals (no root needed), then up/down on this machine (root): it makes
-what it says, removes exactly that, leaves /etc/hosts as it found it, cleans up after a
-killed session, and refuses clearly without the capabilities it needs."""
+what it says, removes exactly that (never an object it did not make, even one carrying
+its names), leaves /etc/hosts as it found it, cleans up after a killed session, and
+refuses clearly without the capabilities it needs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -15,7 +19,7 @@ from mpirun import HPCTRAIN
 
 from hpctrain.cluster import ClusterError, Lock, Plan, link_rate, mpirun_args, netns, session
 from hpctrain.cluster.agent import agent_script, on_node, write_agent
-from hpctrain.cluster.plan import HOSTS_TAG, node_cores, tbf_args
+from hpctrain.cluster.plan import HOSTS_TAG, IFNAMSIZ, node_cores, tbf_args
 from hpctrain.cluster.system import add_hosts_lines, remove_hosts_lines, tagged_hosts_lines
 
 
@@ -51,6 +55,72 @@ def test_plan_names_addresses_hosts_and_hostfile():
     assert plan.hosts_lines()[1] == f"10.213.0.12 hpcn2 {HOSTS_TAG}"
     assert plan.hostfile_text(2) == "hpcn1 slots=2\nhpcn2 slots=2\nhpcn3 slots=2\n"
     assert Plan(1, subnet="10.99.8.0/24").node_list()[0].address == "10.99.8.11/24"
+
+
+def test_plan_names_come_from_the_bridge_and_prefix_chosen():
+    plan = Plan(2, subnet="10.214.7.0/24", bridge="tbr9", prefix="tn")
+    assert [(n.name, n.veth) for n in plan.node_list()] == [
+        ("tn1", "tn1-veth"),
+        ("tn2", "tn2-veth"),
+    ]
+    assert plan.hosts_lines() == [f"10.214.7.11 tn1 {HOSTS_TAG}", f"10.214.7.12 tn2 {HOSTS_TAG}"]
+    args = mpirun_args(plan, "/x/rsh-agent", per_node=1)
+    assert args[args.index("--host") + 1] == "tn1:1,tn2:1"
+    longest = Plan(200, prefix="node-").node_list()[-1].veth
+    assert longest == "node-200-veth" and len(longest) <= IFNAMSIZ
+
+
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        ({"nodes": 2, "prefix": "9n"}, "--prefix '9n' cannot name 2 node(s)"),
+        ({"nodes": 2, "prefix": "Hpc"}, "--prefix 'Hpc' cannot name"),
+        ({"nodes": 2, "prefix": "n1"}, "ending in a letter or '-'"),
+        ({"nodes": 200, "prefix": "toolongx"}, "'toolongx200-veth' fits 15 characters"),
+        ({"nodes": 2, "bridge": "br 0"}, "--bridge 'br 0' is not an interface name"),
+        ({"nodes": 2, "bridge": "b" * 16}, "up to 15 letters"),
+        ({"nodes": 2, "bridge": "hpcn1"}, "--bridge 'hpcn1' is named like a node"),
+        ({"nodes": 2, "bridge": "hpcn2-veth"}, "is named like a node or its link"),
+    ],
+)
+def test_bad_names_are_refused_naming_the_option(kwargs, message):
+    with pytest.raises(ClusterError, match=re.escape(message)):
+        Plan(**kwargs)
+
+
+def test_down_removes_only_what_the_state_lists():
+    """The list `down` works from: what `up` recorded (an earlier version's state file
+    lists its planned objects); no state, nothing, whatever carries the default names."""
+    assert netns.listed(None) == {"bridge": [], "namespace": [], "link": [], "hosts": []}
+    state = {
+        "made": [
+            {"kind": "bridge", "name": "tbr9"},
+            {"kind": "namespace", "name": "tn1"},
+            {"kind": "link", "name": "tn1-veth"},
+        ],
+        "hosts_lines": [f"10.214.7.11 tn1 {HOSTS_TAG}"],
+        "bridge": "tbr9",
+        "nodes": ["tn1", "tn2"],  # tn2 was planned, never made: not listed
+        "veths": {"tn1": "tn1-veth", "tn2": "tn2-veth"},
+    }
+    assert netns.listed(state) == {
+        "bridge": ["tbr9"],
+        "namespace": ["tn1"],
+        "link": ["tn1-veth"],
+        "hosts": [f"10.214.7.11 tn1 {HOSTS_TAG}"],
+    }
+    old = {
+        "bridge": "hpcbr0",
+        "nodes": ["hpcn1"],
+        "veths": {"hpcn1": "hpcn1-veth"},
+        "addresses": {"hpcn1": "10.213.0.11"},
+    }
+    assert netns.listed(old) == {
+        "bridge": ["hpcbr0"],
+        "namespace": ["hpcn1"],
+        "link": ["hpcn1-veth"],
+        "hosts": [f"10.213.0.11 hpcn1 {HOSTS_TAG}"],
+    }
 
 
 @pytest.mark.parametrize(
@@ -141,6 +211,18 @@ def test_hosts_lines_are_added_and_removed_leaving_the_rest_byte_identical(tmp_p
     assert remove_hosts_lines(HOSTS_TAG, hosts) == 2
     assert hosts.read_text() == original
     assert hosts.stat().st_ino == inode  # rewritten in place (it may be a bind mount)
+
+
+def test_a_clusters_hosts_lines_leave_another_clusters_alone(tmp_path):
+    hosts = tmp_path / "hosts"
+    other = f"10.99.0.11 other1 {HOSTS_TAG}"  # another cluster's (another state dir)
+    hosts.write_text(f"127.0.0.1 localhost\n{other}\n")
+    lines = Plan(2, bridge="tbr9", prefix="tn").hosts_lines()
+    add_hosts_lines(lines, HOSTS_TAG, hosts)
+    assert tagged_hosts_lines(HOSTS_TAG, hosts) == [other, *lines]
+    assert tagged_hosts_lines(HOSTS_TAG, hosts, lines=lines) == lines
+    assert remove_hosts_lines(HOSTS_TAG, hosts, lines=lines) == 2
+    assert hosts.read_text() == f"127.0.0.1 localhost\n{other}\n"
 
 
 def test_lock_names_its_holder(tmp_path):
@@ -250,7 +332,7 @@ def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
 def test_without_cpusets_the_nodes_share_the_cores_and_status_says_why(monkeypatch):
     from hpctrain.cluster import cores
 
-    def no_cpusets(state_dir, nodes):
+    def no_cpusets(state_dir, nodes, group_name=None):
         raise OSError("cpuset controller busy")
 
     monkeypatch.setattr(cores, "create", no_cpusets)
@@ -319,6 +401,99 @@ def test_cli_up_mpirun_args_and_down(tmp_path):
         down = _hpctrain("down")
     assert down.returncode == 0, down.stderr
     assert _hpctrain("status").returncode == 1
+
+
+FOREIGN_BRIDGE, FOREIGN_NAMESPACE = "hpcbr0", "hpcn1"  # the tool's default names
+
+
+@needs_root
+def test_foreign_objects_with_the_clusters_names_survive_up_and_down(tmp_path):
+    """A bridge and a namespace this tool did not make, named as its defaults name its
+    own: `down` leaves them (it used to remove anything called hpcbr0 or hpcnK), `up`
+    refuses the clash in one line that names the object and the option that picks other
+    names (it used to advise `down`, which would have deleted them), and a cluster under
+    other names comes up, runs and goes down beside them."""
+    lock = Lock()  # the default names: no session may run while the foreign ones exist
+    lock.acquire(600, "pytest test_cluster_tool (foreign names)")
+    state_dir = tmp_path / "state"  # this cluster's own state dir (and lock)
+    env = {**os.environ, "HPCTRAIN_CLUSTER_DIR": str(state_dir)}
+    hosts_before = Path("/etc/hosts").read_text()
+    undo: list[list[str]] = []
+
+    def cli(*args):
+        return subprocess.run(
+            [HPCTRAIN, "cluster", *args], capture_output=True, text=True, timeout=120, env=env
+        )
+
+    def foreign_ones_exist() -> bool:
+        bridge = subprocess.run(["ip", "link", "show", FOREIGN_BRIDGE], capture_output=True)
+        spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+        return bridge.returncode == 0 and FOREIGN_NAMESPACE in spaces.stdout.split()
+
+    try:
+        if netns.read_state():
+            pytest.skip("a cluster brought up by `hpctrain cluster up` is running here")
+        for make, remove in (
+            (["ip", "link", "add", FOREIGN_BRIDGE, "type", "bridge"], ["ip", "link", "del"]),
+            (["ip", "netns", "add", FOREIGN_NAMESPACE], ["ip", "netns", "del"]),
+        ):
+            subprocess.run(make, check=True, capture_output=True, timeout=30)
+            undo.append([*remove, make[3]])
+        # Nothing listed, nothing removed, whatever carries the emulation's names.
+        down = cli("down")
+        assert down.returncode == 0 and "nothing to remove" in down.stdout, down.stderr
+        assert foreign_ones_exist()
+        # A clash: one line naming the object and how to choose another name.
+        for extra, says, option in (
+            ((), f"a network interface {FOREIGN_BRIDGE} already exists", "--bridge NAME"),
+            (("--bridge", "tbr9"), f"network namespace {FOREIGN_NAMESPACE} already", "--prefix"),
+        ):
+            up = cli("up", "--nodes", "2", *extra)
+            assert up.returncode == 2, up.stdout + up.stderr
+            assert up.stderr.count("\n") == 1 and "Traceback" not in up.stderr, up.stderr
+            assert says in up.stderr and option in up.stderr, up.stderr
+            assert "not this cluster's" in up.stderr and "down" not in up.stderr, up.stderr
+            assert not state_dir.joinpath("state.json").exists()
+        assert foreign_ones_exist()
+        # Other names: up, a command on a node, status, down; the foreign ones stay.
+        names = ("--bridge", "tbr9", "--prefix", "tn", "--subnet", "10.214.7.0/24")
+        up = cli("up", "--nodes", "2", *names)
+        assert up.returncode == 0, up.stderr
+        assert "(tn1 10.214.7.11, tn2 10.214.7.12) on bridge tbr9 10.214.7.1/24" in up.stdout
+        state = json.loads((state_dir / "state.json").read_text())
+        assert (state["bridge"], state["prefix"], state["subnet"]) == (
+            "tbr9",
+            "tn",
+            "10.214.7.0/24",
+        )
+        made = [(m["kind"], m["name"]) for m in state["made"]]
+        assert made == [
+            ("bridge", "tbr9"),
+            ("namespace", "tn1"),
+            ("link", "tn1-veth"),
+            ("namespace", "tn2"),
+            ("link", "tn2-veth"),
+        ]
+        run = cli("run", "--node", "tn2", "--", "hostname")
+        assert run.returncode == 0 and run.stdout.strip() == "tn2", run.stderr
+        status = cli("status")
+        assert status.returncode == 0 and "bridge tbr9 10.214.7.1/24" in status.stdout
+        assert "10.214.7.12 tn2 # hpctrain-cluster" in Path("/etc/hosts").read_text()
+        down = cli("down")
+        assert down.returncode == 0, down.stderr
+        assert "bridge tbr9" in down.stdout and "namespace tn1" in down.stdout, down.stdout
+        assert FOREIGN_BRIDGE not in down.stdout and FOREIGN_NAMESPACE not in down.stdout
+        assert foreign_ones_exist()
+        assert cli("status").returncode == 1
+        assert Path("/etc/hosts").read_text() == hosts_before
+    finally:
+        with contextlib.suppress(ClusterError):
+            netns.down(state_dir)
+        for argv in reversed(undo):
+            subprocess.run(argv, capture_output=True, timeout=30)
+        lock.release()
+    spaces = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    assert "tn1" not in spaces.split() and FOREIGN_NAMESPACE not in spaces.split()
 
 
 # --- what `make bench` derives from the cluster's measurements ----------------------------

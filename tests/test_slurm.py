@@ -18,9 +18,17 @@ from mpirun import HPCTRAIN, PYTHON
 from slurm_cluster import TERMINAL_STATES, SlurmUnavailable, start_cluster
 
 from hpctrain import config as config_module
+from hpctrain.errors import ConfigError
 from hpctrain.runtime.launcher import launcher_views
-from hpctrain.slurm import templates
-from hpctrain.slurm.templates import JobSpec, render, sweep_points, template_names
+from hpctrain.slurm import gpus, templates
+from hpctrain.slurm.templates import (
+    JobSpec,
+    memory_size,
+    parse_time,
+    render,
+    sweep_points,
+    template_names,
+)
 
 MOE_MODEL = ["model.name=transformer", "data.task=tokens", "model.moe={experts: 8}"]
 TINY = ["--set", "train.epochs=1", "--set", "data.train_samples=1024"]
@@ -143,9 +151,15 @@ def test_repo_slurm_dir_links_to_the_packaged_templates():
 def test_render_cli_writes_an_executable_script_with_gpus_and_partition(config_file, tmp_path):
     out = tmp_path / "job.sbatch"
     args = render_args("train", config_file, "--gpus-per-node", "4", "--partition", "gpu")
+    args += ["--hpctrain", "/opt/gpu-venv/bin/hpctrain"]  # a GPU install, not this one
     result = hpctrain(*args, "--mpi", "pmi2", "--job-name", "resnet", "-o", str(out))
     assert result.returncode == 0, result.stderr
-    assert f"wrote {out}" in result.stdout
+    assert f"wrote {out} (time limit 1 d 2 h;" in result.stdout
+    usable, found = gpus.install_gpu_support("torch")
+    assert ("the job runs /opt/gpu-venv/bin/hpctrain" in result.stderr) is not usable, (
+        found,
+        result.stderr,
+    )
     assert out.stat().st_mode & 0o111 == 0o111
     text = out.read_text()
     assert "#SBATCH --gres=gpu:4\n" in text and "#SBATCH --partition=gpu\n" in text
@@ -321,9 +335,11 @@ def test_sweep_covers_one_node_then_whole_nodes(config_file):
 @pytest.mark.parametrize(
     "change, message",
     [
-        (["--time", "2:00"], "--time '2:00': expected [D-]HH:MM:SS or whole minutes"),
-        (["--time", "00:61:00"], "--time '00:61:00': expected"),
+        (["--time", "2:0x"], "--time '2:0x': expected one of sbatch's formats"),
+        (["--time", "00:61:00"], "61 minutes in hours:minutes:seconds must be below 60"),
+        (["--time", "0"], "asks SLURM for no time limit"),
         (["--time", "0"], "greater than zero"),
+        (["--time", "00:00"], "greater than zero"),
         (["--nodes", "0"], "--nodes must be a positive integer, got '0'"),
         (["--ntasks-per-node", "two"], "--ntasks-per-node must be a positive integer"),
         (["--cpus-per-task", "-1"], "--cpus-per-task must be a positive integer"),
@@ -348,6 +364,283 @@ def test_render_rejects_bad_values_with_one_clear_message(change, message, confi
     assert message in result.stderr, result.stderr
     assert "Traceback" not in result.stderr
     assert result.stderr.startswith("[hpctrain] error: ")
+
+
+# --- SLURM's own rules: time, memory, modules (issue 29) ----------------------------------
+
+
+@pytest.mark.parametrize(
+    "text, seconds, form",
+    [
+        ("90", 90 * 60, "minutes"),
+        ("25:00", 25 * 60, "minutes:seconds"),  # 25 minutes, as sbatch reads it
+        ("90:30", 90 * 60 + 30, "minutes:seconds"),
+        ("02:00:00", 2 * 3600, "hours:minutes:seconds"),
+        ("36:00:00", 36 * 3600, "hours:minutes:seconds"),
+        ("1-12", 36 * 3600, "days-hours"),
+        ("2-03:30", (51 * 60 + 30) * 60, "days-hours:minutes"),
+        ("1-02:00:00", 26 * 3600, "days-hours:minutes:seconds"),
+    ],
+)
+def test_every_time_format_sbatch_accepts_is_accepted(text, seconds, form, config_file, tmp_path):
+    assert templates.TIME_FORMATS[form].match(text)
+    assert parse_time(text) == seconds
+    out = tmp_path / "job.sbatch"
+    args = render_args("train", config_file, "-o", str(out))
+    args[args.index("--time") + 1] = text
+    result = hpctrain(*args)
+    assert result.returncode == 0, result.stderr
+    assert f"#SBATCH --time={text}\n" in out.read_text()
+    assert f"time limit {templates.describe_seconds(seconds)};" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("2:60", "60 seconds in minutes:seconds must be below 60"),
+        ("1-24", "24 hours in days-hours must be below 24"),
+        ("1-2:60", "60 minutes in days-hours:minutes must be below 60"),
+        ("UNLIMITED", "asks SLURM for no time limit"),
+        ("1:2:3:4", "expected one of sbatch's formats"),
+        ("90m", "expected one of sbatch's formats"),
+    ],
+)
+def test_times_sbatch_would_misread_or_reject_are_refused(text, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        parse_time(text)
+
+
+@pytest.mark.parametrize(
+    "option, value, written",
+    [("--mem", "64G", "64G"), ("--mem", "64g", "64G"), ("--mem", "0", "0")]
+    + [("--mem", "512K", "512K"), ("--mem-per-cpu", "3500M", "3500M"), ("--mem", "2T", "2T")],
+)
+def test_memory_with_its_unit_is_written_as_sbatch_reads_it(option, value, written, config_file):
+    assert memory_size(option, value) == written
+    result = hpctrain(*render_args("train", config_file, option, value))
+    assert result.returncode == 0, result.stderr
+    assert f"\n#SBATCH {option}={written}\n" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "option, value, message",
+    [
+        ("--mem", "64", "--mem '64' has no unit, and sbatch would read it as 64 megabytes"),
+        ("--mem-per-cpu", "4000", "--mem-per-cpu '4000' has no unit"),
+        ("--mem-per-cpu", "0", "--mem-per-cpu '0': must be greater than zero"),
+        ("--mem", "0G", "--mem 0, without a unit, asks for all of a node's memory"),
+        ("--mem", "64GB", "expected a size like 64G, 4000M or 512K"),
+    ],
+)
+def test_memory_without_a_unit_is_refused_with_the_reason(option, value, message, config_file):
+    result = hpctrain(*render_args("train", config_file, option, value))
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    assert message in result.stderr, result.stderr
+
+
+def _srun_shim(tmp_path: Path) -> Path:
+    """A PATH directory whose `srun` prints its arguments and the threads it was given."""
+    shim = tmp_path / "bin"
+    shim.mkdir(exist_ok=True)
+    (shim / "srun").write_text(
+        '#!/bin/bash\necho "OMP $OMP_NUM_THREADS"\nfor a in "$@"; do echo "ARG $a"; done\n'
+    )
+    (shim / "srun").chmod(0o755)
+    return shim
+
+
+def _run_script(script: Path, tmp_path: Path, **env: str):
+    full = {"PATH": f"{_srun_shim(tmp_path)}:/usr/bin:/bin", "SLURM_JOB_ID": "77"}
+    full.update({"SLURM_NTASKS": "2", "SLURM_CPUS_PER_TASK": "1", **env})
+    return subprocess.run(
+        ["bash", str(script)], capture_output=True, text=True, env=full, cwd=tmp_path, timeout=30
+    )
+
+
+def _lint(script: Path) -> None:
+    check = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True, timeout=30)
+    assert check.returncode == 0, check.stderr
+    if shutil.which("shellcheck"):
+        lint = subprocess.run(
+            ["shellcheck", "--shell=bash", str(script)], capture_output=True, text=True, timeout=60
+        )
+        assert lint.returncode == 0, lint.stdout
+
+
+def test_modules_are_loaded_in_order_before_anything_runs(config_file, tmp_path):
+    script = tmp_path / "job.sbatch"
+    args = render_args("train", config_file, "--module", "cuda/12.2", "--module", "openmpi/4.1")
+    result = hpctrain(*args, "--hpctrain", "hpctrain", "-o", str(script))
+    assert result.returncode == 0, result.stderr
+    text = script.read_text()
+    assert "module load cuda/12.2\nmodule load openmpi/4.1\n" in text
+    assert text.index("module load cuda/12.2") < text.index("HPCTRAIN=")
+    assert "--module cuda/12.2 --module openmpi/4.1" in text  # the recorded command
+    _lint(script)
+    # A `module` the submitting shell exported (as Lmod does) runs, in order, first.
+    fake = {"BASH_FUNC_module%%": '() {  echo "MODULE $*"; }'}
+    run = _run_script(script, tmp_path, **fake)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    assert lines[:2] == ["MODULE load cuda/12.2", "MODULE load openmpi/4.1"], lines
+    # Without a `module` command the job stops at once, saying why.
+    run = _run_script(script, tmp_path)
+    assert run.returncode == 1 and "ARG" not in run.stdout
+    assert "this batch shell has no 'module' command" in run.stderr, run.stderr
+    bad = hpctrain(*render_args("train", config_file, "--module", "cuda 12"))
+    assert bad.returncode == 2 and "--module 'cuda 12': expected one module name" in bad.stderr
+    plain = hpctrain(*render_args("train", config_file))
+    assert "module load" not in plain.stdout.replace("# module load", "")
+
+
+# --- GPU options (issue 27 item 1, issue 29 item 2) ---------------------------------------
+
+
+@pytest.fixture
+def gpu_install(monkeypatch):
+    """This install's torch as a CUDA build (the renderer reads the build, not a GPU)."""
+    monkeypatch.setattr(
+        gpus, "install_gpu_support", lambda backend: (True, f"{backend} built with CUDA 12.4")
+    )
+
+
+@pytest.mark.parametrize("name", template_names())
+def test_gpu_options_reach_sbatch_and_srun_alike(name, gpu_install, config_file, tmp_path):
+    spec = JobSpec(name, 2, 4, "1-00:00:00", str(config_file), hpctrain="hpctrain")
+    spec.gpus_per_task, spec.cpus_per_gpu, spec.gpu_bind = 1, 8, "closest"
+    spec.overrides = {"pipeline": ["strategy=pipeline"], "moe": MOE_MODEL}.get(name, [])
+    rendered = render(spec)
+    script = tmp_path / f"{name}.sbatch"
+    script.write_text(rendered.text)
+    text = rendered.text
+    for directive in ("--ntasks=8", "--gpus-per-task=1", "--cpus-per-gpu=8", "--gpu-bind=closest"):
+        assert f"\n#SBATCH {directive}\n" in text, directive
+    # sbatch: --cpus-per-gpu is "not compatible with the --cpus-per-task option"
+    code = [line for line in text.splitlines() if line.startswith("#SBATCH") or line[:1] != "#"]
+    assert not [line for line in code if "--cpus-per-task" in line]
+    _lint(script)
+    if name == "sweep":
+        return  # an array: its srun line is checked by the SLURM test of the sweep
+    run = _run_script(script, tmp_path, SLURM_NTASKS="8", SLURM_CPUS_PER_GPU="8")
+    assert run.returncode == 0, run.stderr
+    argv = [line[4:] for line in run.stdout.splitlines() if line.startswith("ARG ")]
+    assert "OMP 8" in run.stdout.splitlines()  # one rank's GPU's CPUs
+    assert argv[:5] == [
+        "--mpi=pmix",
+        "--ntasks=8",
+        "--cpus-per-gpu=8",
+        "--gpus-per-task=1",
+        "--gpu-bind=closest",
+    ], argv
+    if name in ("pipeline", "ps", "moe"):  # these strategies keep their ranks on CPUs
+        assert any("ranks would stay on CPUs" in w for w in rendered.warnings), rendered.warnings
+
+
+def test_gpus_per_node_writes_gres_and_keeps_cpus_per_task(gpu_install, config_file, tmp_path):
+    spec = JobSpec("train", 1, 4, "60", str(config_file), cpus_per_task=6, gpus_per_node="a100:4")
+    rendered = render(spec)
+    assert rendered.warnings == []
+    text = rendered.text
+    assert "\n#SBATCH --gres=gpu:a100:4\n" in text and "\n#SBATCH --cpus-per-task=6\n" in text
+    # no task count or per-task GPUs: each step gets the node's GPUs, one per local rank
+    assert "#SBATCH --ntasks=" not in text and "#SBATCH --gpus-per-task" not in text
+    script = tmp_path / "job.sbatch"
+    script.write_text(text)
+    run = _run_script(script, tmp_path, SLURM_NTASKS="4", SLURM_CPUS_PER_TASK="6")
+    argv = [line[4:] for line in run.stdout.splitlines() if line.startswith("ARG ")]
+    assert argv[:4] == ["--mpi=pmix", "--ntasks=4", "--cpus-per-task=6", "--kill-on-bad-exit=1"]
+    assert "OMP 6" in run.stdout.splitlines()
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"gpus_per_node": 4, "gpus_per_task": 1}, "both ask for the GPUs: give one"),
+        ({"gpu_bind": "closest"}, "--gpu-bind closest needs GPUs: add --gpus-per-task 1"),
+        ({"cpus_per_gpu": 8}, "--cpus-per-gpu 8 needs GPUs"),
+        ({"gpus_per_task": 1, "cpus_per_gpu": 8, "cpus_per_task": 2}, "exclude each other"),
+        ({"gpus_per_task": 1, "gpu_bind": "nearest"}, "--gpu-bind 'nearest': expected"),
+        ({"gpus_per_task": 1, "gpu_bind": "map_gpu:"}, "--gpu-bind 'map_gpu:': expected"),
+        ({"gpus_per_task": "0"}, "--gpus-per-task must be a positive integer"),
+        ({"gpus_per_node": "a100:"}, "--gpus-per-node must be a positive integer"),
+        ({"gpus_per_task": 1, "cpus_per_gpu": 0}, "--cpus-per-gpu must be a positive integer"),
+    ],
+)
+def test_gpu_options_sbatch_would_reject_are_refused(options, message, gpu_install, config_file):
+    spec = JobSpec("train", 2, 4, "60", str(config_file), **options)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        render(spec)
+
+
+@pytest.mark.parametrize(
+    "options, warning",
+    [
+        ({"gpus_per_node": 8}, "4 GPU(s) per node would sit idle"),
+        ({"gpus_per_node": 2}, "ranks would share GPUs"),
+        ({"gpus_per_task": 2}, "1 of every rank's 2 would sit idle"),
+        ({"gpus_per_task": 1, "gpu_bind": "single:2"}, "2 ranks would share each GPU"),
+        ({"gpus_per_task": 1, "gpu_bind": "verbose,per_task:2"}, "would see 2 GPUs and use one"),
+    ],
+)
+def test_gpus_that_would_sit_idle_or_be_shared_are_warned(
+    options, warning, gpu_install, config_file
+):
+    rendered = render(JobSpec("train", 2, 4, "60", str(config_file), **options))
+    assert any(warning in w for w in rendered.warnings), rendered.warnings
+
+
+def test_gpus_are_refused_where_this_install_cannot_use_them(config_file, monkeypatch):
+    """`--gpus-per-node 4` on a CPU-only torch wrote --gres=gpu:4 without a word; the
+    job would hold GPUs it cannot use: refused, or a warning where the job runs another
+    install (--hpctrain), which cannot be inspected from here."""
+    usable, found = gpus.install_gpu_support("torch")
+    assert found.startswith("torch ") and ("CPU-only build" in found) is not usable, found
+    result = hpctrain(*render_args("train", config_file, "--gpus-per-node", "4"))
+    if usable:  # a CUDA build (the GPU machine): GPUs are what it is for
+        assert result.returncode == 0 and "warning" not in result.stderr, result.stderr
+    else:
+        assert result.returncode == 2, result.stdout
+        assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+        for part in ("--gpus-per-node 4 asks for GPUs, but torch ", "is a CPU-only build"):
+            assert part in result.stderr, result.stderr
+        assert "--hpctrain CMD" in result.stderr
+    # The same decision whatever this machine has, through the renderer itself.
+    cpu_build = (False, "torch 2.13.0+cpu is a CPU-only build (torch.version.cuda is None)")
+    monkeypatch.setattr(gpus, "install_gpu_support", lambda backend: cpu_build)
+    spec = JobSpec("train", 1, 4, "60", str(config_file), gpus_per_task=1)
+    with pytest.raises(ConfigError, match=r"--gpus-per-task 1 asks for GPUs, but torch 2\.13"):
+        render(spec)
+    spec.hpctrain = "/opt/gpu-venv/bin/hpctrain"
+    warned = render(spec).warnings
+    assert any("the job runs /opt/gpu-venv/bin/hpctrain" in w for w in warned), warned
+    # runtime.device: cpu with GPUs is the same mistake; cuda without GPUs a warning.
+    monkeypatch.setattr(gpus, "install_gpu_support", lambda backend: (True, "CUDA build"))
+    spec = JobSpec("train", 1, 4, "60", str(config_file), gpus_per_task=1)
+    spec.overrides = ["runtime.device=cpu"]
+    if "device" in config_module.SCHEMA["runtime"]:
+        with pytest.raises(ConfigError, match="the config sets runtime.device: cpu"):
+            render(spec)
+        spec.overrides, spec.gpus_per_task = ["runtime.device=cuda"], None
+        try:
+            warned = render(spec).warnings
+        except ConfigError as exc:  # the config itself refuses cuda without a GPU here
+            assert "runtime.device=cuda" in str(exc)
+        else:
+            assert any("no GPU option was given" in w for w in warned), warned
+
+
+def test_docs_list_every_render_option():
+    """Every option `hpctrain slurm render --help` shows is in docs/slurm.md."""
+    result = hpctrain("slurm", "render", "--help")
+    assert result.returncode == 0, result.stderr
+    options = set(re.findall(r"^\s{2}(--[a-z][a-z0-9-]*)", result.stdout, re.M))
+    options |= set(re.findall(r", (--[a-z][a-z0-9-]*)", result.stdout))
+    options -= {"--help"}
+    assert {"--gpus-per-task", "--gpu-bind", "--cpus-per-gpu", "--module"} <= options
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "slurm.md").read_text()
+    missing = sorted(o for o in options if not re.search(rf"`{re.escape(o)}(?![\w-])", doc))
+    assert not missing, f"docs/slurm.md does not describe {missing}"
 
 
 def test_render_names_unknown_templates_and_placeholders(config_file, tmp_path):

@@ -1,11 +1,18 @@
-"""Framework-native weight files for users leaving hpctrain (`hpctrain ckpt export`).
+"""Framework-native files for users leaving hpctrain (`hpctrain ckpt export`).
 
-A checkpoint's weights come in one of two layouts, told apart by the run's config:
+Whole models (zoo models only; `zoo_export` says which model, inputs and layers):
+- torchscript: the zoo model of torch's standard modules with the checkpoint's weights,
+  scripted and saved; `torch.jit.load` needs no hpctrain (export_torchscript.py).
+- keras-model: the zoo model as a functional Keras model of Keras's own layers, saved
+  as `.keras`; `keras.models.load_model` needs no hpctrain (export_keras_model.py).
+
+Weights only (torch, keras), for any model. A checkpoint's weights come in one of two
+layouts, told apart by the run's config:
 - torch layout, names `<layer>.<param>`: every zoo model (both backends keep the
   canonical torch layout) and a user's torch nn.Module;
 - Keras layout, names `<layer>/<weight>` (Keras variable paths): a user's Keras model.
 
-Exports:
+Weight exports:
 - torch: `torch.save` of an OrderedDict {name: tensor} in torch layouts, loadable with
   `torch.load(path, weights_only=True)` into the model's state_dict. Keras-layout
   weights are converted (kernel [in, out] -> weight [out, in], conv kernel
@@ -17,8 +24,8 @@ Exports:
   (dense [out, in] -> kernel [in, out], conv [out, in, kh, kw] -> [kh, kw, in, out]);
   Keras-layout weights are written as they are.
 
-Only model weights are exported (no optimizer state, no trainer state). torch is
-imported inside the function that needs it; the Keras file needs only h5py.
+No optimizer or trainer state is exported. torch and Keras are imported inside the
+functions that need them; the Keras weights file needs only h5py.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ import fnmatch
 import json
 import os
 from collections import OrderedDict
+from dataclasses import dataclass
 from pathlib import Path
 
 import h5py
 import numpy as np
 import yaml
+
+from ..models import zoo
 
 KERAS_FORMAT = "hpctrain-keras-weights-1"
 # set_weights order inside a Keras layer: kernel/gamma first, then bias/beta, then stats
@@ -49,8 +59,6 @@ def _atomic_target(out: Path):
 
 def source_layout(weights: dict[str, np.ndarray], config_yaml: str | None) -> str:
     """'keras' for a user's Keras model (TF backend, not a zoo model), else 'torch'."""
-    from ..models import zoo
-
     try:
         cfg = yaml.safe_load(config_yaml or "") or {}
     except yaml.YAMLError:
@@ -131,8 +139,6 @@ def embedding_names(
 
 def _zoo_layer_kinds(config_yaml: str | None) -> dict[str, str] | None:
     """Layer name -> zoo kind, when the checkpoint's config names a zoo model."""
-    from ..models import zoo
-
     try:
         model_cfg = (yaml.safe_load(config_yaml or "") or {}).get("model") or {}
     except yaml.YAMLError:
@@ -240,3 +246,211 @@ def write_keras(
         with contextlib.suppress(FileNotFoundError):
             tmp.unlink()
     return out
+
+
+# --- whole models: the zoo model rebuilt from standard layers, weights included -------------
+@dataclass
+class ZooExport:
+    """What a whole-model export needs: the zoo model, its inputs and layers."""
+
+    name: str
+    inp: zoo.InputSpec
+    layers: list[zoo.LayerSpec]
+    x: str  # how the run's data reached the model (`data.inferred.x`), or ""
+    layout: str  # the run's image layout change (`data.inferred.layout`), or ""
+
+    def input_line(self) -> str:
+        """One line: what the exported model takes and returns."""
+        if self.inp.tokens:
+            x = f"int64 token ids [N, T], T <= {self.inp.shape[0]}"
+            y = f"logits [N, T, {self.inp.classes}]"
+        else:
+            dims = ", ".join(
+                "HW"[i - 1] if d is None else str(d) for i, d in enumerate(self.inp.shape)
+            )
+            x = f"float32 [N, {dims}]" + (" (NCHW)" if len(self.inp.shape) == 3 else "")
+            y = f"logits [N, {self.inp.classes}]"
+        how = "; ".join(s for s in (self.x, self.layout) if s)
+        fed = f" as hpctrain fed the model (data: {how})" if how else " as hpctrain fed the model"
+        return f"input {x}{fed}; output {y}"
+
+    def info(self) -> dict:
+        return {
+            "format": WHOLE_MODEL_FORMAT,
+            "model": self.name,
+            "sample_shape": list(self.inp.shape),
+            "classes": self.inp.classes,
+            "tokens": self.inp.tokens,
+            "data_x": self.x,
+            "data_layout": self.layout,
+            "input": self.input_line(),
+        }
+
+
+WHOLE_MODEL_FORMAT = "hpctrain-export-1"
+
+
+def _run_inferred(model_cfg: dict, data: dict, source: Path | None) -> dict:
+    """`data.inferred` (what the data loader fed the model) of the run's config.yaml,
+    which sits beside the checkpoint directory, when that run trained this model on this
+    data; checkpoints keep the configuration without it."""
+    if source is None:
+        return {}
+    for run_config in (source.parent.parent / "config.yaml", source.parent / "config.yaml"):
+        try:
+            run = yaml.safe_load(run_config.read_text()) or {}
+        except (OSError, yaml.YAMLError):
+            continue
+        if not isinstance(run, dict) or run.get("model") != model_cfg:
+            continue
+        rdata = run.get("data") or {}
+        same = all(rdata.get(k) == data.get(k) for k in ("source", "path", "task", "keys"))
+        if same and isinstance(rdata.get("inferred"), dict):
+            return rdata["inferred"]
+    return {}
+
+
+def _input_spec(
+    model_cfg: dict, data: dict, weights: dict[str, np.ndarray], inferred: dict
+) -> tuple[zoo.InputSpec, str, str]:
+    """(the model's input, how the data reached it, its layout change): from the run's
+    `data.inferred`, else the synthetic task's settings, else the weights' shapes (then
+    images are [C, H, W] of any size and an mlp takes flat vectors)."""
+    if inferred.get("sample_shape") and inferred.get("classes"):
+        shape = tuple(int(d) for d in inferred["sample_shape"])
+        inp = zoo.InputSpec(shape, int(inferred["classes"]), bool(inferred.get("tokens")))
+        return inp, str(inferred.get("x") or ""), str(inferred.get("layout") or "")
+    name, classes = model_cfg["name"], int(weights["head.weight"].shape[0])
+    task = data.get("task")
+    if data.get("source") == "synthetic" and task in zoo.MODEL_TASK[name]:
+        if task == "vectors":
+            return zoo.InputSpec((int(data["features"]),), classes), "float32 features", ""
+        if task == "images":
+            side = int(data["image_size"])
+            shape = (int(data["channels"]), side, side)
+            return zoo.InputSpec(shape, classes), "float32 images", ""
+        return zoo.InputSpec((int(data["seq_len"]),), classes, tokens=True), "int64 tokens", ""
+    if name == "transformer":
+        seq = int(weights["embed.pos.weight"].shape[0])
+        return zoo.InputSpec((seq,), classes, tokens=True), "", ""
+    if name == "mlp":
+        return zoo.InputSpec((int(weights["fc1.weight"].shape[1]),), classes), "", ""
+    first = "stem.conv.weight" if name == "resnet" else "conv1.weight"
+    return zoo.InputSpec((int(weights[first].shape[1]), None, None), classes), "", ""
+
+
+def zoo_export(
+    weights: dict[str, np.ndarray],
+    config_yaml: str | None,
+    to: str,
+    source: str | Path | None = None,
+) -> ZooExport:
+    """The zoo model of a checkpoint, for `--to torchscript|keras-model`; refuses, with
+    one line naming what works instead, what has no standalone form."""
+    from ..errors import CheckpointError
+
+    try:
+        cfg = yaml.safe_load(config_yaml or "") or {}
+    except yaml.YAMLError:
+        cfg = {}
+    model_cfg = (cfg.get("model") if isinstance(cfg, dict) else None) or {}
+    name = model_cfg.get("name")
+    if not isinstance(name, str):
+        raise CheckpointError(
+            f"--to {to}: the checkpoint holds no run configuration naming its model; "
+            "use --to torch or --to keras and load the weights into your model"
+        )
+    if not zoo.is_zoo_model(name):
+        raise CheckpointError(
+            f"--to {to}: exports hpctrain's zoo models (mlp, cnn, resnet, transformer), and "
+            f"this checkpoint's model is your own ({name}); use --to torch or --to keras "
+            "and load the weights into your model (docs/bring-your-own.md)"
+        )
+    if zoo.has_moe(model_cfg):
+        raise CheckpointError(
+            f"--to {to}: a transformer with mixture-of-experts blocks (model.moe) has no "
+            "standalone form (its routing drops tokens by a capacity that depends on the "
+            "batch); use --to torch for its weights"
+        )
+    data = cfg.get("data") or {}
+    inferred = data.get("inferred") or _run_inferred(
+        model_cfg, data, Path(source) if source else None
+    )
+    try:
+        inp, x, layout = _input_spec(model_cfg, data, weights, inferred)
+        layers = zoo.build_layers(model_cfg, inp)
+    except (KeyError, IndexError, TypeError, ValueError) as exc:
+        raise CheckpointError(
+            f"--to {to}: the weights do not match the {name} of the checkpoint's config "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    names = set(zoo.param_names(layers)) | set(zoo.buffer_names(layers))
+    have = {k for k in weights if k.rsplit(".", 1)[-1] not in SKIPPED}
+    if names != have:
+        missing, extra = sorted(names - have), sorted(have - names)
+        raise CheckpointError(
+            f"--to {to}: the weights do not match the {name} of the checkpoint's config "
+            f"(missing {missing[:3]}, unexpected {extra[:3]})"
+        )
+    for layer in layers:
+        for group in (layer.params, layer.buffers):
+            for p, shape in group.items():
+                key = f"{layer.name}.{p}"
+                if tuple(np.shape(weights[key])) != tuple(shape):
+                    raise CheckpointError(
+                        f"--to {to}: {key} has shape {tuple(np.shape(weights[key]))}, the "
+                        f"{name} of the checkpoint's config needs {tuple(shape)}"
+                    )
+    return ZooExport(name, inp, layers, x, layout)
+
+
+def write_torchscript(
+    weights: dict[str, np.ndarray],
+    out: str | Path,
+    config_yaml: str | None,
+    source: str | Path | None = None,
+) -> tuple[Path, ZooExport]:
+    """A TorchScript file of the zoo model with these weights (torch.jit.load, no
+    hpctrain). `source`: the checkpoint's path, to find its run's config.yaml."""
+    from . import export_torchscript
+
+    spec = zoo_export(weights, config_yaml, "torchscript", source)
+    out = Path(out)
+    tmp = _atomic_target(out)
+    try:
+        export_torchscript.save(spec.layers, weights, tmp, spec.info(), spec.name == "mlp")
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return out, spec
+
+
+def write_keras_model(
+    weights: dict[str, np.ndarray],
+    out: str | Path,
+    config_yaml: str | None,
+    source: str | Path | None = None,
+) -> tuple[Path, ZooExport]:
+    """A .keras file of the zoo model with these weights (keras.models.load_model, no
+    hpctrain, no custom objects)."""
+    from ..errors import CheckpointError
+
+    out = Path(out)
+    if out.suffix != ".keras":
+        raise CheckpointError(
+            f"--to keras-model: {out}: the file name must end in .keras "
+            "(Keras 3 saves and loads whole models only under that extension)"
+        )
+    spec = zoo_export(weights, config_yaml, "keras-model", source)
+    from . import export_keras_model
+
+    tmp = _atomic_target(out)
+    tmp = tmp.with_name(tmp.name + ".keras")
+    try:
+        export_keras_model.save(spec.layers, weights, spec.inp, spec.name, tmp)
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return out, spec

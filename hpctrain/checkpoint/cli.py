@@ -12,6 +12,17 @@ from ..errors import CheckpointError, rank_ranges
 from . import reader, sharded
 
 EXPORT_HELP = """\
+torchscript: the zoo model (mlp, cnn, resnet, transformer) with these weights as a
+       TorchScript module built from torch's standard layers, in eval mode; needs only
+       torch, not hpctrain:
+         model = torch.jit.load(OUT); logits = model(x)
+keras-model: the zoo model as a functional Keras model of Keras's own layers (OUT must
+       end in .keras); needs only Keras 3, no custom objects:
+         model = keras.models.load_model(OUT); logits = model.predict(x)
+       Both take the input as hpctrain fed its model (float32 features; float32 NCHW
+       images, uint8 pixels already times 1/255 or data.x_scale; token ids [N, T]) and
+       return logits; the export prints the shapes. Not for your own models nor
+       mixture-of-experts blocks: export their weights (torch, keras) instead.
 torch: a torch.save() file of an OrderedDict {name: tensor} (the model's state_dict in
        torch layouts); load with torch.load(OUT, weights_only=True). A user's Keras
        model is converted (dense1/kernel [in, out] -> dense1.weight [out, in]).
@@ -21,8 +32,9 @@ keras: an HDF5 file, one dataset per weight in Keras layouts (dense kernel [in, 
        it is, keyed by its layers' names:
          for layer, names in json.loads(f.attrs["keras_layers"]).items():
              model.get_layer(layer).set_weights([f[n][()] for n in names])
-Only model weights are exported: no optimizer, trainer or random state.
-Recipes and nested layers: docs/bring-your-own.md."""
+No optimizer, trainer or random state is exported.
+Details: docs/checkpoints.md#leaving-hpctrain; recipes for your own models:
+docs/bring-your-own.md."""
 
 
 def register(subparsers) -> dict:
@@ -48,13 +60,19 @@ def register(subparsers) -> dict:
     s.add_argument("files", nargs="+", metavar="FILE")
     s = sub.add_parser(
         "export",
-        help="write the model weights as a plain torch or Keras file",
-        description="Export a verified checkpoint's model weights.",
+        help="write the model as TorchScript or .keras, or its weights for torch or Keras",
+        description="Export a verified checkpoint's model: a whole zoo model that loads "
+        "without hpctrain (torchscript, keras-model), or the weights (torch, keras).",
         epilog=EXPORT_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     s.add_argument("file", metavar="FILE", help="a checkpoint (ckpt-<step>.h5)")
-    s.add_argument("--to", required=True, choices=("torch", "keras"), help="output kind")
+    s.add_argument(
+        "--to",
+        required=True,
+        choices=("torchscript", "keras-model", "torch", "keras"),
+        help="output kind (below)",
+    )
     s.add_argument("out", metavar="OUT", help="file to write (replaced atomically)")
     s.add_argument(
         "--keep-layout",
@@ -144,7 +162,16 @@ def _export(args) -> int:
     weights = ck.model_weights()
     if not weights:
         raise CheckpointError(f"{ck.path}: holds no model weights to export")
-    if args.to == "torch":
+    load = None
+    if args.to == "torchscript":
+        out, spec = export.write_torchscript(weights, args.out, ck.config_yaml, ck.path)
+        what = f"TorchScript {spec.name} (zoo) with {len(weights)} tensors, eval mode"
+        load = f"torch.jit.load({str(out)!r})"
+    elif args.to == "keras-model":
+        out, spec = export.write_keras_model(weights, args.out, ck.config_yaml, ck.path)
+        what = f"Keras model {spec.name} (zoo) with {len(weights)} tensors"
+        load = f"keras.models.load_model({str(out)!r})"
+    elif args.to == "torch":
         out = export.write_torch(weights, args.out, ck.config_yaml)
         what = f"torch state_dict of {len(weights)} tensors"
     else:
@@ -153,4 +180,6 @@ def _export(args) -> int:
         )
         what = f"Keras-layout weights of {len(weights)} arrays"
     print(f"wrote {out}: {what} from step {ck.step} ({_mb(out.stat().st_size)})")
+    if load:
+        print(f"load with {load}, no hpctrain needed; {spec.input_line()}")
     return 0

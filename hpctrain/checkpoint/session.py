@@ -23,7 +23,11 @@ import logging
 import time
 from pathlib import Path
 
+import yaml
+
 from ..errors import CheckpointError
+from ..lr_schedule import Schedule, resumed_schedule
+from ..runtime.preemption import interrupt_reason
 from . import sharded
 from .manager import Checkpointer, resume_checkpoint
 from .policy import CheckpointPolicy, young_daly
@@ -45,6 +49,7 @@ class RunCheckpoints:
         self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
         self._since: tuple[int, float] | None = None  # (step, time) the last save ended
         self._start_step = 0  # the step training starts from (a resumed run's)
+        self._saved_schedule: int | None = None  # the steps a resumed checkpoint's lr spanned
 
     @property
     def enabled(self) -> bool:
@@ -127,9 +132,17 @@ class RunCheckpoints:
         path = self.save_now()
         if w.is_root:
             where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
-            progress.message(f"{signal} received: stopped at step {step}, {where}")
-            if path is not None and pre.requeue():
-                progress.message("job requeued: it resumes from this checkpoint (--resume auto)")
+            stopped = f"{signal} received: stopped at step {step}, {where}"
+            why = interrupt_reason(signal, pre.env)
+            if why is not None:  # the user asked to stop: said so, never requeued
+                then = ": continue with --resume auto" if path is not None else ""
+                progress.message(f"{stopped}; interrupted ({why}), not requeued{then}")
+            else:
+                progress.message(stopped)
+                if path is not None and pre.requeue():
+                    progress.message(
+                        "job requeued: it resumes from this checkpoint (--resume auto)"
+                    )
         w.barrier("preemption checkpoint written")
         return w.bcast_object(signal, what="agree on the preemption signal")
 
@@ -211,6 +224,8 @@ class RunCheckpoints:
                 "position": st.position,
                 "world_size": ranks,
                 "global_batch": t.data.global_batch,
+                # the length the lr schedule spans (optimizer.resume_schedule reads it)
+                "schedule_steps": _schedule_length(t),
                 **s.trainer_extras(),
             },
             "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered) if r < ranks},
@@ -256,6 +271,7 @@ class RunCheckpoints:
                 st.position,
                 st.epoch,
             )
+        self._saved_schedule = _saved_schedule_length(ckpt, t)
         self._restore_rank_state(ckpt, saved_size == ranks and w.size == ranks)
         self.policy.mark_saved(st.step)
         self._start_step = st.step
@@ -267,6 +283,24 @@ class RunCheckpoints:
             st.position,
         )
         return chosen
+
+    def schedule(self, total_steps: int) -> Schedule:
+        """The lr schedule of this run, `total_steps` long. Resumed with another length
+        (train.epochs, train.max_steps), a cosine's lr changes from the resume step on:
+        optimizer.resume_schedule decides (stretch, or continue the saved schedule) and
+        rank 0 says what happens to the lr."""
+        t = self.trainer
+        plan = resumed_schedule(
+            t.cfg.optimizer,
+            t.strategy.lr_replicas,
+            t.steps_per_epoch,
+            total_steps,
+            t.state.step,
+            self._saved_schedule,
+        )
+        if plan.message and t.world.is_root:
+            (log.warning if plan.warn else log.info)("%s", plan.message)
+        return plan.schedule
 
     def _restore_rank_state(self, ckpt, same_world: bool) -> None:
         """Each rank takes back its own private arrays (error-feedback residuals) when
@@ -296,6 +330,48 @@ class RunCheckpoints:
                 )
             return
         t.strategy.load_rank_state(arrays)
+
+
+def _schedule_length(loop) -> int:
+    schedule = getattr(loop, "schedule", None)
+    return int(schedule.length if schedule is not None else loop.total_steps)
+
+
+# What decides steps per epoch: the same in the checkpoint's configuration and this one,
+# its train.epochs/max_steps give the length of its schedule (a checkpoint written
+# before /trainer/schedule_steps existed).
+_LENGTH_KEYS = (("data",), ("train", "batch_size"), ("train", "grad_accum"), ("strategy",))
+
+
+def _saved_schedule_length(ckpt, loop) -> int | None:
+    """How many steps the checkpoint's lr schedule spanned; None when unknown."""
+    saved = ckpt.trainer.get("schedule_steps")
+    if saved is not None:
+        return int(saved)
+    try:
+        old = yaml.safe_load(ckpt.attrs.get("config_yaml") or "")
+    except yaml.YAMLError:
+        return None
+    if not isinstance(old, dict):
+        return None
+    new = loop.cfg.to_dict()
+
+    def get(values, keys):
+        for key in keys:
+            values = values.get(key) if isinstance(values, dict) else None
+        if isinstance(values, dict):  # what hpctrain found in the data is no setting
+            values = {k: v for k, v in values.items() if k != "inferred"}
+        return values
+
+    same_world = ckpt.trainer.get("world_size") == loop.strategy.checkpoint_world
+    if not same_world or any(get(old, k) != get(new, k) for k in _LENGTH_KEYS):
+        return None
+    train = old.get("train") or {}
+    try:
+        length = loop.strategy.steps_per_epoch * int(train["epochs"])
+        return min(length, int(train["max_steps"])) if train.get("max_steps") else length
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def load_agreed(world, policy: CheckpointPolicy, resume: str | None, apply):

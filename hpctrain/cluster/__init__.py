@@ -11,10 +11,20 @@ A tool, not part of training: it imports nothing of hpctrain but its errors.
 
 from .errors import ClusterError, ClusterUnavailable
 from .netns import STATE_DIR, down, read_state, status, up
-from .plan import DEFAULT_SUBNET, NAMED_LINKS, Plan, link_rate, mpirun_args
+from .plan import (
+    DEFAULT_BRIDGE,
+    DEFAULT_PREFIX,
+    DEFAULT_SUBNET,
+    NAMED_LINKS,
+    Plan,
+    link_rate,
+    mpirun_args,
+)
 from .session import Cluster, Lock, session
 
 __all__ = [
+    "DEFAULT_BRIDGE",
+    "DEFAULT_PREFIX",
     "DEFAULT_SUBNET",
     "NAMED_LINKS",
     "STATE_DIR",

@@ -14,7 +14,7 @@ import sys
 from . import netns, system
 from .agent import on_node
 from .errors import ClusterError
-from .plan import DEFAULT_SUBNET, NAMED_LINKS, Plan, mpirun_args
+from .plan import DEFAULT_BRIDGE, DEFAULT_PREFIX, DEFAULT_SUBNET, NAMED_LINKS, Plan, mpirun_args
 from .session import Lock
 
 EPILOG = """\
@@ -26,6 +26,9 @@ example (as root):
 
 `run` starts the command on the first node, as a batch script's mpirun runs on the
 first node of its allocation; mpirun then reaches the other nodes through the rsh agent.
+`up` refuses names (--bridge, --prefix) or a --subnet that this machine already uses;
+`down` removes what `up` listed in its state file (HPCTRAIN_CLUSTER_DIR, default
+/run/hpctrain-cluster), and nothing else.
 """
 
 
@@ -48,7 +51,22 @@ def register(subparsers) -> dict:
         help=f"every node's link: {' | '.join(NAMED_LINKS)} (default none: unshaped)",
     )
     s.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"addresses (default {DEFAULT_SUBNET})")
-    s = sub.add_parser("down", help="remove everything `up` created, and nothing else")
+    s.add_argument(
+        "--bridge",
+        default=DEFAULT_BRIDGE,
+        metavar="NAME",
+        help=f"the bridge joining the nodes (default {DEFAULT_BRIDGE}); must not exist yet",
+    )
+    s.add_argument(
+        "--prefix",
+        default=DEFAULT_PREFIX,
+        metavar="NAME",
+        help=f"node names are NAME1, NAME2, ... (default {DEFAULT_PREFIX}); namespaces, "
+        "hostnames and NAMEk-veth links that must not exist yet",
+    )
+    s = sub.add_parser(
+        "down", help="remove what `up` created (as its state file lists it), and nothing else"
+    )
     s.add_argument(
         "--force", action="store_true", help="even while a test or benchmark session holds it"
     )
@@ -83,7 +101,7 @@ def _state() -> dict:
 
 
 def _up(args) -> int:
-    plan = Plan(args.nodes, args.link, args.subnet)
+    plan = Plan(args.nodes, args.link, args.subnet, args.bridge, args.prefix)
     system.require_privileges()  # before touching /run: say what is missing, once
     lock = Lock()
     lock.acquire(0, "hpctrain cluster up")
@@ -124,14 +142,17 @@ def _status(args) -> int:
     print(
         f"cluster up since {state['created_utc']} ({state['owner']}, pid {state['owner_pid']}): "
         f"subnet {state['subnet']}, bridge {state['bridge']} {state['bridge_address']}, "
+        f"nodes {state.get('prefix', DEFAULT_PREFIX)}1..{len(state['nodes'])}, "
         f"link {state['link']}"
     )
-    print("  node    address        link  shaped          cores  processes")
+    width = max([7, *(len(name) for name in info["nodes"])])
+    print(f"  {'node':<{width}} address        link  shaped          cores  processes")
     for name, n in info["nodes"].items():
         shaped = f"{n['shaped_bps'] / 1e9:g} Gbit/s" if n["shaped_bps"] else "no"
         own = ",".join(map(str, n["cores"])) if n["cores"] else "all"
         print(
-            f"  {name:<7} {n['address']:<14} {n['link']:<5} {shaped:<15} {own:<6} {n['processes']}"
+            f"  {name:<{width}} {n['address']:<14} {n['link']:<5} {shaped:<15} {own:<6} "
+            f"{n['processes']}"
         )
     if state.get("cores_unavailable"):
         print(f"nodes share the machine's cores: {state['cores_unavailable']}")

@@ -12,6 +12,10 @@ mounted a second time under the state directory, because `ip netns exec` remount
 and so hides /sys/fs/cgroup from the rsh agent, which runs inside the first node. Where
 cpusets cannot be made (a container without them) the nodes share the machine's cores;
 `up` keeps the reason and `status` prints it.
+
+A second mount of the cgroup file system shows the machine's one hierarchy, so the
+cluster's group is named after its bridge (`hpctrain-cluster-<bridge>`, a name no other
+live cluster can have) and `down` removes that group only, as the state file names it.
 """
 
 from __future__ import annotations
@@ -25,7 +29,12 @@ from .errors import ClusterError
 from .plan import node_cores
 
 MOUNT_NAME = "cpuset"  # under the state directory
-GROUP = "hpctrain-cluster"
+GROUP = "hpctrain-cluster"  # the group of a cluster whose state predates group_name()
+
+
+def group_name(bridge: str) -> str:
+    """The cpuset group of the cluster whose bridge is `bridge`."""
+    return f"{GROUP}-{bridge}"
 
 
 def _mounts() -> list[list[str]]:
@@ -56,7 +65,7 @@ def _write(path: Path, value: str) -> None:
         raise ClusterError(f"writing {value!r} to {path}: {exc.strerror or exc}") from None
 
 
-def create(state_dir: Path, nodes: list[str]) -> dict:
+def create(state_dir: Path, nodes: list[str], group_name: str = GROUP) -> dict:
     """Mount, make one cpuset group per node; {"dir", "version", "cores": {node: [cpu]}}.
 
     Raises ClusterError when cpusets cannot be used here; `up` then records the reason
@@ -71,7 +80,7 @@ def create(state_dir: Path, nodes: list[str]) -> dict:
             system.run(["mount", "-t", "cgroup", "-o", "cpuset", "hpctrain-cpuset", str(mount)])
         else:
             system.run(["mount", "-t", "cgroup2", "hpctrain-cgroup2", str(mount)])
-    group = mount / GROUP
+    group = mount / group_name
     if version == 2:
         if "cpuset" not in (mount / "cgroup.controllers").read_text().split():
             raise ClusterError("the cgroup2 hierarchy does not offer the cpuset controller")
@@ -93,8 +102,9 @@ def create(state_dir: Path, nodes: list[str]) -> dict:
     return {"dir": str(group), "version": version, "cores": dict(zip(nodes, shares, strict=True))}
 
 
-def remove(state_dir: Path) -> list[str]:
-    """Remove the node groups and the mount (whatever of them exists); what was removed.
+def remove(state_dir: Path, group_name: str | None = GROUP) -> list[str]:
+    """Remove the cluster's group `group_name` with its node groups, and the mount under
+    the state directory (whatever of them exists); what was removed. None: the mount only.
 
     Processes still in a group (none after `down` ended the nodes' processes) are moved
     back to the root group first, so the removal cannot fail on them."""
@@ -104,8 +114,8 @@ def remove(state_dir: Path) -> list[str]:
         with contextlib.suppress(OSError):
             mount.rmdir()
         return removed
-    group = mount / GROUP
-    if group.is_dir():
+    group = mount / group_name if group_name else None
+    if group is not None and group.is_dir():
         for node in sorted(p for p in group.iterdir() if p.is_dir()):
             _evacuate(node, mount)
             with contextlib.suppress(OSError):

@@ -1,10 +1,14 @@
 """Bring the emulated cluster up and down: namespaces, bridge, veth links, shaping.
 
-`up` writes the state file (what it is about to create) before creating anything, so a
-run killed half-way still leaves a complete list for `down`. `down` removes what the
-state lists plus anything else carrying the emulation's names (hpcnK namespaces,
-hpcnK-veth links, the hpcbr0 bridge, tagged /etc/hosts lines), after ending the
-processes still running inside its namespaces, and nothing else.
+The cluster's names (bridge, node prefix) and subnet are chosen per cluster and kept in
+its state file. `up` refuses names that already exist on the machine (whoever made
+them), and records each object in the state file *before* creating it, so a run killed
+half-way still leaves a complete list for `down`; a creation that fails (the name was
+taken meanwhile) is taken off the list again. `down` removes exactly what the state
+lists (namespaces, veth links, the bridge, its own /etc/hosts lines, the cpuset mount
+under the state directory), after ending the processes still running inside its
+namespaces, and nothing else: an object that merely carries a similar name is never
+touched.
 
 Cost grows with nodes, not ranks: about 12 commands per node (~10 ms each), so 2 nodes
 take well under a second. 1,024 or 4,096 ranks cannot be emulated on one machine (the
@@ -25,11 +29,10 @@ from . import cores, system
 from .agent import write_agent
 from .errors import ClusterError
 from .plan import (
-    BRIDGE,
+    DEFAULT_BRIDGE,
+    DEFAULT_PREFIX,
     HOSTS_TAG,
-    NODE_NAME_RE,
     NODE_SYSCTLS,
-    VETH_SUFFIX,
     Plan,
     link_rate,
     tbf_args,
@@ -57,42 +60,99 @@ def _write_state(state: dict, state_dir: Path) -> None:
 
 
 def plan_of(state: dict) -> Plan:
-    return Plan(len(state["nodes"]), state["link"], state["subnet"])
+    return Plan(
+        len(state["nodes"]),
+        state["link"],
+        state["subnet"],
+        state.get("bridge", DEFAULT_BRIDGE),
+        state.get("prefix", DEFAULT_PREFIX),
+    )
 
 
-# --- what exists --------------------------------------------------------------------
-def our_namespaces() -> list[str]:
-    names = [ns["name"] for ns in system.run_json(["ip", "-j", "netns", "list"])]
-    return sorted((n for n in names if NODE_NAME_RE.match(n)), key=_node_index)
+# --- what exists, and what is ours -------------------------------------------------------
+def namespaces() -> list[str]:
+    """Every network namespace of this machine (`ip netns list`), whoever made it."""
+    return [ns["name"] for ns in system.run_json(["ip", "-j", "netns", "list"])]
 
 
-def our_links() -> list[str]:
-    links = [x["ifname"] for x in system.run_json(["ip", "-j", "link", "show"])]
-    return [
-        x
-        for x in links
-        if x == BRIDGE or (x.endswith(VETH_SUFFIX) and NODE_NAME_RE.match(x[: -len(VETH_SUFFIX)]))
-    ]
+def links() -> list[str]:
+    """Every network interface of this machine's own namespace, whoever made it."""
+    return [x["ifname"] for x in system.run_json(["ip", "-j", "link", "show"])]
 
 
-def _node_index(name: str) -> int:
-    m = NODE_NAME_RE.match(name)
-    return int(m.group(1)) if m else 0
+def listed(state: dict | None) -> dict[str, list[str]]:
+    """What `state` says this cluster made: {"bridge", "namespace", "link": [names],
+    "hosts": [/etc/hosts lines]}. Nothing else is ever removed."""
+    out: dict[str, list[str]] = {"bridge": [], "namespace": [], "link": [], "hosts": []}
+    if not state:
+        return out
+    made = state.get("made")
+    if made is None:  # a state file of an earlier version: what it planned was made
+        made = [{"kind": "bridge", "name": state["bridge"]}] if state.get("bridge") else []
+        made += [{"kind": "namespace", "name": n} for n in state.get("nodes", [])]
+        made += [{"kind": "link", "name": v} for v in state.get("veths", {}).values()]
+        hosts = [f"{a} {n} {HOSTS_TAG}" for n, a in state.get("addresses", {}).items()]
+    else:
+        hosts = list(state.get("hosts_lines", []))
+    for item in made:
+        out[item["kind"]].append(item["name"])
+    out["hosts"] = hosts
+    return out
 
 
-def leftovers(state_dir: Path = STATE_DIR) -> list[str]:
-    """Everything of an emulated cluster that exists now, described for a message."""
-    found = [f"namespace {n}" for n in our_namespaces()]
-    found += [f"link {x}" for x in our_links()]
+def leftovers(state_dir: Path = STATE_DIR, state: dict | None = None) -> list[str]:
+    """What of this state directory's cluster exists now, described for a message: the
+    objects its state lists, its cpuset mount, its state file."""
+    state_dir = Path(state_dir)
+    state = state if state is not None else read_state(state_dir)
+    mine = listed(state)
+    found: list[str] = []
+    if mine["namespace"]:
+        spaces = set(namespaces())
+        found += [f"namespace {n}" for n in mine["namespace"] if n in spaces]
+    if mine["link"] or mine["bridge"]:
+        live = set(links())
+        found += [f"link {x}" for x in mine["link"] if x in live]
+        found += [f"bridge {x}" for x in mine["bridge"] if x in live]
     mount = cores.leftover(state_dir)
     if mount:
         found.append(mount)
-    hosts = system.tagged_hosts_lines(HOSTS_TAG)
+    hosts = system.tagged_hosts_lines(HOSTS_TAG, lines=mine["hosts"]) if mine["hosts"] else []
     if hosts:
         found.append(f"{len(hosts)} line(s) of {system.HOSTS}")
     if state_path(state_dir).exists():
         found.append(f"state {state_path(state_dir)}")
     return found
+
+
+def check_names_free(plan: Plan) -> None:
+    """Refuse, in one line, names of `plan` that something on this machine already has.
+
+    Whatever holds them was not made by this cluster (`up` runs only when no state of
+    this cluster exists), so the message names the object and how to choose other names,
+    and never suggests removing it."""
+    live = set(links())
+    if plan.bridge in live:
+        raise ClusterError(
+            f"--bridge {plan.bridge}: a network interface {plan.bridge} already exists on "
+            "this machine and is not this cluster's: pick another bridge name with "
+            "--bridge NAME"
+        )
+    spaces = set(namespaces())
+    hosts = system.hosts_names()
+    for node in plan.node_list():
+        what = None
+        if node.name in spaces:
+            what = f"a network namespace {node.name} already exists on this machine"
+        elif node.veth in live:
+            what = f"a network interface {node.veth} already exists on this machine"
+        elif node.name in hosts:
+            what = f"{system.HOSTS} already names {node.name} ({hosts[node.name]!r})"
+        if what:
+            raise ClusterError(
+                f"--prefix {plan.prefix}: {what} and is not this cluster's: pick another "
+                "node name prefix with --prefix NAME"
+            )
 
 
 def check_subnet_free(plan: Plan) -> None:
@@ -101,22 +161,14 @@ def check_subnet_free(plan: Plan) -> None:
     for entry in system.run_json(["ip", "-j", "-4", "addr", "show"]):
         for addr in entry.get("addr_info", []):
             iface = ipaddress.ip_interface(f"{addr['local']}/{addr['prefixlen']}")
-            if iface.network.overlaps(net) and entry["ifname"] != BRIDGE:
+            if iface.network.overlaps(net):
                 raise ClusterError(
                     f"--subnet {net} is in use: {entry['ifname']} has {iface}; "
                     "pick a free range with --subnet"
                 )
     for route in system.run_json(["ip", "-j", "-4", "route", "show", "table", "all"]):
         dst = route.get("dst", "")
-        if (
-            dst in ("default", "")
-            or route.get("dev") == BRIDGE
-            or route.get("type")
-            in (
-                "local",
-                "broadcast",
-            )
-        ):
+        if dst in ("default", "") or route.get("type") in ("local", "broadcast"):
             continue
         try:
             routed = ipaddress.ip_network(dst if "/" in dst else f"{dst}/32", strict=False)
@@ -130,6 +182,20 @@ def check_subnet_free(plan: Plan) -> None:
 
 
 # --- up -------------------------------------------------------------------------------
+def _make(state: dict, state_dir: Path, kind: str, name: str, argv: list[str]) -> None:
+    """Create one object with `argv`, listed in the state before it exists; a creation
+    that fails (e.g. the name was taken meanwhile) is taken off the list again, so that
+    `down` cannot remove what someone else made."""
+    state["made"].append({"kind": kind, "name": name})
+    _write_state(state, state_dir)
+    try:
+        system.run(argv)
+    except BaseException:
+        state["made"].pop()
+        _write_state(state, state_dir)
+        raise
+
+
 def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
     """Create the cluster `plan` describes; on any failure remove what was made."""
     system.require_privileges()
@@ -138,9 +204,11 @@ def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
     existing = leftovers(state_dir)
     if existing:
         raise ClusterError(
-            "an emulated cluster is already up (" + ", ".join(existing) + "): run "
-            "`hpctrain cluster down` first"
+            f"an emulated cluster of {state_dir} is already up (" + ", ".join(existing) + "): "
+            "`hpctrain cluster down` removes it (for a second cluster beside it, set "
+            "HPCTRAIN_CLUSTER_DIR and choose other --bridge, --prefix and --subnet)"
         )
+    check_names_free(plan)
     check_subnet_free(plan)
     nodes = plan.node_list()
     state = {
@@ -149,50 +217,45 @@ def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
         "created_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "subnet": plan.subnet,
         "link": plan.link,
-        "bridge": BRIDGE,
+        "bridge": plan.bridge,
+        "prefix": plan.prefix,
         "bridge_address": plan.bridge_address,
         "nodes": [n.name for n in nodes],
         "addresses": {n.name: n.address.split("/")[0] for n in nodes},
         "veths": {n.name: n.veth for n in nodes},
         "agent": str(state_dir / "rsh-agent"),
         "hostfile": str(state_dir / "hostfile"),
+        "made": [],  # what exists because of this cluster: all that `down` removes
+        "hosts_lines": [],
         "complete": False,
     }
     _write_state(state, state_dir)
     try:
         run = system.run
-        run(["ip", "link", "add", BRIDGE, "type", "bridge"])
-        run(["ip", "addr", "add", plan.bridge_address, "dev", BRIDGE])
-        run(["ip", "link", "set", BRIDGE, "up"])
+        bridge = plan.bridge
+        _make(state, state_dir, "bridge", bridge, ["ip", "link", "add", bridge, "type", "bridge"])
+        run(["ip", "addr", "add", plan.bridge_address, "dev", bridge])
+        run(["ip", "link", "set", bridge, "up"])
         for n in nodes:
-            run(["ip", "netns", "add", n.name])
-            run(
-                [
-                    "ip",
-                    "link",
-                    "add",
-                    n.veth,
-                    "type",
-                    "veth",
-                    "peer",
-                    "name",
-                    "eth0",
-                    "netns",
-                    n.name,
-                ]
-            )
-            run(["ip", "link", "set", n.veth, "master", BRIDGE, "up"])
+            _make(state, state_dir, "namespace", n.name, ["ip", "netns", "add", n.name])
+            veth = ["ip", "link", "add", n.veth, "type", "veth", "peer", "name", "eth0"]
+            _make(state, state_dir, "link", n.veth, [*veth, "netns", n.name])
+            run(["ip", "link", "set", n.veth, "master", bridge, "up"])
             run(["ip", "-n", n.name, "addr", "add", n.address, "dev", "eth0"])
             run(["ip", "-n", n.name, "link", "set", "lo", "up"])
             run(["ip", "-n", n.name, "link", "set", "eth0", "up"])
             for key, value in NODE_SYSCTLS.items():
                 run(["ip", "netns", "exec", n.name, "sysctl", "-q", "-w", f"{key}={value}"])
         shape(plan.link, state_dir=state_dir, state=state)
+        state["cpuset_group"] = cores.group_name(plan.bridge)
+        _write_state(state, state_dir)
         try:
-            state["cores"] = cores.create(state_dir, state["nodes"])
+            state["cores"] = cores.create(state_dir, state["nodes"], state["cpuset_group"])
         except (ClusterError, OSError) as exc:  # the nodes share the cores; status says why
             state["cores"], state["cores_unavailable"] = None, str(exc)
-            cores.remove(state_dir)
+            cores.remove(state_dir, state["cpuset_group"])
+        state["hosts_lines"] = plan.hosts_lines()
+        _write_state(state, state_dir)
         system.add_hosts_lines(plan.hosts_lines(), HOSTS_TAG)
         write_agent(Path(state["agent"]), state["nodes"], state["cores"])
         Path(state["hostfile"]).write_text(plan.hostfile_text())
@@ -278,7 +341,7 @@ def status(state_dir: Path = STATE_DIR) -> dict:
     """The state file plus what is live now, per node (link up/down, shaping, processes)."""
     state = read_state(state_dir)
     live = {x["ifname"]: x for x in system.run_json(["ip", "-j", "link", "show"])}
-    spaces = set(our_namespaces())
+    spaces = set(namespaces()) if state else set()
     nodes = {}
     for name in (state or {}).get("nodes", []):
         veth = state["veths"][name]
@@ -330,15 +393,23 @@ def _zombie(pid: int) -> bool:
 
 
 def down(state_dir: Path = STATE_DIR) -> list[str]:
-    """Remove the cluster (whatever of it exists); what was removed, for the log."""
+    """Remove what this state directory's cluster made, as its state file lists it (and
+    nothing else); what was removed, for the log. The state file goes last, once all
+    it lists is gone, so a failed `down` can be run again."""
     state_dir = Path(state_dir)
+    state = read_state(state_dir)
+    mine = listed(state)
     removed: list[str] = []
-    spaces = our_namespaces()
+    live_spaces = set(namespaces()) if mine["namespace"] else set()
+    spaces = [n for n in mine["namespace"] if n in live_spaces]
     stuck = _end_processes(spaces)
     if stuck:
         removed.append(f"processes {stuck} would not end")
-    removed += cores.remove(state_dir)
-    for link in [x for x in our_links() if x != BRIDGE]:
+    # A state of an earlier version used one group name for every cluster.
+    group = state.get("cpuset_group", cores.GROUP) if state else None
+    removed += cores.remove(state_dir, group)
+    live = set(links()) if mine["link"] or mine["bridge"] else set()
+    for link in [x for x in mine["link"] if x in live]:
         # Deleting one end deletes the pair; done before the namespace, whose removal
         # the kernel finishes asynchronously.
         system.run(["ip", "link", "del", link], check=False)
@@ -346,18 +417,19 @@ def down(state_dir: Path = STATE_DIR) -> list[str]:
     for ns in spaces:
         system.run(["ip", "netns", "del", ns], check=False)
         removed.append(f"namespace {ns}")
-    if BRIDGE in our_links():
-        system.run(["ip", "link", "del", BRIDGE], check=False)
-        removed.append(f"bridge {BRIDGE}")
-    n = system.remove_hosts_lines(HOSTS_TAG)
-    if n:
-        removed.append(f"{n} line(s) of {system.HOSTS}")
+    for bridge in [x for x in mine["bridge"] if x in live]:
+        system.run(["ip", "link", "del", bridge], check=False)
+        removed.append(f"bridge {bridge}")
+    if mine["hosts"]:
+        n = system.remove_hosts_lines(HOSTS_TAG, lines=mine["hosts"])
+        if n:
+            removed.append(f"{n} line(s) of {system.HOSTS}")
+    left = [x for x in leftovers(state_dir, state) if not x.startswith("state ")]
+    if left:
+        raise ClusterError("could not remove " + ", ".join(left))
     for name in ("rsh-agent", "hostfile", "state.json"):
         path = state_dir / name
         if path.exists():
             path.unlink()
             removed.append(str(path))
-    left = leftovers(state_dir)
-    if left:
-        raise ClusterError("could not remove " + ", ".join(left))
     return removed

@@ -1,10 +1,12 @@
 """What an emulated cluster of N nodes consists of: names, addresses, links, arguments.
 
 Pure data, no system calls, so every name and argument can be unit-tested without root.
-A node is a network namespace named like its hostname (hpcn1, hpcn2, ...), joined to one
-Linux bridge by a veth pair (`hpcnK-veth` on the host side, `eth0` inside). Addresses
-come from one /24 the emulation owns (10.213.0.0/24 unless told otherwise): the bridge
-is .1, node K is .(10+K).
+A node is a network namespace named like its hostname (PREFIX1, PREFIX2, ...; hpcn1,
+hpcn2, ... by default), joined to one Linux bridge (hpcbr0 by default) by a veth pair
+(`PREFIXK-veth` on the host side, `eth0` inside). Addresses come from one /24 the
+emulation owns (10.213.0.0/24 unless told otherwise): the bridge is .1, node K is
+.(10+K). The names and the subnet are chosen per cluster (`up --bridge --prefix
+--subnet`) and recorded in its state file; `up` refuses names that already exist.
 """
 
 from __future__ import annotations
@@ -16,10 +18,14 @@ from dataclasses import dataclass
 from .errors import ClusterError
 
 DEFAULT_SUBNET = "10.213.0.0/24"
-NODE_PREFIX = "hpcn"
-NODE_NAME_RE = re.compile(rf"^{NODE_PREFIX}(\d+)$")
+DEFAULT_PREFIX = "hpcn"
+DEFAULT_BRIDGE = "hpcbr0"
 VETH_SUFFIX = "-veth"
-BRIDGE = "hpcbr0"
+IFNAMSIZ = 15  # the longest Linux interface name
+# A node name is PREFIX + number: a hostname label that ends in a letter or '-' so that
+# PREFIX + K cannot be read as another prefix's node (hpcn1 + 1 is not hpcn + 11).
+_PREFIX_RE = re.compile(r"^[a-z](?:[a-z0-9-]*[a-z-])?$")
+_BRIDGE_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
 HOSTS_TAG = "# hpctrain-cluster"
 MAX_NODES = 200  # .11 .. .210 of the /24
 FIRST_HOST = 10
@@ -80,13 +86,38 @@ class Node:
     veth: str  # host-side end of its link (the other end is eth0 inside)
 
 
+def check_bridge_name(name: str) -> str:
+    """`name` if Linux accepts it as an interface name, else a ClusterError."""
+    if not _BRIDGE_RE.match(name) or len(name) > IFNAMSIZ:
+        raise ClusterError(
+            f"--bridge {name!r} is not an interface name: up to {IFNAMSIZ} letters, digits "
+            "and _.- starting with a letter or digit (e.g. hpcbr1)"
+        )
+    return name
+
+
+def check_prefix(prefix: str, nodes: int) -> str:
+    """`prefix` if PREFIX<n> is a hostname and PREFIX<n>-veth an interface name."""
+    longest = f"{prefix}{nodes}{VETH_SUFFIX}"
+    if not _PREFIX_RE.match(prefix) or len(longest) > IFNAMSIZ:
+        raise ClusterError(
+            f"--prefix {prefix!r} cannot name {nodes} node(s): lowercase letters, digits "
+            f"and '-', starting with a letter and ending in a letter or '-', short enough "
+            f"that {longest!r} fits {IFNAMSIZ} characters (e.g. hpcn, tn)"
+        )
+    return prefix
+
+
 @dataclass(frozen=True)
 class Plan:
-    """N nodes on one bridge in `subnet`, every link shaped to `link`."""
+    """N nodes on one bridge in `subnet`, every link shaped to `link`; the bridge is
+    called `bridge`, the nodes `prefix`1..N."""
 
     nodes: int
     link: str = "none"
     subnet: str = DEFAULT_SUBNET
+    bridge: str = DEFAULT_BRIDGE
+    prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self):
         if not 1 <= int(self.nodes) <= MAX_NODES:
@@ -95,6 +126,13 @@ class Plan:
         net = self.network
         if net.version != 4 or net.prefixlen > 24:
             raise ClusterError(f"--subnet {self.subnet} must be an IPv4 network of /24 or larger")
+        check_bridge_name(self.bridge)
+        check_prefix(self.prefix, int(self.nodes))
+        if re.fullmatch(rf"{re.escape(self.prefix)}\d+(?:{VETH_SUFFIX})?", self.bridge):
+            raise ClusterError(
+                f"--bridge {self.bridge!r} is named like a node or its link (--prefix "
+                f"{self.prefix}): pick another bridge name"
+            )
 
     @property
     def network(self) -> ipaddress.IPv4Network:
@@ -115,15 +153,16 @@ class Plan:
         base = self.network.network_address
         return [
             Node(
-                f"{NODE_PREFIX}{k}",
+                f"{self.prefix}{k}",
                 f"{base + FIRST_HOST + k}/{self.network.prefixlen}",
-                f"{NODE_PREFIX}{k}{VETH_SUFFIX}",
+                f"{self.prefix}{k}{VETH_SUFFIX}",
             )
             for k in range(1, int(self.nodes) + 1)
         ]
 
     def hosts_lines(self) -> list[str]:
-        """/etc/hosts entries, each tagged so that `down` removes exactly these."""
+        """/etc/hosts entries, each tagged (and listed in the state) so that `down`
+        removes exactly these."""
         return [f"{n.address.split('/')[0]} {n.name} {HOSTS_TAG}" for n in self.node_list()]
 
     def hostfile_text(self, per_node: int = 1) -> str:

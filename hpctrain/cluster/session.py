@@ -1,16 +1,18 @@
 """One user of the emulated cluster at a time: a lock, and a session that cleans up.
 
-Tests and benchmarks on a shared machine may start at the same moment; the cluster has
-fixed names, so whoever holds the lock (an flock, released by the kernel even when its
-holder is killed) owns it. A session takes the lock, removes what a killed earlier
-session left, brings the cluster up, and takes it down again however it ends:
-`finally`, an atexit hook, and SIGTERM turned into SystemExit while it runs.
+Tests and benchmarks on a shared machine may start at the same moment; they share one
+state directory (and the default names), so whoever holds the lock (an flock, released
+by the kernel even when its holder is killed) owns it. A session takes the lock, removes
+what a killed earlier session left (what its state file lists, nothing else), brings the
+cluster up, and takes it down again however it ends: `finally`, an atexit hook, and
+SIGTERM turned into SystemExit while it runs.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import dataclasses
 import fcntl
 import os
 import signal
@@ -21,7 +23,7 @@ from pathlib import Path
 from . import netns
 from .agent import on_node
 from .errors import ClusterError
-from .plan import Plan, mpirun_args
+from .plan import DEFAULT_BRIDGE, DEFAULT_PREFIX, DEFAULT_SUBNET, Plan, mpirun_args
 
 
 class Lock:
@@ -96,7 +98,7 @@ class Cluster:
 
     def shape(self, link: str) -> None:
         netns.shape(link, state_dir=self.state_dir)
-        self.plan = Plan(self.plan.nodes, link, self.plan.subnet)
+        self.plan = dataclasses.replace(self.plan, link=link)
 
     def link_down(self, node: str) -> None:
         netns.set_link(node, False, self.state_dir)
@@ -112,9 +114,12 @@ def session(
     wait: float = 600.0,
     what: str = "session",
     state_dir: Path = netns.STATE_DIR,
+    subnet: str = DEFAULT_SUBNET,
+    bridge: str = DEFAULT_BRIDGE,
+    prefix: str = DEFAULT_PREFIX,
 ):
     """Hold the cluster for the `with` block: up on entry, down however it ends."""
-    plan = Plan(nodes, link)
+    plan = Plan(nodes, link, subnet, bridge, prefix)
     lock = Lock(state_dir)
     lock.acquire(wait, what)
     previous_term = signal.getsignal(signal.SIGTERM)
@@ -138,7 +143,7 @@ def session(
                 "an emulated cluster brought up by `hpctrain cluster up` is running: "
                 "`hpctrain cluster down` first"
             )
-        netns.down(state_dir)  # what a killed earlier session left behind
+        netns.down(state_dir)  # what a killed earlier session left behind (its state lists it)
         state = netns.up(plan, owner=what, state_dir=state_dir)
         yield Cluster(plan, state, Path(state_dir))
     finally:

@@ -91,24 +91,54 @@ def _rewrite_hosts(keep, add: list[str], path: Path) -> None:
 
 
 def add_hosts_lines(lines: list[str], tag: str, path: Path = HOSTS) -> None:
-    """Append `lines` (each ending in `tag`), replacing any earlier lines with the tag."""
-    _rewrite_hosts(lambda line: not line.rstrip().endswith(tag), lines, path)
+    """Append `lines` (each ending in `tag`), replacing earlier copies of the same lines;
+    any other line, tagged or not, is left as it is."""
+    wanted = {line.rstrip() for line in lines}
+    for line in lines:
+        if not line.rstrip().endswith(tag):
+            raise ClusterError(f"internal: hosts line {line!r} lacks the tag {tag!r}")
+    _rewrite_hosts(lambda line: line.rstrip() not in wanted, lines, path)
 
 
-def remove_hosts_lines(tag: str, path: Path = HOSTS) -> int:
-    """Remove the lines ending in `tag`; how many there were."""
+def remove_hosts_lines(tag: str, path: Path = HOSTS, lines: list[str] | None = None) -> int:
+    """Remove the lines ending in `tag` (only those of `lines`, when given); how many."""
     try:
         before = path.read_text().splitlines()
     except OSError:
         return 0
-    ours = [line for line in before if line.rstrip().endswith(tag)]
-    if ours:
-        _rewrite_hosts(lambda line: not line.rstrip().endswith(tag), [], path)
-    return len(ours)
+    listed = None if lines is None else {line.rstrip() for line in lines}
+
+    def ours(line: str) -> bool:
+        text = line.rstrip()
+        return text.endswith(tag) and (listed is None or text in listed)
+
+    count = sum(1 for line in before if ours(line))
+    if count:
+        _rewrite_hosts(lambda line: not ours(line), [], path)
+    return count
 
 
-def tagged_hosts_lines(tag: str, path: Path = HOSTS) -> list[str]:
+def tagged_hosts_lines(tag: str, path: Path = HOSTS, lines: list[str] | None = None) -> list[str]:
+    """The lines ending in `tag` (only those of `lines`, when given)."""
+    listed = None if lines is None else {line.rstrip() for line in lines}
     try:
-        return [x for x in path.read_text().splitlines() if x.rstrip().endswith(tag)]
+        text = path.read_text().splitlines()
     except OSError:
         return []
+    return [
+        x for x in text if x.rstrip().endswith(tag) and (listed is None or x.rstrip() in listed)
+    ]
+
+
+def hosts_names(path: Path = HOSTS) -> dict[str, str]:
+    """{hostname: the /etc/hosts line naming it} for every name the file maps."""
+    names: dict[str, str] = {}
+    try:
+        text = path.read_text().splitlines()
+    except OSError:
+        return names
+    for line in text:
+        fields = line.split("#", 1)[0].split()
+        for name in fields[1:]:
+            names.setdefault(name, line.strip())
+    return names

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 from ..errors import DataError
@@ -24,11 +25,45 @@ __all__ = [
     "DataOptions",
     "DatasetInfo",
     "ShardedTrainData",
+    "expand_path",
     "inspect_dataset",
     "iterate_val",
     "prepare_dataset",
     "benchmark_input_spec",
 ]
+
+
+_VAR = re.compile(r"\$(?:(\w+)|\{([^}]*)\})", re.ASCII)  # as os.path.expandvars reads them
+
+
+def expand_path(text: str, key: str, env=None) -> Path:
+    """`text` with its $VARS / ${VARS} expanded from this process's environment (per
+    rank: node-local paths like $TMPDIR/train.h5 work on clusters).
+
+    A variable that is not set stays as written (as os.path.expandvars leaves it), which
+    would then be reported as a missing file; when the path does not exist, DataError
+    names the unset variable instead.
+    """
+    env = os.environ if env is None else env
+    unset: list[str] = []
+
+    def value(m: re.Match) -> str:
+        name = m.group(1) or m.group(2)
+        if name in env:
+            return env[name]
+        unset.append(name)
+        return m.group(0)
+
+    expanded = _VAR.sub(value, text)
+    unset = list(dict.fromkeys(unset))
+    if unset and not os.path.exists(expanded):
+        names = ", ".join(f"${name}" for name in unset)
+        verb = "is" if len(unset) == 1 else "are"
+        raise DataError(
+            f"{key}: {names} {verb} not set in this rank's environment ({key} is {text!r}): "
+            "set it where the job starts (mpirun -x NAME passes it on) or write the path out"
+        )
+    return Path(expanded)
 
 
 def benchmark_input_spec(dcfg: dict) -> InputSpec:
@@ -73,12 +108,16 @@ def prepare_dataset(cfg, world, run_dir: Path) -> DatasetInfo:
         world.agree(error, error_type=DataError)
     else:
         # $VARS expand per rank: node-local paths like $TMPDIR/train.h5 work on clusters.
-        path = Path(os.path.expandvars(dcfg["path"]))
+        try:
+            path = expand_path(dcfg["path"], "data.path")
+        except DataError as exc:
+            error, path = str(exc), dcfg["path"]
     info = None
-    try:
-        info = open_dataset(path, DataOptions.from_config(cfg))
-    except DataError as exc:
-        error = str(exc)
+    if error is None:
+        try:
+            info = open_dataset(path, DataOptions.from_config(cfg))
+        except DataError as exc:
+            error = str(exc)
     world.agree(error, error_type=DataError)
     classes = None
     if world.rank == 0:

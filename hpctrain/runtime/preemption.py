@@ -8,9 +8,14 @@ per-step allreduce (so every rank stops at the same step), checkpoints, and then
 0 calls `requeue()`: `scontrol requeue` puts the job back in the queue under the same
 id, and the new run resumes from the checkpoint in the same run directory.
 
-Ctrl-C (SIGINT) is handled the same way, with or without mpirun: the first one asks for
-a checkpoint at the next step and a clean stop (never a requeue: the user asked to
-stop); a second Ctrl-C ends the process at once, as Python's default does.
+An interrupt is not a preemption. Ctrl-C reaches a process started without a launcher as
+SIGINT; Open MPI's mpirun passes it on to its ranks as SIGTERM (as it does its own
+SIGTERM). Either way it is handled as above, but it is a stop the user asked for: never
+requeued, said as an interrupt, and `hpctrain train` exits 128 + the signal's number
+(130 for SIGINT, 143 for SIGTERM; `interrupt_exit_code`). A SIGTERM counts as an
+interrupt only outside SLURM (no SLURM_JOB_ID); under SLURM it is scancel or a
+preemption and the job is requeued. A second Ctrl-C ends the process at once, as
+Python's default does.
 
 Nothing here imports MPI or a framework.
 """
@@ -42,6 +47,34 @@ def slurm_job_target(env: dict | os._Environ | None = None) -> str | None:
     if array_job and array_task:
         return f"{array_job}_{array_task}"
     return job
+
+
+def interrupt_reason(signal_name: str | None, env: dict | os._Environ | None = None) -> str | None:
+    """Why a stop on `signal_name` was asked for by the user (an interrupt), or None when
+    it is a scheduler's (preemption, time limit: requeue it).
+
+    SIGINT is Ctrl-C. A SIGTERM outside SLURM is a stop request: mpirun passes Ctrl-C (and
+    a kill of mpirun) on to its ranks as SIGTERM, and there is no scheduler to requeue for.
+    """
+    env = os.environ if env is None else env
+    if signal_name == "SIGINT":
+        return "Ctrl-C"
+    if signal_name == "SIGTERM" and not env.get("SLURM_JOB_ID"):
+        if env.get("OMPI_COMM_WORLD_SIZE"):
+            # Open MPI's mpirun exits 1 after Ctrl-C (its own abort status), whatever the
+            # ranks return, and SIGKILLs ranks still running about a second later.
+            return "Ctrl-C or a kill of mpirun, which passes both on as SIGTERM; mpirun exits 1"
+        return "SIGTERM outside SLURM, a stop request"
+    return None
+
+
+def interrupt_exit_code(signal_name: str | None, env: dict | os._Environ | None = None) -> int:
+    """The exit status after a clean stop on `signal_name`: 128 + its number for an
+    interrupt (130 for Ctrl-C, as a shell reports a program ended by SIGINT), else 0
+    (a preemption that was checkpointed and requeued, or a SIGUSR1 stop, finished its part)."""
+    if signal_name and interrupt_reason(signal_name, env) is not None:
+        return 128 + int(signal.Signals[signal_name])
+    return 0
 
 
 class Preemption:
@@ -125,8 +158,10 @@ class Preemption:
 
     def requeue_blocker(self) -> str | None:
         """Why this job must not be requeued (None when it may be)."""
-        if self._signum == signal.SIGINT:
-            return "stopped by Ctrl-C (SIGINT); continue later with --resume auto"
+        if self._signum is not None:
+            why = interrupt_reason(self.signal_name, self.env)
+            if why is not None:
+                return f"interrupted ({why}); continue later with --resume auto"
         if not self.env.get("SLURM_JOB_ID"):
             return "not running under SLURM (SLURM_JOB_ID is not set)"
         restarts = int(self.env.get("SLURM_RESTART_COUNT", "0") or 0)

@@ -16,7 +16,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import ConfigError, LaunchError
-from .templates import MPI_PLUGINS, JobSpec, Rendered, render, template_names
+from .templates import MPI_PLUGINS, JobSpec, Rendered, describe_seconds, render, template_names
 
 SBATCH_TIMEOUT_S = 60
 
@@ -26,6 +26,10 @@ example:
       --time 12:00:00 --config configs/demo.yaml -o train-demo.sbatch
   sbatch train-demo.sbatch
   (or, in one step: hpctrain slurm submit train ... with the same options)
+  GPU nodes, one rank per GPU:
+  hpctrain slurm render train --nodes 2 --ntasks-per-node 4 --gpus-per-task 1 \\
+      --cpus-per-gpu 8 --gpu-bind closest --module cuda/12.2 --mem 200G \\
+      --time 1-00:00:00 --config configs/demo.yaml -o train-gpu.sbatch
 
 templates ({names}) use {{{{placeholders}}}}: see hpctrain/slurm/templates.py.
 """
@@ -38,16 +42,53 @@ def _add_options(p: argparse.ArgumentParser) -> None:
     req.add_argument(
         "--ntasks-per-node", required=True, metavar="T", help="ranks (SLURM tasks) per node"
     )
-    req.add_argument("--time", required=True, metavar="TIME", help="[D-]HH:MM:SS or minutes")
+    req.add_argument(
+        "--time",
+        required=True,
+        metavar="TIME",
+        help="time limit in any sbatch format: minutes, minutes:seconds, "
+        "hours:minutes:seconds, days-hours, days-hours:minutes, days-hours:minutes:seconds",
+    )
     req.add_argument("--config", "-c", required=True, metavar="FILE", help="hpctrain config")
-    p.add_argument("--cpus-per-task", default="1", metavar="C", help="CPUs per rank (default 1)")
-    p.add_argument("--gpus-per-node", metavar="G", help="adds --gres=gpu:G (default: no GPUs)")
+    p.add_argument(
+        "--cpus-per-task", metavar="C", help="CPUs per rank (default 1; not with --cpus-per-gpu)"
+    )
     p.add_argument("--partition", metavar="P", help="adds --partition=P (default: site default)")
+    gpu = p.add_argument_group(
+        "GPUs (one rank per GPU; refused where this install or config cannot use them)"
+    )
+    gpu.add_argument(
+        "--gpus-per-node",
+        metavar="[TYPE:]G",
+        help="adds --gres=gpu:G; G equal to --ntasks-per-node (default: no GPUs)",
+    )
+    gpu.add_argument(
+        "--gpus-per-task",
+        metavar="[TYPE:]N",
+        help="adds --gpus-per-task=N (and --ntasks) for sbatch and srun; 1 for one rank per GPU",
+    )
+    gpu.add_argument(
+        "--gpu-bind",
+        metavar="SPEC",
+        help="adds --gpu-bind=SPEC for sbatch and srun: closest, none, single:1, per_task:1, "
+        "map_gpu:LIST or mask_gpu:LIST, optionally after verbose,",
+    )
+    gpu.add_argument(
+        "--cpus-per-gpu",
+        metavar="C",
+        help="CPUs per GPU, instead of --cpus-per-task (sbatch and srun)",
+    )
     site = p.add_argument_group("site options (each adds its #SBATCH line)")
     site.add_argument("--account", "-A", metavar="ACCOUNT", help="charge the job to ACCOUNT")
     site.add_argument("--qos", metavar="QOS", help="quality of service")
-    site.add_argument("--mem", metavar="SIZE", help="memory per node, e.g. 64G (0: all)")
-    site.add_argument("--mem-per-cpu", metavar="SIZE", help="memory per CPU, e.g. 4G")
+    site.add_argument(
+        "--mem",
+        metavar="SIZE",
+        help="memory per node with its unit (K, M, G, T), e.g. 64G (0: all)",
+    )
+    site.add_argument(
+        "--mem-per-cpu", metavar="SIZE", help="memory per CPU with its unit, e.g. 4G or 3500M"
+    )
     site.add_argument("--exclusive", action="store_true", help="whole nodes, not shared")
     site.add_argument(
         "--constraint", "-C", metavar="FEATURES", help="node features, e.g. 'a100&ib'"
@@ -59,6 +100,14 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         default=[],
         metavar="OPTION",
         help="any other sbatch option, e.g. --sbatch-line=--mail-type=END (repeatable)",
+    )
+    site.add_argument(
+        "--module",
+        dest="modules",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="a site module the job loads first (`module load NAME`; repeatable, in order)",
     )
     p.add_argument(
         "--mpi",
@@ -135,6 +184,9 @@ def _spec(args) -> JobSpec:
         config=args.config,
         cpus_per_task=args.cpus_per_task,
         gpus_per_node=args.gpus_per_node,
+        gpus_per_task=args.gpus_per_task,
+        gpu_bind=args.gpu_bind,
+        cpus_per_gpu=args.cpus_per_gpu,
         partition=args.partition,
         mpi=args.mpi,
         overrides=args.overrides,
@@ -151,6 +203,7 @@ def _spec(args) -> JobSpec:
         exclusive=args.exclusive,
         constraint=args.constraint,
         sbatch_lines=args.sbatch_lines,
+        modules=args.modules,
     )
 
 
@@ -162,6 +215,9 @@ def _command_line(args) -> str:
         "ntasks_per_node",
         "cpus_per_task",
         "gpus_per_node",
+        "gpus_per_task",
+        "gpu_bind",
+        "cpus_per_gpu",
         "partition",
         "account",
         "qos",
@@ -183,6 +239,8 @@ def _command_line(args) -> str:
         words.append("--exclusive")
     for line in args.sbatch_lines:
         words.append(f"--sbatch-line={line}")
+    for name in args.modules:
+        words += ["--module", name]
     for override in args.overrides:
         words += ["--set", override]
     return shlex.join(words)
@@ -234,7 +292,10 @@ def _cmd_slurm(args) -> int:
             sys.stdout.write(rendered.text)
         else:
             path = _write(Path(args.output), rendered)
-            print(f"wrote {path} (submit with: sbatch {shlex.quote(str(path))})")
+            print(
+                f"wrote {path} (time limit {describe_seconds(rendered.seconds)}; submit with: "
+                f"sbatch {shlex.quote(str(path))})"
+            )
         return 0
     log_dir = Path(args.log_dir)
     if args.output is not None:

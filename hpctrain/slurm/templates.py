@@ -6,9 +6,14 @@ costs nothing. Templates are plain bash with `{{name}}` placeholders:
 - `{{name}}` is replaced by its value (already shell-quoted where it sits in a command);
   an unknown name is an error, so a typo in a custom template is caught at once.
 - A line holding a placeholder whose optional value was not given (`gpus_per_node`,
-  `partition`, `account`, `qos`, `mem`, `mem_per_cpu`, `constraint`, `exclusive`,
-  `sbatch_lines`) is dropped, e.g. `#SBATCH --gres=gpu:{{gpus_per_node}}` without GPUs.
-  `{{sbatch_lines}}` stands for the free `--sbatch-line` directives, one line each.
+  `gpus_per_task`, `gpu_bind`, `cpus_per_gpu`, `ntasks`, `cpus_per_task`, `partition`,
+  `account`, `qos`, `mem`, `mem_per_cpu`, `constraint`, `exclusive`, `sbatch_lines`,
+  `modules`, `srun_gpus`) is dropped, e.g. `#SBATCH --gres=gpu:{{gpus_per_node}}`
+  without GPUs. `{{sbatch_lines}}` stands for the free `--sbatch-line` directives and
+  `{{modules}}` for the `module load` lines of `--module`, one line each.
+- `{{srun_cpus}}` is srun's CPU option (`--cpus-per-task="$SLURM_CPUS_PER_TASK"`, or
+  `--cpus-per-gpu=...` with `--cpus-per-gpu`), `{{srun_gpus}}` its GPU options
+  (`--gpus-per-task`, `--gpu-bind`), `{{omp_threads}}` the threads of one rank.
 - `# hpctrain-template: strategy=NAME` makes the config's `strategy` mandatory and
   `# hpctrain-template: set=KEY=VALUE` adds an override the script itself passes, so
   that the config is validated exactly as the job will load it.
@@ -27,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import ConfigError
+from .gpus import check_install, plan_gpus
 
 TEMPLATE_DIR = Path(__file__).resolve().parent / "templates"
 SUFFIX = ".sbatch"
@@ -35,20 +41,38 @@ SIGNAL_LEAD_S = 90  # the templates' --signal=USR1@90
 
 _PLACEHOLDER = re.compile(r"\{\{\s*([A-Za-z_][A-Za-z0-9_]*)\s*\}\}")
 _META = re.compile(r"^#\s*hpctrain-template:\s*([\w-]+)=(\S+)\s*$", re.M)
-_TIME_HMS = re.compile(r"^(?:(\d+)-)?(\d+):(\d\d):(\d\d)$")
+# sbatch's --time formats (sbatch(1)), each field's name, in the order written.
+TIME_FORMATS = {
+    "minutes": re.compile(r"^(\d+)$"),
+    "minutes:seconds": re.compile(r"^(\d+):(\d+)$"),
+    "hours:minutes:seconds": re.compile(r"^(\d+):(\d+):(\d+)$"),
+    "days-hours": re.compile(r"^(\d+)-(\d+)$"),
+    "days-hours:minutes": re.compile(r"^(\d+)-(\d+):(\d+)$"),
+    "days-hours:minutes:seconds": re.compile(r"^(\d+)-(\d+):(\d+):(\d+)$"),
+}
+_UNIT_S = {"days": 86400, "hours": 3600, "minutes": 60, "seconds": 1}
+_UNIT_LIMIT = {"hours": 24, "minutes": 60, "seconds": 60}  # when not the first field
+_NO_LIMIT = ("0", "-1", "infinite", "unlimited")
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]+$")
 _PARTITION = re.compile(r"^[A-Za-z0-9_.-]+(,[A-Za-z0-9_.-]+)*$")
-_MEMORY = re.compile(r"^\d+[KMGT]?$")
+_MEMORY = re.compile(r"^(\d+)([KMGTkmgt])?$")
+_MODULE = re.compile(r"^[A-Za-z0-9_.+/@:=~-]+$")
 _CONSTRAINT = re.compile(r"^[A-Za-z0-9_.:*&|,\[\]()!-]+$")
 # Directives the template writes itself: an --sbatch-line must not set them twice.
 MANAGED = {
     "--job-name": "--job-name",
     "--nodes": "--nodes",
     "--ntasks-per-node": "--ntasks-per-node",
+    "--ntasks": "--nodes and --ntasks-per-node",
     "--cpus-per-task": "--cpus-per-task",
     "--time": "--time",
     "--partition": "--partition",
     "--gres": "--gpus-per-node",
+    "--gpus": "--gpus-per-node or --gpus-per-task",
+    "--gpus-per-node": "--gpus-per-node",
+    "--gpus-per-task": "--gpus-per-task",
+    "--gpu-bind": "--gpu-bind",
+    "--cpus-per-gpu": "--cpus-per-gpu",
     "--account": "--account",
     "--qos": "--qos",
     "--mem": "--mem",
@@ -93,21 +117,100 @@ def positive_int(option: str, value) -> int:
 
 
 def parse_time(value: str) -> int:
-    """A SLURM time limit, `[D-]HH:MM:SS` or whole minutes, in seconds (must be > 0)."""
+    """A SLURM time limit in seconds, in any format sbatch accepts ("minutes",
+    "minutes:seconds", "hours:minutes:seconds", "days-hours", "days-hours:minutes",
+    "days-hours:minutes:seconds"); every field after the first within its unit."""
     text = str(value).strip()
-    seconds = None
-    if text.isdigit():
-        seconds = int(text) * 60
-    elif m := _TIME_HMS.match(text):
-        days, hours, minutes, secs = (int(g) if g else 0 for g in m.groups())
-        if minutes < 60 and secs < 60 and (m.group(1) is None or hours < 24):
-            seconds = ((days * 24 + hours) * 60 + minutes) * 60 + secs
-    if not seconds:
+    if text.lower() in _NO_LIMIT:
         raise ConfigError(
-            f"--time {value!r}: expected [D-]HH:MM:SS or whole minutes, greater than zero "
-            "(e.g. 02:00:00, 1-12:00:00 or 90)"
+            f"--time {value!r} asks SLURM for no time limit: give the limit the job needs, "
+            "greater than zero (hpctrain checkpoints and requeues 90 s before it; "
+            "`sinfo -o '%P %l'` shows each partition's)"
         )
-    return seconds
+    for form, pattern in TIME_FORMATS.items():
+        m = pattern.match(text)
+        if not m:
+            continue
+        units = form.replace("-", ":").split(":")
+        fields = [int(g) for g in m.groups()]
+        for i, (unit, number) in enumerate(zip(units, fields, strict=True)):
+            if i and number >= _UNIT_LIMIT[unit]:
+                raise ConfigError(
+                    f"--time {value!r}: {number} {unit} in {form} must be below "
+                    f"{_UNIT_LIMIT[unit]} (only the first field may be larger)"
+                )
+        seconds = sum(_UNIT_S[unit] * n for unit, n in zip(units, fields, strict=True))
+        if seconds <= 0:
+            break
+        return seconds
+    raise ConfigError(
+        f"--time {value!r}: expected one of sbatch's formats, greater than zero: minutes, "
+        "minutes:seconds, hours:minutes:seconds, days-hours, days-hours:minutes or "
+        "days-hours:minutes:seconds (e.g. 90, 90:00, 02:00:00, 1-12)"
+    )
+
+
+def describe_seconds(seconds: int) -> str:
+    """3725 -> '1 h 2 min 5 s' (SLURM rounds seconds up to the next minute)."""
+    parts = []
+    for unit, size in (("d", 86400), ("h", 3600), ("min", 60), ("s", 1)):
+        if seconds >= size:
+            parts.append(f"{seconds // size} {unit}")
+            seconds %= size
+    return " ".join(parts)
+
+
+def memory_size(option: str, value: str | None) -> str | None:
+    """A memory size with its unit (K, M, G or T; `--mem 0`: all of the node's memory),
+    or a ConfigError: sbatch reads a bare number as megabytes, which `--mem 64` rarely
+    means."""
+    if value is None:
+        return None
+    text = str(value).strip()
+    m = _MEMORY.match(text)
+    zero_ok = option == "--mem"
+    if not m:
+        raise ConfigError(
+            f"{option} {value!r}: expected a size like 64G, 4000M or 512K (units K, M, G, T)"
+            + (", or 0 for all of a node's memory" if zero_ok else "")
+        )
+    number, unit = m.groups()
+    if int(number) == 0:
+        if zero_ok and unit is None:
+            return "0"
+        raise ConfigError(
+            f"{option} {value!r}: must be greater than zero"
+            + (" (--mem 0, without a unit, asks for all of a node's memory)" if zero_ok else "")
+        )
+    if unit is None:
+        raise ConfigError(
+            f"{option} {value!r} has no unit, and sbatch would read it as {number} megabytes: "
+            f"write {number}G for gigabytes (or {number}M if megabytes are meant)"
+        )
+    return f"{int(number)}{unit.upper()}"
+
+
+def module_lines(names: list[str]) -> str | None:
+    """`--module` names as the script's `module load` lines (None without any)."""
+    if not names:
+        return None
+    for name in names:
+        if not _MODULE.match(str(name).strip()):
+            raise ConfigError(
+                f"--module {name!r}: expected one module name like openmpi/4.1.5 or cuda/12.2 "
+                "(repeat --module for each)"
+            )
+    lines = [
+        "if ! type module >/dev/null 2>&1; then",
+        "    echo \"hpctrain job: this batch shell has no 'module' command (Lmod or "
+        'Environment Modules): submit from a shell where it works (sbatch passes it on)" >&2',
+        "    exit 1",
+        "fi",
+        "set +u  # module scripts may read unset variables",
+        *(f"module load {shlex.quote(str(name).strip())}" for name in names),
+        "set -u",
+    ]
+    return "\n".join(lines)
 
 
 def sweep_points(nodes: int, ntasks_per_node: int) -> list[tuple[int, int]]:
@@ -168,8 +271,11 @@ class JobSpec:
     ntasks_per_node: str | int
     time: str
     config: str
-    cpus_per_task: str | int = 1
+    cpus_per_task: str | int | None = None  # 1 unless cpus_per_gpu is given
     gpus_per_node: str | int | None = None
+    gpus_per_task: str | int | None = None
+    gpu_bind: str | None = None
+    cpus_per_gpu: str | int | None = None
     partition: str | None = None
     mpi: str = "pmix"
     overrides: list[str] = field(default_factory=list)
@@ -186,6 +292,7 @@ class JobSpec:
     exclusive: bool = False
     constraint: str | None = None
     sbatch_lines: list[str] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -196,6 +303,7 @@ class Rendered:
     template: Path
     job_name: str
     warnings: list[str] = field(default_factory=list)
+    seconds: int = 0  # the time limit, as SLURM reads --time
 
 
 def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str):
@@ -268,6 +376,8 @@ def sbatch_directives(lines: list[str]) -> str | None:
             "-o": "--output",
             "-e": "--error",
             "-c": "--cpus-per-task",
+            "-n": "--ntasks",
+            "-G": "--gpus",
             "-C": "--constraint",
             "-q": "--qos",
             "-a": "--array",
@@ -285,12 +395,23 @@ def render(spec: JobSpec) -> Rendered:
     """Validate every value of `spec`, then fill its template. Raises ConfigError."""
     template = find_template(spec.template)
     text = template.read_text()
+    warnings: list[str] = []
     nodes = positive_int("--nodes", spec.nodes)
     per_node = positive_int("--ntasks-per-node", spec.ntasks_per_node)
-    cpus = positive_int("--cpus-per-task", spec.cpus_per_task)
-    gpus = (
-        None if spec.gpus_per_node is None else positive_int("--gpus-per-node", spec.gpus_per_node)
+    cpus = (
+        None if spec.cpus_per_task is None else positive_int("--cpus-per-task", spec.cpus_per_task)
     )
+    gpus = plan_gpus(
+        spec.gpus_per_node,
+        spec.gpus_per_task,
+        spec.gpu_bind,
+        spec.cpus_per_gpu,
+        cpus is not None,
+        per_node,
+        warnings,
+    )
+    if gpus.cpus_per_gpu is None and cpus is None:
+        cpus = 1
     seconds = parse_time(spec.time)
     if spec.mpi not in MPI_PLUGINS:
         raise ConfigError(
@@ -306,28 +427,44 @@ def render(spec: JobSpec) -> Rendered:
         raise ConfigError(f"--log-dir {spec.log_dir!r}: must be non-empty, without spaces or %")
     account = _optional("--account", spec.account, _NAME, "an account name like 'proj123'")
     qos = _optional("--qos", spec.qos, _NAME, "a QOS name like 'normal'")
-    mem = _optional("--mem", spec.mem, _MEMORY, "a size like 64G, 4000M or 0 (all)")
-    mem_per_cpu = _optional("--mem-per-cpu", spec.mem_per_cpu, _MEMORY, "a size like 4G or 2000M")
+    mem = memory_size("--mem", spec.mem)
+    mem_per_cpu = memory_size("--mem-per-cpu", spec.mem_per_cpu)
     if mem is not None and mem_per_cpu is not None:
         raise ConfigError("--mem and --mem-per-cpu exclude each other (sbatch takes one)")
     constraint = _optional(
         "--constraint", spec.constraint, _CONSTRAINT, "node features like 'haswell' or 'a100&ib'"
     )
     extra_lines = sbatch_directives(spec.sbatch_lines)
+    modules = module_lines(spec.modules)
     meta = template_meta(text)
     config, cfg = _check_config(spec, meta, template.name)
     points = sweep_points(nodes, per_node)
     _check_world_size(cfg, nodes, per_node, points if "sweep" in meta.get("needs", []) else None)
+    check_install(gpus, cfg, spec.hpctrain, warnings)
     config_args = ["--config", str(config)]
     for override in spec.overrides:
         config_args += ["--set", override]
+    if gpus.cpus_per_gpu is None:
+        srun_cpus = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
+        omp_threads = "${SLURM_CPUS_PER_TASK:-1}"
+    else:  # sbatch and srun: --cpus-per-gpu is not compatible with --cpus-per-task
+        srun_cpus = '--cpus-per-gpu="$SLURM_CPUS_PER_GPU"'
+        omp_threads = f"$((${{SLURM_CPUS_PER_GPU:-{gpus.cpus_per_gpu}}} * {gpus.gpus_per_rank}))"
     values: dict[str, str | None] = {
         "generated": f"rendered by: {spec.command}",
         "job_name": job_name,
         "nodes": str(nodes),
         "ntasks_per_node": str(per_node),
-        "cpus_per_task": str(cpus),
-        "gpus_per_node": None if gpus is None else str(gpus),
+        # --gpus-per-task needs an explicit task count (sbatch(1))
+        "ntasks": None if gpus.per_task is None else str(nodes * per_node),
+        "cpus_per_task": None if cpus is None else str(cpus),
+        "gpus_per_node": None if gpus.per_node is None else str(gpus.per_node),
+        "gpus_per_task": None if gpus.per_task is None else str(gpus.per_task),
+        "gpu_bind": gpus.bind,
+        "cpus_per_gpu": None if gpus.cpus_per_gpu is None else str(gpus.cpus_per_gpu),
+        "srun_cpus": srun_cpus,
+        "srun_gpus": gpus.srun_options(),
+        "omp_threads": omp_threads,
         "partition": spec.partition,
         "account": account,
         "qos": qos,
@@ -336,6 +473,7 @@ def render(spec: JobSpec) -> Rendered:
         "constraint": constraint,
         "exclusive": "" if spec.exclusive else None,
         "sbatch_lines": extra_lines,
+        "modules": modules,
         "time": spec.time.strip(),
         "mpi": spec.mpi,
         "log_dir": spec.log_dir.rstrip("/") or "/",
@@ -347,10 +485,9 @@ def render(spec: JobSpec) -> Rendered:
         "sweep_ranks": " ".join(str(r) for _, r in points),
         "sweep_last": str(len(points) - 1),
     }
-    warnings = []
     if seconds <= SIGNAL_LEAD_S:
         warnings.append(
             f"--time {spec.time} is not longer than the {SIGNAL_LEAD_S} s warning "
             "(--signal=USR1@90): the job is told to checkpoint and requeue as it starts"
         )
-    return Rendered(fill(text, values, str(template)), template, job_name, warnings)
+    return Rendered(fill(text, values, str(template)), template, job_name, warnings, seconds)

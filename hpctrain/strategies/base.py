@@ -34,10 +34,14 @@ class Strategy(Protocol):
     evaluates_in_loop: bool  # False: evaluation happens in `finish` only
     checkpoint_world: int  # the data-parallel world size a checkpoint corresponds to
 
-    def describe(self) -> str: ...
+    def describe(self) -> str: ...  # the startup line: strategy, engine, ZeRO, precision
+    def grid_text(self) -> str: ...  # the process grid, as the startup line states it
+    def layout_warnings(self) -> list[str]: ...  # settings this layout makes a no-op
     def batches(self, epoch: int, position: int): ...
     def step(self, batch, lr: float) -> StepStats: ...
-    def evaluate(self) -> np.ndarray | None: ...  # local (loss_sum, correct, count)
+    # local (loss_sum, correct, count, samples): count is what loss and accuracy are per
+    # (tokens for language models), samples the sequences or images
+    def evaluate(self) -> np.ndarray | None: ...
     def average_buffers(self) -> None: ...  # collective
     # collective; the canonical state on rank 0, valid until the next step: arrays may
     # be views of live tensors (an async checkpoint copies those, keeps fresh ones)
@@ -98,6 +102,12 @@ class StrategyBase:
         return self.data.iterate(epoch, position)
 
     evaluates_in_loop = True  # False: the strategy evaluates in `finish` only
+
+    def grid_text(self) -> str:
+        return self.grid.describe()
+
+    def layout_warnings(self) -> list[str]:
+        return []
 
     @property
     def checkpoint_world(self) -> int:

@@ -25,6 +25,7 @@ from ..runtime.grid import ProcessGrid
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 from .memory_check import check_memory
+from .startup import noop_warnings, replica_axis, settings_text
 
 log = logging.getLogger("hpctrain.memory")
 
@@ -79,11 +80,16 @@ class DataParallel(StrategyBase):
         self._diverged = False  # parameters differ between ranks since the last average
 
     def describe(self) -> str:
-        b = self.backend
+        b, g = self.backend, self.grid
         return (
             f"data parallel: {self.cfg.backend} backend, model {self.cfg.model['name']}, "
-            f"gradients by {b.engine} ({b.engine_reason}), global batch {self.data.global_batch}"
+            f"gradients by {b.engine} ({b.engine_reason}), global batch "
+            f"{self.data.global_batch}, {settings_text(self.cfg, replica_axis(g), g.num_replicas)}"
         )
+
+    def layout_warnings(self) -> list[str]:
+        tensor = f"parallel.tensor={self.tensor}" if self.tensor > 1 else ""
+        return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, tensor)
 
     # --- training -------------------------------------------------------------------
     def step(self, batch, lr: float):
@@ -112,7 +118,7 @@ class DataParallel(StrategyBase):
     def evaluate(self) -> np.ndarray | None:
         if self.dataset is None or self.dataset.val_size == 0:
             return None
-        sums = np.zeros(3)
+        sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         w = self.world
         shard, shards = (
             (self.grid.replica, self.grid.num_replicas) if self.tensor > 1 else (w.rank, w.size)
@@ -121,7 +127,7 @@ class DataParallel(StrategyBase):
             self.dataset, shard, shards, max(256, self.cfg.train["batch_size"])
         ):
             ev = self.backend.evaluate(x, y)
-            sums += (ev.loss_sum, ev.correct, ev.count)
+            sums += (ev.loss_sum, ev.correct, ev.count, len(y))
         if self.tensor > 1 and self.grid.coord["tensor"] != 0:
             sums[:] = 0.0  # counted once per tensor group (rank 0 of the group)
         return sums

@@ -41,6 +41,7 @@ from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
+from .startup import noop_warnings, replica_axis, settings_text
 
 
 def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
@@ -188,8 +189,15 @@ class Pipeline(StrategyBase):
             f"{self.counts}{split} x {g.num_replicas} replica(s), {c.pipeline['schedule']} "
             "schedule, "
             f"{self.micro} micro-batches of {c.train['batch_size']}, gradients by "
-            f"{self.engine} ({self.engine_reason})"
+            f"{self.engine} ({self.engine_reason}), "
+            f"{settings_text(c, replica_axis(g), g.num_replicas)}"
         )
+
+    def layout_warnings(self) -> list[str]:
+        per_replica = f"pipeline.stages={self.stages}"
+        if self.tensor > 1:
+            per_replica += f" x parallel.tensor={self.tensor}"
+        return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, per_replica)
 
     # --- set-up helpers -----------------------------------------------------------
     def _shard(self, state: dict) -> dict:
@@ -283,7 +291,7 @@ class Pipeline(StrategyBase):
         n_batches = math.ceil(math.ceil(self.dataset.val_size / g.num_replicas) / b)
         batches = iterate_val(self.dataset, g.replica, g.num_replicas, b) if g.first else None
         outputs = run_inference(self.stage, self.link, batches, n_batches, b)
-        sums = np.zeros(3)
+        sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         if g.last and g.coord["tensor"] == 0:
             val = iterate_val(self.dataset, g.replica, g.num_replicas, b)
             for (_, y), logits in zip(val, outputs, strict=True):
@@ -292,6 +300,7 @@ class Pipeline(StrategyBase):
                     cross_entropy_np(logits, y).sum(),
                     int((logits.argmax(-1) == y).sum()),
                     y.size,
+                    len(y),
                 )
         return sums
 

@@ -29,14 +29,14 @@ import numpy as np
 
 from ...backends import BACKENDS, versions, worker_class
 from ...backends.base import OPTIMIZER_SLOTS, StepStats
-from ...backends.gradient_engine import average_array
+from ...backends.gradient_engine import average_array, join_words
 from ...data import ShardedTrainData, iterate_val, prepare_dataset
 from ...errors import CheckpointError, ConfigError
-from ...lr_schedule import lr_at
 from ...models import zoo
 from ...runtime import p2p
 from ...runtime.grid import ProcessGrid
 from ..base import StrategyBase
+from ..startup import settings_text
 from . import protocol as P
 from .server import Server
 from .sharding import plan_shards
@@ -135,15 +135,47 @@ class ParameterServer(StrategyBase):
         return (
             f"parameter server ({self.cfg.ps['mode']}): {self.n_servers} server(s), "
             f"{self.n_workers} worker(s), {len(self.shapes)} tensors in "
-            f"{len(self.plan.chunks)} chunks, model {self.cfg.model['name']}"
+            f"{len(self.plan.chunks)} chunks, model {self.cfg.model['name']}, gradients "
+            f"pushed to the servers as float32, {settings_text(self.cfg)}"
         )
+
+    def grid_text(self) -> str:
+        """Workers and servers, not the grid's one data axis over every rank: a worker
+        is a replica, a server holds a shard of the parameters."""
+        return f"{self.n_workers} worker(s) + {self.n_servers} server(s)"
+
+    def layout_warnings(self) -> list[str]:
+        t, out = self.cfg.train, []
+        ignored = [
+            what
+            for what, on in (
+                (f"train.allreduce={t['allreduce']}", t["allreduce"] != "auto"),
+                ("train.hierarchical", t["hierarchical"]),
+            )
+            if on
+        ]
+        if ignored:
+            out.append(
+                f"{join_words(ignored)} {'does' if len(ignored) == 1 else 'do'} nothing with "
+                "the parameter server: workers push their gradients to the servers, no "
+                "allreduce averages them"
+            )
+        listed = self.cfg.ps["backends"] or []
+        unused = [b for b in listed[self.n_workers :] if b not in listed[: self.n_workers]]
+        if unused:
+            out.append(
+                f"ps.backends lists {', '.join(listed)} but {self.n_workers} worker(s) take "
+                f"the first {self.n_workers}: {', '.join(unused)} trains nowhere; launch "
+                f"{len(listed) + self.n_servers} ranks to use every backend listed"
+            )
+        return out
 
     def lr_of(self, version: int) -> float:
         """Sync: one version per global step; async/bounded: one per worker push."""
-        total = self.loop.total_steps
+        schedule = self.loop.schedule  # lr_schedule.Schedule (optimizer.resume_schedule)
         if self.sync:
-            return lr_at(version, self.cfg.optimizer, self.n_workers, self.steps_per_epoch, total)
-        return lr_at(version // self.n_workers, self.cfg.optimizer, 1, self.steps_per_epoch, total)
+            return schedule.lr(version, self.n_workers)
+        return schedule.lr(version // self.n_workers, 1)
 
     # --- workers ------------------------------------------------------------------------
     def batches(self, epoch: int, position: int):
@@ -171,12 +203,12 @@ class ParameterServer(StrategyBase):
 
     def evaluate(self) -> np.ndarray | None:
         """Validation on the workers' final parameters (called by `finish` only)."""
-        sums = np.zeros(3)
+        sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         if not self.is_server and self.dataset.val_size:
             batch = max(256, self.cfg.train["batch_size"])
             for x, y in iterate_val(self.dataset, self.index, self.n_workers, batch):
                 ev = self.model.evaluate(x, y)
-                sums += (ev.loss_sum, ev.correct, ev.count)
+                sums += (ev.loss_sum, ev.correct, ev.count, len(y))
         return sums
 
     evaluates_in_loop = False  # servers are busy serving; evaluation is in `finish`

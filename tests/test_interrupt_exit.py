@@ -1,0 +1,149 @@
+"""An interrupt is not a preemption (issue 29, item 4).
+
+Ctrl-C reaches a process started alone as SIGINT; mpirun passes it on to its ranks as
+SIGTERM. Outside SLURM both are a stop the user asked for: checkpoint, say "interrupted",
+no requeue warning, and exit 128 + the signal's number (130 for Ctrl-C). Under SLURM a
+SIGTERM stays a preemption (requeued). mpirun's own exit status after Ctrl-C is Open
+MPI's (1, whatever its ranks return), and the interrupt line says so.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from mpirun import HPCTRAIN, ROOT
+
+from hpctrain.runtime.preemption import Preemption, interrupt_exit_code, interrupt_reason
+
+SLURM = {"SLURM_JOB_ID": "42"}
+MPIRUN = {"OMPI_COMM_WORLD_SIZE": "2"}
+
+
+# --- which stops are interrupts ---------------------------------------------------------
+@pytest.mark.parametrize(
+    "name,env,code",
+    [
+        ("SIGINT", {}, 130),
+        ("SIGINT", SLURM, 130),  # srun passes Ctrl-C on as SIGINT: the user's stop
+        ("SIGTERM", {}, 143),  # kill, timeout(1): a stop request outside SLURM
+        ("SIGTERM", MPIRUN, 143),  # mpirun's Ctrl-C
+        ("SIGTERM", {**SLURM, **MPIRUN}, 0),  # scancel / preemption: requeued, as before
+        ("SIGUSR1", {}, 0),
+        ("SIGUSR1", SLURM, 0),
+        (None, {}, 0),
+        ("a signal", {}, 0),  # the parameter server's summary
+    ],
+)
+def test_exit_code_after_a_clean_stop(name, env, code):
+    assert interrupt_exit_code(name, env) == code
+    assert (interrupt_reason(name, env) is not None) == (code != 0)
+
+
+def test_mpirun_sigterm_is_named_as_its_ctrl_c_and_its_exit_status_explained():
+    why = interrupt_reason("SIGTERM", MPIRUN)
+    assert "Ctrl-C" in why and "mpirun exits 1" in why
+    assert "Ctrl-C" not in interrupt_reason("SIGTERM", {})
+
+
+def test_sigterm_is_an_interrupt_outside_slurm_and_a_preemption_under_it():
+    for env, interrupted in (({}, True), (SLURM, False)):
+        with Preemption(env=env) as pre:
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert pre.signal_name == "SIGTERM"
+            blocker = pre.requeue_blocker()
+        if interrupted:
+            assert blocker.startswith("interrupted (") and "not running under SLURM" not in blocker
+        else:
+            assert blocker is None  # may be requeued: SLURM's behaviour is unchanged
+
+
+# --- real runs ------------------------------------------------------------------------------
+SETS = [
+    "data.train_samples=200000",
+    "data.val_samples=64",
+    "train.batch_size=16",
+    "model.hidden=[16]",
+    "train.log_every=1",
+    "metrics.tensorboard=false",
+]
+
+
+def _env() -> dict:
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env["PYTHONUNBUFFERED"] = "1"
+    for key in [k for k in env if k.startswith("SLURM_")]:
+        del env[key]
+    return env
+
+
+def _stop_after_steps(cmd, run: Path, sig, group: bool, steps=5, timeout=120):
+    """Start `cmd`, wait for `steps` steps in metrics.jsonl, send `sig`, wait for the end."""
+    proc = subprocess.Popen(
+        cmd,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=_env(),
+        cwd=ROOT,
+        start_new_session=True,  # its own process group, as a terminal's foreground job
+    )
+    metrics = run / "metrics.jsonl"
+    try:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if metrics.exists() and sum(1 for _ in metrics.open()) >= steps:
+                break
+            time.sleep(0.2)
+        assert proc.poll() is None, proc.communicate()[0]
+        if group:
+            os.killpg(proc.pid, sig)  # what Ctrl-C does: the whole foreground group
+        else:
+            os.kill(proc.pid, sig)
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    return proc.returncode, out
+
+
+def _assert_checkpointed_stop(run: Path, out: str, name: str) -> None:
+    assert f"{name} received: stopped at step" in out, out
+    assert "Traceback" not in out and "MPI_ABORT" not in out, out
+    assert "not requeueing" not in out, out  # no warning about a requeue nobody asked for
+    assert "continue with --resume auto" in out, out
+    checkpoints = sorted((run / "checkpoints").glob("ckpt-*.h5"))
+    summary = [json.loads(x) for x in (run / "metrics.jsonl").open()][-1]
+    assert summary["event"] == "summary" and summary["preempted"] == name, summary
+    assert checkpoints and int(checkpoints[-1].stem.split("-")[1]) == summary["steps"], out
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_process_alone_stops_as_an_interrupted_program(tmp_path, sig, code):
+    run = tmp_path / "run"
+    cmd = [HPCTRAIN, "train", "--run-dir", str(run)]
+    for s in SETS:
+        cmd += ["--set", s]
+    rc, out = _stop_after_steps(cmd, run, sig, group=sig == signal.SIGINT)
+    _assert_checkpointed_stop(run, out, sig.name)
+    assert "interrupted (" in out, out
+    assert rc == code, out
+
+
+def test_ctrl_c_on_mpirun_is_an_interrupt_and_mpirun_exits_1(tmp_path):
+    run = tmp_path / "run"
+    cmd = ["mpirun", "-np", "2", HPCTRAIN, "train", "--run-dir", str(run)]
+    for s in SETS:
+        cmd += ["--set", s]
+    rc, out = _stop_after_steps(cmd, run, signal.SIGINT, group=True)
+    _assert_checkpointed_stop(run, out, "SIGTERM")  # mpirun passes Ctrl-C on as SIGTERM
+    assert "interrupted (Ctrl-C or a kill of mpirun" in out, out
+    # Open MPI's mpirun ends 1 after Ctrl-C whatever its ranks return (its abort status);
+    # the line above says so, so a clean, checkpointed stop is not mistaken for a crash.
+    assert "mpirun exits 1" in out and rc == 1, (rc, out)
