@@ -38,6 +38,7 @@ SECTIONS = [
     "exchange",
     "convergence",
     "memory",
+    "gpu",  # only where torch sees a CUDA GPU (skipped with the reason elsewhere)
 ]
 BUDGET_SECONDS = {True: 100, False: 13 * 60}  # quick / full, before optional work is cut
 

@@ -127,6 +127,13 @@ SCHEMA: dict[str, Any] = {
             0.0, (int, float), "linear warm-up from base lr to scaled lr", **NONNEG
         ),
         "schedule": _f("constant", str, "lr after warm-up", choices=("constant", "cosine")),
+        "resume_schedule": _f(
+            "stretch",
+            str,
+            "a resume with another train.epochs/max_steps: stretch the cosine over the new "
+            "length, or continue the checkpoint's schedule (then its final lr)",
+            choices=("stretch", "continue"),
+        ),
     },
     "train": {
         "epochs": _f(1, int, "passes over the training set", **POS_INT),
@@ -167,8 +174,10 @@ SCHEMA: dict[str, Any] = {
             "fp32",
             str,
             "compute precision: bf16 runs forward/backward in bfloat16 (torch autocast, "
-            "TensorFlow casts) with float32 master weights, gradients and optimizer state",
-            choices=("fp32", "bf16"),
+            "TensorFlow casts) with float32 master weights, gradients and optimizer state; "
+            "fp16 (torch) in float16 with dynamic loss scaling (an overflow skips the step "
+            "on every rank; the scale is checkpointed)",
+            choices=("fp32", "bf16", "fp16"),
         ),
         "zero": _f(
             0,
@@ -187,8 +196,10 @@ SCHEMA: dict[str, Any] = {
             "auto",
             str,
             "gradient averaging: horovod (background engine), mpi (one MPI_Allreduce after "
-            "backward), auto (mpi when ranks x threads fill the node's cores)",
-            choices=("auto", "horovod", "mpi", "overlap"),
+            "backward), overlap (MPI buckets from backward hooks), nccl / gloo "
+            "(torch.distributed process groups bootstrapped over MPI, on the device), auto "
+            "(nccl on GPU ranks; on CPU mpi when ranks x threads fill the node's cores)",
+            choices=("auto", "horovod", "mpi", "overlap", "nccl", "gloo"),
         ),
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
         "log_every": _f(10, int, "log a progress line every N steps", **POS_INT),
@@ -222,6 +233,13 @@ SCHEMA: dict[str, Any] = {
         "autotune": _f(False, bool, "HOROVOD_AUTOTUNE"),
     },
     "runtime": {
+        "device": _f(
+            "auto",
+            str,
+            "where each rank computes: cuda (one GPU per rank, picked by node-local rank), "
+            "cpu, or auto (cuda when torch sees a GPU and the layout runs on GPUs)",
+            choices=("auto", "cpu", "cuda"),
+        ),
         "collective_timeout": _f(
             600.0,
             (int, float),
@@ -606,6 +624,7 @@ def _cross_checks(v: dict) -> list[str]:
             "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
             "live on one rank each; there is nothing to average them with)"
         )
+    problems += _process_group_checks(v) + _device_checks(v)
     zero = v["train"]["zero"]
     if zero:
         clash = [
@@ -657,13 +676,31 @@ def _cross_checks(v: dict) -> list[str]:
             problem = check_divisible(model_options(model), tensor)
             if problem:
                 problems.append(problem)
-    if v["train"]["precision"] == "bf16":
+    if v["train"]["precision"] == "fp16":
+        fp16_clash = [
+            what
+            for what, bad in (
+                (f"backend {v['backend']}", v["backend"] != "torch"),
+                (f"train.allreduce={engine}", engine == "horovod"),
+                (f"train.zero={zero}", zero),
+                (f"parallel.tensor={tensor}", tensor > 1),
+            )
+            if bad
+        ]
+        if fp16_clash:
+            problems.append(
+                "train.precision=fp16: dynamic loss scaling runs on the torch backend's "
+                f"dense data parallel (not with {', '.join(fp16_clash)}); bf16 needs no "
+                "loss scaling"
+            )
+    if v["train"]["precision"] in ("bf16", "fp16"):
+        half = v["train"]["precision"]
         if v["strategy"] != "data_parallel":
             problems.append(
-                f"train.precision=bf16: runs with strategy data_parallel, not {v['strategy']}"
+                f"train.precision={half}: runs with strategy data_parallel, not {v['strategy']}"
             )
         if isinstance(v["model"], dict) and v["model"].get("moe"):
-            problems.append("train.precision=bf16: not with mixture-of-experts layers yet")
+            problems.append(f"train.precision={half}: not with mixture-of-experts layers yet")
     if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
         problems.append(
             f"train.compression={v['train']['compression']}: only with strategy "
@@ -687,6 +724,52 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(
             f"data.task: model {name} needs data.task "
             f"{' or '.join(MODEL_TASK[name])}, got {v['data']['task']}"
+        )
+    return problems
+
+
+def _process_group_checks(v: dict) -> list[str]:
+    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients;
+    the features that run on the MPI exchange layer are refused with them."""
+    engine = v["train"]["allreduce"]
+    if engine not in ("nccl", "gloo"):
+        return []
+    model = v["model"] if isinstance(v["model"], dict) else {}
+    clash = [
+        what
+        for what, bad in (
+            (f"backend {v['backend']}", v["backend"] != "torch"),
+            (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+            (f"train.zero={v['train']['zero']}", v["train"]["zero"]),
+            (f"parallel.tensor={v['parallel']['tensor']}", v["parallel"]["tensor"] > 1),
+            ("mixture-of-experts layers", bool(model.get("moe"))),
+            (f"train.compression={v['train']['compression']}", v["train"]["compression"] != "none"),
+            ("train.hierarchical", v["train"]["hierarchical"]),
+            (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
+        )
+        if bad
+    ]
+    problems = []
+    if clash:
+        problems.append(
+            f"train.allreduce={engine}: the process-group engine averages dense data-parallel "
+            f"gradients of the torch backend; not with {', '.join(clash)} (those run on "
+            "train.allreduce=mpi or auto)"
+        )
+    return problems
+
+
+def _device_checks(v: dict) -> list[str]:
+    """runtime.device=cuda asks for GPU ranks: refused here, on every rank, when the
+    layout cannot run on them (auto then stays on the CPU)."""
+    from .runtime.devices import gpu_unsupported
+
+    why = gpu_unsupported(v) if v["runtime"]["device"] == "cuda" else None
+    problems = [f"runtime.device=cuda: {why}"] if why else []
+    if v["train"]["allreduce"] == "nccl" and v["runtime"]["device"] == "cpu":
+        problems.append(
+            "train.allreduce=nccl: NCCL needs GPU ranks, not runtime.device=cpu; on CPU ranks "
+            "use train.allreduce=gloo"
         )
     return problems
 

@@ -78,6 +78,34 @@ def _check_backend(name: str) -> tuple[list[tuple[str, str]], list[str]]:
     return rows, missing
 
 
+def _gpu_of_rank(local_rank: int) -> str:
+    """The GPU this rank computes on under runtime.device auto ("-": none)."""
+    try:
+        from .backends.torch import gpu_of_rank
+
+        return gpu_of_rank(local_rank)
+    except Exception as exc:  # noqa: BLE001 - doctor reports, never fails on this
+        return f"- ({type(exc).__name__})"
+
+
+def _print_topology() -> None:
+    """The node's GPU interconnect as `nvidia-smi topo -m` shows it, where it exists."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20
+        ).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return
+    print("\n  GPU topology (nvidia-smi topo -m, rank 0's node):")
+    for line in out.splitlines()[:12]:
+        print("    " + line)
+
+
 def run_doctor(quiet: bool = False) -> int:
     from .runtime import world
 
@@ -88,7 +116,8 @@ def run_doctor(quiet: bool = False) -> int:
         missing += m
     w = world() if "mpi4py" not in missing else None
     if w is not None:
-        layouts = w.gather_object(w.layout.as_dict(), what="doctor: gather layouts")
+        mine = {**w.layout.as_dict(), "gpu": _gpu_of_rank(w.layout.local_rank)}
+        layouts = w.gather_object(mine, what="doctor: gather layouts")
         failures = w.gather_object(missing, what="doctor: gather problems")
     else:
         layouts, failures = None, [missing]
@@ -101,12 +130,15 @@ def run_doctor(quiet: bool = False) -> int:
             print(f"  {key:<{width}}  {value}")
     if layouts is not None and not quiet:
         print(f"\n  {len(layouts)} rank(s), launcher: {layouts[0]['launcher']}")
-        print("  rank  local  local_size  node  host")
+        gpus = any(lay["gpu"] != "-" for lay in layouts)
+        print("  rank  local  local_size  node  host" + ("  gpu" if gpus else ""))
         for lay in layouts:
             print(
                 f"  {lay['rank']:>4}  {lay['local_rank']:>5}  {lay['local_size']:>10}  "
-                f"{lay['node']:>4}  {lay['hostname']}"
+                f"{lay['node']:>4}  {lay['hostname']}" + (f"  {lay['gpu']}" if gpus else "")
             )
+        if gpus:
+            _print_topology()
     problems = sorted({p for rank_missing in failures for p in rank_missing})
     if problems:
         print("\ndoctor: MISSING: " + "; ".join(problems), file=sys.stderr)

@@ -70,15 +70,34 @@ class StepReducer:
         self.world = comm
         self.overlap = overlap  # False: every push waits for its own step (one more sync)
         self._pending = None  # (PendingArray, report without totals, extra layout)
+        self._deferred = None  # a GPU step whose sums are read at the next push
 
     def push(self, step, stats, lr, seconds, preempt=False, save_due=False) -> list[StepReport]:
         """Send this step's numbers; return the previous step's report (if any), or this
-        step's own when not overlapping."""
-        settled = self.drain()
-        bad = not np.isfinite(stats.loss_sum)
+        step's own when not overlapping.
+
+        A GPU rank's step leaves its sums on the device (0-d tensors, see the torch
+        backend): reading them waits for the step to finish, so they are read at the
+        next push, once the next step's work is queued and the GPU never idles; such a
+        step's report then settles one push later. CPU ranks are read at once."""
+        now = (step, stats, lr, seconds, preempt, save_due)
+        if not _on_device(stats):
+            settled = self.drain()
+            self._send(*now)
+        else:
+            earlier, self._deferred = self._deferred, now
+            settled = self._wait()
+            if earlier is not None:
+                self._send(*earlier)
+        return settled if self.overlap else settled + self._wait()
+
+    def _send(self, step, stats, lr, seconds, preempt, save_due) -> None:
+        # float(): reads a device sum (waits for its step; see push)
+        loss_sum = float(stats.loss_sum)
+        bad = not np.isfinite(loss_sum)
         head = [
-            0.0 if bad else stats.loss_sum,
-            stats.correct,
+            0.0 if bad else loss_sum,
+            float(stats.correct),
             stats.count,
             float(bad),
             float(preempt),
@@ -94,10 +113,18 @@ class StepReducer:
         else:
             pending = self.world.start_allreduce_array(local, "sum", "step metrics")
         self._pending = (pending, report, layout)
-        return settled if self.overlap else settled + self.drain()
 
     def drain(self) -> list[StepReport]:
-        """Wait for the step in flight (if any) and return its report."""
+        """Wait for the steps in flight (a deferred one included) and return their reports."""
+        settled = self._wait()
+        if self._deferred is not None:
+            earlier, self._deferred = self._deferred, None
+            self._send(*earlier)
+            settled += self._wait()
+        return settled
+
+    def _wait(self) -> list[StepReport]:
+        """Wait for the step whose allreduce is in flight (if any); its report."""
         if self._pending is None:
             return []
         pending, report, layout = self._pending
@@ -110,3 +137,8 @@ class StepReducer:
             report.extra[key] = [float(v) for v in value] if is_list else float(value[0])
             i += size
         return [report]
+
+
+def _on_device(stats) -> bool:
+    """The step's sums still live on an accelerator (anything but a Python/numpy number)."""
+    return not isinstance(stats.loss_sum, (int, float, np.number))

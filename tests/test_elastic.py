@@ -16,7 +16,7 @@ from mpirun import HPCTRAIN
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.config import Config
-from hpctrain.elastic.batch import plan_batch, replicas_of
+from hpctrain.elastic.batch import plan_batch, ranks_per_replica, replicas_of
 from hpctrain.elastic.cli import _np_range, _without_reuse_flags
 from hpctrain.elastic.hosts import Host, agent_problem, probe, read_hostfile, tcp_problem
 from hpctrain.errors import ConfigError
@@ -81,6 +81,29 @@ def test_a_lost_replica_keeps_the_global_batch_and_the_scaled_lr():
     assert plan.lr == pytest.approx(0.2) and "pipeline.microbatches 2 -> 4" in plan.note
     tp = Config.load(None, ["parallel.tensor=2", "model.name=transformer", "data.task=tokens"])
     assert replicas_of(tp, 8) == 4
+
+
+def test_a_pipeline_with_tensor_groups_keeps_the_global_batch_when_a_node_is_lost():
+    """pipe 2 x tensor 2: a replica is 4 ranks (the tensor axis was ignored before, so
+    8 ranks counted 4 replicas instead of 2, and the restart plan doubled the batch)."""
+    cfg = Config.load(
+        None,
+        [
+            "strategy=pipeline",
+            "pipeline.stages=2",
+            "pipeline.microbatches=2",
+            "parallel.tensor=2",
+            "model.name=transformer",
+            "data.task=tokens",
+            "train.batch_size=8",
+            "optimizer.lr=0.1",
+        ],
+    )
+    assert ranks_per_replica(cfg) == 4
+    assert (replicas_of(cfg, 8), replicas_of(cfg, 4)) == (2, 1)
+    plan = plan_batch(cfg, replicas_of(cfg, 8), replicas_of(cfg, 4))  # a node of 4 lost
+    assert (plan.microbatches, plan.global_batch) == (4, 32)  # 2 x 2 x 8 kept
+    assert plan.lr == pytest.approx(0.2)  # linear scaling: the scaled lr stays 0.2
 
 
 def test_probes_tell_a_live_host_from_a_lost_one():

@@ -57,6 +57,19 @@ def test_bf16_transformer_loss_within_two_percent_of_float32(tmp_path_factory, b
     assert l16[-1] < l16[0]  # it learned
 
 
+share(2, "torch", "fp16-transformer", *TRANSFORMER, "train.precision=fp16")
+
+
+def test_fp16_with_loss_scaling_follows_float32_on_every_rank(tmp_path_factory):
+    """float16 autocast with dynamic loss scaling: the launch's check that every rank
+    holds the same parameters covers the overflow skips (all ranks skip together), and
+    the loss follows float32's."""
+    _, l32 = shared_run(tmp_path_factory, 2, "torch", "fp32-transformer")
+    _, l16 = shared_run(tmp_path_factory, 2, "torch", "fp16-transformer")
+    assert l16[-1] == pytest.approx(l32[-1], rel=0.02), (l16[-1], l32[-1])
+    assert l16[-1] < l16[0]
+
+
 def test_bf16_refuses_what_it_does_not_cover():
     from hpctrain.config import Config
     from hpctrain.errors import ConfigError

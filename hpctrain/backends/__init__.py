@@ -43,7 +43,11 @@ def worker_class(name: str):
 
 def versions(name: str) -> dict[str, str]:
     """Framework and Horovod versions recorded in checkpoints."""
-    import horovod
-
     framework = importlib.import_module(name)
-    return {"framework": f"{name} {framework.__version__}", "horovod": horovod.__version__}
+    try:
+        import horovod
+
+        hvd = horovod.__version__
+    except ImportError:  # a GPU node's Python without Horovod (the nccl/mpi engines)
+        hvd = "not installed"
+    return {"framework": f"{name} {framework.__version__}", "horovod": hvd}

@@ -21,16 +21,25 @@ import numpy as np
 from ..errors import ConfigError
 from ..exchange import DenseMean
 
-ENGINES = ("auto", "horovod", "mpi", "overlap")
+ENGINES = ("auto", "horovod", "mpi", "overlap", "nccl", "gloo")
+PROCESS_GROUP_ENGINES = ("nccl", "gloo")
 
 
 def choose(
-    cfg, local_ranks: int, threads: int, cores: int | None = None, world=None
+    cfg,
+    local_ranks: int,
+    threads: int,
+    cores: int | None = None,
+    world=None,
+    device: str = "cpu",
+    gpu_shared: bool = False,
 ) -> tuple[str, str]:
     """(engine, why) for `train.allreduce`, resolving `auto` the same way on every rank.
 
     Nodes can differ (cores, ranks per node): `auto` picks mpi when any node is full, agreed
     through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
+    GPU ranks (device "cuda", the same on every rank): `auto` is NCCL, unless ranks share
+    a GPU (`gpu_shared`, agreed by the caller), which only the host-staged mpi engine allows.
     """
     wanted = cfg.train["allreduce"]
     compression = cfg.train["compression"]
@@ -46,16 +55,14 @@ def choose(
         )
     if wanted != "auto":
         return wanted, "train.allreduce"
-    if (
-        cfg.train["hierarchical"]
-        or cfg.train["sync_every"] > 1
-        or cfg.train["zero"]
-        or cfg.parallel["tensor"] > 1
-    ):
-        return "mpi", (
-            "auto: hierarchical allreduce, local SGD, ZeRO and tensor parallelism run on the "
-            "MPI engine"
-        )
+    if device == "cuda":
+        if gpu_shared:
+            return "mpi", "auto: ranks share a GPU, so gradients are staged through host memory"
+        return "nccl", "auto: GPU ranks average on the device with NCCL"
+    needs_mpi = mpi_features(cfg)
+    if needs_mpi:
+        verb = "runs" if len(needs_mpi) == 1 else "run"
+        return "mpi", f"auto: {join_words(needs_mpi)} {verb} on the MPI engine"
     if compression not in ("none", "fp16"):  # fp16: Horovod's or the MPI engine's ring
         return "mpi", f"auto: train.compression={compression} runs on the MPI engine"
     cores = cores or os.cpu_count() or 1
@@ -69,6 +76,27 @@ def choose(
     if full:
         return "mpi", f"auto: {local_ranks} rank(s) x {threads} thread(s), {cores} cores"
     return "horovod", f"auto: {cores - busy} spare core(s) for Horovod's engine"
+
+
+def mpi_features(cfg) -> list[str]:
+    """The features that are on in `cfg` and run on the MPI engine only, as a user would
+    name them (the reason `auto` gives for picking mpi names exactly these)."""
+    t, tensor = cfg.train, cfg.parallel["tensor"]
+    return [
+        what
+        for what, on in (
+            ("hierarchical allreduce", t["hierarchical"]),
+            (f"local SGD (train.sync_every={t['sync_every']})", t["sync_every"] > 1),
+            (f"ZeRO-{t['zero']}", t["zero"]),
+            (f"tensor parallelism (parallel.tensor={tensor})", tensor > 1),
+        )
+        if on
+    ]
+
+
+def join_words(words: list[str]) -> str:
+    """'a', 'a and b', 'a, b and c'."""
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} and {words[-1]}"
 
 
 # The dense MPI average moved to the framework-free exchange layer; the name stays.

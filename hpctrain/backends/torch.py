@@ -10,378 +10,106 @@ The `mpi` engine (see `gradient_engine`) instead sums one flat gradient buffer w
 
 from __future__ import annotations
 
-import random
 import time
 from collections import OrderedDict
 from functools import partial
 
 import numpy as np
 import torch
-import torch.nn.functional as F
-import torch.utils.checkpoint
-from torch import nn
 
 from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
-from ..moe.parallel import is_expert_param, local_layers
-from ..runtime.memory import peak_rss_bytes
+from ..moe.parallel import is_expert_param
 from ..tensor import parallel as tensor_parallel
 from . import gradient_engine, torch_moe, torch_tensor
 from .base import (
-    OPTIMIZER_SLOTS,
     BackendBase,
     EvalStats,
     StepStats,
     build_agreed,
-    model_part,
-    replicated_memory_plan,
-    with_model_prefix,
+)
+from .torch_device import (
+    DeviceFeeder,
+    agreed_device,
+    to_host,
+)
+from .torch_model import ZooNet, _Layer, build_model  # noqa: F401 - importable from here
+from .torch_state import TorchStateMixin
+from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, tests)
+    backward_mean_loss,
+    compute_precision,
+    evaluate_model,
+    export_optimizer_state,
+    import_optimizer_state,
+    make_loss_scaler,
+    make_optimizer,
+    prepare_process,
+    rng_state,
+    set_rng_state,
 )
 from .torch_zero import TorchZero
 
 
 def probe() -> dict:
-    """Versions and Horovod build facts, for `hpctrain doctor`."""
-    import horovod
-    import horovod.torch as hvd
-
+    """Versions, GPUs and Horovod build facts, for `hpctrain doctor`."""
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else "n/a"
+    framework = (
+        f"{torch.__version__} (threads {torch.get_num_threads()}, CUDA "
+        f"{f'yes, {gpus} GPU(s), NCCL {nccl}' if gpus else 'no'})"
+    )
+    try:
+        import horovod
+        import horovod.torch as hvd
+    except ImportError as exc:  # a GPU node's Python may run the nccl/mpi engines alone
+        return {
+            "framework": framework,
+            "horovod": f"not installed ({exc}); engines nccl, gloo, mpi work without it",
+            "missing": ["Horovod"],
+        }
     built = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built()}
     missing = [k for k in ("MPI", "Gloo") if not built[k]]
     ops = ", ".join(k for k, v in built.items() if v) or "none"
     return {
-        "framework": f"{torch.__version__} (threads {torch.get_num_threads()}, "
-        f"CUDA {'yes' if torch.cuda.is_available() else 'no'})",
-        "horovod": f"{horovod.__version__}; controllers/ops: {ops}",
+        "framework": framework,
+        "horovod": f"{horovod.__version__}; controllers/ops: {ops}"
+        + ("" if built["NCCL"] or not gpus else " (no NCCL: train.allreduce=horovod stays on CPU)"),
         "missing": missing,
     }
 
 
-# --- the zoo's layer kinds, interpreted with torch ops ---------------------------------
-class _Container(nn.Module):
-    """An empty module that only groups children, so names come out canonical."""
-
-    def forward(self, *args):  # pragma: no cover - never called
-        raise RuntimeError("container")
-
-
-def _child(root: nn.Module, dotted: str) -> nn.Module:
-    node = root
-    for part in dotted.split("."):
-        if part not in node._modules:
-            node.add_module(part, _Container())
-        node = node._modules[part]
-    return node
-
-
-def _causal_attention(qkv, heads: int):
-    """Masked self-attention of `heads` heads from the packed q, k, v projections
-    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]."""
-    n, t, width = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3
-    dh = width // heads
-    q, k, v = (z.reshape(n, t, heads, dh).transpose(1, 2) for z in qkv.split(width, -1))
-    scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(dh))
-    mask = torch.ones(t, t, dtype=torch.bool).triu(1)
-    att = torch.softmax(scores.masked_fill(mask, float("-inf")), dim=-1)
-    return (att @ v).transpose(1, 2).reshape(n, t, width)
-
-
-class _Layer(nn.Module):
-    def __init__(self, spec: zoo.LayerSpec):
-        super().__init__()
-        self.spec = spec
-        self.p: dict[str, torch.Tensor] = {}
-        for name, shape in spec.params.items():
-            holder, leaf = self._holder(name)
-            param = nn.Parameter(torch.zeros(shape))
-            holder.register_parameter(leaf, param)
-            self.p[name] = param
-        for name, shape in spec.buffers.items():
-            holder, leaf = self._holder(name)
-            holder.register_buffer(leaf, torch.zeros(shape))
-            self.p[name] = getattr(holder, leaf)
-
-    def _holder(self, name: str):
-        if "." in name:
-            parent, leaf = name.rsplit(".", 1)
-            return _child(self, parent), leaf
-        return self, name
-
-    def _bn(self, x, prefix):
-        return F.batch_norm(
-            x,
-            self.p[f"{prefix}.running_mean"],
-            self.p[f"{prefix}.running_var"],
-            self.p[f"{prefix}.weight"],
-            self.p[f"{prefix}.bias"],
-            training=self.training,
-            momentum=zoo.BN_MOMENTUM,
-            eps=zoo.BN_EPS,
-        )
-
-    def forward(self, x):
-        kind, p, a = self.spec.kind, self.p, self.spec.attrs
-        if kind == "flatten":
-            return x.reshape(x.shape[0], -1)
-        if kind == "dense":
-            y = F.linear(x, p["weight"], p["bias"])
-            return F.relu(y) if a["relu"] else y
-        if kind == "conv":
-            y = F.conv2d(x, p["weight"], p.get("bias"), stride=a["stride"], padding=a["padding"])
-            return F.relu(y) if a["relu"] else y
-        if kind == "gap":
-            return x.mean(dim=(2, 3))
-        if kind == "conv_bn":
-            return F.relu(self._bn(F.conv2d(x, p["conv.weight"], None, a["stride"], 1), "bn"))
-        if kind == "resblock":
-            s = a["stride"]
-            out = F.relu(self._bn(F.conv2d(x, p["conv1.weight"], None, s, 1), "bn1"))
-            out = self._bn(F.conv2d(out, p["conv2.weight"], None, 1, 1), "bn2")
-            if "shortcut.conv.weight" in p:
-                x = self._bn(F.conv2d(x, p["shortcut.conv.weight"], None, s, 0), "shortcut.bn")
-            return F.relu(out + x)
-        if kind == "embed":
-            return p["tok.weight"][x] + p["pos.weight"][: x.shape[1]]
-        if kind == "layernorm":
-            return F.layer_norm(x, x.shape[-1:], p["weight"], p["bias"], zoo.LN_EPS)
-        if kind == "block":
-            return self._block(x)
-        raise ValueError(f"unknown layer kind {kind!r}")
-
-    def _block(self, x):
-        if self.spec.attrs.get("tensor", 1) > 1:
-            return self._tensor_parallel_block(x)
-        p, heads = self.p, self.spec.attrs["n_heads"]
-        d = x.shape[-1]
-        h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
-        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
-        x = x + F.linear(y, p["attn.proj.weight"], p["attn.proj.bias"])
-        h = F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
-        if "moe" in self.spec.attrs:  # mixture-of-experts feed-forward: torch_moe.py
-            return x + torch_moe.moe_ffn(self, h)
-        h = F.linear(
-            F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"])),
-            p["ffn.fc2.weight"],
-            p["ffn.fc2.bias"],
-        )
-        return x + h
-
-    def _tensor_parallel_block(self, x):
-        """The block with this rank's heads and MLP slice (Megatron): f before the
-        column-parallel layers, g after the row-parallel ones, biases after g."""
-        p, heads = self.p, self.spec.attrs["n_heads"]  # this rank's heads
-        d = x.shape[-1]
-        h = torch_tensor.copy_to_tensor_axis(
-            F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
-        )
-        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
-        out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]))
-        x = x + out + p["attn.proj.bias"]
-        h = torch_tensor.copy_to_tensor_axis(
-            F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
-        )
-        if "moe" in self.spec.attrs:  # this rank's samples through the experts
-            lo, hi = tensor_parallel.tensor_group().my_rows(h.shape[0])
-            router = torch_tensor.copy_to_tensor_axis(p["moe.router.weight"])
-            y = torch_moe.moe_ffn(self, h[lo:hi], router)
-            y = F.pad(y, (0, 0, 0, 0, lo, h.shape[0] - hi))  # the other ranks' rows: 0
-            return x + torch_tensor.reduce_from_tensor_axis(y)
-        h = F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"]))
-        out = torch_tensor.reduce_from_tensor_axis(F.linear(h, p["ffn.fc2.weight"]))
-        return x + out + p["ffn.fc2.bias"]
-
-
-class ZooNet(nn.Module):
-    """A zoo model: the layers in order, parameters under their canonical names."""
-
-    def __init__(self, layers: list[zoo.LayerSpec]):
-        super().__init__()
-        self.seq = []
-        for spec in layers:
-            layer = _Layer(spec)
-            if "." in spec.name:
-                parent, leaf = spec.name.rsplit(".", 1)
-                _child(self, parent).add_module(leaf, layer)
-            else:
-                self.add_module(spec.name, layer)
-            self.seq.append(layer)
-
-    def forward(self, x):
-        for layer in self.seq:
-            if layer.spec.attrs.get("recompute") and torch.is_grad_enabled():
-                # Activation checkpointing: keep the block's input, recompute the rest in
-                # backward (non-reentrant: exact gradients, RNG state preserved).
-                x = torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False)
-            else:
-                x = layer(x)
-        return x
-
-
-def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
-    """A zoo model with the canonical initial weights, or the user's own nn.Module."""
-    name = model_cfg["name"]
-    if zoo.is_zoo_model(name):
-        layers = zoo.build_layers(model_cfg, inp)
-        tp = tensor_parallel.tensor_group()  # this rank's shard of each split layer
-        model = ZooNet(tensor_parallel.local_layers(local_layers(layers, seed), tp.size))
-        # Initial values of all experts (the same at any world size), one tensor at a
-        # time; this rank keeps its experts (MoE) and its tensor-parallel pieces.
-        mine = model.state_dict(keep_vars=True)
-        unset = set(mine)
-        with torch.no_grad():
-            for key, value in zoo.iter_init_weights(layers, seed):
-                if key in mine:
-                    part = tensor_parallel.shard(key, value, tp.size, tp.rank)
-                    mine[key].copy_(torch.from_numpy(part))
-                    unset.discard(key)
-                del value
-        if unset:  # a zoo layer whose tensors the canonical specs do not name: a bug
-            raise RuntimeError(f"no initial value for {sorted(unset)[:3]}")
-        return model
-    from .torch_user import build_user_model  # import, call, one checked forward pass
-
-    return build_user_model(model_cfg, inp, seed)
-
-
-def export_optimizer_state(
-    optimizer, named_params, kind: str, copy: bool = True
-) -> dict[str, np.ndarray]:
-    """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
-
-    torch creates slots at the first step; before it they are exported as zeros, which is
-    what they would start from. copy=False: live slots as views (valid until the next step).
-    """
-    state, step = {}, 0
-    for name, param in named_params:
-        st = optimizer.state.get(param, {})
-        for slot in OPTIMIZER_SLOTS[kind]:
-            value = st.get(slot)
-            state[f"optimizer/{slot}/{name}"] = (
-                np.zeros(tuple(param.shape), np.float32)
-                if value is None
-                else (value.detach().numpy().copy() if copy else value.detach().numpy())
-            )
-        if "step" in st:
-            step = int(float(st["step"]))
-    if kind == "adam":
-        state["optimizer/step"] = np.array(step, dtype=np.int64)
-    return state
-
-
-def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> None:
-    """The inverse of `export_optimizer_state` (ValueError naming a missing slot)."""
-    step = int(state.get("optimizer/step", 0))
-    for name, param in named_params:
-        st = optimizer.state[param]
-        for slot in OPTIMIZER_SLOTS[kind]:
-            key = f"optimizer/{slot}/{name}"
-            if key not in state:
-                raise ValueError(f"optimizer state {key} missing")
-            st[slot] = torch.from_numpy(np.array(state[key], dtype=np.float32))
-        if kind == "adam":
-            st["step"] = torch.tensor(float(step))
-
-
-def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:
-    """torch's SGD or Adam over `params` as the optimizer section says."""
-    if ocfg["name"] == "sgd":
-        return torch.optim.SGD(
-            params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
-        )
-    return torch.optim.Adam(
-        params,
-        lr=ocfg["lr"],
-        betas=tuple(ocfg["betas"]),
-        eps=ocfg["eps"],
-        weight_decay=ocfg["weight_decay"],
-    )
-
-
-# --- what the backend, the pipeline stage and the PS worker share ------------------------
-def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
-    """Threads, deterministic kernels and every random stream of this rank's process."""
-    torch.set_num_threads(threads)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
-    torch.manual_seed(seed)
-    np.random.seed(seed % 2**32)
-    random.seed(seed)
-
-
-def compute_precision(bf16: bool):
-    """bf16: torch's CPU autocast (matmuls, convolutions and what follows them in
-    bfloat16; parameters, gradients and optimizer state stay float32)."""
-    return torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16)
-
-
-@torch.no_grad()
-def evaluate_model(model: nn.Module, x: np.ndarray, y: np.ndarray, bf16=False) -> EvalStats:
-    """Summed loss, correct predictions and count of one batch in eval mode."""
-    model.eval()
-    with compute_precision(bf16):
-        logits = model(torch.from_numpy(x))
-    logits = logits.float()
-    yt = torch.from_numpy(y)
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum")
-    return EvalStats(float(loss), int((logits.argmax(-1) == yt).sum()), int(np.prod(y.shape)))
-
-
-def rng_state() -> dict[str, np.ndarray]:
-    """torch's global generator (dropout and other random layers draw from it)."""
-    return {"torch": torch.get_rng_state().numpy().copy()}
-
-
-def set_rng_state(state: dict[str, np.ndarray]) -> None:
-    if "torch" in state:
-        torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
-
-
-def backward_mean_loss(
-    model: nn.Module, micro_batches, aux_loss=None, before_last=None, after_each=None, bf16=False
-) -> tuple[float, int, int]:
-    """Backward of the mean loss over all the step's samples on this rank (gradients
-    accumulate over the micro-batches); returns (loss sum, correct, count).
-    `aux_loss(model)`: an extra per-token loss of the last forward (MoE balancing).
-    `before_last()`: called before the last micro-batch's backward (the overlapped
-    engine starts communication only there, when the gradients become final).
-    `after_each()`: called after each micro-batch's backward (ZeRO-2 reduces there)."""
-    total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
-    loss_sum, correct = 0.0, 0
-    for i, (x, y) in enumerate(micro_batches):
-        if before_last is not None and i == len(micro_batches) - 1:
-            before_last()
-        xt, yt = torch.from_numpy(x), torch.from_numpy(y)
-        with compute_precision(bf16):
-            logits = model(xt)
-        logits = logits.float()  # the loss in float32 (as autocast does)
-        loss = F.cross_entropy(
-            logits.reshape(-1, logits.shape[-1]), yt.reshape(-1), reduction="sum"
-        )
-        aux = aux_loss(model) if aux_loss is not None else None
-        term = loss if aux is None else loss + aux * yt.numel()
-        (term / total).backward()
-        if after_each is not None:
-            after_each()
-        loss_sum += float(loss.detach())
-        correct += int((logits.detach().argmax(-1) == yt).sum())
-    return loss_sum, correct, total
+def gpu_of_rank(local_rank: int) -> str:
+    """The GPU this rank would use under runtime.device auto/cuda (doctor's table)."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if n == 0:
+        return "-"
+    index = 0 if n == 1 else local_rank % n
+    props = torch.cuda.get_device_properties(index)
+    return f"cuda:{index} {props.name} {props.total_memory / 2**30:.0f} GiB"
 
 
 # --- the backend ------------------------------------------------------------------------
-class TorchBackend(BackendBase):
+class TorchBackend(TorchStateMixin, BackendBase):
     name = "torch"
 
     def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
         self.cfg = cfg
         self.world = world
         local = getattr(world, "local_size", 1)  # a grid axis has no node layout
-        self.engine, self.engine_reason = gradient_engine.choose(cfg, local, threads, world=world)
+        self.device, self.device_reason, shared = agreed_device(cfg, world)
+        self.engine, self.engine_reason = gradient_engine.choose(
+            cfg, local, threads, world=world, device=self.device.type, gpu_shared=shared
+        )
         self.inp = inp
-        self.bf16 = cfg.train["precision"] == "bf16"
+        self.precision = cfg.train["precision"]  # fp32 | bf16 | fp16 (autocast)
+        self.scaler = make_loss_scaler(self.precision, self.device.type)
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        self.model = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
+        model = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
+        self.model = model.to(self.device)  # canonical weights built on the host, then moved
+        self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         ocfg = cfg.optimizer
         dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
@@ -425,6 +153,14 @@ class TorchBackend(BackendBase):
             if self.zero is not None
             else make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
         )
+        self._pg = None  # nccl / gloo: torch.distributed on the device (torch_pg.py)
+        if self.engine in gradient_engine.PROCESS_GROUP_ENGINES:
+            from .torch_pg import ProcessGroupMean
+
+            timeout = cfg.runtime["collective_timeout"]
+            self._pg = self._flat = ProcessGroupMean(
+                world, params, self.device, self.engine, timeout
+            )
         self._overlap = None  # the overlapped engine: buckets started from backward hooks
         if self.engine == "overlap":
             self._overlap = self._flat = OverlapMean(
@@ -463,7 +199,12 @@ class TorchBackend(BackendBase):
         if w is None or w.size == 1:
             return
         for name, tensor in state.items():
-            w.bcast_inplace(tensor.numpy(), what=f"broadcast {name}")
+            if tensor.device.type == "cpu":  # the numpy view shares the tensor's memory
+                w.bcast_inplace(tensor.numpy(), what=f"broadcast {name}")
+            else:  # a GPU rank stages through the host, once at start-up
+                host = to_host(tensor)
+                w.bcast_inplace(host, what=f"broadcast {name}")
+                tensor.copy_(torch.from_numpy(host))
         if self.zero is not None:  # each rank's optimizer state is its own shard
             self.zero.sync_shard()
             return
@@ -501,10 +242,19 @@ class TorchBackend(BackendBase):
         self.optimizer.zero_grad()
         before_last = self._open_buckets if self._overlap is not None else None
         loss_sum, correct, total = backward_mean_loss(
-            self.model, micro_batches, torch_moe.aux_loss, before_last, bf16=self.bf16
+            self.model,
+            micro_batches,
+            torch_moe.aux_loss,
+            before_last,
+            bf16=self.precision,
+            feed=self._feed.put,
+            scaler=self.scaler,
         )
         t0 = time.perf_counter()
-        if self._overlap is not None:
+        if self._pg is not None:  # on the device; on a GPU this only queues the work
+            self._pg.average(self._dense)
+            self.exchange_step += 1
+        elif self._overlap is not None:
             self._finish_buckets()
         elif self.hvd is None:
             self._average_with_mpi()
@@ -512,12 +262,16 @@ class TorchBackend(BackendBase):
             self.optimizer.synchronize()
         torch_moe.average_expert_grads(self.model)
         comm = time.perf_counter() - t0
+        if self.scaler is not None:  # the average's true scale, before the clip sees it
+            self.scaler.unscale_(self.optimizer)
         if self.clip is not None and tensor_parallel.tensor_group().size > 1:
             torch_tensor.clip_grad_norm_(list(self.model.named_parameters()), self.clip)
         elif self.clip is not None:
             torch_moe.clip_grad_norm_(self.model, self.clip)
         self._release_exported()  # the copy overlapped forward and backward; now update
-        if self.hvd is None:
+        if self.scaler is not None:  # skipped (every rank) on an overflow; scale updated
+            self._scaled_step()
+        elif self.hvd is None:
             self.optimizer.step()
         else:
             with self.optimizer.skip_synchronize():
@@ -527,6 +281,13 @@ class TorchBackend(BackendBase):
             extra.update(self._flat.stats())
         extra.update(self.memory())
         return StepStats(loss_sum, correct, total, comm, extra)
+
+    def _scaled_step(self) -> None:
+        """fp16: step unless the averaged gradients overflowed, then grow or back off the
+        loss scale (`loss_scale` in the step metrics on CPU ranks; reading it on a GPU
+        would synchronise the host)."""
+        self.scaler.step(self.optimizer)
+        self.scaler.update()
 
     def _zero_step(self, micro_batches, lr: float) -> StepStats:
         """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather."""
@@ -550,7 +311,7 @@ class TorchBackend(BackendBase):
             micro_batches,
             torch_moe.aux_loss,
             after_each=after_backward,
-            bf16=self.bf16,
+            bf16=self.precision,
         )
         t0 = time.perf_counter()
         z.reduce()
@@ -594,45 +355,6 @@ class TorchBackend(BackendBase):
             self._split_mask = self.zero.part.shard_mask(split)
         return self._split_mask, group
 
-    def memory_plan(self) -> dict[str, float]:
-        """Bytes of gradients and optimizer state this rank will hold once training runs
-        (`grad`, `optimizer`) and how much of them is resident now (`*_now`: torch
-        allocates optimizer state at the first step; numpy buffers fill at first use)."""
-        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
-        opt_now = self.memory()["mem_optimizer_bytes"]
-        if self.zero is not None:
-            e, z = self.zero.part.expected_bytes(slots), self.zero
-            return {
-                "grad": e["zero_model_grad_bytes"] + z.part.largest_segment_bytes(),
-                "grad_now": float(z.part.flat_len * 4 if z.part.stage == 1 else 0),
-                "optimizer": e["zero_model_optimizer_bytes"],
-                "optimizer_now": opt_now,
-            }
-        trainable = sum(p.numel() * 4 for p in self.model.parameters() if p.requires_grad)
-        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
-
-    def memory(self) -> dict[str, float]:
-        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
-        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
-        if self.zero is not None:
-            out = self.zero.memory(slots)
-        else:
-            grads = sum(p.grad.numel() * 4 for p in self.model.parameters() if p.grad is not None)
-            buffer = getattr(self._flat, "buffer", None)
-            opt = sum(
-                v.numel() * v.element_size()
-                for st in self.optimizer.state.values()
-                for v in st.values()
-                if torch.is_tensor(v) and v.dim() > 0
-            )
-            out = {
-                "mem_param_bytes": float(sum(p.numel() * 4 for p in self.model.parameters())),
-                "mem_grad_bytes": float(grads + (buffer.nbytes if buffer is not None else 0)),
-                "mem_optimizer_bytes": float(opt),
-            }
-        out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
-        return out
-
     @torch.no_grad()
     def _average_with_mpi(self) -> None:
         """One MPI_Allreduce of every dense gradient (the `mpi` engine)."""
@@ -640,9 +362,14 @@ class TorchBackend(BackendBase):
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dense]
         flat = torch.from_numpy(self._flat.buffer)
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
+        if self.device.type == "cpu":
+            torch.cat([g.reshape(-1) for g in grads], out=flat)
+        else:  # host-staged: one device-to-host copy, MPI on the host, one copy back
+            flat.copy_(torch.cat([g.reshape(-1) for g in grads]))
         self._flat.reduce(self.exchange_step)
         self.exchange_step += 1
+        if self.device.type != "cpu":
+            flat = flat.to(self.device, non_blocking=False)
         for p, view in zip(self._dense, flat.split(self._flat.sizes)):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
@@ -679,13 +406,13 @@ class TorchBackend(BackendBase):
         self.exchange_step += 1
 
     def evaluate(self, x, y) -> EvalStats:
-        return evaluate_model(self.model, x, y, self.bf16)
+        return evaluate_model(self.model, x, y, self.precision)
 
     @torch.no_grad()
     def predict(self, x) -> np.ndarray:
         self.model.eval()
-        with compute_precision(self.bf16):
-            return self.model(torch.from_numpy(x)).float().numpy()
+        with compute_precision(self.precision, self.device.type):
+            return to_host(self.model(torch.from_numpy(x).to(self.device)).float())
 
     def average_buffers(self) -> None:
         """Average BatchNorm running statistics, which Horovod leaves per replica."""
@@ -693,80 +420,14 @@ class TorchBackend(BackendBase):
         for name, buf in self.model.named_buffers():
             if self.hvd is not None:
                 buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
-            else:  # the numpy view shares the buffer's memory
+            elif buf.device.type == "cpu":  # the numpy view shares the buffer's memory
                 gradient_engine.average_array(self.world, buf.numpy(), f"average buffer {name}")
-
-    # --- state ------------------------------------------------------------------
-    def param_names(self) -> list[str]:
-        return list(self._names.values())
-
-    def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        return OrderedDict((k, v.copy()) for k, v in self._live_weights().items())
-
-    def _live_weights(self) -> OrderedDict[str, np.ndarray]:
-        """Views of the model's parameters and buffers (valid until the next step)."""
-        return OrderedDict((k, v.detach().numpy()) for k, v in self.model.state_dict().items())
-
-    def weight_shapes(self) -> dict[str, tuple]:
-        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
-
-    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
-        self.check_weights(weights, self.weight_shapes())
-        self._release_exported()
-        with torch.no_grad():
-            for key, tensor in self.model.state_dict(keep_vars=True).items():
-                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
-        if self.zero is not None:
-            self.zero.sync_shard()
-
-    def export_state(self) -> dict[str, np.ndarray]:
-        """The canonical state; under ZeRO a collective whose result is whole on rank 0.
-        Valid until the next step (without ZeRO, views of the live tensors)."""
-        if self.zero is not None:
-            names = [self._names[p] for p in self._dense]
-            kind = self.cfg.optimizer["name"]
-            return {
-                **with_model_prefix(self.get_weights()),
-                **export_optimizer_state(self.optimizer, self._expert_named(), kind),
-                **self.zero.export_optimizer(names, kind),
-            }
-        # Views of the live tensors, no copy: a checkpoint writes them before the next
-        # step, or an async save copies them into its reused buffers (staging.py).
-        names = ((n, p) for p, n in self._names.items())
-        return {
-            **with_model_prefix(self._live_weights()),
-            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], False),
-        }
-
-    def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
-        """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
-        this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
-        communication."""
-        names = [self._names[p] for p in self._dense]
-        kind = self.cfg.optimizer["name"]
-        replicated = {
-            **with_model_prefix(self.get_weights()),  # with experts: each rank its own
-            **export_optimizer_state(self.optimizer, self._expert_named(), kind),
-            **self.zero.step_state(kind),
-        }
-        return replicated, self.zero.optimizer_pieces(names, kind)
-
-    def import_state(self, state: dict[str, np.ndarray]) -> None:
-        self.set_weights(model_part(state))  # waits for an async save's copy first
-        if self.zero is not None:
-            names = [self._names[p] for p in self._dense]
-            kind = self.cfg.optimizer["name"]
-            if self._expert_named():
-                import_optimizer_state(self.optimizer, self._expert_named(), kind, state)
-            self.zero.import_optimizer(names, kind, state)
-            return
-        names = ((n, p) for p, n in self._names.items())
-        import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)
-
-    rng_state = staticmethod(rng_state)
-    set_rng_state = staticmethod(set_rng_state)
+            else:
+                host = to_host(buf)
+                gradient_engine.average_array(self.world, host, f"average buffer {name}")
+                buf.copy_(torch.from_numpy(host))
 
     def versions(self) -> dict[str, str]:
-        import horovod
+        from . import versions
 
-        return {"framework": "torch " + torch.__version__, "horovod": horovod.__version__}
+        return versions("torch")

@@ -29,8 +29,8 @@ from ..moe.parallel import is_expert_param
 from . import gradient_engine, torch_moe
 from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
-from .torch import (
-    ZooNet,
+from .torch_model import ZooNet
+from .torch_steps import (
     export_optimizer_state,
     import_optimizer_state,
     make_optimizer,

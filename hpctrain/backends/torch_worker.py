@@ -15,9 +15,9 @@ import torch
 
 from ..models import zoo
 from .base import EvalStats
-from .torch import (
+from .torch_model import build_model
+from .torch_steps import (
     backward_mean_loss,
-    build_model,
     evaluate_model,
     prepare_process,
     rng_state,

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ..lr_schedule import scaled_lr
+from ..shape import GridShape
 
 
 @dataclass(frozen=True)
@@ -25,18 +26,13 @@ class BatchPlan:
 
 
 def replicas_of(cfg, world_size: int) -> int:
-    """Data-parallel replicas of a world: what the learning rate and the batch scale with."""
-    if cfg["strategy"] == "pipeline":
-        return world_size // cfg.pipeline["stages"]
-    if cfg["strategy"] == "parameter_server":  # the workers; the last ranks serve
-        return max(0, world_size - cfg.ps["servers"])
-    return world_size // cfg.parallel["tensor"]
+    """Data-parallel replicas of a world: what the learning rate and the batch scale with
+    (a pipeline's replica is stages x tensor ranks: GridShape)."""
+    return GridShape.of(cfg, world_size).replicas
 
 
 def ranks_per_replica(cfg) -> int:
-    if cfg["strategy"] == "pipeline":
-        return cfg.pipeline["stages"]
-    return 1 if cfg["strategy"] == "parameter_server" else cfg.parallel["tensor"]
+    return GridShape.of(cfg, 0).ranks_per_replica
 
 
 def plan_batch(cfg, first_replicas: int, replicas: int) -> BatchPlan:

@@ -1,0 +1,174 @@
+"""Where a torch rank computes, and how batches and state cross to and from it.
+
+One code path for CPU and GPU ranks: on a CPU rank every function here is the identity
+or a zero-copy view (the CPU suite runs exactly what it ran before); on a GPU rank
+batches travel numpy -> reused pinned host slot -> device on a copy stream, state
+comes back to the host as copies, and memory figures come from the CUDA allocator.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError, HpctrainError
+from ..runtime.devices import DeviceChoice, choose_device, gpu_unsupported
+from . import gradient_engine
+
+
+def visible_gpus() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
+    """This rank's torch device (and why), made current for CUDA.
+
+    layout: the World's Layout (node-local rank and size, hostname); None for a process
+    outside an MPI job. Refusals are ConfigErrors, raised before the model is built.
+    """
+    local_rank = layout.local_rank if layout is not None else 0
+    local_size = layout.local_size if layout is not None else 1
+    host = layout.hostname if layout is not None else "this node"
+    choice = choose_device(
+        cfg.runtime["device"],
+        visible_gpus(),
+        local_rank,
+        local_size,
+        host,
+        cfg.train["allreduce"],
+        gpu_unsupported(cfg),
+    )
+    if choice.kind == "cpu":
+        return torch.device("cpu"), choice
+    device = torch.device("cuda", choice.index)
+    torch.cuda.set_device(device)
+    return device, choice
+
+
+def agreed_device(cfg, world):
+    """(device, why, ranks share a GPU): one rank per GPU by node-local rank; every
+    rank agrees on errors (a node without GPUs, too many ranks for its GPUs)."""
+    from ..runtime import world_if_started
+
+    top = world_if_started()
+    layout = getattr(top, "layout", None)
+    error, device, why, shared = None, torch.device("cpu"), "", False
+    try:
+        device, choice = resolve_device(cfg, layout)
+        why = choice.reason
+    except HpctrainError as exc:
+        error = str(exc)
+    if world is not None and world.size > 1:
+        world.agree(error, error_type=ConfigError)
+        gpu = gpu_identity(device) if device.type == "cuda" else ""
+        host = layout.hostname if layout is not None else ""
+        ids = world.allgather_object((device.type, host, gpu), what="agree on devices")
+        if len({kind for kind, _, _ in ids}) > 1:  # the same list on every rank
+            raise ConfigError(
+                "ranks disagree on the device (some see a GPU, some do not): set "
+                "runtime.device to cpu or cuda"
+            )
+        shared = device.type == "cuda" and len(set(ids)) < len(ids)
+    elif error is not None:
+        raise ConfigError(error)
+    if device.type == "cuda":
+        prepare_cuda(cfg.train["deterministic"])
+        torch.cuda.reset_peak_memory_stats(device)
+    if shared and cfg.train["allreduce"] in gradient_engine.PROCESS_GROUP_ENGINES:
+        raise ConfigError(
+            f"train.allreduce={cfg.train['allreduce']}: ranks share a GPU on "
+            f"{layout.hostname if layout else 'this node'}; NCCL needs one GPU per rank "
+            "(fewer ranks per node, or train.allreduce=mpi to stage through host memory)"
+        )
+    return device, why, shared
+
+
+def prepare_cuda(deterministic: bool) -> None:
+    """cuBLAS needs a fixed workspace for deterministic kernels (torch refuses without)."""
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+
+
+def gpu_identity(device: torch.device) -> str:
+    """A string naming this physical GPU (its UUID where torch has it)."""
+    props = torch.cuda.get_device_properties(device)
+    uuid = getattr(props, "uuid", None)
+    return str(uuid) if uuid is not None else f"{props.name}:{props.pci_bus_id}"
+
+
+def describe_gpu(device: torch.device) -> str:
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name}, {props.total_memory / 2**30:.0f} GiB"
+
+
+def to_host(tensor: torch.Tensor, copy: bool = True) -> np.ndarray:
+    """A numpy array of `tensor`: a view on CPU when copy=False, always a copy from a GPU."""
+    t = tensor.detach()
+    if t.device.type != "cpu":
+        return t.cpu().numpy()
+    return t.numpy().copy() if copy else t.numpy()
+
+
+def from_host(array, like: torch.Tensor) -> torch.Tensor:
+    """`array` (numpy) as float32 on `like`'s device."""
+    return torch.from_numpy(np.array(array, dtype=np.float32)).to(like.device)
+
+
+class DeviceFeeder:
+    """Batches onto the rank's device without a host synchronisation.
+
+    CPU: zero-copy tensors over the numpy arrays. CUDA: each array is copied into a
+    reused pinned host slot (a ring of `depth` slot sets, so the slot written now was
+    last read `depth` batches ago), then to the device with `non_blocking=True` on a
+    copy stream that the compute stream waits for at the point of use. The host runs
+    ahead of the GPU (nothing in the step synchronises), so the next batch's copy
+    overlaps the current step's compute.
+    """
+
+    def __init__(self, device: torch.device, depth: int = 3):
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.depth = depth
+        self._ring: dict[tuple, list] = {}
+        self._turn: dict[tuple, int] = {}
+        self.stream = torch.cuda.Stream(device) if self.cuda else None
+
+    def put(self, array: np.ndarray) -> torch.Tensor:
+        if not self.cuda:
+            return torch.from_numpy(array)
+        key = (array.shape, array.dtype.str)
+        ring = self._ring.setdefault(key, [None] * self.depth)
+        turn = self._turn.get(key, 0)
+        self._turn[key] = (turn + 1) % self.depth
+        slot = ring[turn]
+        if slot is None:
+            pinned = torch.empty(
+                array.shape, dtype=torch.from_numpy(np.empty(0, array.dtype)).dtype
+            )
+            slot = ring[turn] = [pinned.pin_memory(), None]
+        elif slot[1] is not None and not slot[1].query():
+            # The copy out of this slot was issued `depth` batches ago: in a steady state
+            # it is long done and nothing waits; only a host far ahead of the GPU does.
+            slot[1].synchronize()
+        slot[0].numpy()[...] = array
+        with torch.cuda.stream(self.stream):
+            out = slot[0].to(self.device, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(self.stream)
+        slot[1] = done
+        main = torch.cuda.current_stream(self.device)
+        main.wait_stream(self.stream)
+        out.record_stream(main)
+        return out
+
+
+def memory_figures(device: torch.device) -> dict[str, float]:
+    """The CUDA allocator's peaks on a GPU rank (nothing on CPU: RSS covers it)."""
+    if device.type != "cuda":
+        return {}
+    return {
+        "mem_cuda_peak_allocated_bytes": float(torch.cuda.max_memory_allocated(device)),
+        "mem_cuda_peak_reserved_bytes": float(torch.cuda.max_memory_reserved(device)),
+    }

@@ -1,0 +1,140 @@
+"""The torch backend's state and memory: canonical weights and optimizer state in and
+out (views on CPU, host copies from a GPU), and the per-rank memory figures (the
+CUDA allocator's peaks on a GPU rank)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+import torch
+
+from ..runtime.memory import peak_rss_bytes
+from .base import OPTIMIZER_SLOTS, model_part, replicated_memory_plan, with_model_prefix
+from .torch_device import memory_figures, to_host
+from .torch_steps import (
+    export_optimizer_state,
+    import_optimizer_state,
+    load_scaler_state,
+    rng_state,
+    scaler_state,
+    set_rng_state,
+)
+
+
+class TorchStateMixin:
+    """For TorchBackend: needs self.model, self.optimizer, self.zero, self._names,
+    self._dense, self._flat, self.device, self.scaler, self.cfg and self._release_exported()."""
+
+    def memory_plan(self) -> dict[str, float]:
+        """Bytes of gradients and optimizer state this rank will hold once training runs
+        (`grad`, `optimizer`) and how much of them is resident now (`*_now`: torch
+        allocates optimizer state at the first step; numpy buffers fill at first use)."""
+        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
+        opt_now = self.memory()["mem_optimizer_bytes"]
+        if self.zero is not None:
+            e, z = self.zero.part.expected_bytes(slots), self.zero
+            return {
+                "grad": e["zero_model_grad_bytes"] + z.part.largest_segment_bytes(),
+                "grad_now": float(z.part.flat_len * 4 if z.part.stage == 1 else 0),
+                "optimizer": e["zero_model_optimizer_bytes"],
+                "optimizer_now": opt_now,
+            }
+        trainable = sum(p.numel() * 4 for p in self.model.parameters() if p.requires_grad)
+        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
+
+    def memory(self) -> dict[str, float]:
+        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
+        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
+        if self.zero is not None:
+            out = self.zero.memory(slots)
+        else:
+            grads = sum(p.grad.numel() * 4 for p in self.model.parameters() if p.grad is not None)
+            buffer = getattr(self._flat, "buffer", None)
+            opt = sum(
+                v.numel() * v.element_size()
+                for st in self.optimizer.state.values()
+                for v in st.values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )
+            out = {
+                "mem_param_bytes": float(sum(p.numel() * 4 for p in self.model.parameters())),
+                "mem_grad_bytes": float(grads + (buffer.nbytes if buffer is not None else 0)),
+                "mem_optimizer_bytes": float(opt),
+            }
+        out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
+        out.update(memory_figures(self.device))  # the CUDA allocator's peaks on a GPU rank
+        return out
+
+    # --- state ------------------------------------------------------------------
+    def param_names(self) -> list[str]:
+        return list(self._names.values())
+
+    def get_weights(self) -> OrderedDict[str, np.ndarray]:
+        return OrderedDict((k, v.copy()) for k, v in self._live_weights().items())
+
+    def _live_weights(self) -> OrderedDict[str, np.ndarray]:
+        """Views of the model's parameters and buffers (valid until the next step)."""
+        state = self.model.state_dict().items()
+        return OrderedDict((k, to_host(v, copy=False)) for k, v in state)
+
+    def weight_shapes(self) -> dict[str, tuple]:
+        return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
+
+    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+        self.check_weights(weights, self.weight_shapes())
+        self._release_exported()
+        with torch.no_grad():
+            for key, tensor in self.model.state_dict(keep_vars=True).items():
+                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+        if self.zero is not None:
+            self.zero.sync_shard()
+
+    def export_state(self) -> dict[str, np.ndarray]:
+        """The canonical state; under ZeRO a collective whose result is whole on rank 0.
+        Valid until the next step (without ZeRO, views of the live tensors)."""
+        if self.zero is not None:
+            names = [self._names[p] for p in self._dense]
+            kind = self.cfg.optimizer["name"]
+            return {
+                **with_model_prefix(self.get_weights()),
+                **export_optimizer_state(self.optimizer, self._expert_named(), kind),
+                **self.zero.export_optimizer(names, kind),
+            }
+        # Views of the live tensors, no copy: a checkpoint writes them before the next
+        # step, or an async save copies them into its reused buffers (staging.py).
+        names = ((n, p) for p, n in self._names.items())
+        return {
+            **with_model_prefix(self._live_weights()),
+            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], False),
+            **scaler_state(self.scaler),  # fp16's loss scale (ZeRO refuses fp16)
+        }
+
+    def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
+        """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
+        this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
+        communication."""
+        names = [self._names[p] for p in self._dense]
+        kind = self.cfg.optimizer["name"]
+        replicated = {
+            **with_model_prefix(self.get_weights()),  # with experts: each rank its own
+            **export_optimizer_state(self.optimizer, self._expert_named(), kind),
+            **self.zero.step_state(kind),
+        }
+        return replicated, self.zero.optimizer_pieces(names, kind)
+
+    def import_state(self, state: dict[str, np.ndarray]) -> None:
+        self.set_weights(model_part(state))  # waits for an async save's copy first
+        if self.zero is not None:
+            names = [self._names[p] for p in self._dense]
+            kind = self.cfg.optimizer["name"]
+            if self._expert_named():
+                import_optimizer_state(self.optimizer, self._expert_named(), kind, state)
+            self.zero.import_optimizer(names, kind, state)
+            return
+        names = ((n, p) for p, n in self._names.items())
+        import_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], state)
+        load_scaler_state(self.scaler, state)
+
+    rng_state = staticmethod(rng_state)
+    set_rng_state = staticmethod(set_rng_state)

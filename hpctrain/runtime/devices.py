@@ -1,0 +1,102 @@
+"""Which device a rank computes on: the rule, free of any framework.
+
+One rank per GPU, as NCCL requires (two ranks on one GPU make NCCL fail or hang at the
+first collective). A rank picks its GPU from its node-local rank among the GPUs it can
+see, so `CUDA_VISIBLE_DEVICES`, SLURM's `--gpus-per-task` and `--gpu-bind` all work: a
+rank that sees exactly one GPU uses it whatever its local rank. More ranks than visible
+GPUs on a node is refused before any work, naming the node and the counts, unless the
+gradient engine stages through host memory (the `mpi` engine), which tolerates sharing
+(tests, or a node with fewer GPUs than cores).
+
+Cost: a rule evaluated locally; the only collective is the caller's one agreement on
+errors, so it stays O(log N) at 1,024 and 4,096 ranks.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+
+DEVICES = ("auto", "cpu", "cuda")
+# Engines that move gradients through host memory: they tolerate ranks sharing a GPU.
+HOST_STAGED_ENGINES = ("mpi", "auto")
+
+
+@dataclass(frozen=True)
+class DeviceChoice:
+    kind: str  # "cpu" | "cuda"
+    index: int | None  # the CUDA ordinal this rank uses (among the visible GPUs)
+    reason: str
+
+
+def choose_device(
+    wanted: str,
+    visible_gpus: int,
+    local_rank: int,
+    local_size: int,
+    hostname: str,
+    engine: str,
+    supported: str | None = None,
+) -> DeviceChoice:
+    """The device for this rank.
+
+    wanted: `runtime.device`. visible_gpus: GPUs this process can see (0 without CUDA).
+    supported: None when the layout can run on a GPU, else why not (auto then stays on
+    the CPU; `cuda` is refused with it).
+    """
+    if wanted not in DEVICES:
+        raise ConfigError(f"runtime.device: expected one of {', '.join(DEVICES)}, got {wanted!r}")
+    if wanted == "cpu":
+        return DeviceChoice("cpu", None, "runtime.device=cpu")
+    if visible_gpus == 0:
+        if wanted == "cuda":
+            raise ConfigError(
+                f"runtime.device=cuda: no usable CUDA GPU on {hostname} (torch sees none; "
+                "check CUDA_VISIBLE_DEVICES, the driver, and that torch is a CUDA build)"
+            )
+        return DeviceChoice("cpu", None, "auto: no CUDA GPU visible")
+    if supported is not None:
+        if wanted == "cuda":
+            raise ConfigError(f"runtime.device=cuda: {supported}")
+        return DeviceChoice("cpu", None, f"auto: {supported}")
+    if visible_gpus == 1:
+        return DeviceChoice("cuda", 0, f"{wanted}: the one GPU this rank sees")
+    if local_size > visible_gpus and engine not in HOST_STAGED_ENGINES:
+        raise ConfigError(
+            f"runtime.device: node {hostname} runs {local_size} ranks but has "
+            f"{visible_gpus} GPUs; NCCL needs one GPU per rank (launch at most "
+            f"{visible_gpus} ranks per node, or use train.allreduce=mpi to share GPUs "
+            "through host memory)"
+        )
+    index = local_rank % visible_gpus
+    return DeviceChoice("cuda", index, f"{wanted}: GPU {index} of {visible_gpus} (local rank)")
+
+
+def gpu_unsupported(cfg) -> str | None:
+    """Why this configuration (a Config or its dict) cannot run on GPU ranks yet (None:
+    it can). One rule for the config check and the device choice."""
+    if cfg["backend"] != "torch":
+        return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
+    if cfg["strategy"] != "data_parallel":
+        return f"strategy {cfg['strategy']} runs on CPU ranks only so far"
+    train, model = cfg["train"], cfg["model"]
+    tensor = cfg["parallel"]["tensor"]
+    why = [
+        what
+        for what, bad in (
+            (f"train.zero={train['zero']}", train["zero"]),
+            (f"parallel.tensor={tensor}", tensor > 1),
+            ("mixture-of-experts layers", isinstance(model, dict) and model.get("moe")),
+            (f"train.compression={train['compression']}", train["compression"] != "none"),
+            ("train.hierarchical", train["hierarchical"]),
+            (f"train.sync_every={train['sync_every']}", train["sync_every"] > 1),
+            ("train.allreduce=horovod", train["allreduce"] == "horovod"),
+            ("train.allreduce=gloo", train["allreduce"] == "gloo"),
+            ("train.allreduce=overlap", train["allreduce"] == "overlap"),
+        )
+        if bad
+    ]
+    if why:
+        return f"GPU ranks train dense data parallel so far, not with {', '.join(why)}"
+    return None

