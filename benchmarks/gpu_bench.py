@@ -7,8 +7,9 @@ autocast, float32 master weights, Adam, clip 1.0):
 - ddp:    the same loop under torch DDP over NCCL at np=1;
 - hpctrain: `hpctrain train` itself (one rank, runtime.device=cuda, the nccl engine),
           its own data path included, throughput from metrics.jsonl's steps.
-Tokens/s, MFU = 6 N tokens/s over the device's dense bf16 peak, the step split into
-data, forward+backward, exchange and optimizer (events, phases synchronised), the
+Tokens/s, MFU = 6 N tokens/s over the device's dense bf16 peak, the plain loop's step
+split into forward+backward and optimizer (CUDA events; hpctrain at np=1 exchanges
+nothing, and its data path is measured apart), the
 host-staged MPI engine's cost per MB, and the data path's rate against the step's.
 
     python3 benchmarks/gpu_bench.py --out DIR [--steps 30] [--size base|large]
@@ -87,7 +88,7 @@ def _model_and_batch(size: str):
     return model, x, y, n_params, batch * seq
 
 
-def _loop(model, x, y, steps: int, split=False, fused=True):
+def _loop(model, x, y, steps: int, fused=True):
     """Median seconds per step of the hand-written loop (and the phase split)."""
     import torch
     import torch.nn.functional as F
@@ -109,7 +110,7 @@ def _loop(model, x, y, steps: int, split=False, fused=True):
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         t2.record()
-        if split or i >= 3:
+        if i >= 3:
             torch.cuda.synchronize()
         if i >= 3:
             times.append(t0.elapsed_time(t2) / 1e3)

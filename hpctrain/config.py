@@ -734,21 +734,16 @@ def _process_group_checks(v: dict) -> list[str]:
     engine = v["train"]["allreduce"]
     if engine not in ("nccl", "gloo"):
         return []
-    model = v["model"] if isinstance(v["model"], dict) else {}
+    from .runtime.devices import mpi_only_features
+
     clash = [
         what
         for what, bad in (
             (f"backend {v['backend']}", v["backend"] != "torch"),
             (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
-            (f"train.zero={v['train']['zero']}", v["train"]["zero"]),
-            (f"parallel.tensor={v['parallel']['tensor']}", v["parallel"]["tensor"] > 1),
-            ("mixture-of-experts layers", bool(model.get("moe"))),
-            (f"train.compression={v['train']['compression']}", v["train"]["compression"] != "none"),
-            ("train.hierarchical", v["train"]["hierarchical"]),
-            (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
         )
         if bad
-    ]
+    ] + mpi_only_features(v)
     problems = []
     if clash:
         problems.append(

@@ -49,7 +49,11 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
 
 def agreed_device(cfg, world):
     """(device, why, ranks share a GPU): one rank per GPU by node-local rank; every
-    rank agrees on errors (a node without GPUs, too many ranks for its GPUs)."""
+    rank agrees on errors (a node without GPUs, too many ranks for its GPUs).
+
+    Cost, once at start-up: one agreement (an allreduce of a flag) and one allgather of
+    (device kind, host, GPU id), ~100 bytes a rank: 0.1 MB received per rank at 1,024
+    ranks, 0.4 MB at 4,096."""
     from ..runtime import world_if_started
 
     top = world_if_started()

@@ -32,7 +32,6 @@ import torch.distributed as dist
 from ..errors import ConfigError
 
 _SIOCGIFADDR = 0x8915
-_group_key: tuple | None = None  # (backend, rank, size, store address) of the live group
 
 
 def ipv4_addresses() -> list[str]:
@@ -72,8 +71,8 @@ def _reachable(addresses: list[str], port: int, deadline: float) -> str:
 
 def init_process_group(comm, backend: str, timeout_s: float, device: torch.device):
     """torch.distributed's default group over `comm`'s ranks (a guarded MPI
-    communicator), bootstrapped over it; an existing matching group is reused."""
-    global _group_key
+    communicator), bootstrapped over it. A group left by an earlier run in this process
+    (tests train several runs per launch) is replaced: each run has its own store."""
     timeout = timedelta(seconds=float(timeout_s))
     if comm.is_root:
         store = dist.TCPStore(
@@ -81,10 +80,7 @@ def init_process_group(comm, backend: str, timeout_s: float, device: torch.devic
         )
         where = (ipv4_addresses(), store.port)
     where = comm.bcast_object(where if comm.is_root else None, what="process-group address")
-    key = (backend, comm.rank, comm.size, where[1], tuple(where[0]))
     if dist.is_initialized():
-        if _group_key == key:
-            return dist.group.WORLD
         dist.destroy_process_group()
     if not comm.is_root:
         addr = _reachable(where[0], where[1], time.monotonic() + float(timeout_s))
@@ -93,7 +89,6 @@ def init_process_group(comm, backend: str, timeout_s: float, device: torch.devic
     dist.init_process_group(
         backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout, **kwargs
     )
-    _group_key = key
     return dist.group.WORLD
 
 

@@ -20,7 +20,7 @@ example (run it where a batch script would run mpirun):
       train --config configs/demo.yaml --run-dir runs/demo
   Each attempt is `mpirun --hostfile <hosts that answer> -np N [--mpirun-args]
   hpctrain train ... --resume auto`. Inside a SLURM allocation (sbatch script):
-  hpctrain elastic --launcher srun --launcher-args "--mpi=pmix" -- train ...
+  hpctrain elastic --launcher srun --launcher-args=--mpi=pmix -- train ...
   runs each attempt as `srun --nodes=K --ntasks=N --nodelist=<nodes that answer>`. The global batch stays as launched (grad_accum
   absorbs lost replicas) where it divides; events in <run-dir>/elastic/events.jsonl.
 """

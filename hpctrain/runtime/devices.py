@@ -73,6 +73,25 @@ def choose_device(
     return DeviceChoice("cuda", index, f"{wanted}: GPU {index} of {visible_gpus} (local rank)")
 
 
+def mpi_only_features(cfg) -> list[str]:
+    """The features `cfg` (a Config or its dict) turns on that run on the MPI exchange
+    layer only: GPU ranks and the process-group engines refuse them with this list."""
+    train, model = cfg["train"], cfg["model"]
+    tensor = cfg["parallel"]["tensor"]
+    return [
+        what
+        for what, on in (
+            (f"train.zero={train['zero']}", train["zero"]),
+            (f"parallel.tensor={tensor}", tensor > 1),
+            ("mixture-of-experts layers", isinstance(model, dict) and model.get("moe")),
+            (f"train.compression={train['compression']}", train["compression"] != "none"),
+            ("train.hierarchical", train["hierarchical"]),
+            (f"train.sync_every={train['sync_every']}", train["sync_every"] > 1),
+        )
+        if on
+    ]
+
+
 def gpu_unsupported(cfg) -> str | None:
     """Why this configuration (a Config or its dict) cannot run on GPU ranks yet (None:
     it can). One rule for the config check and the device choice."""
@@ -80,23 +99,9 @@ def gpu_unsupported(cfg) -> str | None:
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] != "data_parallel":
         return f"strategy {cfg['strategy']} runs on CPU ranks only so far"
-    train, model = cfg["train"], cfg["model"]
-    tensor = cfg["parallel"]["tensor"]
-    why = [
-        what
-        for what, bad in (
-            (f"train.zero={train['zero']}", train["zero"]),
-            (f"parallel.tensor={tensor}", tensor > 1),
-            ("mixture-of-experts layers", isinstance(model, dict) and model.get("moe")),
-            (f"train.compression={train['compression']}", train["compression"] != "none"),
-            ("train.hierarchical", train["hierarchical"]),
-            (f"train.sync_every={train['sync_every']}", train["sync_every"] > 1),
-            ("train.allreduce=horovod", train["allreduce"] == "horovod"),
-            ("train.allreduce=gloo", train["allreduce"] == "gloo"),
-            ("train.allreduce=overlap", train["allreduce"] == "overlap"),
-        )
-        if bad
-    ]
+    engine = cfg["train"]["allreduce"]
+    engines = [f"train.allreduce={engine}"] if engine in ("horovod", "gloo", "overlap") else []
+    why = mpi_only_features(cfg) + engines
     if why:
         return f"GPU ranks train dense data parallel so far, not with {', '.join(why)}"
     return None
