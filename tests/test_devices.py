@@ -57,3 +57,30 @@ def test_refusals_are_one_line_before_any_work(overrides, says):
 def test_the_process_group_engine_is_accepted_for_dense_data_parallel():
     cfg = Config.load("configs/demo.yaml", ["train.allreduce=gloo", "runtime.device=cpu"])
     assert cfg.train["allreduce"] == "gloo"
+
+
+def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
+    """GPU ranks leave a step's sums on the device; the step report reads them at the
+    next push (after the next step is queued). 0-d tensors stand in for device sums."""
+    import torch
+
+    from hpctrain.backends.base import StepStats
+    from hpctrain.step_reports import StepReducer
+
+    def push_all(reducer, make):
+        out = []
+        for k in range(1, 5):
+            out += [r.step for r in reducer.push(k, make(k), 0.1, 0.01)]
+        return out, [r.step for r in reducer.drain()]
+
+    host = push_all(StepReducer(None), lambda k: StepStats(float(k), 1, 4, 0.0))
+    device = push_all(
+        StepReducer(None),
+        lambda k: StepStats(torch.tensor(float(k), dtype=torch.float64), 1, 4, 0.0),
+    )
+    assert host == ([1, 2, 3], [4])
+    assert device == ([1, 2], [3, 4])  # one push later; nothing lost at the drain
+    r = StepReducer(None)
+    r.push(1, StepStats(torch.tensor(float("nan")), 0, 4, 0.0), 0.1, 0.01)
+    (report,) = r.drain()
+    assert report.nonfinite and report.step == 1  # NaN on the device still stops the run
