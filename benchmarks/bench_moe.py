@@ -47,9 +47,10 @@ def _median_time(fn, repeats: int, comm) -> float:
 
 
 def _exchange_bench(tokens: int, d: int, experts: int, k: int, repeats: int) -> dict:
-    from hpctrain.moe.parallel import MoELayer, expert_group
+    from hpctrain.moe.parallel import ExpertGroup, MoELayer
+    from hpctrain.runtime import world
 
-    group = expert_group()
+    group = ExpertGroup(world())  # the whole job
     comm, size, rank = group.comm, group.size, group.rank
     opts = {
         "experts": experts, "top_k": k, "capacity_factor": 1.25, "min_capacity": 0,
@@ -126,12 +127,14 @@ def _layer_step_bench(tokens: int, d: int, ff: int, experts: int, k: int, repeat
     import torch
 
     from hpctrain.backends import torch_moe
+    from hpctrain.backends.groups import ModelGroups
     from hpctrain.backends.torch import _Layer
     from hpctrain.models import zoo
-    from hpctrain.moe.parallel import expert_group, local_layers
+    from hpctrain.moe.parallel import ExpertGroup, local_layers
+    from hpctrain.runtime import world
 
     torch.set_num_threads(1)
-    group = expert_group()
+    group = ExpertGroup(world())  # the whole job
     opts = {
         "experts": experts, "top_k": k, "capacity_factor": 1.25, "min_capacity": 0,
         "drop_tokens": True, "aux_loss": 0.01, "jitter": 0.0, "every": 1,
@@ -141,7 +144,7 @@ def _layer_step_bench(tokens: int, d: int, ff: int, experts: int, k: int, repeat
     params.update({f"moe.experts.{e}.{n}": s for e in range(experts) for n, s in ffn.items()})
     spec = zoo.LayerSpec("block", "blocks.0", params, attrs={"n_heads": 1, "moe": opts})
     weights = zoo.init_weights([spec], 0)
-    layer = _Layer(local_layers([spec], 0)[0])
+    layer = _Layer(local_layers([spec], 0, group)[0], ModelGroups(experts=group))
     with torch.no_grad():
         for n, p in layer.p.items():
             p.copy_(torch.from_numpy(weights[f"blocks.0.{n}"]))

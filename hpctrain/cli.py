@@ -194,6 +194,7 @@ def _load_config_everywhere(args):
 def _cmd_train(args) -> int:
     from . import rundir
     from .loop import TrainingLoop
+    from .runtime.faults import Faults
     from .runtime.preemption import interrupt_exit_code
 
     if args.command == "ps":
@@ -207,6 +208,9 @@ def _cmd_train(args) -> int:
             resume=args.resume,
             overwrite=args.overwrite,
             new=args.new,
+            # Test-only: faults a test switched on with HPCTRAIN_FAULT_* (none otherwise;
+            # docs/environment.md). The one place they are read.
+            faults=Faults.from_env(),
         )
     except BaseException:
         # Refused (a missing file, a model that does not fit) before writing anything: no

@@ -18,7 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
-from .strategies import STRATEGIES
+from .strategies import STRATEGIES, composition
 
 
 @dataclass(frozen=True)
@@ -253,6 +253,13 @@ SCHEMA: dict[str, Any] = {
             "seconds a collective may wait before the watchdog warns, naming the ranks "
             "that have not arrived (0: never)",
             minimum=0,
+        ),
+        "max_requeues": _f(
+            10,
+            int,
+            "SLURM: a preempted or timed-out job requeues itself until it has been "
+            "requeued this many times (SLURM_RESTART_COUNT); then it ends, checkpoint kept",
+            **NONNEG,
         ),
         "threads": _f(
             None,
@@ -588,6 +595,8 @@ class Config:
 
 
 def _cross_checks(v: dict) -> list[str]:
+    """Values that only make sense together: the config's own (checkpoint, optimizer,
+    data, model x task), then the rules of composition (strategies/composition.py)."""
     problems = []
     every = v["checkpoint"]["every_steps"]
     if isinstance(every, str) and every != "auto":
@@ -597,115 +606,7 @@ def _cross_checks(v: dict) -> list[str]:
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
-    if v["horovod"]["hierarchical_allreduce"]:
-        problems.append(
-            "horovod.hierarchical_allreduce: Horovod implements hierarchical allreduce only "
-            "in its GPU (NCCL) builds; on CPU the flag changes nothing: leave it false"
-        )
-    compression, engine = v["train"]["compression"], v["train"]["allreduce"]
-    mpi_fp16 = compression == "fp16" and engine in ("mpi", "overlap")
-    if v["strategy"] == "pipeline" and mpi_fp16:
-        problems.append(
-            "train.compression=fp16: the pipeline strategy compresses only through Horovod "
-            "(train.allreduce=horovod or auto)"
-        )
-    if v["train"]["hierarchical"] and (
-        compression not in ("none",) or engine in ("horovod", "overlap")
-    ):
-        problems.append(
-            "train.hierarchical: runs on train.allreduce=mpi (or auto) with train.compression=none"
-        )
-    if v["train"]["sync_every"] > 1 and v["strategy"] != "data_parallel":
-        problems.append(
-            f"train.sync_every: local SGD runs with strategy data_parallel, not {v['strategy']}"
-        )
-    if v["train"]["sync_every"] > 1 and isinstance(v["model"], dict) and v["model"].get("moe"):
-        problems.append(
-            "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
-            "live on one rank each; there is nothing to average them with)"
-        )
-    problems += _process_group_checks(v) + _device_checks(v)
-    zero = v["train"]["zero"]
-    if zero:
-        clash = [
-            what
-            for what, bad in (
-                (f"strategy {v['strategy']}", v["strategy"] not in ("data_parallel", "pipeline")),
-                (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
-                (f"train.compression={compression}", compression != "none"),
-                ("train.hierarchical", v["train"]["hierarchical"]),
-                (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
-            )
-            if bad
-        ]
-        if clash:
-            problems.append(
-                f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
-                f"engine (strategy data_parallel, or pipeline with train.zero=1; "
-                f"train.allreduce mpi or auto, no compression, hierarchical allreduce or "
-                f"local SGD); not with {', '.join(clash)}"
-            )
-    tensor = v["parallel"]["tensor"]
-    if tensor > 1:
-        model = v["model"] if isinstance(v["model"], dict) else {}
-        clash = [
-            what
-            for what, bad in (
-                (
-                    f"strategy {v['strategy']}",
-                    v["strategy"] not in ("data_parallel", "pipeline"),
-                ),
-                (f"model {model.get('name')}", model.get("name") != "transformer"),
-                (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
-                (f"train.compression={compression}", compression != "none"),
-                ("train.hierarchical", v["train"]["hierarchical"]),
-                (f"train.sync_every={v['train']['sync_every']}", v["train"]["sync_every"] > 1),
-            )
-            if bad
-        ]
-        if clash:
-            problems.append(
-                f"parallel.tensor={tensor}: tensor parallelism splits the zoo transformer "
-                f"under strategy data_parallel or pipeline on the MPI engine; not with "
-                f"{', '.join(clash)}"
-            )
-        elif model.get("name") == "transformer":
-            from .models.zoo import model_options
-            from .tensor.parallel import check_divisible
-
-            problem = check_divisible(model_options(model), tensor)
-            if problem:
-                problems.append(problem)
-    if v["train"]["precision"] == "fp16":
-        fp16_clash = [
-            what
-            for what, bad in (
-                (f"backend {v['backend']}", v["backend"] != "torch"),
-                (f"train.allreduce={engine}", engine == "horovod"),
-                (f"train.zero={zero}", zero),
-                (f"parallel.tensor={tensor}", tensor > 1),
-            )
-            if bad
-        ]
-        if fp16_clash:
-            problems.append(
-                "train.precision=fp16: dynamic loss scaling runs on the torch backend's "
-                f"dense data parallel (not with {', '.join(fp16_clash)}); bf16 needs no "
-                "loss scaling"
-            )
-    if v["train"]["precision"] in ("bf16", "fp16"):
-        half = v["train"]["precision"]
-        if v["strategy"] != "data_parallel":
-            problems.append(
-                f"train.precision={half}: runs with strategy data_parallel, not {v['strategy']}"
-            )
-        if isinstance(v["model"], dict) and v["model"].get("moe"):
-            problems.append(f"train.precision={half}: not with mixture-of-experts layers yet")
-    if compression not in ("none", "fp16") and v["strategy"] != "data_parallel":
-        problems.append(
-            f"train.compression={v['train']['compression']}: only with strategy "
-            f"data_parallel (the {v['strategy']} strategy sends dense gradients)"
-        )
+    problems += composition.refusals(v)
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")
     from .data.keys import validate_keys_option
@@ -724,47 +625,6 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(
             f"data.task: model {name} needs data.task "
             f"{' or '.join(MODEL_TASK[name])}, got {v['data']['task']}"
-        )
-    return problems
-
-
-def _process_group_checks(v: dict) -> list[str]:
-    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients;
-    the features that run on the MPI exchange layer are refused with them."""
-    engine = v["train"]["allreduce"]
-    if engine not in ("nccl", "gloo"):
-        return []
-    from .runtime.devices import mpi_only_features
-
-    clash = [
-        what
-        for what, bad in (
-            (f"backend {v['backend']}", v["backend"] != "torch"),
-            (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
-        )
-        if bad
-    ] + mpi_only_features(v)
-    problems = []
-    if clash:
-        problems.append(
-            f"train.allreduce={engine}: the process-group engine averages dense data-parallel "
-            f"gradients of the torch backend; not with {', '.join(clash)} (those run on "
-            "train.allreduce=mpi or auto)"
-        )
-    return problems
-
-
-def _device_checks(v: dict) -> list[str]:
-    """runtime.device=cuda asks for GPU ranks: refused here, on every rank, when the
-    layout cannot run on them (auto then stays on the CPU)."""
-    from .runtime.devices import gpu_unsupported
-
-    why = gpu_unsupported(v) if v["runtime"]["device"] == "cuda" else None
-    problems = [f"runtime.device=cuda: {why}"] if why else []
-    if v["train"]["allreduce"] == "nccl" and v["runtime"]["device"] == "cpu":
-        problems.append(
-            "train.allreduce=nccl: NCCL needs GPU ranks, not runtime.device=cpu; on CPU ranks "
-            "use train.allreduce=gloo"
         )
     return problems
 

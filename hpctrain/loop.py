@@ -19,8 +19,6 @@ and meet the training ranks again in the end-of-run collectives.
 from __future__ import annotations
 
 import logging
-import os
-import signal
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -36,10 +34,12 @@ from .errors import ConfigError, HpctrainError, TrainingDiverged
 from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress
 from .runtime import allocator
+from .runtime.faults import Faults
+from .runtime.openmpi import OpenMpiDefaults
 from .runtime.preemption import Preemption
 from .step_reports import StepReducer
 from .strategies import strategy_class
-from .testing import faults
+from .strategies.base import RunContext
 
 log = logging.getLogger("hpctrain.loop")
 
@@ -59,28 +59,16 @@ def default_run_dir(cfg: Config) -> Path:
 
 
 def prepare_process(cfg: Config):
-    """Settings that must exist before MPI starts, then the World."""
-    if cfg.runtime["mpi_yield_when_idle"]:
-        # Ranks waiting in MPI give their core to ranks still computing: essential when
-        # ranks share cores, harmless otherwise (Open MPI reads this at MPI_Init).
-        os.environ.setdefault("OMPI_MCA_mpi_yield_when_idle", "1")
-    # Two connections per peer let a ring send and receive at line rate at once (measured
-    # over the emulated 1 Gbit/s link: a 5.3 MB MPI_Allreduce 82.8 ms with one, 44.4 ms
-    # with two, 43.3 ms with four; `make bench`, network section).
-    os.environ.setdefault("OMPI_MCA_btl_tcp_links", str(cfg.runtime["tcp_links"]))
-    # Non-blocking allreduce (the overlapped engine's buckets) by Rabenseifner's reduce-
-    # scatter + allgather: libnbc's default took 53 ms for 5.3 MB where the blocking
-    # allreduce takes 44; Rabenseifner 44-46 ms, progressed by tests alone.
-    os.environ.setdefault("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "3")
-    # TCP messages up to 512 KB go eagerly, without the rendezvous handshake: the 16-bit
-    # rings send 256 KB pieces so that the kernel moves one while numpy encodes the next;
-    # with Open MPI's 64 KB each piece waited for the receiver's answer (fp16 step over
-    # 1 Gbit/s 35.3 -> 31.1 ms, bf16 32.3 -> 29.5; the dense allreduce unchanged).
-    os.environ.setdefault("OMPI_MCA_btl_tcp_eager_limit", "524288")
-    os.environ.setdefault("OMPI_MCA_btl_tcp_max_send_size", "524288")
-    if cfg.runtime["malloc_keep_freed"]:
+    """Settings that must exist before MPI starts (the allocator; Open MPI's, in
+    runtime/openmpi.py), then the World with the watchdog's configured deadlines."""
+    rt = cfg.runtime
+    if rt["malloc_keep_freed"]:
         allocator.keep_freed_memory()
-    return runtime.world(cfg.runtime["collective_timeout"])
+    return runtime.world(
+        rt["collective_timeout"],
+        rt["stall_warning"],
+        OpenMpiDefaults(yield_when_idle=rt["mpi_yield_when_idle"], tcp_links=rt["tcp_links"]),
+    )
 
 
 class TrainingLoop:
@@ -94,15 +82,17 @@ class TrainingLoop:
         resume: str | None = None,
         overwrite: bool = False,
         new: bool = False,
+        faults: Faults | None = None,
     ):
+        """faults: a test's injected faults (runtime/faults.py); none by default."""
         self.cfg = cfg
+        self.faults = Faults.none() if faults is None else faults
         self.world = w = prepare_process(cfg)
         runtime.setup_logging(w.rank, w.size, verbose)
         log.debug("allocator: %s", allocator.status())
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
         w.set_report_dir(self.run_dir)  # stall reports land beside the run's metrics
-        w.set_stall_warning(cfg.runtime["stall_warning"])
         self._claim_run_dir(resume, overwrite, new)
         threads = cfg.runtime["threads"]
         if threads is None:
@@ -112,16 +102,14 @@ class TrainingLoop:
         self.threads = threads
         runtime.limit_blas_threads(threads)
         self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
-        self.strategy.loop = self  # strategies with serving ranks need the loop's hooks
         self.grid = self.strategy.grid
         self.data = self.strategy.data  # None on ranks that serve
         self.state = TrainState()
         self.checkpoints = RunCheckpoints(self)
         self.resumed_from = self.checkpoints.resume(resume)
-        # A test's lost rank (elastic restart): SIGKILL itself at that step, first run only.
-        self._die_at = None if self.resumed_from else faults.value("die_at_step", w.rank)
-        # a test's slow first run (time to unplug a node); its restart runs at full speed
-        self._step_sleep = None if self.resumed_from else faults.value("step_sleep", w.rank)
+        # A test's lost rank (die_at_step: elastic restart) and slow first run (step_sleep:
+        # time to unplug a node) act on the first run only; its restart runs at full speed.
+        self._step_faults = Faults.none() if self.resumed_from else self.faults
         self._write_config()  # only now: a refused resume leaves the earlier run's file
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch
@@ -199,7 +187,7 @@ class TrainingLoop:
         self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "epoch_loss": 0.0, "count": 0}
         self.last_eval: dict = {}
         self.preempted = None
-        self.pre = pre = Preemption().install()
+        self.pre = pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
         self.progress = Progress(
             w.is_root,
             max(0, self.total_steps - st.step),
@@ -207,12 +195,14 @@ class TrainingLoop:
             cfg.train["log_every"],
             cfg.metrics["progress_bar"],
         )
+        self._ctx = ctx = self._context()
         try:
+            s.begin(ctx)
             if s.serves:
-                s.serve(self)  # parameter servers: until every worker is done
+                s.serve(ctx)  # parameter servers: until every worker is done
             else:
                 self._train()
-            s.finish(self)  # end-of-run collectives every rank joins
+            self._apply(s.finish(ctx))  # end-of-run collectives every rank joins
             if not self.preempted:
                 self.checkpoints.maybe_save(st.step, final=True, metrics=self.last_eval)
             self.checkpoints.close()
@@ -220,6 +210,35 @@ class TrainingLoop:
             pre.uninstall()
             self.progress.close()
         return self._summary(time.perf_counter() - t_start)
+
+    def _context(self) -> RunContext:
+        """What the strategy may use of this run (strategies/base.py `RunContext`)."""
+        return RunContext(
+            state=self.state,
+            total_steps=self.total_steps,
+            t_start=self.t_start,
+            schedule=self.schedule,
+            pre=self.pre,
+            faults=self.faults,
+            checkpoints=self.checkpoints,
+            metrics=self.metrics,
+            progress=self.progress,
+            evaluate=self.evaluate,
+            preempted=lambda: self.preempted is not None,
+        )
+
+    def _apply(self, end) -> None:
+        """A strategy's agreed end of run (strategies/base.py `RunEnd`; None: nothing to
+        apply): its position and evaluation, a preemption checkpoint by the shared code."""
+        if end is None:
+            return
+        st = self.state
+        st.step, st.epoch, st.position = end.step, end.epoch, end.position
+        self.last_eval = dict(end.metrics)
+        if end.preempted:
+            self.preempted = self.checkpoints.preempt(
+                self.pre, self.progress, self.last_eval, end.label
+            )
 
     def _train(self) -> None:
         cfg, st, s = self.cfg, self.state, self.strategy
@@ -233,10 +252,7 @@ class TrainingLoop:
                 lr = self.schedule.lr(st.step, s.lr_replicas)
                 stats = s.step(batch, lr)
                 st.step += 1
-                if self._die_at is not None and st.step == self._die_at:
-                    os.kill(os.getpid(), signal.SIGKILL)
-                if self._step_sleep:
-                    time.sleep(self._step_sleep)
+                self._step_faults.after_step(self.world.rank, st.step)
                 st.position += self.data.global_batch
                 now = time.perf_counter()
                 seconds, t_last = now - t_last, now
@@ -256,12 +272,12 @@ class TrainingLoop:
                         flags = {k: flags[k] or more[k] for k in flags}
                         save = save or flags["save"]
                 if flags["preempt"]:  # a rank was signalled: every rank stops here
-                    self.preempted = s.on_preempt(self)
+                    self.preempted = s.on_preempt(self._ctx)
                     break
                 if flags.get("stop"):  # the strategy ends this rank's training early
                     break
                 if save:
-                    s.save_now(self)
+                    s.save_now(self._ctx)
                 if max_steps and st.step >= max_steps:
                     break
             if self.preempted:
@@ -382,7 +398,7 @@ class TrainingLoop:
             "preempted": self.preempted,
             **self.last_eval,
         }
-        summary = self.strategy.summary(self, summary)  # collective; the root's dict counts
+        summary = self.strategy.summary(self._ctx, summary)  # collective; the root's dict counts
         self.metrics.write("summary", epoch=st.epoch, step=st.step, **summary)
         self.metrics.close()
         if w.is_root:

@@ -1,5 +1,5 @@
-"""How a configuration divides a world of ranks: one rule for the loop's learning-rate
-scaling, elastic restart and SLURM's rank checks (`GridShape.of`).
+"""How a configuration divides a world of ranks: one rule for the strategies, the loop's
+learning-rate scaling, elastic restart and SLURM's rank checks (`GridShape.of`).
 
 A data-parallel replica is the set of ranks that hold one copy of the model: one rank,
 `parallel.tensor` ranks with tensor parallelism, `pipeline.stages x parallel.tensor`
@@ -37,7 +37,20 @@ class GridShape:
 
     @property
     def replicas(self) -> int:
-        """Data-parallel replicas: what the learning rate and the global batch scale with."""
+        """Data-parallel replicas: what the learning rate and the global batch scale with
+        (the workers of a parameter server)."""
         if self.servers:
             return max(0, self.ranks - self.servers)
         return self.ranks // self.ranks_per_replica
+
+    @property
+    def tiles(self) -> bool:
+        """Whether the ranks divide into whole replicas (and leave a worker beside the
+        servers): the condition every strategy checks before it starts."""
+        if self.servers:
+            return self.ranks > self.servers
+        return self.ranks >= self.ranks_per_replica and self.ranks % self.ranks_per_replica == 0
+
+    def global_batch(self, batch_size: int, accum: int) -> int:
+        """Samples of one optimizer step: each replica's batch x its accumulation."""
+        return batch_size * accum * self.replicas

@@ -9,7 +9,7 @@ import pytest
 from hpctrain import Config
 from hpctrain.checkpoint import Checkpointer, CheckpointPolicy, load
 from hpctrain.models import zoo
-from hpctrain.testing import faults
+from hpctrain.runtime.faults import Faults
 
 CASES = {
     "mlp": (["model.name=mlp"], zoo.InputSpec((12,), 5)),  # no buffers: fenced at the update
@@ -28,7 +28,7 @@ def world():
 
 
 @pytest.mark.parametrize("name", sorted(CASES))
-def test_a_late_copy_still_saves_the_step_it_was_taken_at(world, tmp_path, monkeypatch, name):
+def test_a_late_copy_still_saves_the_step_it_was_taken_at(world, tmp_path, name):
     from hpctrain.backends.torch import TorchBackend
 
     overrides, inp = CASES[name]
@@ -41,8 +41,8 @@ def test_a_late_copy_still_saves_the_step_it_was_taken_at(world, tmp_path, monke
         return [(x, rng.integers(0, inp.classes, 8))]
 
     backend.train_step(batch(), 0.01)  # Adam's slots exist
-    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}))
-    monkeypatch.setenv(*next(iter(faults.env("copy_delay", 0, 0.3).items())))
+    late = Faults(copy_delay=(0, 0.3))  # the deferred copy starts 0.3 s late
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}), faults=late)
     state = backend.export_state()
     expected = {k: np.array(v, copy=True) for k, v in state.items()}
     assert backend.hold_exported_state(ck.fence)

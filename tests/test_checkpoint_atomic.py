@@ -16,7 +16,7 @@ from hpctrain.checkpoint import find_latest_valid, list_checkpoints, verify
 from hpctrain.checkpoint import format as fmt
 from hpctrain.cli import main as cli_main
 from hpctrain.errors import CheckpointError
-from hpctrain.testing import faults
+from hpctrain.runtime.faults import PREFIX, fault_env
 
 ROOT = Path(__file__).resolve().parents[1]
 WRITER = ROOT / "tests" / "scripts" / "ckpt_writer.py"
@@ -24,9 +24,9 @@ WRITER = ROOT / "tests" / "scripts" / "ckpt_writer.py"
 
 def run_writer(directory, first, count, mb, kill_after=None, **popen):
     env = dict(os.environ, PYTHONPATH=str(ROOT))
-    env.pop(faults.PREFIX + "KILL_DURING_SAVE", None)
+    env.pop(PREFIX + "KILL_DURING_SAVE", None)
     if kill_after is not None:
-        env.update(faults.env("kill_during_save", 0, kill_after))
+        env.update(fault_env("kill_during_save", 0, kill_after))
     args = [sys.executable, str(WRITER), str(directory), str(first), str(count), str(mb)]
     return subprocess.Popen(args, env=env, stdout=subprocess.PIPE, text=True, **popen)
 

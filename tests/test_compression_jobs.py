@@ -3,22 +3,23 @@ within a point of dense accuracy, top-k without error feedback is clearly worse 
 safeguard matters), and both backends follow the same trajectory through a compressor."""
 
 import pytest
-from demo_runs import demo_accuracy
+from demo_runs import SHORT, demo_accuracy
 from test_trainer_jobs import BACKENDS, share, shared_run
 
 MPI = "train.allreduce=mpi"  # the compressors run in hpctrain's MPI engine
 
 
 def test_compressed_training_reaches_dense_accuracy_and_error_feedback_matters(tmp_path_factory):
-    dense = demo_accuracy(tmp_path_factory)
-    topk = [MPI, "train.compression=topk", "compression.ratio=0.01"]
+    dense = demo_accuracy(tmp_path_factory, SHORT)
+    topk = [SHORT, MPI, "train.compression=topk", "compression.ratio=0.01"]
     with_ef = demo_accuracy(tmp_path_factory, *topk)
     without_ef = demo_accuracy(tmp_path_factory, *topk, "compression.error_feedback=false")
-    powersgd = demo_accuracy(tmp_path_factory, MPI, "train.compression=powersgd")
+    powersgd = demo_accuracy(tmp_path_factory, SHORT, MPI, "train.compression=powersgd")
     assert dense > 0.8  # the demo's own bar
     for acc in (with_ef, powersgd):
         assert acc > dense - 0.01, (acc, dense)
-    # Measured 0.813 with error feedback vs 0.782 without (dense 0.817).
+    # Measured at 6 epochs: dense 0.809, top-k 0.808 with error feedback, 0.767 without
+    # (at the demo's 12 epochs: 0.817, 0.813, 0.782).
     assert without_ef < with_ef - 0.015, (without_ef, with_ef)
 
 
@@ -40,12 +41,9 @@ def test_both_backends_follow_the_same_trajectory_through_a_compressor(tmp_path_
 
 def test_tensorflow_converges_through_a_lossy_compressor(tmp_path_factory):
     """The TF backend trains the demo through top-k 1% with error feedback to within a
-    point of dense (dense: 0.817 with torch; the backends follow the same trajectory)."""
-    acc = demo_accuracy(
-        tmp_path_factory,
-        MPI,
-        "backend=tensorflow",
-        "train.compression=topk",
-        "compression.ratio=0.01",
-    )
-    assert acc > 0.817 - 0.01, acc
+    point of its dense run (shared with the bf16 test)."""
+    dense = demo_accuracy(tmp_path_factory, SHORT, "backend=tensorflow")
+    topk = ["train.compression=topk", "compression.ratio=0.01"]
+    acc = demo_accuracy(tmp_path_factory, SHORT, MPI, "backend=tensorflow", *topk)
+    assert dense > 0.8
+    assert acc > dense - 0.01, (acc, dense)

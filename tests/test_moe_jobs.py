@@ -7,6 +7,7 @@ import re
 
 import numpy as np
 import pytest
+from dump_runs import train_many
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
 from shared_runs import SharedRuns
 
@@ -39,31 +40,15 @@ def test_expert_parallel_layer_equals_single_process_reference(np_):
 
 
 def _train_many(tmp_path, np_, runs: dict[str, list[str]], timeout=300, run_dir=None, resume=None):
-    """{name: (weights, step lines)} of runs trained one after the other in one mpirun
-    launch (moe_train_dump.py --next; each run reseeds the process): the launch, not
-    the steps, is most of a small run's time. run_dir/resume: for a single run."""
-    args = [str(SCRIPTS / "moe_train_dump.py")]
-    dirs = {}
-    for name, overrides in runs.items():
-        args += ["--next"] if len(args) > 1 else []
-        dirs[name] = run_dir or tmp_path / f"{name}.npz.run"
-        args += [str(tmp_path / f"{name}.npz"), "--run-dir", str(dirs[name])]
-        if resume:
-            args += ["--resume", resume]
-        for o in [*MOE, *overrides]:
-            args += ["--set", o]
-    job = mpirun(np_, PYTHON, *args, timeout=timeout)
-    assert job.returncode == 0, job.output
-    results = {}
-    for name in runs:
-        out = tmp_path / f"{name}.npz"
-        said = rf"DENSE REPLICAS IDENTICAL over {np_} rank\(s\); \d+ expert tensors gathered: "
-        assert re.search(said + re.escape(str(out)), job.output), job.output
-        with np.load(out) as f:
-            weights = {k: f[k] for k in f.files}
-        lines = [json.loads(x) for x in (dirs[name] / "metrics.jsonl").open()]
-        results[name] = weights, [x for x in lines if x["event"] == "step"]
-    return results
+    """{name: (weights, step lines)} of runs trained in one launch (dump_runs.py);
+    moe_train_dump.py checks the dense replicas and gathers every rank's experts."""
+    said = rf"DENSE REPLICAS IDENTICAL over {np_} rank\(s\); \d+ expert tensors gathered: "
+    results = train_many(
+        SCRIPTS / "moe_train_dump.py", tmp_path, np_, runs, base=MOE, timeout=timeout,
+        said=lambda out: said + re.escape(str(out)), keep=lambda x: x,
+        run_dir=run_dir, resume=resume,
+    )  # fmt: skip
+    return {name: (weights, steps) for name, (weights, steps, _) in results.items()}
 
 
 def _train(tmp_path, name, np_, *overrides, run_dir=None, resume=None):

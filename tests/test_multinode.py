@@ -24,6 +24,7 @@ import cluster as emulated
 import numpy as np
 import pytest
 from cluster import finish, launch, start
+from dump_runs import TINY_TRANSFORMER
 from mpirun import HPCTRAIN
 
 from hpctrain.checkpoint import find_latest_valid, load
@@ -170,13 +171,7 @@ def test_network_exchanges_across_nodes_equal_one_process(
 
 
 TRANSFORMER = [
-    "model.name=transformer",
-    "data.task=tokens",
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.d_ff=64",
-    "data.seq_len=16",
-    "data.vocab=32",
+    *TINY_TRANSFORMER,
     # SGD: Adam turns the key bias's zero gradient (softmax ignores it) into rounding
     # noise divided by its own size, which no two summation orders agree on.
     "optimizer.name=sgd",

@@ -4,14 +4,16 @@ the backends follow the same trajectory within bfloat16's resolution; parameters
 gradients and optimizer state stay float32 (checkpoints are the usual float32 ones)."""
 
 import pytest
-from demo_runs import demo_accuracy
+from demo_runs import SHORT, demo_accuracy
 from test_trainer_jobs import BACKENDS, share, shared_run
 
 
 @pytest.mark.parametrize("backend", ["torch", "tensorflow"])
 def test_bf16_reaches_float32_accuracy_on_the_demo(tmp_path_factory, backend):
-    fp32 = demo_accuracy(tmp_path_factory, f"backend={backend}")  # shared with other tests
-    bf16 = demo_accuracy(tmp_path_factory, f"backend={backend}", "train.precision=bf16")
+    # 6 of the demo's 12 epochs, float32 shared with the compression tests; measured
+    # (torch) 0.810 with bf16 vs 0.809 in float32 at 6 epochs, 0.810 vs 0.811 at 4.
+    fp32 = demo_accuracy(tmp_path_factory, SHORT, f"backend={backend}")
+    bf16 = demo_accuracy(tmp_path_factory, SHORT, f"backend={backend}", "train.precision=bf16")
     assert fp32 > 0.8
     assert bf16 > fp32 - 0.01, (bf16, fp32)
 

@@ -80,8 +80,11 @@ def test_requeue_is_refused_outside_slurm_and_after_too_many_restarts(capsys):
     env = {"SLURM_JOB_ID": "42", "SLURM_RESTART_COUNT": "3"}
     assert Preemption(env=env, max_requeues=5).requeue_blocker() is None
     assert "already requeued 3 time(s)" in Preemption(env=env, max_requeues=3).requeue_blocker()
-    env["HPCTRAIN_MAX_REQUEUES"] = "2"
-    assert "limit 2" in Preemption(env=env).requeue_blocker()
+    assert "limit 2" in Preemption(env=env, max_requeues=2).requeue_blocker()
+    assert "set runtime.max_requeues" in Preemption(env=env, max_requeues=2).requeue_blocker()
+    # the default (runtime.max_requeues' default) allows 10; no environment variable
+    assert Preemption(env={**env, "SLURM_RESTART_COUNT": "9"}).requeue_blocker() is None
+    assert "limit 10" in Preemption(env={**env, "SLURM_RESTART_COUNT": "10"}).requeue_blocker()
 
 
 def test_a_failing_scontrol_is_a_warning_not_a_crash(tmp_path, capsys, monkeypatch):

@@ -12,6 +12,7 @@ import json
 import re
 
 import pytest
+from dump_runs import TINY_TRANSFORMER
 from mpirun import PYTHON, ROOT, mpirun
 
 from hpctrain.backends.gradient_engine import choose
@@ -27,15 +28,7 @@ SMALL = [
     "train.max_steps=2",
     "metrics.tensorboard=false",
 ]
-TRANSFORMER = [
-    "model.name=transformer",
-    "data.task=tokens",
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.d_ff=64",
-    "data.seq_len=16",
-    "data.vocab=32",
-]
+TRANSFORMER = TINY_TRANSFORMER
 RUNS = {  # one np=2 launch; the parameter server first (its servers start no framework)
     "ps": ["strategy=parameter_server"],
     "plain": [],

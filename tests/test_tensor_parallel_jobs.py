@@ -9,18 +9,13 @@ import re
 
 import numpy as np
 import pytest
-from mpirun import PYTHON, ROOT, mpirun
+from dump_runs import TINY_TRANSFORMER, train_many
+from mpirun import ROOT
 from shared_runs import SharedRuns
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "tp_train_dump.py")
 TRANSFORMER = [
-    "model.name=transformer",
-    "data.task=tokens",
-    "model.d_model=32",
-    "model.n_heads=4",
-    "model.d_ff=64",
-    "data.seq_len=16",
-    "data.vocab=32",
+    *TINY_TRANSFORMER,
     "data.train_samples=1024",
     "data.val_samples=128",
     "train.log_every=1",
@@ -36,31 +31,14 @@ TRANSFORMER = [
 
 
 def _train_many(where, np_, runs: dict, timeout=300, run_dir=None, resume=None) -> dict:
-    """{name: (weights, step losses, per-rank parameter counts)} of runs trained one
-    after the other in one mpirun launch (tp_train_dump.py --next; each run reseeds
-    the process and sets its own layer groups). run_dir/resume: for a single run."""
-    args, dirs = [SCRIPT], {}
-    for name, overrides in runs.items():
-        args += ["--next"] if len(args) > 1 else []
-        dirs[name] = run_dir or where / f"{name}.npz.run"
-        args += [str(where / f"{name}.npz"), "--run-dir", str(dirs[name])]
-        if resume:
-            args += ["--resume", resume]
-        for o in [*TRANSFORMER, *overrides]:
-            args += ["--set", o]
-    job = mpirun(np_, PYTHON, *args, timeout=timeout)
-    assert job.returncode == 0, job.output
-    results = {}
-    for name in runs:
-        out = where / f"{name}.npz"
-        said = re.search(re.escape(f"TP DUMP {out} over") + COUNTS, job.output)
-        assert said, job.output
-        with np.load(out) as f:
-            weights = {k: f[k] for k in f.files}
-        lines = [json.loads(x) for x in (dirs[name] / "metrics.jsonl").open()]
-        losses = [x["loss"] for x in lines if x["event"] == "step"]
-        results[name] = weights, losses, json.loads(said.group(1))
-    return results
+    """{name: (weights, step losses, per-rank parameter counts)} of runs trained in one
+    launch (dump_runs.py; tp_train_dump.py sets each run's own layer groups)."""
+    results = train_many(
+        SCRIPT, where, np_, runs, base=TRANSFORMER, timeout=timeout,
+        said=lambda out: re.escape(f"TP DUMP {out} over") + COUNTS, keep=lambda x: x["loss"],
+        run_dir=run_dir, resume=resume,
+    )  # fmt: skip
+    return {n: (w, losses, json.loads(m.group(1))) for n, (w, losses, m) in results.items()}
 
 
 COUNTS = r" \d+ rank\(s\): local parameters (\[[0-9, ]+\])"

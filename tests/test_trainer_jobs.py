@@ -8,7 +8,8 @@ import h5py
 import numpy as np
 import pytest
 from demo_runs import demo_run
-from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
+from dump_runs import train_many
+from mpirun import HPCTRAIN, ROOT, mpirun
 from shared_runs import SharedRuns
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_dump.py")
@@ -23,27 +24,14 @@ SMALL = [
 
 
 def _train_many(tmp_path, np_, runs: dict[str, list[str]], timeout=300) -> dict:
-    """{name: (weights, losses)} of several runs trained one after the other in one
-    mpirun launch (train_dump.py --next): the launch, not the steps, is most of a small
-    run's time, and every run reseeds the process (equal to a run in a fresh process)."""
-    args = [SCRIPT]
-    for name, overrides in runs.items():
-        args += ["--next"] if len(args) > 1 else []
-        args.append(str(tmp_path / f"{name}.npz"))
-        for o in [*SMALL, *overrides]:
-            args += ["--set", o]
-    job = mpirun(np_, PYTHON, *args, timeout=timeout)
-    assert job.returncode == 0, job.output
-    results = {}
-    for name in runs:
-        out = tmp_path / f"{name}.npz"
-        said = rf"REPLICAS IDENTICAL over {np_} rank\(s\): \d+ tensors: "
-        assert re.search(said + re.escape(str(out)), job.output), job.output
-        with np.load(out) as f:
-            weights = {k: f[k] for k in f.files}
-        lines = [json.loads(x) for x in (tmp_path / f"{name}.npz.run" / "metrics.jsonl").open()]
-        results[name] = weights, [x["loss"] for x in lines if x["event"] == "step"]
-    return results
+    """{name: (weights, losses)} of runs trained in one launch (dump_runs.py);
+    train_dump.py checks that every rank ends with the same tensors."""
+    said = rf"REPLICAS IDENTICAL over {np_} rank\(s\): \d+ tensors: "
+    results = train_many(
+        SCRIPT, tmp_path, np_, runs, base=SMALL, timeout=timeout,
+        said=lambda out: said + re.escape(str(out)), keep=lambda x: x["loss"],
+    )  # fmt: skip
+    return {name: (weights, losses) for name, (weights, losses, _) in results.items()}
 
 
 def _train(tmp_path, name, np_, *overrides, timeout=300):

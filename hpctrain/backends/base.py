@@ -17,7 +17,7 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ConfigError, HpctrainError
-from ..moe.parallel import expert_group, is_expert_param
+from ..moe.parallel import is_expert_param, require_group
 
 OPTIMIZER_SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -57,8 +57,9 @@ class EvalStats:
 class Backend(Protocol):
     """A data-parallel replica of the whole model (torch.py, tensorflow.py)."""
 
-    engine: str  # who averages gradients: "horovod" | "mpi"
+    engine: str  # who averages gradients: "horovod" | "mpi" | "overlap" | "nccl" | "gloo"
     engine_reason: str
+    exchange_step: int  # optimizer steps taken (reducers' warm-up, local SGD phases)
 
     def train_step(self, micro_batches: list, lr: float) -> StepStats: ...
     def evaluate(self, x: np.ndarray, y: np.ndarray) -> EvalStats: ...
@@ -77,6 +78,12 @@ class Backend(Protocol):
     def rng_state(self) -> dict[str, np.ndarray]: ...
     def set_rng_state(self, state: dict[str, np.ndarray]) -> None: ...
     def versions(self) -> dict[str, str]: ...
+    def memory_plan(self) -> dict[str, float]: ...  # bytes per rank, before any compute
+    # ZeRO: (this rank's local state, what it owns of the sharded optimizer state)
+    def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]: ...
+    def wrap_reducer(self, wrap) -> None: ...  # BackendBase
+    def reducer_state(self) -> dict[str, np.ndarray]: ...  # BackendBase
+    def load_reducer_state(self, arrays: dict[str, np.ndarray]) -> None: ...  # BackendBase
 
 
 class Stage(Protocol):
@@ -87,10 +94,12 @@ class Stage(Protocol):
 
     def attach_mpi(self, replicas) -> None: ...
     def attach_replicas(self, hvd, process_set) -> None: ...
+    def attach_zero(self, replicas, bucket_bytes: int) -> None: ...
     def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float): ...
     def backward(self, micro: int, grad: np.ndarray | None): ...
     def average_grads(self) -> float: ...
     def grad_square_sum(self) -> float: ...
+    def grad_square_sums(self, is_split) -> tuple[float, float]: ...  # (split, replicated)
     def apply(self, lr: float, clip_coef: float = 1.0) -> None: ...
     def take_stats(self) -> tuple[float, int]: ...
     def infer(self, x: np.ndarray) -> np.ndarray: ...
@@ -98,6 +107,7 @@ class Stage(Protocol):
     def get_weights(self) -> dict[str, np.ndarray]: ...
     def set_weights(self, weights: dict[str, np.ndarray]) -> None: ...
     def export_state(self) -> dict[str, np.ndarray]: ...
+    def export_owned(self) -> tuple[dict, dict]: ...  # ZeRO-1: (local state, owned slots)
     def import_state(self, state: dict[str, np.ndarray]) -> None: ...
     def rng_state(self) -> dict[str, np.ndarray]: ...
     def set_rng_state(self, state: dict[str, np.ndarray]) -> None: ...
@@ -130,6 +140,21 @@ class BackendBase:
     def hold_exported_state(self, fence) -> bool:
         """False: export_state's arrays are copied before training goes on (see Backend)."""
         return False
+
+    # The MPI engine's gradient reducer, which both backends keep in `_flat`, behind
+    # three narrow methods: nobody else touches the field.
+    def wrap_reducer(self, wrap) -> None:
+        """Replace the gradient reducer by `wrap(reducer)` (local SGD wraps it)."""
+        self._flat = wrap(self._flat)
+
+    def reducer_state(self) -> dict[str, np.ndarray]:
+        """The reducer's per-rank memory (error-feedback residuals, PowerSGD factors);
+        {} for the dense engines, Horovod and ZeRO."""
+        state = getattr(getattr(self, "_flat", None), "state", None)
+        return state() if state is not None else {}
+
+    def load_reducer_state(self, arrays: dict[str, np.ndarray]) -> None:
+        self._flat.load_state(arrays)
 
     def check_weights(self, weights: dict[str, np.ndarray], expected: dict[str, tuple]) -> None:
         """Raise ValueError listing missing, unexpected and wrongly-shaped weights."""
@@ -167,13 +192,15 @@ def build_agreed(world, build):
     return model
 
 
-def split_square_sums(names: list[str], squares, is_split, zero=None) -> tuple[float, float]:
+def split_square_sums(
+    names: list[str], squares, is_split, zero=None, experts=None
+) -> tuple[float, float]:
     """(split, replicated) sums of squares of a model's (or pipeline stage's) gradients,
     for a clip by the whole model's norm: `squares()` gives one float per name;
     tensor-parallel slices (`is_split(name)`) apart, for the caller to sum over the
     tensor axis; MoE experts, each on one rank of its group, summed over the group and
-    counted with the replicated ones. Under ZeRO from the replicas' shards of the
-    averaged gradient."""
+    counted with the replicated ones (`experts`: their group). Under ZeRO from the
+    replicas' shards of the averaged gradient."""
     if zero is not None:
         mask = zero.part.shard_mask({i for i, n in enumerate(names) if is_split(n)})
         return zero.part.square_sums(zero.shard_grad, mask)
@@ -181,7 +208,7 @@ def split_square_sums(names: list[str], squares, is_split, zero=None) -> tuple[f
     for name, sq in zip(names, squares(), strict=True):
         sums[2 if is_expert_param(name) else (0 if is_split(name) else 1)] += sq
     if any(is_expert_param(n) for n in names):
-        sums[1] += expert_group().allreduce_sum(sums[2])
+        sums[1] += require_group(experts).allreduce_sum(sums[2])
     return sums[0], sums[1]
 
 

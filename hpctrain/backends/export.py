@@ -51,10 +51,17 @@ _ROLE_ORDER.update({"moving_mean": 2, "moving_variance": 3})
 SKIPPED = ("num_batches_tracked",)  # torch BatchNorm counter: no Keras weight
 
 
-def _atomic_target(out: Path):
-    """Write beside the target and rename, so OUT is never half-written."""
+def _write_atomically(out: Path, save, suffix: str = "") -> None:
+    """`save(tmp)` into a file beside `out` (name + `suffix`), then renamed over it, so
+    OUT is never half-written; the temporary is removed whatever happens."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    return out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}{suffix}")
+    try:
+        save(tmp)
+        os.replace(tmp, out)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
 
 
 def source_layout(weights: dict[str, np.ndarray], config_yaml: str | None) -> str:
@@ -109,14 +116,8 @@ def write_torch(
     if source_layout(weights, config_yaml) == "keras":
         weights = torch_from_keras(weights)
     out = Path(out)
-    tmp = _atomic_target(out)
     state = OrderedDict((k, torch.from_numpy(np.array(v, copy=True))) for k, v in weights.items())
-    try:
-        torch.save(state, tmp)
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    _write_atomically(out, lambda tmp: torch.save(state, tmp))
     return out
 
 
@@ -228,8 +229,8 @@ def write_keras(
     else:
         embeddings = embedding_names(weights, config_yaml, list(keep_layout))
         converted, layers = keras_weights(weights, embeddings)
-    tmp = _atomic_target(out)
-    try:
+
+    def write(tmp):
         with h5py.File(tmp, "w") as f:
             f.attrs["format"] = KERAS_FORMAT
             f.attrs["source"] = source
@@ -241,10 +242,8 @@ def write_keras(
                 ds.attrs["conversion"] = how
                 if layout == "torch":
                     ds.attrs["torch_shape"] = np.array(np.shape(weights[name]), dtype=np.int64)
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+
+    _write_atomically(out, write)
     return out
 
 
@@ -416,13 +415,10 @@ def write_torchscript(
 
     spec = zoo_export(weights, config_yaml, "torchscript", source)
     out = Path(out)
-    tmp = _atomic_target(out)
-    try:
-        export_torchscript.save(spec.layers, weights, tmp, spec.info(), spec.name == "mlp")
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    mlp = spec.name == "mlp"
+    _write_atomically(
+        out, lambda tmp: export_torchscript.save(spec.layers, weights, tmp, spec.info(), mlp)
+    )
     return out, spec
 
 
@@ -445,12 +441,9 @@ def write_keras_model(
     spec = zoo_export(weights, config_yaml, "keras-model", source)
     from . import export_keras_model
 
-    tmp = _atomic_target(out)
-    tmp = tmp.with_name(tmp.name + ".keras")
-    try:
-        export_keras_model.save(spec.layers, weights, spec.inp, spec.name, tmp)
-        os.replace(tmp, out)
-    finally:
-        with contextlib.suppress(FileNotFoundError):
-            tmp.unlink()
+    _write_atomically(
+        out,
+        lambda tmp: export_keras_model.save(spec.layers, weights, spec.inp, spec.name, tmp),
+        ".keras",  # Keras 3 saves whole models only under that extension
+    )
     return out, spec

@@ -12,6 +12,23 @@ from ..errors import LaunchError
 GLOO_SWITCHES = ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")
 
 
+def init_process_sets(hvd, comm, groups: list[list[int]], mine: int):
+    """Horovod (`hvd`: horovod.torch or horovod.tensorflow) with one process set per
+    pipeline stage (the ranks holding that stage); returns (hvd, this rank's set).
+
+    Horovod 0.28.1 registers static process sets at `hvd.init(process_sets=...)`, which
+    every rank must call with the same list; collectives then take `process_set=`.
+    """
+    if hvd.is_initialized():
+        raise RuntimeError("Horovod is already initialised; the pipeline needs its own init")
+    if len(groups) == 1:
+        hvd.init(comm=comm)
+        return hvd, hvd.global_process_set
+    sets = [hvd.ProcessSet(g) for g in groups]
+    hvd.init(comm=comm, process_sets=sets)
+    return hvd, sets[mine]
+
+
 def horovod_env(hcfg: dict) -> dict[str, str]:
     """HOROVOD_* settings for a `horovod:` config section (explicit env vars win)."""
     env = {

@@ -20,7 +20,7 @@ from . import tf_import  # noqa: F401  (TF imported with its start-up noise off)
 # isort: split
 import tensorflow as tf
 
-from ..moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+from ..moe.parallel import MoELayer, is_expert_param, require_group, step_metrics
 
 # net -> {layer name: MoELayer}; net -> {layer name: aux loss of the latest call}
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -30,7 +30,7 @@ _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _runtime(net, spec) -> MoELayer:
     per_net = _layers.setdefault(net, {})
     if spec.name not in per_net:
-        per_net[spec.name] = MoELayer(spec.attrs["moe"])
+        per_net[spec.name] = MoELayer(spec.attrs["moe"], net.groups.experts)
     return per_net[spec.name]
 
 
@@ -130,17 +130,17 @@ def aux_loss(net):
     losses = list(_aux.get(net, {}).values())
     if not losses:
         return None
-    return tf.add_n(losses) / float(expert_group().ranks_per_batch)
+    return tf.add_n(losses) / float(require_group(net.groups.experts).ranks_per_batch)
 
 
-def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
+def average_gradients(hvd, grads: list, names: list[str], compression, group) -> list:
     """Horovod average of the dense gradients; experts' gradients by `expert_grads`."""
     if hvd.size() == 1:
         return grads
     dense = [i for i, n in enumerate(names) if not is_expert_param(n)]
     if len(dense) == len(grads):
         return hvd.grouped_allreduce(grads, op=hvd.Average, compression=compression)
-    out = expert_grads(grads, names)
+    out = expert_grads(grads, names, group)
     if dense:
         avg = hvd.grouped_allreduce(
             [grads[i] for i in dense], op=hvd.Average, compression=compression
@@ -150,15 +150,15 @@ def average_gradients(hvd, grads: list, names: list[str], compression) -> list:
     return out
 
 
-def expert_grads(grads: list, names: list[str]) -> list:
+def expert_grads(grads: list, names: list[str], group) -> list:
     """Local experts' gradients: each sums its expert group's batches, so divided by
     their number (`grad_scale`), then averaged over the group's data-parallel replicas.
-    Dense gradients are returned unchanged."""
-    group = expert_group()
+    Dense gradients are returned unchanged. `group`: the expert group."""
     idx = [i for i, n in enumerate(names) if is_expert_param(n)]
     out = list(grads)
     if not idx:
         return out
+    group = require_group(group)
     flat = np.concatenate([np.asarray(grads[i]).reshape(-1) for i in idx]).astype(np.float32)
     flat *= np.float32(group.grad_scale)
     group.average_over_replicas(flat)
@@ -170,14 +170,14 @@ def expert_grads(grads: list, names: list[str]) -> list:
     return out
 
 
-def clip_like_torch(grads: list, names: list[str], max_norm: float) -> list:
+def clip_like_torch(grads: list, names: list[str], max_norm: float, group) -> list:
     """torch.nn.utils.clip_grad_norm_ on the global model (expert norms summed over ranks)."""
     sq_dense = sum(
         float(tf.reduce_sum(g * g)) for g, n in zip(grads, names) if not is_expert_param(n)
     )
     sq_expert = sum(float(tf.reduce_sum(g * g)) for g, n in zip(grads, names) if is_expert_param(n))
     if any(is_expert_param(n) for n in names):
-        sq_expert = expert_group().allreduce_sum(sq_expert)
+        sq_expert = require_group(group).allreduce_sum(sq_expert)
     coef = min(max_norm / ((sq_dense + sq_expert) ** 0.5 + 1e-6), 1.0)
     return [g * coef for g in grads]
 
@@ -189,4 +189,4 @@ def has_experts(names) -> bool:
 def step_extra(net, step_seconds: float) -> dict:
     """This step's MoE metrics (empty without MoE); resets the counters."""
     layers = list(_layers.get(net, {}).values())
-    return step_metrics(layers, step_seconds, expert_group().size) if layers else {}
+    return step_metrics(layers, step_seconds, layers[0].group.size) if layers else {}

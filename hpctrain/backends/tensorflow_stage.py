@@ -24,6 +24,8 @@ from ..moe.parallel import is_expert_param
 from . import gradient_engine, tensorflow_moe
 from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
+from .horovod_env import init_process_sets
+from .stage_base import StageBase
 from .tensorflow import (
     ZooNet,
     _Optimizer,
@@ -41,17 +43,10 @@ _NHWC_KINDS = ("conv", "conv_bn", "resblock", "gap")
 
 
 def init_replicas(comm, groups: list[list[int]], mine: int):
-    """Horovod with one process set per stage; see torch_stage.init_replicas."""
+    """Horovod with one process set per stage (horovod_env.init_process_sets)."""
     import horovod.tensorflow as hvd
 
-    if hvd.is_initialized():
-        raise RuntimeError("Horovod is already initialised; the pipeline needs its own init")
-    if len(groups) == 1:
-        hvd.init(comm=comm)
-        return hvd, hvd.global_process_set
-    sets = [hvd.ProcessSet(g) for g in groups]
-    hvd.init(comm=comm, process_sets=sets)
-    return hvd, sets[mine]
+    return init_process_sets(hvd, comm, groups, mine)
 
 
 def _run_nchw(net: ZooNet, x, training: bool):
@@ -62,25 +57,20 @@ def _run_nchw(net: ZooNet, x, training: bool):
     return out
 
 
-class TensorFlowStage:
-    """Layers [start, stop) of the model; see the module docstring."""
+class TensorFlowStage(StageBase):
+    """Layers [start, stop) of the model on tf variables, gradients accumulated in
+    `acc` between micro-batches; see the module docstring."""
 
-    def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
-        prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
-        self.first, self.last = first, last
-        self.zero = None  # ZeRO-1: attach_zero
-        self.net = ZooNet(layers, weights)
-        self.opt = _Optimizer(cfg.optimizer, self.net.vars)
+    prepare_process = staticmethod(prepare_process)
+
+    def build(self, layers, weights) -> None:
+        self.net = ZooNet(layers, weights, groups=self.groups)
+        self.opt = _Optimizer(self._ocfg, self.net.vars)
         self._vars = list(self.net.vars.values())
         # MoE experts in this stage: local to a rank of the stage's expert group
         self._experts = [i for i, n in enumerate(self.net.vars) if is_expert_param(n)]
         self._dense = [i for i, n in enumerate(self.net.vars) if not is_expert_param(n)]
         self.acc: list | None = None
-        self.stash: dict[int, tuple] = {}
-        self.peak_stash = 0
-        self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = self.mpi = self.zero = None
-        self._ocfg = cfg.optimizer
 
     def attach_zero(self, replicas, bucket_bytes: int) -> None:
         """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
@@ -91,9 +81,6 @@ class TensorFlowStage:
         )
         self.opt = self.zero.optimizer
         self.zero.begin_step()
-
-    def attach_replicas(self, hvd, process_set) -> None:
-        self.hvd, self.process_set = hvd, process_set
 
     def attach_mpi(self, replicas) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
@@ -155,7 +142,8 @@ class TensorFlowStage:
         def squares():
             return [float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in self.acc]
 
-        return split_square_sums(list(self.net.vars), squares, is_split, self.zero)
+        names = list(self.net.vars)
+        return split_square_sums(names, squares, is_split, self.zero, self.groups.experts)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
@@ -177,7 +165,9 @@ class TensorFlowStage:
             if self._experts:  # scaled to the batches' mean, averaged over their copies
                 names = list(self.net.vars)
                 mine = [self.acc[i] for i in self._experts]
-                mine = tensorflow_moe.expert_grads(mine, [names[i] for i in self._experts])
+                mine = tensorflow_moe.expert_grads(
+                    mine, [names[i] for i in self._experts], self.groups.experts
+                )
                 for i, g in zip(self._experts, mine, strict=True):
                     self.acc[i] = g
             return time.perf_counter() - t0

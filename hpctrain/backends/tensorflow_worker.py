@@ -23,17 +23,18 @@ from .tensorflow import (
     set_rng_state,
     tf,
 )
+from .worker_base import WorkerBase
 
 
-class TensorFlowWorker:
-    """One zoo model on this rank; no optimizer (the servers own it)."""
+class TensorFlowWorker(WorkerBase):
+    """One zoo model on this rank, its gradients from one traced tape; no optimizer
+    (the servers own it)."""
 
     name = "tensorflow"
+    prepare_process = staticmethod(prepare_process)
 
-    def __init__(self, cfg, inp: zoo.InputSpec, threads: int, rank: int = 0):
-        seed = cfg.train["seed"]
-        prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        self.net = build_model(cfg.model, inp, seed)
+    def build(self, model_cfg: dict, inp: zoo.InputSpec, seed: int, groups) -> None:
+        self.net = build_model(model_cfg, inp, seed, groups=groups)
         self.params = self.net.vars
         self.buffers = self.net.buffers
         self._grad_fn = tf.function(self._grads, reduce_retracing=True)

@@ -21,20 +21,21 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
-from ..tensor import parallel as tensor_parallel
-from . import gradient_engine, torch_moe, torch_tensor
+from . import gradient_engine, step, torch_moe, torch_tensor
 from .base import (
     BackendBase,
     EvalStats,
     StepStats,
     build_agreed,
 )
+from .groups import ModelGroups
 from .torch_device import (
     DeviceFeeder,
     agreed_device,
     to_host,
 )
 from .torch_model import ZooNet, _Layer, build_model  # noqa: F401 - importable from here
+from .torch_probe import gpu_of_rank, probe  # noqa: F401 - doctor asks the backend module
 from .torch_state import TorchStateMixin
 from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, tests)
     backward_mean_loss,
@@ -51,103 +52,79 @@ from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, 
 from .torch_zero import TorchZero
 
 
-def probe() -> dict:
-    """Versions, GPUs and Horovod build facts, for `hpctrain doctor`."""
-    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    nccl = ".".join(map(str, torch.cuda.nccl.version())) if gpus else "n/a"
-    framework = (
-        f"{torch.__version__} (threads {torch.get_num_threads()}, CUDA "
-        f"{f'yes, {gpus} GPU(s), NCCL {nccl}' if gpus else 'no'})"
-    )
-    try:
-        import horovod
-        import horovod.torch as hvd
-    except ImportError as exc:  # a GPU node's Python may run the nccl/mpi engines alone
-        return {
-            "framework": framework,
-            "horovod": f"not installed ({exc}); engines nccl, gloo, mpi work without it",
-            "missing": ["Horovod"],
-        }
-    built = {"MPI": hvd.mpi_built(), "Gloo": hvd.gloo_built(), "NCCL": hvd.nccl_built()}
-    missing = [k for k in ("MPI", "Gloo") if not built[k]]
-    ops = ", ".join(k for k, v in built.items() if v) or "none"
-    return {
-        "framework": framework,
-        "horovod": f"{horovod.__version__}; controllers/ops: {ops}"
-        + ("" if built["NCCL"] or not gpus else " (no NCCL: train.allreduce=horovod stays on CPU)"),
-        "missing": missing,
-    }
-
-
-def gpu_of_rank(local_rank: int) -> str:
-    """The GPU this rank would use under runtime.device auto/cuda (doctor's table)."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        return "-"
-    index = 0 if n == 1 else local_rank % n
-    props = torch.cuda.get_device_properties(index)
-    return f"cuda:{index} {props.name} {props.total_memory / 2**30:.0f} GiB"
-
-
 # --- the backend ------------------------------------------------------------------------
 class TorchBackend(TorchStateMixin, BackendBase):
     name = "torch"
 
-    def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None):
-        self.cfg = cfg
-        self.world = world
+    def __init__(self, cfg, world, inp: zoo.InputSpec, threads: int, hvd_comm=None, groups=None):
+        self.cfg, self.world, self.inp = cfg, world, inp
+        self.groups = groups = groups or ModelGroups()  # from the grid (strategy)
         local = getattr(world, "local_size", 1)  # a grid axis has no node layout
         self.device, self.device_reason, shared = agreed_device(cfg, world)
         self.engine, self.engine_reason = gradient_engine.choose(
             cfg, local, threads, world=world, device=self.device.type, gpu_shared=shared
         )
-        self.inp = inp
         self.precision = cfg.train["precision"]  # fp32 | bf16 | fp16 (autocast)
         self.scaler = make_loss_scaler(self.precision, self.device.type)
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        model = build_agreed(world, lambda: build_model(cfg.model, inp, seed))
+        model = build_agreed(world, lambda: build_model(cfg.model, inp, seed, groups))
         self.model = model.to(self.device)  # canonical weights built on the host, then moved
         self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
-        ocfg = cfg.optimizer
         dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
-        params = [p for _, p in dense]
-        self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
-        if cfg.train["zero"]:
-            self.zero = TorchZero(
-                world,
-                params,
-                cfg.train["zero"],
-                int(cfg.train["bucket_mb"] * 2**20),
-                partial(make_optimizer, ocfg),
-            )
-            opt = self.zero.optimizer
-        else:
-            opt = make_optimizer(ocfg, params)
+        self._dense = [p for _, p in dense]
         self.accum = cfg.train["grad_accum"]
-        self.hvd = None
-        if self.engine == "horovod":
-            import horovod.torch as hvd
-
-            if not hvd.is_initialized():
-                hvd.init(comm=hvd_comm if hvd_comm is not None else world.comm)
-            self.hvd = hvd
-            compression = (
-                hvd.Compression.fp16 if cfg.train["compression"] == "fp16" else hvd.Compression.none
-            )
-            opt = hvd.DistributedOptimizer(
-                opt,
-                named_parameters=dense,
-                compression=compression,
-                backward_passes_per_step=self.accum,
-                op=hvd.Average,
-            )
-        self._dense = params
+        self.optimizer = self._make_optimizer(dense, hvd_comm)
         self._fence = None  # an async save still copying export_state's views (save())
         # modules with buffers (BatchNorm statistics) may change them in a forward
         self._forward_writes = any(True for _ in self.model.buffers())
+        self._make_exchange()
+        # the local experts: their own group in the optimizer, never allreduced
+        torch_moe.add_expert_params(self.optimizer, self.model, groups.experts)
+        self.broadcast_from_root()
+        self.clip = cfg.train["clip_norm"]
+        self.tokens = inp.tokens
+        self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
+
+    def _make_optimizer(self, dense: list, hvd_comm):
+        """The optimizer of the dense parameters: this rank's ZeRO shard or all of them,
+        wrapped in Horovod's DistributedOptimizer on the horovod engine."""
+        cfg, params = self.cfg, self._dense
+        self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
+        if cfg.train["zero"]:
+            self.zero = TorchZero(
+                self.world,
+                params,
+                cfg.train["zero"],
+                int(cfg.train["bucket_mb"] * 2**20),
+                partial(make_optimizer, cfg.optimizer),
+            )
+            opt = self.zero.optimizer
+        else:
+            opt = make_optimizer(cfg.optimizer, params)
+        self.hvd = None
+        if self.engine != "horovod":
+            return opt
+        import horovod.torch as hvd
+
+        if not hvd.is_initialized():
+            hvd.init(comm=hvd_comm if hvd_comm is not None else self.world.comm)
+        self.hvd = hvd
+        fp16 = cfg.train["compression"] == "fp16"
+        return hvd.DistributedOptimizer(
+            opt,
+            named_parameters=dense,
+            compression=hvd.Compression.fp16 if fp16 else hvd.Compression.none,
+            backward_passes_per_step=self.accum,
+            op=hvd.Average,
+        )
+
+    def _make_exchange(self) -> None:
+        """The engine's gradient buffer (`_flat`): the ZeRO partition, a reducer, a
+        torch.distributed process group or the overlapped buckets."""
+        cfg, world, params = self.cfg, self.world, self._dense
         self._flat = (
             self.zero.part
             if self.zero is not None
@@ -170,12 +147,6 @@ class TorchBackend(TorchStateMixin, BackendBase):
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
         self._hooks_live = False
-        self.optimizer = opt
-        torch_moe.add_expert_params(self.optimizer, self.model)  # local, never allreduced
-        self.broadcast_from_root()
-        self.clip = cfg.train["clip_norm"]
-        self.tokens = inp.tokens
-        self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
 
     def broadcast_from_root(self) -> None:
         """Make every replica start from rank 0's parameters and optimizer state.
@@ -231,15 +202,23 @@ class TorchBackend(TorchStateMixin, BackendBase):
             fence()
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
+        return step.train_step(self, micro_batches, lr)  # the sequence, with these:
+
+    # --- the step's primitives (step.StepPrimitives) ---------------------------
+    def begin(self, lr: float) -> None:
+        self._train_at(lr)
+        self.optimizer.zero_grad()
+
+    def _train_at(self, lr: float) -> None:
+        """Training mode at learning rate `lr` (a forward that writes buffers waits
+        for an async save's copy first)."""
         if self._forward_writes:
             self._release_exported()
-        if self.zero is not None:
-            return self._zero_step(micro_batches, lr)
         self.model.train()
-        t_step = time.perf_counter()
         for group in self.optimizer.param_groups:
             group["lr"] = lr
-        self.optimizer.zero_grad()
+
+    def forward_backward(self, micro_batches):
         before_last = self._open_buckets if self._overlap is not None else None
         loss_sum, correct, total = backward_mean_loss(
             self.model,
@@ -250,7 +229,9 @@ class TorchBackend(TorchStateMixin, BackendBase):
             feed=self._feed.put,
             scaler=self.scaler,
         )
-        t0 = time.perf_counter()
+        return None, loss_sum, correct, total  # the gradients are in param.grad
+
+    def exchange(self, grads):
         if self._pg is not None:  # on the device; on a GPU this only queues the work
             self._pg.average(self._dense)
             self.exchange_step += 1
@@ -260,14 +241,22 @@ class TorchBackend(TorchStateMixin, BackendBase):
             self._average_with_mpi()
         else:
             self.optimizer.synchronize()
-        torch_moe.average_expert_grads(self.model)
-        comm = time.perf_counter() - t0
-        if self.scaler is not None:  # the average's true scale, before the clip sees it
+        torch_moe.average_expert_grads(self.model, self.groups.experts)
+        return grads
+
+    def true_scale(self) -> None:
+        if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        if self.clip is not None and tensor_parallel.tensor_group().size > 1:
-            torch_tensor.clip_grad_norm_(list(self.model.named_parameters()), self.clip)
-        elif self.clip is not None:
-            torch_moe.clip_grad_norm_(self.model, self.clip)
+
+    def clip_tensor_parallel(self, grads, max_norm: float):
+        torch_tensor.clip_grad_norm_(list(self.model.named_parameters()), max_norm, self.groups)
+        return grads
+
+    def clip_local(self, grads, max_norm: float):
+        torch_moe.clip_grad_norm_(self.model, max_norm, self.groups.experts)
+        return grads
+
+    def update(self, grads, lr: float) -> None:
         self._release_exported()  # the copy overlapped forward and backward; now update
         if self.scaler is not None:  # skipped (every rank) on an overflow; scale updated
             self._scaled_step()
@@ -276,11 +265,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
         else:
             with self.optimizer.skip_synchronize():
                 self.optimizer.step()
-        extra = torch_moe.step_extra(self.model, time.perf_counter() - t_step)
-        if self.hvd is None:
-            extra.update(self._flat.stats())
-        extra.update(self.memory())
-        return StepStats(loss_sum, correct, total, comm, extra)
+
+    def moe_metrics(self, step_seconds: float) -> dict:
+        return torch_moe.step_extra(self.model, step_seconds)
+
+    def reducer_stats(self) -> dict:
+        return self._flat.stats() if self.hvd is None else {}
 
     def _scaled_step(self) -> None:
         """fp16: step unless the averaged gradients overflowed, then grow or back off the
@@ -289,17 +279,18 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.scaler.step(self.optimizer)
         self.scaler.update()
 
-    def _zero_step(self, micro_batches, lr: float) -> StepStats:
-        """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather."""
-        self.model.train()
-        z = self.zero
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        z.begin_step()
-        experts = self._expert_params()
-        for p in experts:  # local experts: plain gradients, stepped with the shard
+    # ZeRO-1/2 (step.zero_step): local experts have plain gradients, stepped with the shard
+    def dense_names(self) -> list[str]:
+        return [self._names[p] for p in self._dense]
+
+    def zero_begin(self, lr: float) -> None:
+        self._train_at(lr)
+        self.zero.begin_step()
+        for p in self._expert_params():
             p.grad = None
-        t_comm = [0.0]
+
+    def zero_forward_backward(self, micro_batches):
+        z, t_comm = self.zero, [0.0]
 
         def after_backward():  # stage 2 reduces during backward: count it as comm
             t0 = time.perf_counter()
@@ -313,47 +304,33 @@ class TorchBackend(TorchStateMixin, BackendBase):
             after_each=after_backward,
             bf16=self.precision,
         )
-        t0 = time.perf_counter()
-        z.reduce()
-        torch_moe.average_expert_grads(self.model)
-        if self.clip is not None:
-            extra_sq = 0.0
-            if experts:  # each expert lives on one rank of its group
-                local = sum(
-                    float(p.grad.double().pow(2).sum()) for p in experts if p.grad is not None
-                )
-                extra_sq = torch_moe.expert_group().allreduce_sum(local)
-            coef = z.clip(float(self.clip), self._tensor_split_mask(), extra_sq)
-            for p in experts:
-                if p.grad is not None and coef < 1.0:
-                    p.grad.mul_(coef)
+        return self._expert_params(), loss_sum, correct, total, t_comm[0]
+
+    def zero_reduce(self, pending):
+        self.zero.reduce()
+        torch_moe.average_expert_grads(self.model, self.groups.experts)
+        return pending  # the expert parameters (their gradients in param.grad)
+
+    def expert_square_sum(self, experts) -> float | None:
+        if not experts:
+            return None
+        return sum(float(p.grad.double().pow(2).sum()) for p in experts if p.grad is not None)
+
+    def scale_experts(self, experts, coef: float):
+        for p in experts:
+            if p.grad is not None:
+                p.grad.mul_(coef)
+        return experts
+
+    def zero_update(self, experts, lr: float) -> None:
         self._release_exported()
-        z.step()  # the shard's update (and the local experts', same optimizer)
-        comm = t_comm[0] + time.perf_counter() - t0  # includes the shard's update
-        self.exchange_step += 1
-        extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
-        extra.update(self.memory())
-        return StepStats(loss_sum, correct, total, comm, extra)
+        self.zero.step()  # the shard's update (and the local experts', same optimizer)
 
     def _expert_params(self) -> list:
         return [p for p, n in self._names.items() if is_expert_param(n)]
 
     def _expert_named(self) -> list:
         return [(n, p) for p, n in self._names.items() if is_expert_param(n)]
-
-    def _tensor_split_mask(self):
-        """(shard mask of tensor-split parameters, tensor group), or None without TP."""
-        group = tensor_parallel.tensor_group()
-        if group.size == 1:
-            return None
-        if not hasattr(self, "_split_mask"):
-            split = {
-                i
-                for i, p in enumerate(self._dense)
-                if tensor_parallel.split_kind(self._names[p]) is not None
-            }
-            self._split_mask = self.zero.part.shard_mask(split)
-        return self._split_mask, group
 
     @torch.no_grad()
     def _average_with_mpi(self) -> None:

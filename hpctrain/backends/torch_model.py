@@ -14,6 +14,7 @@ from ..models import zoo
 from ..moe.parallel import local_layers
 from ..tensor import parallel as tensor_parallel
 from . import torch_moe, torch_tensor
+from .groups import ModelGroups
 
 
 # --- the zoo's layer kinds, interpreted with torch ops ---------------------------------
@@ -49,9 +50,10 @@ def _causal_attention(qkv, heads: int):
 
 
 class _Layer(nn.Module):
-    def __init__(self, spec: zoo.LayerSpec):
+    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None):
         super().__init__()
         self.spec = spec
+        self.groups = groups or ModelGroups()  # tensor axis and experts of this model
         self.p: dict[str, torch.Tensor] = {}
         for name, shape in spec.params.items():
             holder, leaf = self._holder(name)
@@ -132,35 +134,35 @@ class _Layer(nn.Module):
         """The block with this rank's heads and MLP slice (Megatron): f before the
         column-parallel layers, g after the row-parallel ones, biases after g."""
         p, heads = self.p, self.spec.attrs["n_heads"]  # this rank's heads
-        d = x.shape[-1]
+        d, tp = x.shape[-1], self.groups.tensor
         h = torch_tensor.copy_to_tensor_axis(
-            F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
+            F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS), tp
         )
         y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
-        out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]))
+        out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]), tp)
         x = x + out + p["attn.proj.bias"]
         h = torch_tensor.copy_to_tensor_axis(
-            F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
+            F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS), tp
         )
         if "moe" in self.spec.attrs:  # this rank's samples through the experts
-            lo, hi = tensor_parallel.tensor_group().my_rows(h.shape[0])
-            router = torch_tensor.copy_to_tensor_axis(p["moe.router.weight"])
+            lo, hi = tp.my_rows(h.shape[0])
+            router = torch_tensor.copy_to_tensor_axis(p["moe.router.weight"], tp)
             y = torch_moe.moe_ffn(self, h[lo:hi], router)
             y = F.pad(y, (0, 0, 0, 0, lo, h.shape[0] - hi))  # the other ranks' rows: 0
-            return x + torch_tensor.reduce_from_tensor_axis(y)
+            return x + torch_tensor.reduce_from_tensor_axis(y, tp)
         h = F.relu(F.linear(h, p["ffn.fc1.weight"], p["ffn.fc1.bias"]))
-        out = torch_tensor.reduce_from_tensor_axis(F.linear(h, p["ffn.fc2.weight"]))
+        out = torch_tensor.reduce_from_tensor_axis(F.linear(h, p["ffn.fc2.weight"]), tp)
         return x + out + p["ffn.fc2.bias"]
 
 
 class ZooNet(nn.Module):
     """A zoo model: the layers in order, parameters under their canonical names."""
 
-    def __init__(self, layers: list[zoo.LayerSpec]):
+    def __init__(self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None):
         super().__init__()
         self.seq = []
         for spec in layers:
-            layer = _Layer(spec)
+            layer = _Layer(spec, groups)
             if "." in spec.name:
                 parent, leaf = spec.name.rsplit(".", 1)
                 _child(self, parent).add_module(leaf, layer)
@@ -179,13 +181,18 @@ class ZooNet(nn.Module):
         return x
 
 
-def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> nn.Module:
-    """A zoo model with the canonical initial weights, or the user's own nn.Module."""
+def build_model(
+    model_cfg: dict, inp: zoo.InputSpec, seed: int, groups: ModelGroups | None = None
+) -> nn.Module:
+    """A zoo model with the canonical initial weights, or the user's own nn.Module.
+    `groups`: the tensor axis and expert group from the process grid (none: one rank)."""
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
+        groups = groups or ModelGroups()
         layers = zoo.build_layers(model_cfg, inp)
-        tp = tensor_parallel.tensor_group()  # this rank's shard of each split layer
-        model = ZooNet(tensor_parallel.local_layers(local_layers(layers, seed), tp.size))
+        tp = groups.tensor  # this rank's shard of each split layer
+        mine_layers = local_layers(layers, seed, groups.experts)
+        model = ZooNet(tensor_parallel.local_layers(mine_layers, tp.size), groups)
         # Initial values of all experts (the same at any world size), one tensor at a
         # time; this rank keeps its experts (MoE) and its tensor-parallel pieces.
         mine = model.state_dict(keep_vars=True)

@@ -17,7 +17,7 @@ import weakref
 import torch
 import torch.nn.functional as F
 
-from ..moe.parallel import MoELayer, expert_group, is_expert_param, step_metrics
+from ..moe.parallel import MoELayer, is_expert_param, require_group, step_metrics
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
 _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
@@ -40,7 +40,7 @@ class _AllToAll(torch.autograd.Function):
 
 def _runtime(layer) -> MoELayer:
     if layer not in _layers:
-        _layers[layer] = MoELayer(layer.spec.attrs["moe"])
+        _layers[layer] = MoELayer(layer.spec.attrs["moe"], layer.groups.experts)
     return _layers[layer]
 
 
@@ -87,10 +87,11 @@ def _moe_modules(model) -> list:
 def aux_loss(model) -> torch.Tensor | None:
     """Sum of the load-balancing losses of the model's last forward (None without MoE),
     per batch: with tensor parallelism each of a batch's T ranks routed 1/T of it."""
-    losses = [_aux[m] for m in _moe_modules(model) if m in _aux]
-    if not losses:
+    modules = [m for m in _moe_modules(model) if m in _aux]
+    if not modules:
         return None
-    return torch.stack(losses).sum() / expert_group().ranks_per_batch
+    ranks_per_batch = require_group(modules[0].groups.experts).ranks_per_batch
+    return torch.stack([_aux[m] for m in modules]).sum() / ranks_per_batch
 
 
 def dense_named_parameters(model) -> list:
@@ -98,7 +99,7 @@ def dense_named_parameters(model) -> list:
     return [(n, p) for n, p in model.named_parameters() if not is_expert_param(n)]
 
 
-def add_expert_params(optimizer, model) -> None:
+def add_expert_params(optimizer, model, group) -> None:
     """Give the local experts to the optimizer as their own group, outside Horovod.
 
     Horovod's DistributedOptimizer allreduces exactly the parameters it was built with;
@@ -107,27 +108,26 @@ def add_expert_params(optimizer, model) -> None:
     gradient sums every batch's tokens, so it is divided by the number of batches (the
     group's ranks, or with tensor parallelism its tensor groups).
     """
-    experts = scale_expert_grads(model)
+    experts = scale_expert_grads(model, group)
     if experts:
         optimizer.add_param_group({"params": experts})
 
 
-def scale_expert_grads(model) -> list:
+def scale_expert_grads(model, group) -> list:
     """Hooks scaling each local expert's gradient to the mean over the batches its
-    group holds; returns the expert parameters."""
+    group (`group`, the expert group) holds; returns the expert parameters."""
     experts = [p for n, p in model.named_parameters() if is_expert_param(n)]
-    scale = expert_group().grad_scale if experts else 1.0
+    scale = require_group(group).grad_scale if experts else 1.0
     for p in experts:
         p.register_hook(lambda g: g * scale)
     return experts
 
 
 @torch.no_grad()
-def average_expert_grads(model) -> None:
+def average_expert_grads(model, group) -> None:
     """Average the local experts' gradients over their data-parallel replicas (one
     flat MPI allreduce on the grid's `data` axis; nothing when there is one replica)."""
-    group = expert_group()
-    if group.data is None or group.data.size == 1:
+    if group is None or group.data is None or group.data.size == 1:
         return
     grads = [
         p.grad for n, p in model.named_parameters() if is_expert_param(n) and p.grad is not None
@@ -140,7 +140,7 @@ def average_expert_grads(model) -> None:
         g.copy_(view.view_as(g))
 
 
-def clip_grad_norm_(model, max_norm: float) -> None:
+def clip_grad_norm_(model, max_norm: float, group) -> None:
     """torch's clip_grad_norm_ over the global model: expert norms summed over ranks."""
     named = list(model.named_parameters())
     if not any(is_expert_param(n) for n, _ in named):
@@ -150,7 +150,7 @@ def clip_grad_norm_(model, max_norm: float) -> None:
     for n, p in named:
         if p.grad is not None:
             sq[is_expert_param(n)] += float(p.grad.detach().double().pow(2).sum())
-    total = (sq[False] + expert_group().allreduce_sum(sq[True])) ** 0.5
+    total = (sq[False] + require_group(group).allreduce_sum(sq[True])) ** 0.5
     coef = min(max_norm / (total + 1e-6), 1.0)
     for _, p in named:
         if p.grad is not None:
@@ -160,4 +160,4 @@ def clip_grad_norm_(model, max_norm: float) -> None:
 def step_extra(model, step_seconds: float) -> dict:
     """This step's MoE metrics (empty without MoE); resets the counters."""
     layers = [_layers[m] for m in _moe_modules(model) if m in _layers]
-    return step_metrics(layers, step_seconds, expert_group().size) if layers else {}
+    return step_metrics(layers, step_seconds, layers[0].group.size) if layers else {}

@@ -29,6 +29,8 @@ from ..moe.parallel import is_expert_param
 from . import gradient_engine, torch_moe
 from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
+from .horovod_env import init_process_sets
+from .stage_base import StageBase
 from .torch_model import ZooNet
 from .torch_steps import (
     export_optimizer_state,
@@ -42,36 +44,24 @@ from .torch_zero import TorchZero
 
 
 def init_replicas(comm, groups: list[list[int]], mine: int):
-    """Horovod with one process set per stage (the ranks holding that stage).
-
-    Horovod 0.28.1 registers static process sets at `hvd.init(process_sets=...)`, which
-    every rank must call with the same list; collectives then take `process_set=`.
-    """
+    """Horovod with one process set per stage (horovod_env.init_process_sets)."""
     import horovod.torch as hvd
 
-    if hvd.is_initialized():
-        raise RuntimeError("Horovod is already initialised; the pipeline needs its own init")
-    if len(groups) == 1:
-        hvd.init(comm=comm)
-        return hvd, hvd.global_process_set
-    sets = [hvd.ProcessSet(g) for g in groups]
-    hvd.init(comm=comm, process_sets=sets)
-    return hvd, sets[mine]
+    return init_process_sets(hvd, comm, groups, mine)
 
 
-class TorchStage:
-    """Layers [start, stop) of the model; see the module docstring."""
+class TorchStage(StageBase):
+    """Layers [start, stop) of the model as nn.Modules; see the module docstring."""
 
-    def __init__(self, cfg, layers, weights, first: bool, last: bool, threads: int, rank: int):
-        prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
-        self.first, self.last = first, last
-        self.zero = None  # ZeRO-1: attach_zero
-        self.net = ZooNet(layers)
+    prepare_process = staticmethod(prepare_process)
+
+    def build(self, layers, weights) -> None:
+        self.net = ZooNet(layers, self.groups)
         self.set_weights(weights)
         # MoE experts in this stage: local to a rank of the stage's expert group; their
         # gradients are scaled (hooks) and averaged over their copies, not the replicas
-        self._experts = torch_moe.scale_expert_grads(self.net)
-        ocfg = cfg.optimizer
+        self._experts = torch_moe.scale_expert_grads(self.net, self.groups.experts)
+        ocfg = self._ocfg
         params = list(self.net.parameters())
         if ocfg["name"] == "sgd":
             self.opt = torch.optim.SGD(
@@ -85,14 +75,6 @@ class TorchStage:
                 eps=ocfg["eps"],
                 weight_decay=ocfg["weight_decay"],
             )
-        self.stash: dict[int, tuple] = {}
-        self.peak_stash = 0
-        self.loss_sum, self.correct = 0.0, 0
-        self.hvd = self.process_set = self.mpi = self.zero = None
-        self._ocfg = ocfg
-
-    def attach_replicas(self, hvd, process_set) -> None:
-        self.hvd, self.process_set = hvd, process_set
 
     def attach_mpi(self, replicas) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
@@ -157,7 +139,8 @@ class TorchStage:
                 0.0 if p.grad is None else float((p.grad.double() ** 2).sum()) for _, p in named
             ]
 
-        return split_square_sums([n for n, _ in named], squares, is_split, self.zero)
+        names = [n for n, _ in named]
+        return split_square_sums(names, squares, is_split, self.zero, self.groups.experts)
 
     def average_grads(self) -> float:
         """Average gradients over this stage's replicas; returns seconds spent."""
@@ -168,7 +151,9 @@ class TorchStage:
         if self.mpi is not None:
             seconds = self._average_with_mpi()
             t0 = time.perf_counter()
-            torch_moe.average_expert_grads(self.net)  # over each expert's copies
+            torch_moe.average_expert_grads(
+                self.net, self.groups.experts
+            )  # over each expert's copies
             return seconds + time.perf_counter() - t0
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0

@@ -43,8 +43,9 @@ class TorchStateMixin:
         trainable = sum(p.numel() * 4 for p in self.model.parameters() if p.requires_grad)
         return replicated_memory_plan(trainable, self._flat, slots, opt_now)
 
-    def memory(self) -> dict[str, float]:
-        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
+    def memory(self, grads=None) -> dict[str, float]:
+        """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS
+        (`grads`: the step's handle, unused: torch's gradients are in param.grad)."""
         slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
         if self.zero is not None:
             out = self.zero.memory(slots)

@@ -12,45 +12,46 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from ..tensor.parallel import split_kind, tensor_group
+from ..tensor.parallel import TensorGroup, split_kind
 from .base import split_square_sums
 
 
-def _allreduce(x: torch.Tensor, what: str) -> torch.Tensor:
-    summed = tensor_group().allreduce_sum(x.detach().float().contiguous().numpy(), what)
+def _allreduce(x: torch.Tensor, group: TensorGroup, what: str) -> torch.Tensor:
+    summed = group.allreduce_sum(x.detach().float().contiguous().numpy(), what)
     return torch.from_numpy(summed).to(x.dtype)
 
 
 class _CopyToTensorAxis(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
+    def forward(ctx, x, group):
+        ctx.group = group
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        return _allreduce(grad, "input gradient (f)")
+        return _allreduce(grad, ctx.group, "input gradient (f)"), None
 
 
 class _ReduceFromTensorAxis(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x):
-        return _allreduce(x, "partial output (g)")
+    def forward(ctx, x, group):
+        return _allreduce(x, group, "partial output (g)")
 
     @staticmethod
     def backward(ctx, grad):
-        return grad
+        return grad, None
 
 
-def copy_to_tensor_axis(x: torch.Tensor) -> torch.Tensor:
-    return _CopyToTensorAxis.apply(x)
+def copy_to_tensor_axis(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+    return _CopyToTensorAxis.apply(x, group)
 
 
-def reduce_from_tensor_axis(x: torch.Tensor) -> torch.Tensor:
-    return _ReduceFromTensorAxis.apply(x)
+def reduce_from_tensor_axis(x: torch.Tensor, group: TensorGroup) -> torch.Tensor:
+    return _ReduceFromTensorAxis.apply(x, group)
 
 
 @torch.no_grad()
-def clip_grad_norm_(named_params, max_norm: float) -> None:
+def clip_grad_norm_(named_params, max_norm: float, groups) -> None:
     """torch's clip_grad_norm_ rule on the whole model: the squares of split parameters
     are summed over the tensor axis, those of experts over their group (each expert
     lives on one of its ranks), replicated ones counted once."""
@@ -62,8 +63,9 @@ def clip_grad_norm_(named_params, max_norm: float) -> None:
             for _, p in named_params
         ]
 
-    split, whole = split_square_sums(names, squares, split_kind)  # experts in `whole`
-    split = float(tensor_group().allreduce_sum(np.array([split]), "gradient norm")[0])
+    # experts in `whole`
+    split, whole = split_square_sums(names, squares, split_kind, experts=groups.experts)
+    split = float(groups.tensor.allreduce_sum(np.array([split]), "gradient norm")[0])
     coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
     if coef < 1.0:
         for _, p in named_params:

@@ -23,17 +23,17 @@ from .torch_steps import (
     rng_state,
     set_rng_state,
 )
+from .worker_base import WorkerBase
 
 
-class TorchWorker:
+class TorchWorker(WorkerBase):
     """One zoo model on this rank; no optimizer (the servers own it)."""
 
     name = "torch"
+    prepare_process = staticmethod(prepare_process)
 
-    def __init__(self, cfg, inp: zoo.InputSpec, threads: int, rank: int = 0):
-        seed = cfg.train["seed"]
-        prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        self.model = build_model(cfg.model, inp, seed)
+    def build(self, model_cfg: dict, inp: zoo.InputSpec, seed: int, groups) -> None:
+        self.model = build_model(model_cfg, inp, seed, groups)
         self.params = OrderedDict(self.model.named_parameters())
         self.buffers = OrderedDict(self.model.named_buffers())
 

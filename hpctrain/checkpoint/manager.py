@@ -14,11 +14,10 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from pathlib import Path
 
 from ..errors import CheckpointError
-from ..testing import faults
+from ..runtime.faults import NO_FAULTS, Faults
 from . import reader, sharded, writer
 from .policy import CheckpointPolicy, Entry
 from .staging import Staging
@@ -29,9 +28,12 @@ log = logging.getLogger("hpctrain.checkpoint")
 class Checkpointer:
     """Owns a policy; on the writer rank (rank 0) writes files and applies retention."""
 
-    def __init__(self, policy: CheckpointPolicy, is_writer: bool = True):
+    def __init__(
+        self, policy: CheckpointPolicy, is_writer: bool = True, faults: Faults = NO_FAULTS
+    ):
         self.policy = policy
         self.is_writer = is_writer
+        self.faults = faults  # a test's write_delay, copy_delay, kill_during_save
         self.last_path: Path | None = None
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -115,9 +117,7 @@ class Checkpointer:
         try:
             try:
                 if copy:
-                    late = faults.value("copy_delay")  # a test: a copy slower than a step
-                    if late:
-                        time.sleep(late)
+                    self.faults.sleep("copy_delay")  # a test: a copy slower than a step
                     snap = writer.private_copy(snap, self._staging, private)
             finally:
                 self._staged.set()  # the caller may change its arrays now (or it failed)
@@ -134,7 +134,7 @@ class Checkpointer:
 
     def _write(self, snap: writer.Snapshot, background: bool = False) -> Path:
         try:
-            path = writer.write(self.policy.dir, snap, direct=background)
+            path = writer.write(self.policy.dir, snap, direct=background, faults=self.faults)
         except CheckpointError:
             if snap.shards is not None:  # the commit failed (a full disk): its shards go
                 sharded.remove_uncommitted(self.policy.dir, snap.step)

@@ -46,7 +46,7 @@ class RunCheckpoints:
         self.trainer = loop
         w = loop.world
         self.policy = CheckpointPolicy.from_config(loop.cfg, loop.run_dir)
-        self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root)
+        self.checkpointer = Checkpointer(self.policy, is_writer=w.is_root, faults=loop.faults)
         self._since: tuple[int, float] | None = None  # (step, time) the last save ended
         self._start_step = 0  # the step training starts from (a resumed run's)
         self._saved_schedule: int | None = None  # the steps a resumed checkpoint's lr spanned
@@ -120,19 +120,20 @@ class RunCheckpoints:
     def close(self) -> None:
         self.checkpointer.wait()
 
-    def preempt(self, pre, progress) -> str:
+    def preempt(self, pre, progress, metrics: dict | None = None, label: str = "") -> str:
         """Every rank reached the same step after a signal: checkpoint, then requeue.
 
         Returns the signal's name on every rank. `pre` is a runtime Preemption,
-        `progress` the rank-0 progress display.
+        `progress` the rank-0 progress display, `metrics` the checkpoint's evaluation,
+        `label` what the message says instead of "<signal> received".
         """
         w, step = self.trainer.world, self.trainer.state.step
         names = w.gather_object(pre.signal_name, what="gather preemption signals")
         signal = next((n for n in names or [] if n), "a signal") if w.is_root else None
-        path = self.save_now()
+        path = self.save_now(metrics)
         if w.is_root:
             where = f"checkpoint {path}" if path else "no checkpoint (checkpoint.enabled false)"
-            stopped = f"{signal} received: stopped at step {step}, {where}"
+            stopped = f"{label or f'{signal} received'}: stopped at step {step}, {where}"
             why = interrupt_reason(signal, pre.env)
             if why is not None:  # the user asked to stop: said so, never requeued
                 then = ": continue with --resume auto" if path is not None else ""
@@ -199,7 +200,7 @@ class RunCheckpoints:
         w, step, folder = self.trainer.world, self.trainer.state.step, self.policy.dir
         record, error = None, None
         try:
-            record = write(folder, step, w.rank, w.size, what)
+            record = write(folder, step, w.rank, w.size, what, faults=self.checkpointer.faults)
         except CheckpointError as exc:
             error = str(exc)
         try:

@@ -38,6 +38,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import CheckpointError
+from ..runtime.faults import NO_FAULTS, Faults
 from ..tensor import parallel as tensor_parallel
 from ..version import __version__
 from . import format as fmt
@@ -83,7 +84,14 @@ def split_replicated(
     return pieces
 
 
-def write_shard(directory: str | Path, step: int, rank: int, size: int, pieces: Pieces):
+def write_shard(
+    directory: str | Path,
+    step: int,
+    rank: int,
+    size: int,
+    pieces: Pieces,
+    faults: Faults = NO_FAULTS,
+):
     """Write this rank's pieces as its shard file (atomically); return its record for the
     commit's table, or None when the rank holds nothing to write."""
     if not pieces:
@@ -127,12 +135,18 @@ def write_shard(directory: str | Path, step: int, rank: int, size: int, pieces: 
     except OSError as exc:
         raise CheckpointError(f"cannot create {folder}: {exc}") from exc
     snap = writer.Snapshot(int(step), datasets, attrs)
-    path, digest = writer.write_file(folder, fmt.shard_name(rank, size), snap, tidy=False)
+    name = fmt.shard_name(rank, size)
+    path, digest = writer.write_file(folder, name, snap, tidy=False, faults=faults)
     return {"file": path.name, "digest": digest, "bytes": path.stat().st_size, "pieces": table}
 
 
 def write_rank_state(
-    directory: str | Path, step: int, rank: int, size: int, arrays: dict[str, np.ndarray]
+    directory: str | Path,
+    step: int,
+    rank: int,
+    size: int,
+    arrays: dict[str, np.ndarray],
+    faults: Faults = NO_FAULTS,
 ) -> dict:
     """Write this rank's private memory (arrays that are this rank's alone and matter only
     to it: error-feedback residuals) as its own file in the checkpoint's shard directory;
@@ -153,7 +167,8 @@ def write_rank_state(
     }
     folder = Path(directory) / fmt.shards_dir_name(step)
     snap = writer.Snapshot(int(step), datasets, attrs)
-    path, digest = writer.write_file(folder, fmt.rank_state_name(rank, size), snap, tidy=False)
+    name = fmt.rank_state_name(rank, size)
+    path, digest = writer.write_file(folder, name, snap, tidy=False, faults=faults)
     return {"rank": int(rank), "file": path.name, "digest": digest}
 
 

@@ -15,9 +15,7 @@ import json
 import logging
 import mmap
 import os
-import signal
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -28,7 +26,7 @@ import numpy as np
 
 from ..errors import CheckpointError
 from ..runtime import diskspace
-from ..testing import faults
+from ..runtime.faults import NO_FAULTS, Faults, kill_self
 from ..version import __version__
 from . import format as fmt
 from .staging import Staging
@@ -179,18 +177,6 @@ def _private_copies(datasets: list, staging: Staging, private: bool) -> list:
     for i, arr in zip(todo, copies):
         out[i] = (datasets[i][0], arr, datasets[i][2])
     return out
-
-
-def _kill_after() -> int | None:
-    # fault `kill_during_save`: SIGKILL after this many datasets reached the temp file
-    # (a number above the dataset count kills after the fsync, just before the rename)
-    n = faults.value("kill_during_save")
-    return None if n is None else int(n)
-
-
-def _die() -> None:
-    """The test hook's crash: no cleanup, no flush, exactly like kill -9 from outside."""
-    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def _store_attr(target, key: str, value) -> None:
@@ -344,7 +330,7 @@ def _write_hdf5(
         for i, (path, arr, _) in enumerate(snap.datasets):
             if kill_after is not None and i >= kill_after:
                 f.flush()
-                _die()
+                kill_self()
             if arr.nbytes >= _RAW_MIN and arr.ndim:
                 ds = f.create_dataset(
                     path, arr.shape, arr.dtype, dcpl=_early_dcpl(), fill_time="never"
@@ -369,7 +355,7 @@ def _write_hdf5(
             manifest[path] = [arr.dtype.str, list(arr.shape), kind, digest]
         if kill_after is not None and kill_after == len(snap.datasets):
             f.flush()
-            _die()
+            kill_self()
         table = {
             "format": fmt.FORMAT,
             "datasets": manifest,
@@ -458,24 +444,33 @@ def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
         pos += os.pwrite(fd, data[pos : pos + _RAW_CHUNK], offset + pos)
 
 
-def write(directory: str | Path, snap: Snapshot, direct: bool = False) -> Path:
+def write(
+    directory: str | Path, snap: Snapshot, direct: bool = False, faults: Faults = NO_FAULTS
+) -> Path:
     """Write `snap` as <directory>/ckpt-<step>.h5 atomically; return the final path.
     direct: large arrays bypass the page cache (a background save; see _write_raw)."""
-    return write_file(directory, fmt.checkpoint_name(snap.step), snap, direct=direct)[0]
+    name = fmt.checkpoint_name(snap.step)
+    return write_file(directory, name, snap, direct=direct, faults=faults)[0]
 
 
 def write_file(
-    directory: str | Path, name: str, snap: Snapshot, tidy: bool = True, direct: bool = False
+    directory: str | Path,
+    name: str,
+    snap: Snapshot,
+    tidy: bool = True,
+    direct: bool = False,
+    faults: Faults = NO_FAULTS,
 ):
     """Write `snap` as <directory>/<name> atomically; return (final path, file digest).
 
     tidy: remove temp files crashed writers left in `directory` (not in a directory
     other processes write into at the same time: their temps are not ours to judge).
+    faults: a test's `kill_during_save` and `write_delay` (runtime/faults.py).
     """
     directory = Path(directory)
     final = directory / name
     tmp = directory / fmt.temp_name(final.name, os.getpid())
-    kill_after = _kill_after()
+    kill_after = faults.kill_after_datasets()
     need = estimated_bytes(snap)
     with _in_flight_lock:
         _in_flight.add(str(tmp))
@@ -484,13 +479,11 @@ def write_file(
         problem = diskspace.check_room(directory, need)
         if problem:  # refused before writing: HDF5 meeting ENOSPC midway is the worse path
             raise CheckpointError(f"cannot write checkpoint {final}: {problem}")
-        delay = faults.value("write_delay")
-        if delay:
-            time.sleep(delay)
+        faults.sleep("write_delay")
         extents = _write_hdf5(tmp, snap, kill_after, need, direct)
         digest = fmt.stamp_header(tmp, extents if _extents_match(tmp, extents) else None)
         if kill_after is not None and kill_after > len(snap.datasets):
-            _die()
+            kill_self()
         os.replace(tmp, final)
         fsync_dir(directory)
     except BaseException as exc:
@@ -541,6 +534,7 @@ def save(
     rng_by_rank: dict[int, dict[str, np.ndarray]] | list | None = None,
     attrs: dict | None = None,
     metrics: dict[str, float] | None = None,
+    faults: Faults = NO_FAULTS,
 ) -> Path:
     """Save a full checkpoint now, on the calling thread (call on rank 0 only).
 
@@ -550,4 +544,4 @@ def save(
     by `keep_best`.
     """
     snap = snapshot(step, state, trainer_state, rng_by_rank, attrs, metrics, copy=False)
-    return write(directory, snap)
+    return write(directory, snap, faults=faults)

@@ -93,62 +93,33 @@ class ExpertGroup:
         return flat
 
 
-_group: ExpertGroup | None = None
+def require_group(group: ExpertGroup | None) -> ExpertGroup:
+    """`group`, or a clear error: mixture-of-experts layers exchange tokens within the
+    expert group the process grid placed, never an implicit whole job."""
+    if group is None:
+        from ..errors import ConfigError
+
+        raise ConfigError(
+            "mixture-of-experts layers need an expert group from the process grid "
+            "(strategy data_parallel or pipeline)"
+        )
+    return group
 
 
-def use_axes(expert_axis, data_axis=None, ranks_per_batch: int = 1) -> ExpertGroup:
-    """Put the experts on the grid's `expert` axis, or with tensor parallelism on the
-    expert x tensor ranks of a replica (called once by the strategy)."""
-    global _group
-    _group = ExpertGroup(expert_axis, data_axis, ranks_per_batch)
-    return _group
-
-
-def forget_axes() -> None:
-    """No expert group until a strategy places one (a new run in the same process)."""
-    global _group
-    _group = None
-
-
-def place_experts(world, grid) -> ExpertGroup:
-    """Put the experts on the process grid (collective): on its `expert` axis, or with
-    tensor parallelism on the expert x tensor ranks of one (data, pipe) slot, where each
-    rank of a tensor group routes 1/T of the group's samples (tensor/parallel.py)."""
-    t = grid.shape.tensor
-    if t == 1:
-        return use_axes(grid.expert, grid.data)
-    c, s = grid.coord, grid.shape
-    group = world.guarded_split(
-        f"grid.{s.data}x{s.expert}x{s.pipe}x{s.tensor}.experts-x-tensor",
-        grid.rank_of(data=c["data"], pipe=c["pipe"]),
-        key=c["expert"] * t + c["tensor"],
-    )
-    return use_axes(group, grid.data, ranks_per_batch=t)
-
-
-def expert_group() -> ExpertGroup:
-    """The job's expert-parallel group: the grid's axis, else the whole job."""
-    global _group
-    if _group is None:
-        from ..runtime import world
-
-        _group = ExpertGroup(world())
-    return _group
-
-
-def local_layers(layers: list, seed: int) -> list:
+def local_layers(layers: list, seed: int, group: ExpertGroup | None) -> list:
     """The layer specs with only this rank's experts (other layers unchanged).
 
     Initial values are drawn from the global specs before this (zoo.init_weights), so
     expert e starts the same at any world size and its canonical name
     (`blocks.0.moe.experts.3.fc1.weight`) is portable between world sizes. Raises
-    ConfigError on every rank when E is not divisible by the number of ranks.
+    ConfigError on every rank when E is not divisible by the number of ranks. `group`:
+    the expert group the process grid placed (backends/groups.py).
     """
     if not any("moe" in spec.attrs for spec in layers):
         return layers
     from ..errors import ConfigError
 
-    group = expert_group()
+    group = require_group(group)
     experts = next(spec.attrs["moe"]["experts"] for spec in layers if "moe" in spec.attrs)
     problem = None
     if experts % group.size:
@@ -234,9 +205,9 @@ class LayerStats:
 class MoELayer:
     """The framework-neutral half of one MoE layer on this rank: route, exchange, count."""
 
-    def __init__(self, opts: dict, group: ExpertGroup | None = None):
+    def __init__(self, opts: dict, group: ExpertGroup | None):
         self.opts = opts
-        self.group = group or expert_group()
+        self.group = require_group(group)
         self.E, self.k = opts["experts"], opts["top_k"]
         self.per_rank = self.E // self.group.size
         self.first = opts.get("first_expert", self.group.rank * self.per_rank)
@@ -348,13 +319,12 @@ def step_metrics(layers: list[MoELayer], step_seconds: float, world_size: int) -
     return out
 
 
-def gather_expert_weights(weights: dict, root: int = 0) -> dict | None:
+def gather_expert_weights(weights: dict, group: ExpertGroup, root: int = 0) -> dict | None:
     """Every rank's expert tensors merged into one dict on `root` (None elsewhere).
 
     A rank holds only its own experts; this gives the full, world-size-independent set
     of canonical names (for checkpoints and tests). Non-expert tensors come from root.
     """
-    group = expert_group()
     mine, full = split_experts(weights)
     parts = group.axis.gather_object(mine, root, "gather MoE experts")
     if group.rank != root:

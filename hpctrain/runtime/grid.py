@@ -113,6 +113,19 @@ class ProcessGrid:
         """data x expert: the ranks holding the same dense parameters."""
         return self.axes["replicas"]
 
+    def experts_x_tensor(self) -> GuardedComm:
+        """The expert x tensor ranks of this rank's (data, pipe) slot, key expert * T +
+        tensor: where the experts live with tensor parallelism (moe/parallel.py).
+        Collective the first time (one more split, every rank), kept in `axes` after."""
+        if "experts-x-tensor" not in self.axes:
+            c, s = self.coord, self.shape
+            self.axes["experts-x-tensor"] = self.world.guarded_split(
+                f"grid.{s.data}x{s.expert}x{s.pipe}x{s.tensor}.experts-x-tensor",
+                self.rank_of(data=c["data"], pipe=c["pipe"]),
+                key=c["expert"] * s.tensor + c["tensor"],
+            )
+        return self.axes["experts-x-tensor"]
+
     # --- pipeline shortcuts ---------------------------------------------------------------
     @property
     def stages(self) -> int:

@@ -29,7 +29,7 @@ import sys
 import time
 
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
-DEFAULT_MAX_REQUEUES = 10  # HPCTRAIN_MAX_REQUEUES overrides; a loop of failures stops here
+DEFAULT_MAX_REQUEUES = 10  # runtime.max_requeues; a loop of failures stops here
 SCONTROL_TIMEOUT_S = 30
 
 
@@ -97,9 +97,7 @@ class Preemption:
     ):
         self.signals = tuple(signals)
         self.env = os.environ if env is None else env
-        if max_requeues is None:
-            max_requeues = int(self.env.get("HPCTRAIN_MAX_REQUEUES", DEFAULT_MAX_REQUEUES))
-        self.max_requeues = max_requeues
+        self.max_requeues = DEFAULT_MAX_REQUEUES if max_requeues is None else int(max_requeues)
         self._signum: int | None = None
         self._received_at: float | None = None
         self._previous: dict[int, object] = {}
@@ -168,7 +166,7 @@ class Preemption:
         if restarts >= self.max_requeues:
             return (
                 f"the job was already requeued {restarts} time(s) "
-                f"(limit {self.max_requeues}, set HPCTRAIN_MAX_REQUEUES to change it)"
+                f"(limit {self.max_requeues}, set runtime.max_requeues to change it)"
             )
         return None
 

@@ -19,6 +19,7 @@ import numpy as np
 from ..errors import LaunchError
 from . import launcher
 from .comm import GuardedComm
+from .openmpi import OpenMpiDefaults
 from .watchdog import Watchdog
 
 
@@ -42,7 +43,12 @@ class Layout:
 class World(GuardedComm):
     """One per process (see `world()`); wraps MPI.COMM_WORLD and the job's layout."""
 
-    def __init__(self, env_at_start: dict[str, str], collective_timeout: float = 600.0):
+    def __init__(
+        self,
+        env_at_start: dict[str, str],
+        collective_timeout: float = 600.0,
+        stall_warning: float = 60.0,
+    ):
         from mpi4py import MPI
 
         self.MPI = MPI
@@ -86,8 +92,9 @@ class World(GuardedComm):
         self._subcomms: dict[str, object] = {}
         self._guarded: dict[str, GuardedComm] = {}
         self._abort_lock = threading.Lock()
-        stall_warning = float(os.environ.get("HPCTRAIN_STALL_WARNING", "60"))
-        self.watchdog = Watchdog(self.comm, collective_timeout, self.abort, stall_warning)
+        self.watchdog = Watchdog(
+            self.comm, float(collective_timeout), self.abort, float(stall_warning)
+        )
         self._watchdogs = [self.watchdog]
         problems = launcher.disagreements(self.layout.as_dict(), views)
         launched_size = max((v.values.get("size", 1) for v in views), default=1)
@@ -179,17 +186,33 @@ _world_lock = threading.Lock()
 _ENV_AT_IMPORT = dict(os.environ)
 
 
-def world(collective_timeout: float | None = None) -> World:
-    """The process's World, created on first use (this initialises MPI)."""
+def world(
+    collective_timeout: float | None = None,
+    stall_warning: float | None = None,
+    openmpi: OpenMpiDefaults | None = None,
+) -> World:
+    """The process's World, created on first use (this initialises MPI).
+
+    collective_timeout, stall_warning: the watchdog's deadline and warning
+    (`runtime.collective_timeout`, `runtime.stall_warning`; 600 s and 60 s when None on
+    first use); given again later, they replace the running values. openmpi: Open MPI
+    defaults to put in the environment before MPI starts (first use only; openmpi.py).
+    """
     global _world
     with _world_lock:
         if _world is None:
-            timeout = collective_timeout
-            if timeout is None:
-                timeout = float(os.environ.get("HPCTRAIN_COLLECTIVE_TIMEOUT", "600"))
-            _world = World(_ENV_AT_IMPORT, timeout)
-        elif collective_timeout is not None:
-            _world.watchdog.timeout = float(collective_timeout)
+            if openmpi is not None:
+                openmpi.apply()
+            _world = World(
+                _ENV_AT_IMPORT,
+                600.0 if collective_timeout is None else collective_timeout,
+                60.0 if stall_warning is None else stall_warning,
+            )
+        else:
+            if collective_timeout is not None:
+                _world.watchdog.timeout = float(collective_timeout)
+            if stall_warning is not None:
+                _world.set_stall_warning(stall_warning)
         return _world
 
 

@@ -37,6 +37,14 @@ templates ({names}) use {{{{placeholders}}}}: see hpctrain/slurm/templates.py.
 
 def _add_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("template", help=f"a template name ({', '.join(template_names())}) or a file")
+    _add_allocation(p)
+    _add_gpus(p)
+    _add_site(p)
+    _add_job(p)
+
+
+def _add_allocation(p: argparse.ArgumentParser) -> None:
+    """What every job needs: nodes, ranks, time, config (and CPUs, partition)."""
     req = p.add_argument_group("required")
     req.add_argument("--nodes", required=True, metavar="N", help="nodes to allocate")
     req.add_argument(
@@ -54,6 +62,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         "--cpus-per-task", metavar="C", help="CPUs per rank (default 1; not with --cpus-per-gpu)"
     )
     p.add_argument("--partition", metavar="P", help="adds --partition=P (default: site default)")
+
+
+def _add_gpus(p: argparse.ArgumentParser) -> None:
+    """SLURM's GPU options, checked against the config by slurm/gpus.py."""
     gpu = p.add_argument_group(
         "GPUs (one rank per GPU; refused where this install or config cannot use them)"
     )
@@ -78,6 +90,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         metavar="C",
         help="CPUs per GPU, instead of --cpus-per-task (sbatch and srun)",
     )
+
+
+def _add_site(p: argparse.ArgumentParser) -> None:
+    """Site options, each one #SBATCH line, and modules loaded before anything runs."""
     site = p.add_argument_group("site options (each adds its #SBATCH line)")
     site.add_argument("--account", "-A", metavar="ACCOUNT", help="charge the job to ACCOUNT")
     site.add_argument("--qos", metavar="QOS", help="quality of service")
@@ -109,6 +125,10 @@ def _add_options(p: argparse.ArgumentParser) -> None:
         metavar="NAME",
         help="a site module the job loads first (`module load NAME`; repeatable, in order)",
     )
+
+
+def _add_job(p: argparse.ArgumentParser) -> None:
+    """How the job launches hpctrain and where its files go."""
     p.add_argument(
         "--mpi",
         default="pmix",

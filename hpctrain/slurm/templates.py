@@ -413,6 +413,38 @@ def render(spec: JobSpec) -> Rendered:
     if gpus.cpus_per_gpu is None and cpus is None:
         cpus = 1
     seconds = parse_time(spec.time)
+    site = _site_values(spec, template)
+    meta = template_meta(text)
+    config, cfg = _check_config(spec, meta, template.name)
+    points = sweep_points(nodes, per_node)
+    _check_world_size(cfg, nodes, per_node, points if "sweep" in meta.get("needs", []) else None)
+    check_install(gpus, cfg, spec.hpctrain, warnings)
+    config_args = ["--config", str(config)]
+    for override in spec.overrides:
+        config_args += ["--set", override]
+    values: dict[str, str | None] = {
+        "generated": f"rendered by: {spec.command}",
+        **site,
+        **_resource_values(nodes, per_node, cpus, gpus),
+        "run_root": shlex.quote(spec.run_root),
+        "results_dir": shlex.quote(spec.results_dir),
+        "hpctrain": shlex.quote(spec.hpctrain or default_hpctrain()),
+        "config_args": shlex.join(config_args),
+        "sweep_nodes": " ".join(str(n) for n, _ in points),
+        "sweep_ranks": " ".join(str(r) for _, r in points),
+        "sweep_last": str(len(points) - 1),
+    }
+    if seconds <= SIGNAL_LEAD_S:
+        warnings.append(
+            f"--time {spec.time} is not longer than the {SIGNAL_LEAD_S} s warning "
+            "(--signal=USR1@90): the job is told to checkpoint and requeue as it starts"
+        )
+    job_name = site["job_name"]
+    return Rendered(fill(text, values, str(template)), template, job_name, warnings, seconds)
+
+
+def _site_values(spec: JobSpec, template: Path) -> dict[str, str | None]:
+    """The template's site and naming placeholders, each value checked first."""
     if spec.mpi not in MPI_PLUGINS:
         raise ConfigError(
             f"--mpi {spec.mpi!r}: expected pmix (Open MPI) or pmi2 (MPICH, Intel MPI)"
@@ -434,25 +466,32 @@ def render(spec: JobSpec) -> Rendered:
     constraint = _optional(
         "--constraint", spec.constraint, _CONSTRAINT, "node features like 'haswell' or 'a100&ib'"
     )
-    extra_lines = sbatch_directives(spec.sbatch_lines)
-    modules = module_lines(spec.modules)
-    meta = template_meta(text)
-    config, cfg = _check_config(spec, meta, template.name)
-    points = sweep_points(nodes, per_node)
-    _check_world_size(cfg, nodes, per_node, points if "sweep" in meta.get("needs", []) else None)
-    check_install(gpus, cfg, spec.hpctrain, warnings)
-    config_args = ["--config", str(config)]
-    for override in spec.overrides:
-        config_args += ["--set", override]
+    return {
+        "job_name": job_name,
+        "partition": spec.partition,
+        "account": account,
+        "qos": qos,
+        "mem": mem,
+        "mem_per_cpu": mem_per_cpu,
+        "constraint": constraint,
+        "exclusive": "" if spec.exclusive else None,
+        "sbatch_lines": sbatch_directives(spec.sbatch_lines),
+        "modules": module_lines(spec.modules),
+        "time": spec.time.strip(),
+        "mpi": spec.mpi,
+        "log_dir": spec.log_dir.rstrip("/") or "/",
+    }
+
+
+def _resource_values(nodes: int, per_node: int, cpus: int | None, gpus) -> dict[str, str | None]:
+    """The allocation's placeholders: tasks, CPUs and GPUs for sbatch and srun."""
     if gpus.cpus_per_gpu is None:
         srun_cpus = '--cpus-per-task="$SLURM_CPUS_PER_TASK"'
         omp_threads = "${SLURM_CPUS_PER_TASK:-1}"
     else:  # sbatch and srun: --cpus-per-gpu is not compatible with --cpus-per-task
         srun_cpus = '--cpus-per-gpu="$SLURM_CPUS_PER_GPU"'
         omp_threads = f"$((${{SLURM_CPUS_PER_GPU:-{gpus.cpus_per_gpu}}} * {gpus.gpus_per_rank}))"
-    values: dict[str, str | None] = {
-        "generated": f"rendered by: {spec.command}",
-        "job_name": job_name,
+    return {
         "nodes": str(nodes),
         "ntasks_per_node": str(per_node),
         # --gpus-per-task needs an explicit task count (sbatch(1))
@@ -465,29 +504,4 @@ def render(spec: JobSpec) -> Rendered:
         "srun_cpus": srun_cpus,
         "srun_gpus": gpus.srun_options(),
         "omp_threads": omp_threads,
-        "partition": spec.partition,
-        "account": account,
-        "qos": qos,
-        "mem": mem,
-        "mem_per_cpu": mem_per_cpu,
-        "constraint": constraint,
-        "exclusive": "" if spec.exclusive else None,
-        "sbatch_lines": extra_lines,
-        "modules": modules,
-        "time": spec.time.strip(),
-        "mpi": spec.mpi,
-        "log_dir": spec.log_dir.rstrip("/") or "/",
-        "run_root": shlex.quote(spec.run_root),
-        "results_dir": shlex.quote(spec.results_dir),
-        "hpctrain": shlex.quote(spec.hpctrain or default_hpctrain()),
-        "config_args": shlex.join(config_args),
-        "sweep_nodes": " ".join(str(n) for n, _ in points),
-        "sweep_ranks": " ".join(str(r) for _, r in points),
-        "sweep_last": str(len(points) - 1),
     }
-    if seconds <= SIGNAL_LEAD_S:
-        warnings.append(
-            f"--time {spec.time} is not longer than the {SIGNAL_LEAD_S} s warning "
-            "(--signal=USR1@90): the job is told to checkpoint and requeue as it starts"
-        )
-    return Rendered(fill(text, values, str(template)), template, job_name, warnings, seconds)

@@ -9,16 +9,51 @@ moves its state to and from the canonical checkpoint layout (`/model/<name>`,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import numpy as np
 
 from ..backends.base import StepStats
 from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, prepare_dataset
-from ..moe import parallel as moe_parallel
 from ..runtime.comm import GuardedComm
 from ..runtime.grid import ProcessGrid
-from ..tensor import parallel as tensor_parallel
+
+
+@dataclass(frozen=True)
+class RunContext:
+    """What a strategy may use of the run, handed over by the loop (`begin`, then each
+    hook): read the position, schedule and flags, save or checkpoint through the session,
+    write metrics. Nothing of the loop is written through it: results come back as
+    return values (`RunEnd`, a signal's name)."""
+
+    state: object  # TrainState: step, epoch, position (read only)
+    total_steps: int
+    t_start: float  # perf_counter at the start of `fit`
+    schedule: object  # lr_schedule.Schedule: lr(step, replicas)
+    pre: object  # runtime.preemption.Preemption
+    faults: object  # runtime.faults.Faults (none outside tests)
+    checkpoints: object  # checkpoint.session.RunCheckpoints: policy, maybe_save, preempt
+    metrics: object  # MetricsWriter
+    progress: object  # the rank-0 progress display
+    evaluate: Callable[[], dict]  # collective validation over every rank
+    preempted: Callable[[], bool]  # whether a signal stopped the training loop
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """What a strategy's `finish` agreed at the end of a run, for the loop to apply (the
+    strategy writes no loop state): the position every rank ends at, the final
+    evaluation, and whether a signal stopped the run (the loop then checkpoints through
+    the shared preemption code, with `label` in its message)."""
+
+    step: int
+    epoch: int
+    position: int
+    metrics: dict = field(default_factory=dict)
+    preempted: bool = False
+    label: str = ""
 
 
 class Strategy(Protocol):
@@ -58,11 +93,12 @@ class Strategy(Protocol):
     def rank_state(self) -> dict[str, np.ndarray]: ...  # this rank's private memory
     def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None: ...
     def trainer_extras(self) -> dict: ...  # strategy facts for the checkpoint's trainer state
-    def serve(self, loop) -> None: ...
-    def finish(self, loop) -> None: ...  # collective, after training / serving
-    def on_preempt(self, loop) -> str: ...  # collective; returns the signal's name
-    def save_now(self, loop) -> None: ...  # collective; an agreed checkpoint step
-    def summary(self, loop, summary: dict) -> dict: ...  # collective
+    def begin(self, ctx: RunContext) -> None: ...  # before training or serving
+    def serve(self, ctx: RunContext) -> None: ...
+    def finish(self, ctx: RunContext) -> RunEnd | None: ...  # collective, at the end
+    def on_preempt(self, ctx: RunContext) -> str: ...  # collective; the signal's name
+    def save_now(self, ctx: RunContext) -> None: ...  # collective; an agreed checkpoint
+    def summary(self, ctx: RunContext, summary: dict) -> dict: ...  # collective
     def rank_name(self, index: int) -> str: ...  # a report_comm rank, for messages
 
 
@@ -74,10 +110,6 @@ class StrategyBase:
 
     def __init__(self, cfg, world, run_dir, threads: int):
         self.cfg, self.world, self.run_dir, self.threads = cfg, world, run_dir, threads
-        # A run before this one in the process may have set the model's layer groups:
-        # each strategy sets its own (tensor axis, experts) or runs without them.
-        tensor_parallel.use_axis(None)
-        moe_parallel.forget_axes()
 
     # --- data -----------------------------------------------------------------------
     def build_data(self, shard: int, shards: int, accum: int, prefetch: bool = True):
@@ -136,19 +168,24 @@ class StrategyBase:
         return None
 
     # --- the loop's hooks ---------------------------------------------------------------
-    def finish(self, loop) -> None:
+    ctx: RunContext | None = None
+
+    def begin(self, ctx: RunContext) -> None:
+        self.ctx = ctx
+
+    def finish(self, ctx: RunContext) -> RunEnd | None:
         return None
 
-    def on_preempt(self, loop) -> str:
-        return loop.checkpoints.preempt(loop.pre, loop.progress)
+    def on_preempt(self, ctx: RunContext) -> str:
+        return ctx.checkpoints.preempt(ctx.pre, ctx.progress)
 
-    def save_now(self, loop) -> None:
-        loop.checkpoints.maybe_save(loop.state.step, agreed_due=True)
+    def save_now(self, ctx: RunContext) -> None:
+        ctx.checkpoints.maybe_save(ctx.state.step, agreed_due=True)
 
-    def serve(self, loop) -> None:
+    def serve(self, ctx: RunContext) -> None:
         raise NotImplementedError(f"{type(self).__name__} has no serving ranks")
 
-    def summary(self, loop, summary: dict) -> dict:
+    def summary(self, ctx: RunContext, summary: dict) -> dict:
         return summary
 
     def rank_name(self, index: int) -> str:

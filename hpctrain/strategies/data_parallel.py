@@ -14,6 +14,7 @@ import logging
 import numpy as np
 
 from ..backends import backend_class, versions
+from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
 from ..data import iterate_val
@@ -22,6 +23,7 @@ from ..exchange.local_sgd import LocalSchedule, LocalSGDReducer, average_weights
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
+from ..shape import GridShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 from .memory_check import check_memory
@@ -36,7 +38,7 @@ def expert_degree(cfg, world_size: int) -> int:
     wanted = cfg.parallel["expert"]
     if wanted is not None:
         return wanted
-    return world_size // cfg.parallel["tensor"] if zoo.has_moe(cfg.model) else 1
+    return GridShape.of(cfg, world_size).replicas if zoo.has_moe(cfg.model) else 1
 
 
 class DataParallel(StrategyBase):
@@ -46,8 +48,8 @@ class DataParallel(StrategyBase):
         self.grid = g = ProcessGrid(
             world, expert=expert_degree(cfg, world.size), tensor=self.tensor
         )
-        if zoo.has_moe(cfg.model):
-            moe_parallel.place_experts(world, g)
+        # the model's tensor axis and expert group, from the grid (collective with MoE)
+        self.groups = ModelGroups.from_grid(g, moe=zoo.has_moe(cfg.model))
         tcfg = cfg.train
         # Tensor parallelism: the ranks of a tensor group read the same batches and hold
         # one model between them; gradients are averaged over the replicas axis.
@@ -58,11 +60,12 @@ class DataParallel(StrategyBase):
         apply_horovod_env(cfg.horovod, cfg.runtime["collective_timeout"])
         replicas = world
         if self.tensor > 1:
-            tensor_parallel.use_axis(g.tensor)
             replicas = g.replicas
-        self.backend = backend_class(cfg.backend)(cfg, replicas, self.input_spec, threads)
+        self.backend = backend_class(cfg.backend)(
+            cfg, replicas, self.input_spec, threads, groups=self.groups
+        )
         self.report_comm = world
-        self.lr_replicas = world.size // self.tensor
+        self.lr_replicas = GridShape.of(cfg, world.size).replicas
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
@@ -76,7 +79,7 @@ class DataParallel(StrategyBase):
                 f"(train.allreduce=mpi or auto), not {b.engine}"
             )
         self.local = LocalSchedule(tcfg["sync_every"], tcfg["local_sgd_warmup_steps"])
-        b._flat = LocalSGDReducer(b._flat, self.local)  # both backends keep it in `_flat`
+        b.wrap_reducer(lambda reducer: LocalSGDReducer(reducer, self.local))
         self._diverged = False  # parameters differ between ranks since the last average
 
     def describe(self) -> str:
@@ -139,7 +142,7 @@ class DataParallel(StrategyBase):
             self._average_parameters()
         self.backend.average_buffers()
 
-    def finish(self, loop) -> None:
+    def finish(self, ctx) -> None:
         if self.local is not None and self._diverged:
             self._average_parameters()  # every replica ends with the same model
 
@@ -153,7 +156,7 @@ class DataParallel(StrategyBase):
         if self.tensor > 1:  # the tensor group's pieces joined under canonical names
             experts, dense = moe_parallel.split_experts(self.backend.export_state())
             if experts and self.grid.coord["data"] == 0:  # replica 0's expert x tensor
-                experts = moe_parallel.gather_expert_weights(experts) or {}  # group
+                experts = moe_parallel.gather_expert_weights(experts, self.groups.experts) or {}
             pieces = self.grid.tensor.gather_object(dense, what="gather tensor-parallel shards")
             if not self.world.is_root:
                 return None
@@ -165,7 +168,9 @@ class DataParallel(StrategyBase):
                 **experts,
             }
         if self._spread_experts():
-            state = moe_parallel.gather_expert_weights(self.backend.export_state())
+            state = moe_parallel.gather_expert_weights(
+                self.backend.export_state(), self.groups.experts
+            )
             return state if self.world.is_root else None
         if getattr(self.backend, "zero", None) is not None:
             state = self.backend.export_state()
@@ -232,7 +237,8 @@ class DataParallel(StrategyBase):
         return pieces
 
     def _spread_experts(self) -> bool:
-        return zoo.has_moe(self.cfg.model) and moe_parallel.expert_group().size > 1
+        experts = self.groups.experts
+        return zoo.has_moe(self.cfg.model) and experts is not None and experts.size > 1
 
     def import_state(self, ckpt) -> None:
         state = ckpt.state
@@ -265,12 +271,10 @@ class DataParallel(StrategyBase):
         """The gradient reducer's per-rank memory: error-feedback residuals and
         PowerSGD's warm-start factors (exchange/compression/lossy.py); {} for the dense
         engines, Horovod and ZeRO."""
-        reducer = getattr(self.backend, "_flat", None)
-        state = getattr(reducer, "state", None)
-        return state() if state is not None else {}
+        return self.backend.reducer_state()
 
     def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None:
-        self.backend._flat.load_state(arrays)
+        self.backend.load_reducer_state(arrays)
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return self.backend.rng_state()

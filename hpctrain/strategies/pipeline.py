@@ -29,6 +29,7 @@ import numpy as np
 from ..backends import stage_class, stage_module, versions
 from ..backends.base import StepStats, cross_entropy_np
 from ..backends.gradient_engine import choose as choose_engine
+from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
 from ..data import iterate_val
@@ -39,6 +40,7 @@ from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
 from ..pipeline.schedule import bubble_theory, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
+from ..shape import GridShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 from .startup import noop_warnings, replica_axis, settings_text
@@ -62,8 +64,9 @@ def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
 
 def config_problem(cfg, world_size: int) -> str | None:
     """What the pipeline refuses before any work (every rank sees the same config)."""
-    stages, tensor = cfg.pipeline["stages"], cfg.parallel["tensor"]
-    if world_size % (stages * tensor):
+    shape = GridShape.of(cfg, world_size)
+    stages, tensor = shape.stages, shape.tensor
+    if world_size % shape.ranks_per_replica:
         if tensor == 1:
             return (
                 f"world size {world_size} is not divisible by pipeline.stages={stages}: "
@@ -71,7 +74,7 @@ def config_problem(cfg, world_size: int) -> str | None:
             )
         return (
             f"world size {world_size} is not divisible by pipeline.stages={stages} x "
-            f"parallel.tensor={tensor}: launch a multiple of {stages * tensor} ranks "
+            f"parallel.tensor={tensor}: launch a multiple of {shape.ranks_per_replica} ranks "
             "(stages x tensor x data-parallel replicas)"
         )
     if cfg.train["grad_accum"] != 1:
@@ -90,10 +93,10 @@ def config_problem(cfg, world_size: int) -> str | None:
             "model.moe: mixture-of-experts blocks inside pipeline stages run on the MPI "
             "engine without ZeRO (train.allreduce mpi or auto, train.zero 0)"
         )
-    if zoo.has_moe(cfg.model) and world_size % (stages * tensor * expert_degree(cfg, world_size)):
+    if zoo.has_moe(cfg.model) and shape.replicas % expert_degree(cfg, world_size):
         return (
             f"parallel.expert={cfg.parallel['expert']}: each stage's replicas "
-            f"({world_size // (stages * tensor)}) must be a multiple of it"
+            f"({shape.replicas}) must be a multiple of it"
         )
     return None
 
@@ -104,8 +107,7 @@ def expert_degree(cfg, world_size: int) -> int:
     if not zoo.has_moe(cfg.model):
         return 1
     wanted = cfg.parallel["expert"]
-    stages, tensor = cfg.pipeline["stages"], cfg.parallel["tensor"]
-    return wanted if wanted is not None else max(1, world_size // (stages * tensor))
+    return wanted if wanted is not None else max(1, GridShape.of(cfg, world_size).replicas)
 
 
 class Pipeline(StrategyBase):
@@ -119,11 +121,9 @@ class Pipeline(StrategyBase):
         self.grid = g = ProcessGrid(
             w, pipe=self.stages, expert=expert_degree(cfg, w.size), tensor=self.tensor
         )
-        if self.tensor > 1:
-            tensor_parallel.use_axis(g.tensor)
         self.moe = zoo.has_moe(cfg.model)
-        if self.moe:  # experts over each stage's replicas (x its tensor ranks)
-            moe_parallel.place_experts(w, g)
+        # the tensor axis and the experts over each stage's replicas (x its tensor ranks)
+        self.groups = ModelGroups.from_grid(g, moe=self.moe)
         self.dataset, self.data, inp = self.build_data(
             g.replica, g.num_replicas, self.micro, prefetch=g.first or g.last
         )
@@ -144,10 +144,10 @@ class Pipeline(StrategyBase):
         start, stop = stage_bounds(self.counts)[g.stage]
         layers = self.layers[start:stop]
         if self.moe:  # this rank's experts only
-            layers = moe_parallel.local_layers(layers, cfg.train["seed"])
+            layers = moe_parallel.local_layers(layers, cfg.train["seed"], self.groups.experts)
         layers = tensor_parallel.local_layers(layers, self.tensor)
         self.stage = stage_class(cfg.backend)(
-            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank
+            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups
         )
         self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
         if self.moe and self.engine != "mpi":  # experts are averaged over their copies
@@ -322,7 +322,7 @@ class Pipeline(StrategyBase):
         elif self.moe:  # every expert from its rank of data replica 0's expert group
             experts, dense = moe_parallel.split_experts(self.stage.export_state())
             if experts and self.grid.coord["data"] == 0:
-                experts = moe_parallel.gather_expert_weights(experts) or {}
+                experts = moe_parallel.gather_expert_weights(experts, self.groups.experts) or {}
             mine = {**dense, **experts} if self.grid.replica == 0 else None
         else:
             mine = self.stage.export_state() if self.grid.replica == 0 else None
@@ -413,7 +413,7 @@ class Pipeline(StrategyBase):
             "pipeline_stages": self.stages,
         }
 
-    def summary(self, loop, summary: dict) -> dict:
+    def summary(self, ctx, summary: dict) -> dict:
         w, g = self.world, self.grid
         peaks = np.zeros(self.stages, dtype=np.int64)
         peaks[g.stage] = self.stage.peak_stash

@@ -37,9 +37,11 @@ ROW_COLUMNS = ("attn.proj.weight", "ffn.fc2.weight")
 
 
 class TensorGroup:
-    """The tensor axis of this rank (a guarded communicator) and the activation sums."""
+    """The tensor axis of this rank (a guarded communicator) and the activation sums.
+    Made from the process grid (backends/groups.py), passed to the model that uses it;
+    `TensorGroup(None)`: no tensor parallelism (one rank, nothing to sum)."""
 
-    def __init__(self, axis):
+    def __init__(self, axis=None):
         self.axis = axis
         self.size = axis.size if axis is not None else 1
         self.rank = axis.rank if axis is not None else 0
@@ -54,19 +56,6 @@ class TensorGroup:
         if self.size > 1:
             self.axis.allreduce_inplace(buf, "sum", f"tensor-parallel {what}")
         return buf
-
-
-_group: TensorGroup | None = None
-
-
-def use_axis(axis) -> TensorGroup:
-    global _group
-    _group = TensorGroup(axis)
-    return _group
-
-
-def tensor_group() -> TensorGroup:
-    return _group if _group is not None else TensorGroup(None)
 
 
 def split_kind(name: str) -> str | None:

@@ -8,6 +8,7 @@ import sys
 import numpy as np
 
 from hpctrain.checkpoint import capture_process_rng, save
+from hpctrain.runtime.faults import Faults
 
 
 def state_of(step: int, mb: float) -> dict:
@@ -26,9 +27,11 @@ def main() -> None:
         int(sys.argv[3]),
         float(sys.argv[4]),
     )
+    faults = Faults.from_env()  # the test's HPCTRAIN_FAULT_KILL_DURING_SAVE
     for k in range(count):
         step = first + 10 * k
-        save(directory, step, state_of(step, mb), {"step": step}, {0: capture_process_rng()})
+        rng = {0: capture_process_rng()}
+        save(directory, step, state_of(step, mb), {"step": step}, rng, faults=faults)
         print(f"saved {step}", flush=True)
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from hpctrain.models import zoo
-from hpctrain.moe.parallel import expert_group, local_layers
+from hpctrain.moe.parallel import ExpertGroup, local_layers
 from hpctrain.runtime import run_fail_together, world
 
 E, D, FF, N, T_SEQ, SEED = 4, 8, 16, 3, 8, 7
@@ -99,11 +99,12 @@ def reference(w, opts, size):
     return out, expert_grads
 
 
-def run_torch(local, w, x, gy):
+def run_torch(local, w, x, gy, group):
     from hpctrain.backends import torch_moe
+    from hpctrain.backends.groups import ModelGroups
     from hpctrain.backends.torch import _Layer
 
-    layer = _Layer(local)
+    layer = _Layer(local, ModelGroups(experts=group))
     with torch.no_grad():
         for name, param in layer.p.items():
             param.copy_(torch.from_numpy(w[f"blocks.0.{name}"]))
@@ -117,13 +118,14 @@ def run_torch(local, w, x, gy):
     return y.detach().numpy(), h.grad.numpy(), grads, float(aux.detach()), stats
 
 
-def run_tensorflow(local, w, x, gy):
+def run_tensorflow(local, w, x, gy, group):
     import tensorflow as tf
 
     from hpctrain.backends import tensorflow_moe
+    from hpctrain.backends.groups import ModelGroups
 
-    class Net:  # any object: the MoE runtime is keyed by it
-        pass
+    class Net:  # any object with the model's groups: the MoE runtime is keyed by it
+        groups = ModelGroups(experts=group)
 
     net = Net()
     v = {n: tf.Variable(w[f"blocks.0.{n}"]) for n in local.params}
@@ -151,7 +153,7 @@ def main():
 
 def check(backend):
     w_ = world()
-    group = expert_group()
+    group = ExpertGroup(w_)  # the whole job
     x, gy = rank_data(group.rank)
     checked = 0
     for k in (1, 2):
@@ -162,11 +164,11 @@ def check(backend):
             }  # fmt: skip
             spec = global_spec(opts)
             w = weights(spec)
-            local = local_layers([spec], SEED)[0]
+            local = local_layers([spec], SEED, group)[0]
             ref, ref_expert = reference(w, opts, group.size)
             mine = ref[group.rank]
             run = run_torch if backend == "torch" else run_tensorflow
-            y, dx, grads, aux, stats = run(local, w, x, gy)
+            y, dx, grads, aux, stats = run(local, w, x, gy, group)
             what = f"{backend} k={k} drop={drop} rank {group.rank}/{group.size}"
             np.testing.assert_allclose(y, mine["y"], rtol=0, atol=TOL, err_msg=f"{what}: y")
             np.testing.assert_allclose(dx, mine["dx"], rtol=0, atol=TOL, err_msg=f"{what}: dx")

@@ -40,7 +40,7 @@ def run_one(argv: list[str]) -> None:
     hi = w.allreduce_array(sums, "max", "replica checksum max")
     if not np.array_equal(lo, hi):
         raise SystemExit(f"{out}: dense replicas differ after training")
-    full = gather_expert_weights(weights)
+    full = gather_expert_weights(weights, trainer.strategy.groups.experts)
     if w.rank == 0:
         np.savez(out, **full)
         n_exp = sum(is_expert_param(k) for k in full)

@@ -16,13 +16,14 @@ from pathlib import Path
 import numpy as np
 
 from hpctrain import Config, TrainingLoop
-from hpctrain.runtime import run_fail_together
+from hpctrain.runtime import Faults, run_fail_together
 
 
 def run_one(out_dir: Path, spec: str):
     name, _, overrides = spec.partition(":")
     cfg = Config.load(None, [o for o in overrides.split(";") if o])
-    trainer = TrainingLoop(cfg, run_dir=out_dir / f"{name}.run")
+    run_dir = out_dir / f"{name}.run"
+    trainer = TrainingLoop(cfg, run_dir=run_dir, faults=Faults.from_env())  # a test's faults
     summary = trainer.fit()
     w = trainer.world
     if cfg.strategy == "pipeline":

@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from hpctrain import Config, TrainingLoop
-from hpctrain.runtime import run_fail_together
+from hpctrain.runtime import Faults, run_fail_together
 
 
 def main():
@@ -26,6 +26,7 @@ def main():
         Config.load(None, [*overrides, "strategy=parameter_server"]),
         run_dir=opts.get("--run-dir", out + ".run"),
         resume=opts.get("--resume"),
+        faults=Faults.from_env(),  # the tests' HPCTRAIN_FAULT_* (a slow or silent worker)
     )
     loop.fit()
     w, runner = loop.world, loop.strategy

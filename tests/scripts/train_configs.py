@@ -14,13 +14,14 @@ import sys
 from run_list import split_runs
 
 from hpctrain import Config, TrainingLoop
-from hpctrain.runtime import run_fail_together
+from hpctrain.runtime import Faults, run_fail_together
 
 
 def run_one(argv: list[str]) -> None:
     config, run_dir, rest = argv[0], argv[1], argv[2:]
     overrides = [a for a in rest if a != "--set"]
-    loop = TrainingLoop(Config.load(config, overrides), run_dir=run_dir)
+    cfg = Config.load(config, overrides)
+    loop = TrainingLoop(cfg, run_dir=run_dir, faults=Faults.from_env())  # a test's faults
     summary = loop.fit()
     if loop.world.rank == 0:
         sys.stdout.write(f"CONFIG TRAINED {config} {json.dumps(summary, default=str)}\n")

@@ -20,7 +20,7 @@ import numpy as np
 from run_list import split_runs
 
 from hpctrain import Config, Trainer
-from hpctrain.runtime import run_fail_together
+from hpctrain.runtime import Faults, run_fail_together
 
 
 def run_one(argv: list[str]) -> None:
@@ -34,6 +34,7 @@ def run_one(argv: list[str]) -> None:
         Config.load(None, args.overrides),
         run_dir=args.run_dir or args.out + ".run",
         resume=args.resume,
+        faults=Faults.from_env(),  # the tests' HPCTRAIN_FAULT_* (e.g. kill_during_save)
     )
     trainer.fit()
     weights = trainer.strategy.backend.get_weights()

@@ -35,9 +35,11 @@ from ...errors import CheckpointError, ConfigError
 from ...models import zoo
 from ...runtime import p2p
 from ...runtime.grid import ProcessGrid
-from ..base import StrategyBase
+from ...shape import GridShape
+from ..base import RunEnd, StrategyBase
 from ..startup import settings_text
 from . import protocol as P
+from .report import report
 from .server import Server
 from .sharding import plan_shards
 from .worker import Worker
@@ -49,7 +51,7 @@ def config_problems(cfg, world_size: int) -> str | None:
     """What makes this configuration impossible for the parameter server (or None)."""
     problems = []
     servers = cfg.ps["servers"]
-    if servers >= world_size:
+    if not GridShape.of(cfg, world_size).tiles:
         problems.append(
             f"ps.servers={servers} leaves no worker in a job of {world_size} rank(s): "
             f"launch more ranks than servers (e.g. mpirun -np {servers + 2})"
@@ -80,8 +82,8 @@ class ParameterServer(StrategyBase):
         w = world
         w.agree(config_problems(cfg, w.size), error_type=ConfigError)
         self.grid = ProcessGrid(w)
-        self.n_servers = cfg.ps["servers"]
-        self.n_workers = w.size - self.n_servers
+        shape = GridShape.of(cfg, w.size)
+        self.n_servers, self.n_workers = shape.servers, shape.replicas
         self.is_server = self.serves = w.rank >= self.n_workers
         self.index = w.rank - self.n_workers if self.is_server else w.rank
         self.server_ranks = list(range(self.n_workers, w.size))
@@ -95,7 +97,7 @@ class ParameterServer(StrategyBase):
         # every tensor a data-parallel checkpoint holds (parameters and buffers), in order
         self.model_shapes = OrderedDict((k, tuple(v.shape)) for k, v in init.items())
         self.plan = plan_shards(self.shapes, self.n_servers, cfg.ps["chunk_bytes"])
-        global_batch = tcfg["batch_size"] * tcfg["grad_accum"] * self.n_workers
+        global_batch = shape.global_batch(tcfg["batch_size"], tcfg["grad_accum"])
         self._steps_per_epoch = self.dataset.train_size // global_batch
         w.agree(
             None
@@ -172,7 +174,7 @@ class ParameterServer(StrategyBase):
 
     def lr_of(self, version: int) -> float:
         """Sync: one version per global step; async/bounded: one per worker push."""
-        schedule = self.loop.schedule  # lr_schedule.Schedule (optimizer.resume_schedule)
+        schedule = self.ctx.schedule  # lr_schedule.Schedule (optimizer.resume_schedule)
         if self.sync:
             return schedule.lr(version, self.n_workers)
         return schedule.lr(version // self.n_workers, 1)
@@ -184,13 +186,13 @@ class ParameterServer(StrategyBase):
         return self.data.iterate(epoch, position)
 
     def _start_worker(self) -> None:
-        loop = self.loop
-        policy = loop.checkpoints.policy
+        ctx = self.ctx
+        policy = ctx.checkpoints.policy
         self.worker = Worker(
             self.world, self.index, self.server_ranks, self.plan, self.model, self.data,
-            self.cfg, start_step=loop.state.step, position=loop.state.position,
+            self.cfg, start_step=ctx.state.step, position=ctx.state.position,
             wants_save=lambda step, end: self.sync and policy.due(step, epoch_end=end),
-            preemption=loop.pre,
+            preemption=ctx.pre, faults=ctx.faults,
         )  # fmt: skip
         self.worker.start()
 
@@ -198,7 +200,7 @@ class ParameterServer(StrategyBase):
         loss_sum, correct, count, wait = self.worker.step(batch)
         return StepStats(loss_sum, correct, count, wait)
 
-    def on_preempt(self, loop) -> str:
+    def on_preempt(self, ctx) -> str:
         return "preempted"  # every worker stops; `finish` saves with the servers
 
     def evaluate(self) -> np.ndarray | None:
@@ -225,11 +227,11 @@ class ParameterServer(StrategyBase):
         self.model_buffers = buffers
 
     # --- servers -------------------------------------------------------------------------
-    def serve(self, loop) -> None:
+    def serve(self, ctx) -> None:
         self.server = Server(
             self.world, self.index, list(range(self.n_workers)), self.params, self.cfg,
-            self.lr_of, preemption=loop.pre,
-            on_checkpoint=lambda srv: loop.checkpoints.maybe_save(srv.version, agreed_due=True),
+            self.lr_of, preemption=ctx.pre,
+            on_checkpoint=lambda srv: ctx.checkpoints.maybe_save(srv.version, agreed_due=True),
         )  # fmt: skip
         if self.server_state is not None:
             self.server.opt.load(self.server_state["opt"])
@@ -237,8 +239,9 @@ class ParameterServer(StrategyBase):
         self.stats = self.server.run()
 
     # --- the end -------------------------------------------------------------------------
-    def finish(self, loop) -> None:
-        """Every rank: the final parameters, evaluation, statistics and preemption."""
+    def finish(self, ctx) -> RunEnd:
+        """Every rank: the final parameters, evaluation and statistics, agreed for the
+        loop to apply (a preemption checkpoints there, through the shared code)."""
         w = self.world
         if not self.is_server:
             self.stats = self.worker.stop()
@@ -251,30 +254,23 @@ class ParameterServer(StrategyBase):
             "a rank still training or serving",
             backoff=P.Backoff(0.01),
         )
-        preempted = w.any_flag(
-            loop.preempted is not None or loop.pre.requested, "agree on preemption"
-        )
+        preempted = w.any_flag(ctx.preempted() or ctx.pre.requested, "agree on preemption")
         self._final_weights()
-        result = {} if preempted else loop.evaluate()
+        result = {} if preempted else ctx.evaluate()
         everyone = w.gather_object(self.stats, what="parameter server statistics")
-        self._ps_summary = None
+        self._ps_summary, final = None, None
         if w.is_root:
             workers = [s for s in everyone if "worker" in s]
-            self._ps_summary = self._report(everyone, result, time.perf_counter() - loop.t_start)
-            position = (loop.state.epoch, loop.state.position)
-            final = (max(s["steps"] for s in workers), *position)
-        else:
-            final = None
-        st = loop.state
-        st.step, st.epoch, st.position = w.bcast_object(final, what="agree on the final step")
-        loop.last_eval = {k: v for k, v in result.items()}
-        if preempted:
-            loop.preempted = "a signal"
-            path = loop.checkpoints.save_now(metrics=loop.last_eval)
-            if w.is_root:
-                log.warning("preempted: stopped at step %d, checkpoint %s", st.step, path)
-                if path is not None and loop.pre.requeue():
-                    log.warning("job requeued: it resumes from this checkpoint (--resume auto)")
+            facts = {
+                "mode": self.cfg.ps["mode"], "servers": self.n_servers,
+                "workers": self.n_workers, "world_size": w.size,
+                "model": self.cfg.model["name"], "steps": ctx.total_steps,
+            }  # fmt: skip
+            elapsed = time.perf_counter() - ctx.t_start
+            self._ps_summary = report(ctx.metrics, facts, everyone, result, elapsed)
+            final = (max(s["steps"] for s in workers), ctx.state.epoch, ctx.state.position)
+        step, epoch, position = w.bcast_object(final, what="agree on the final step")
+        return RunEnd(step, epoch, position, dict(result), preempted, label="preempted")
 
     def _final_weights(self) -> None:
         """Every server broadcasts its shard; workers load the full parameters."""
@@ -293,7 +289,7 @@ class ParameterServer(StrategyBase):
             self.model.set_params(full)
             self.final_weights = {**full, **self.model_buffers}
 
-    def summary(self, loop, summary: dict) -> dict:
+    def summary(self, ctx, summary: dict) -> dict:
         if self._ps_summary is None:
             return summary
         return {**summary, **self._ps_summary}
@@ -421,77 +417,3 @@ class ParameterServer(StrategyBase):
             buffers = {k: weights[k] for k in self.model.get_buffers()}
             if buffers:
                 self.model.set_buffers(buffers)
-
-    def _report(self, everyone: list[dict], result: dict, elapsed: float) -> dict:
-        """Per-server and per-worker records in metrics.jsonl; the summary's PS part."""
-        servers = [s for s in everyone if "server" in s]
-        workers = [s for s in everyone if "worker" in s]
-        for s in servers:
-            secs = max(s["seconds"], 1e-9)
-            self.loop.metrics.write(
-                "ps_server",
-                server=s["server"],
-                rank=s["rank"],
-                version=s["version"],
-                pushes_per_sec=s["pushes"] / secs,
-                pulls_per_sec=s["pulls"] / secs,
-                bytes_in_per_sec=s["bytes_in"] / secs,
-                bytes_out_per_sec=s["bytes_out"] / secs,
-                cpu_share=s["cpu_seconds"] / secs,
-                rejected=s["rejected"],
-                staleness_accepted=_keys_to_str(s["staleness_accepted"]),
-                staleness_rejected=_keys_to_str(s["staleness_rejected"]),
-                scale_sum=s["scale_sum"],
-                pushes_per_worker=s["pushes_per_worker"],
-                dropped=s["dropped"],
-                elements=s["elements"],
-            )
-        for s in workers:
-            self.loop.metrics.write(
-                "ps_worker",
-                worker=s["worker"],
-                rank=s["rank"],
-                backend=s["backend"],
-                step=s["steps"],
-                samples_per_sec=s["samples_per_sec"],
-                rejected=s["rejected"],
-                wait_share=s["wait_seconds"] / max(s["seconds"], 1e-9),
-                stopped=s["silent"] or s["stopped_by_server"],
-            )
-        accepted, rejected = {}, {}
-        for s in servers:
-            for src, dst in (
-                (s["staleness_accepted"], accepted),
-                (s["staleness_rejected"], rejected),
-            ):
-                for k, n in src.items():
-                    dst[k] = dst.get(k, 0) + n
-        samples = sum(s["samples"] for s in workers)
-        summary = {
-            "strategy": "parameter_server",
-            "mode": self.cfg.ps["mode"],
-            "servers": self.n_servers,
-            "workers": self.n_workers,
-            "world_size": self.world.size,
-            "model": self.cfg.model["name"],
-            "backends": [s["backend"] for s in workers],
-            "steps": self.loop.total_steps,
-            "worker_steps": [s["steps"] for s in workers],
-            "versions": [s["version"] for s in servers],
-            "pushes": sum(s["pushes"] for s in servers),
-            "rejected": sum(s["rejected"] for s in servers),
-            "staleness_accepted": _keys_to_str(accepted),
-            "staleness_rejected": _keys_to_str(rejected),
-            "scale_sum": sum(s["scale_sum"] for s in servers),
-            "dropped_workers": sorted({d for s in servers for d in s["dropped"]}),
-            "samples_per_sec": samples / elapsed if elapsed > 0 else None,
-            "samples_per_sec_per_rank": samples / elapsed / self.world.size if elapsed else None,
-            "samples_per_sec_per_worker": [s["samples_per_sec"] for s in workers],
-            "server_cpu_share": [s["cpu_seconds"] / max(s["seconds"], 1e-9) for s in servers],
-            **result,
-        }
-        return summary
-
-
-def _keys_to_str(hist: dict) -> dict:
-    return {str(k): v for k, v in sorted(hist.items(), key=lambda kv: int(kv[0]))}

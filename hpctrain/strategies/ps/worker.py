@@ -8,7 +8,7 @@ current parameters and version): push and pull in one round trip. The framework 
 A background thread sends a heartbeat to every server while the worker computes, so a
 slow step is not mistaken for a dead worker. The training loop (hpctrain/loop.py)
 drives it: `start()`, then one `step()` per batch, then `stop()`. Faults for tests
-(a slow or silent worker) come from hpctrain/testing/faults.py.
+(a slow or silent worker) come in as `faults` (hpctrain/runtime/faults.py).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from ...testing import faults
+from ...runtime.faults import NO_FAULTS, Faults
 from . import protocol as P
 
 log = logging.getLogger("hpctrain.ps")
@@ -28,10 +28,11 @@ log = logging.getLogger("hpctrain.ps")
 class Worker:
     def __init__(
         self, world, index, servers, plan, model, data, cfg, start_step=0, position=0,
-        wants_save=None, preemption=None,
+        wants_save=None, preemption=None, faults: Faults = NO_FAULTS,
     ):  # fmt: skip
         """wants_save(step, epoch_end) is this worker's view of the checkpoint policy;
-        its wishes and a preemption signal travel to the servers in the push headers."""
+        its wishes and a preemption signal travel to the servers in the push headers.
+        faults: a test's silent, delayed or slow worker (none by default)."""
         self.world, self.comm, self.MPI = world, world.comm, world.MPI
         self.index, self.servers, self.plan = index, servers, plan
         self.model, self.data, self.cfg = model, data, cfg

@@ -1,0 +1,35 @@
+"""What both pipeline stages (torch_stage.py, tensorflow_stage.py) do at start: seed
+this rank's process, keep the model's groups, build the stage's layers, and wait for a
+way to average over the stage's replicas (attach_mpi / attach_zero / attach_replicas)."""
+
+from __future__ import annotations
+
+from .groups import ModelGroups
+
+
+class StageBase:
+    """Subclasses give `prepare_process(threads, deterministic, seed)` and
+    `build(layers, weights)` (the net and its optimizer; `self._ocfg` is the optimizer's
+    config) of their framework."""
+
+    def __init__(self, cfg, layers, weights, first, last, threads: int, rank: int, groups=None):
+        self.prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
+        self.first, self.last = first, last
+        self.zero = None  # ZeRO-1: attach_zero
+        self.groups = groups or ModelGroups()  # tensor axis and experts, from the grid
+        self._ocfg = cfg.optimizer
+        self.build(layers, weights)
+        self.stash: dict[int, tuple] = {}
+        self.peak_stash = 0
+        self.loss_sum, self.correct = 0.0, 0
+        self.hvd = self.process_set = self.mpi = self.zero = None
+
+    def prepare_process(self, threads: int, deterministic: bool, seed: int) -> None:
+        raise NotImplementedError
+
+    def build(self, layers, weights) -> None:
+        raise NotImplementedError
+
+    def attach_replicas(self, hvd, process_set) -> None:
+        """The horovod engine: average over this stage's Horovod process set."""
+        self.hvd, self.process_set = hvd, process_set

@@ -1,0 +1,279 @@
+"""Zoo models on raw tf ops: the zoo's layer kinds interpreted with tf, canonical-name
+variables, a forward pass equal to torch's, each rank keeping its experts and its
+tensor-parallel pieces (the groups come from the process grid: backends/groups.py)."""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+
+from . import tf_env, tf_import  # noqa: F401  (TF imported with its start-up noise off)
+
+# isort: split
+import tensorflow as tf
+
+from ..models import zoo
+from ..moe.parallel import local_layers
+from ..tensor import parallel as tensor_parallel
+from . import tensorflow_moe
+from .base import EvalStats
+from .groups import ModelGroups
+
+
+def eval_sums(net, x, y):
+    """Summed loss and correct predictions of one batch (traced by tf.function)."""
+    logits = tf.cast(net(x, training=False), tf.float32)  # bf16 models: loss in float32
+    losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
+    correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
+    return tf.reduce_sum(losses), correct
+
+
+def evaluate_with(eval_fn, x, y) -> EvalStats:
+    loss, correct = eval_fn(tf.constant(x), tf.constant(y))
+    return EvalStats(float(loss), int(correct), int(np.prod(y.shape)))
+
+
+def net_weights(net) -> OrderedDict[str, np.ndarray]:
+    """A ZooNet's parameters and buffers under canonical names."""
+    out = OrderedDict((k, v.numpy().copy()) for k, v in net.vars.items())
+    out.update((k, v.numpy().copy()) for k, v in net.buffers.items())
+    return out
+
+
+def assign_weights(net, weights: dict[str, np.ndarray]) -> None:
+    for k, v in list(net.vars.items()) + list(net.buffers.items()):
+        v.assign(np.asarray(weights[k], dtype=np.float32))
+
+
+# --- the zoo's layer kinds, interpreted with tf ops ---------------------------------
+def _conv(x, w, b, stride, pad):
+    """x NHWC, w canonical [out, in, kh, kw]; symmetric padding as torch does."""
+    if pad:
+        x = tf.pad(x, [[0, 0], [pad, pad], [pad, pad], [0, 0]])
+    y = tf.nn.conv2d(x, tf.transpose(w, [2, 3, 1, 0]), strides=stride, padding="VALID")
+    return y if b is None else y + b
+
+
+def _dense(x, w, b):
+    return tf.linalg.matmul(x, w, transpose_b=True) + b
+
+
+def _tensor_allreduce(group, x, what: str):
+    """Sum over the tensor axis inside a traced function (a stateful numpy_function:
+    tf.function keeps stateful ops in program order, so every rank issues the
+    collectives in the same order)."""
+    y = tf.numpy_function(
+        lambda a: group.allreduce_sum(a, what), [tf.cast(x, tf.float32)], tf.float32
+    )
+    y.set_shape(x.shape)
+    return tf.cast(y, x.dtype)
+
+
+def tensor_axis_ops(group):
+    """Megatron's f and g over tensor group `group` (one pair per model)."""
+
+    @tf.custom_gradient
+    def copy_to_tensor_axis(x):
+        """f: identity forward, allreduce of the gradient backward."""
+        return tf.identity(x), lambda dy: _tensor_allreduce(group, dy, "input gradient (f)")
+
+    @tf.custom_gradient
+    def reduce_from_tensor_axis(x):
+        """g: allreduce forward, identity backward."""
+        return _tensor_allreduce(group, x, "partial output (g)"), lambda dy: tf.identity(dy)
+
+    return copy_to_tensor_axis, reduce_from_tensor_axis
+
+
+def _causal_attention(qkv, n, t, heads):
+    """Masked self-attention of `heads` heads from the packed q, k, v projections
+    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]."""
+    width = qkv.shape[-1] // 3
+    dh = width // heads
+
+    def heads_first(z):
+        return tf.transpose(tf.reshape(z, [n, t, heads, dh]), [0, 2, 1, 3])
+
+    q, k, val = (heads_first(z) for z in tf.split(qkv, 3, axis=-1))
+    scores = tf.linalg.matmul(q, k, transpose_b=True) / float(np.sqrt(dh))
+    future = tf.linalg.band_part(tf.ones([t, t]), 0, -1) - tf.linalg.band_part(
+        tf.ones([t, t]), 0, 0
+    )
+    scores = tf.where(future > 0, tf.constant(float("-inf"), scores.dtype), scores)
+    att = tf.nn.softmax(scores, axis=-1)
+    return tf.reshape(tf.transpose(tf.linalg.matmul(att, val), [0, 2, 1, 3]), [n, t, width])
+
+
+def _layer_norm(x, w, b):
+    mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
+    return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
+
+
+class ZooNet(tf.Module):
+    """A zoo model: canonical-name variables and a forward pass equal to torch's."""
+
+    def __init__(self, layers: list[zoo.LayerSpec], weights: dict, bf16=False, groups=None):
+        super().__init__(name="zoo")
+        self.layers = layers
+        self.groups = groups or ModelGroups()  # tensor axis and experts, from the grid
+        self._f, self._g = tensor_axis_ops(self.groups.tensor)
+        # bf16: the forward pass computes in bfloat16 on casts of the float32 variables
+        # (their gradients come back float32); BatchNorm statistics stay float32.
+        self.compute_dtype = tf.bfloat16 if bf16 else tf.float32
+        self.vars: OrderedDict[str, tf.Variable] = OrderedDict()
+        self.buffers: OrderedDict[str, tf.Variable] = OrderedDict()
+        for spec in layers:
+            for p in spec.params:
+                key = f"{spec.name}.{p}"
+                self.vars[key] = tf.Variable(weights[key], name=key.replace(".", "/"))
+            for bname in spec.buffers:
+                key = f"{spec.name}.{bname}"
+                self.buffers[key] = tf.Variable(
+                    weights[key], trainable=False, name=key.replace(".", "/")
+                )
+
+    def _bn(self, x, prefix, training):
+        if x.dtype != tf.float32:
+            return tf.cast(self._bn(tf.cast(x, tf.float32), prefix, training), x.dtype)
+        w, b = self.vars[f"{prefix}.weight"], self.vars[f"{prefix}.bias"]
+        rm, rv = self.buffers[f"{prefix}.running_mean"], self.buffers[f"{prefix}.running_var"]
+        if not training:
+            return (x - rm) / tf.sqrt(rv + zoo.BN_EPS) * w + b
+        mean, var = tf.nn.moments(x, axes=[0, 1, 2])
+        n = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), x.dtype)
+        m = zoo.BN_MOMENTUM
+        rm.assign((1 - m) * rm + m * mean)
+        rv.assign((1 - m) * rv + m * var * n / (n - 1))  # torch keeps the unbiased variance
+        return (x - mean) / tf.sqrt(var + zoo.BN_EPS) * w + b
+
+    def __call__(self, x, training=False):
+        nchw = len(x.shape) == 4  # images arrive NCHW (canonical); TF convolves NHWC
+        low = self.compute_dtype != tf.float32
+        if low and x.dtype.is_floating:
+            x = tf.cast(x, self.compute_dtype)
+        for spec in self.layers:
+            v = {p: self.vars[f"{spec.name}.{p}"] for p in spec.params}
+            if low:
+                v = {p: tf.cast(w, self.compute_dtype) for p, w in v.items()}
+            kind, a = spec.kind, spec.attrs
+            if kind in ("conv", "conv_bn", "resblock", "gap") and nchw:
+                x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
+            if kind == "flatten":
+                x = tf.reshape(x, [tf.shape(x)[0], -1])
+            elif kind == "dense":
+                x = _dense(x, v["weight"], v["bias"])
+                x = tf.nn.relu(x) if a["relu"] else x
+            elif kind == "conv":
+                x = _conv(x, v["weight"], v.get("bias"), a["stride"], a["padding"])
+                x = tf.nn.relu(x) if a["relu"] else x
+            elif kind == "gap":
+                x = tf.reduce_mean(x, axis=[1, 2])
+            elif kind == "conv_bn":
+                x = tf.nn.relu(
+                    self._bn(
+                        _conv(x, v["conv.weight"], None, a["stride"], 1),
+                        f"{spec.name}.bn",
+                        training,
+                    )
+                )
+            elif kind == "resblock":
+                x = self._resblock(x, spec, v, training)
+            elif kind == "embed":
+                x = tf.gather(v["tok.weight"], x) + v["pos.weight"][: tf.shape(x)[1]]
+            elif kind == "layernorm":
+                x = _layer_norm(x, v["weight"], v["bias"])
+            elif kind == "block" and a.get("recompute") and training:
+                x = self._recomputed_block(x, v, a["n_heads"], spec)
+            elif kind == "block":
+                x = self._block(x, v, a["n_heads"], spec, training)
+            else:
+                raise ValueError(f"unknown layer kind {kind!r}")
+        return tf.cast(x, tf.float32) if low else x
+
+    def _resblock(self, x, spec, v, training):
+        s, n = spec.attrs["stride"], spec.name
+        out = tf.nn.relu(self._bn(_conv(x, v["conv1.weight"], None, s, 1), f"{n}.bn1", training))
+        out = self._bn(_conv(out, v["conv2.weight"], None, 1, 1), f"{n}.bn2", training)
+        if "shortcut.conv.weight" in v:
+            x = self._bn(
+                _conv(x, v["shortcut.conv.weight"], None, s, 0), f"{n}.shortcut.bn", training
+            )
+        return tf.nn.relu(out + x)
+
+    def _recomputed_block(self, x, v, heads, spec):
+        """Activation checkpointing: only the block's input is kept for backward; the
+        block runs again inside the gradient (tf.recompute_grad), giving exact gradients."""
+        return tf.recompute_grad(lambda t: self._block(t, v, heads, spec, True))(x)
+
+    def _block(self, x, v, heads, spec=None, training=False):
+        if spec is not None and spec.attrs.get("tensor", 1) > 1:
+            return self._tensor_parallel_block(x, v, heads, spec, training)
+        shape = tf.shape(x)
+        n, t = shape[0], shape[1]
+        h = _layer_norm(x, v["ln1.weight"], v["ln1.bias"])
+        y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
+        x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
+        h = _layer_norm(x, v["ln2.weight"], v["ln2.bias"])
+        if spec is not None and "moe" in spec.attrs:  # mixture of experts: tensorflow_moe.py
+            return x + tensorflow_moe.moe_ffn(self, spec, v, h, training)
+        h = _dense(
+            tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"])),
+            v["ffn.fc2.weight"],
+            v["ffn.fc2.bias"],
+        )
+        return x + h
+
+    def _tensor_parallel_block(self, x, v, heads, spec, training):
+        """The block with this rank's heads and MLP slice (Megatron): f before the
+        column-parallel layers, g after the row-parallel ones, biases after g; with
+        experts, this rank's samples through them (tensor/parallel.py)."""
+        shape = tf.shape(x)
+        n, t = shape[0], shape[1]
+        f, g = self._f, self._g
+        h = f(_layer_norm(x, v["ln1.weight"], v["ln1.bias"]))
+        y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
+        out = tf.linalg.matmul(y, v["attn.proj.weight"], transpose_b=True)
+        x = x + g(out) + v["attn.proj.bias"]
+        h = f(_layer_norm(x, v["ln2.weight"], v["ln2.bias"]))
+        if spec is not None and "moe" in spec.attrs:  # this rank's samples, to the experts
+            lo, hi = self.groups.tensor.my_rows(n)
+            router = f(v["moe.router.weight"])
+            y = tensorflow_moe.moe_ffn(self, spec, v, h[lo:hi], training, router)
+            y = tf.pad(y, [[lo, n - hi], [0, 0], [0, 0]])  # the other ranks' rows: 0
+            return x + g(y)
+        h = tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"]))
+        out = tf.linalg.matmul(h, v["ffn.fc2.weight"], transpose_b=True)
+        return x + g(out) + v["ffn.fc2.bias"]
+
+
+def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = False, groups=None):
+    """A zoo model with the canonical initial weights, or the user's Keras model.
+    `groups`: the tensor axis and expert group from the process grid (none: one rank)."""
+    name = model_cfg["name"]
+    if zoo.is_zoo_model(name):
+        groups = groups or ModelGroups()
+        layers = zoo.build_layers(model_cfg, inp)
+        # Initial values of all experts, then only this rank's experts (MoE) and this
+        # rank's piece of each tensor-parallel layer.
+        tp = groups.tensor
+        weights = {
+            k: tensor_parallel.shard(k, v, tp.size, tp.rank)
+            for k, v in zoo.iter_init_weights(layers, seed)
+        }
+        mine = local_layers(layers, seed, groups.experts)
+        return ZooNet(tensor_parallel.local_layers(mine, tp.size), weights, bf16, groups)
+    from .tensorflow_user import build_user_model  # import, call, one checked forward pass
+
+    if not bf16:
+        return build_user_model(model_cfg, inp, seed)
+    import keras
+
+    # Keras's own mixed precision: layers made now compute in bfloat16 on float32
+    # variables. The policy is process-wide, so it is put back after the build.
+    before = keras.mixed_precision.global_policy()
+    keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        return build_user_model(model_cfg, inp, seed)
+    finally:
+        keras.mixed_precision.set_global_policy(before)

@@ -1,0 +1,215 @@
+"""The rules of composition: which strategy, engine, compression, ZeRO, tensor and
+precision settings run together, checked on every rank before any work (the config
+calls `refusals`). Import-light: the configuration schema reads it.
+
+Each strategy states its own refusals (`data_parallel`, `pipeline`, `parameter_server`
+below, one function each, in `BY_STRATEGY`); the features that several strategies share
+(ZeRO, tensor parallelism, half precision, the process-group engines, GPU ranks) state
+theirs once, naming the strategies they run under. What needs the world size (a
+pipeline's ranks, a parameter server's workers) the strategy checks when it starts
+(`GridShape`).
+"""
+
+from __future__ import annotations
+
+# strategies that shard dense data-parallel training (ZeRO, tensor parallelism)
+DENSE = ("data_parallel", "pipeline")
+# train.compression values the Horovod engine and the pipeline's engines also carry
+DENSE_COMPRESSION = ("none", "fp16")
+
+
+def _clash(pairs) -> list[str]:
+    return [what for what, bad in pairs if bad]
+
+
+def _model(v: dict) -> dict:
+    return v["model"] if isinstance(v["model"], dict) else {}
+
+
+# --- each strategy's own refusals --------------------------------------------------------
+def data_parallel(v: dict) -> list[str]:
+    return []  # every feature below runs under data parallelism
+
+
+def pipeline(v: dict) -> list[str]:
+    t = v["train"]
+    if t["compression"] == "fp16" and t["allreduce"] in ("mpi", "overlap"):
+        return [
+            "train.compression=fp16: the pipeline strategy compresses only through Horovod "
+            "(train.allreduce=horovod or auto)"
+        ]
+    return []
+
+
+def parameter_server(v: dict) -> list[str]:
+    return []  # its refusals need the world size: ps.runner.config_problems
+
+
+BY_STRATEGY = {
+    "data_parallel": data_parallel,
+    "pipeline": pipeline,
+    "parameter_server": parameter_server,
+}
+
+
+# --- features shared between strategies ---------------------------------------------------
+def engine_rules(v: dict) -> list[str]:
+    """Horovod's flags and the MPI engine's hierarchical allreduce."""
+    t, problems = v["train"], []
+    if v["horovod"]["hierarchical_allreduce"]:
+        problems.append(
+            "horovod.hierarchical_allreduce: Horovod implements hierarchical allreduce only "
+            "in its GPU (NCCL) builds; on CPU the flag changes nothing: leave it false"
+        )
+    if t["hierarchical"] and (
+        t["compression"] not in ("none",) or t["allreduce"] in ("horovod", "overlap")
+    ):
+        problems.append(
+            "train.hierarchical: runs on train.allreduce=mpi (or auto) with train.compression=none"
+        )
+    return problems
+
+
+def local_sgd_rules(v: dict) -> list[str]:
+    t, problems = v["train"], []
+    if t["sync_every"] > 1 and v["strategy"] != "data_parallel":
+        problems.append(
+            f"train.sync_every: local SGD runs with strategy data_parallel, not {v['strategy']}"
+        )
+    if t["sync_every"] > 1 and _model(v).get("moe"):
+        problems.append(
+            "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
+            "live on one rank each; there is nothing to average them with)"
+        )
+    return problems
+
+
+def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
+    """What ZeRO and tensor parallelism both refuse: another strategy, a non-MPI engine,
+    compression, hierarchical allreduce, local SGD."""
+    t, engine = v["train"], v["train"]["allreduce"]
+    return [
+        (f"strategy {v['strategy']}", v["strategy"] not in DENSE),
+        (f"train.allreduce={engine}", engine in ("horovod", "overlap")),
+        (f"train.compression={t['compression']}", t["compression"] != "none"),
+        ("train.hierarchical", t["hierarchical"]),
+        (f"train.sync_every={t['sync_every']}", t["sync_every"] > 1),
+    ]
+
+
+def zero_rules(v: dict) -> list[str]:
+    zero = v["train"]["zero"]
+    clash = _clash(_dense_mpi_clash(v)) if zero else []
+    if not clash:
+        return []
+    return [
+        f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
+        f"engine (strategy data_parallel, or pipeline with train.zero=1; "
+        f"train.allreduce mpi or auto, no compression, hierarchical allreduce or "
+        f"local SGD); not with {', '.join(clash)}"
+    ]
+
+
+def tensor_rules(v: dict) -> list[str]:
+    tensor, model = v["parallel"]["tensor"], _model(v)
+    if tensor <= 1:
+        return []
+    pairs = _dense_mpi_clash(v)
+    pairs.insert(1, (f"model {model.get('name')}", model.get("name") != "transformer"))
+    clash = _clash(pairs)
+    if clash:
+        return [
+            f"parallel.tensor={tensor}: tensor parallelism splits the zoo transformer "
+            f"under strategy data_parallel or pipeline on the MPI engine; not with "
+            f"{', '.join(clash)}"
+        ]
+    from ..models.zoo import model_options
+    from ..tensor.parallel import check_divisible
+
+    problem = check_divisible(model_options(model), tensor)
+    return [problem] if problem else []
+
+
+def precision_rules(v: dict) -> list[str]:
+    t, problems = v["train"], []
+    half = t["precision"]
+    if half == "fp16":
+        clash = _clash(
+            (
+                (f"backend {v['backend']}", v["backend"] != "torch"),
+                (f"train.allreduce={t['allreduce']}", t["allreduce"] == "horovod"),
+                (f"train.zero={t['zero']}", t["zero"]),
+                (f"parallel.tensor={v['parallel']['tensor']}", v["parallel"]["tensor"] > 1),
+            )
+        )
+        if clash:
+            problems.append(
+                "train.precision=fp16: dynamic loss scaling runs on the torch backend's "
+                f"dense data parallel (not with {', '.join(clash)}); bf16 needs no "
+                "loss scaling"
+            )
+    if half in ("bf16", "fp16"):
+        if v["strategy"] != "data_parallel":
+            problems.append(
+                f"train.precision={half}: runs with strategy data_parallel, not {v['strategy']}"
+            )
+        if _model(v).get("moe"):
+            problems.append(f"train.precision={half}: not with mixture-of-experts layers yet")
+    return problems
+
+
+def compression_rules(v: dict) -> list[str]:
+    compression = v["train"]["compression"]
+    if compression in DENSE_COMPRESSION or v["strategy"] == "data_parallel":
+        return []
+    return [
+        f"train.compression={compression}: only with strategy "
+        f"data_parallel (the {v['strategy']} strategy sends dense gradients)"
+    ]
+
+
+def process_group_rules(v: dict) -> list[str]:
+    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients;
+    the features that run on the MPI exchange layer are refused with them."""
+    engine = v["train"]["allreduce"]
+    if engine not in ("nccl", "gloo"):
+        return []
+    from ..runtime.devices import mpi_only_features
+
+    clash = _clash(
+        (
+            (f"backend {v['backend']}", v["backend"] != "torch"),
+            (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+        )
+    ) + mpi_only_features(v)
+    if not clash:
+        return []
+    return [
+        f"train.allreduce={engine}: the process-group engine averages dense data-parallel "
+        f"gradients of the torch backend; not with {', '.join(clash)} (those run on "
+        "train.allreduce=mpi or auto)"
+    ]
+
+
+def device_rules(v: dict) -> list[str]:
+    """runtime.device=cuda asks for GPU ranks: refused here, on every rank, when the
+    layout cannot run on them (auto then stays on the CPU)."""
+    from ..runtime.devices import gpu_unsupported
+
+    why = gpu_unsupported(v) if v["runtime"]["device"] == "cuda" else None
+    problems = [f"runtime.device=cuda: {why}"] if why else []
+    if v["train"]["allreduce"] == "nccl" and v["runtime"]["device"] == "cpu":
+        problems.append(
+            "train.allreduce=nccl: NCCL needs GPU ranks, not runtime.device=cpu; on CPU ranks "
+            "use train.allreduce=gloo"
+        )
+    return problems
+
+
+def refusals(v: dict) -> list[str]:
+    """Every rule above, in the order a user reads them (a validated config's dict)."""
+    problems = engine_rules(v)
+    problems += BY_STRATEGY[v["strategy"]](v)
+    problems += local_sgd_rules(v) + process_group_rules(v) + device_rules(v)
+    problems += zero_rules(v) + tensor_rules(v) + precision_rules(v) + compression_rules(v)
+    return problems

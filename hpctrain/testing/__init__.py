@@ -1,1 +1,0 @@
-"""Support for hpctrain's own tests. Nothing here runs unless a test switches it on."""
