@@ -183,8 +183,22 @@ SCHEMA: dict[str, Any] = {
             0,
             int,
             "ZeRO sharding over the data ranks (MPI engine): 0 off, 1 optimizer state, "
-            "2 optimizer state and gradients",
-            choices=(0, 1, 2),
+            "2 optimizer state and gradients, 3 also the parameters (gathered per unit of "
+            "layers ahead of use; torch)",
+            choices=(0, 1, 2, 3),
+        ),
+        "zero_unit_mb": _f(
+            16.0,
+            (int, float),
+            "ZeRO-3: MB of parameters gathered at once (consecutive layers form a unit); "
+            "two units are live at a time, the running one and the prefetched one",
+            minimum=0,
+            exclusive_min=True,
+        ),
+        "zero_prefetch": _f(
+            True,
+            bool,
+            "ZeRO-3: gather the next unit's parameters while the current one computes",
         ),
         "sync_every": _f(
             1, int, "local SGD: average parameters every H steps (1: synchronous)", **POS_INT

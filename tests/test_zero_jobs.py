@@ -17,6 +17,7 @@ TORTURE = [
     "train.grad_accum=2",
     "train.clip_norm=0.05",  # small enough to clip: the norm must be the global one
     "train.bucket_mb=0.004",  # ~4 KB segments: stage 2 reduces several during backward
+    "train.zero_unit_mb=0.004",  # stage 3: one layer per unit, each gathered ahead of use
     "train.allreduce=mpi",
     "optimizer.weight_decay=0.01",
     "runtime.memory_limit_mb=100000",  # the pre-flight memory plan runs (and passes)
@@ -32,6 +33,8 @@ CASES = [
     ("torch", 4, "adam", 2),
     ("tensorflow", 2, "adam", 2),
     ("tensorflow", 4, "sgd", 1),
+    ("torch", 2, "sgd", 3),
+    ("torch", 4, "adam", 3),
 ]
 for _backend, _np, _optimizer, _stage in CASES:  # in the launches other tests' runs share
     _opts = [f"optimizer.name={_optimizer}", *COMMON, *TORTURE]
@@ -42,7 +45,8 @@ for _backend, _np, _optimizer, _stage in CASES:  # in the launches other tests' 
         # (torch sums per-parameter float32 norms, the shards a float64 sum) into 1e-6
         # steps on near-zero gradients; at a usual Adam lr they stay below 1e-7.
         _opts.append("optimizer.lr=0.003")
-    share(_np, _backend, f"plain-{_optimizer}", *_opts)
+    if _stage != 3:  # stage 3's cases reuse the plain runs of stage 1 and 2's
+        share(_np, _backend, f"plain-{_optimizer}", *_opts)
     share(_np, _backend, f"zero{_stage}-{_optimizer}", *_opts, f"train.zero={_stage}")
 
 
@@ -58,6 +62,8 @@ def test_zero_equals_plain_data_parallel(tmp_path_factory, backend, np_, optimiz
     steps = [x for x in _metrics(run(f"zero{stage}-{optimizer}", True)) if x["event"] == "step"]
     # Reduce-scatter + allgather: what a ring allreduce sends, 2 (N-1)/N of the vector;
     # stage 2 reduce-scatters every micro-batch (grad_accum=2): 3 (N-1)/N.
+    if stage == 3:
+        return  # test_zero3_gathers_each_unit_ahead_of_use counts its traffic
     psi = steps[-1]["zero_model_param_bytes"]
     times = 2 if stage == 1 else 3
     assert steps[-1]["comm_bytes"] == pytest.approx(times * (np_ - 1) / np_ * psi, rel=0.01)

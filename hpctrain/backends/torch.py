@@ -50,6 +50,7 @@ from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, 
     set_rng_state,
 )
 from .torch_zero import TorchZero
+from .torch_zero3 import TorchZero3
 
 
 # --- the backend ------------------------------------------------------------------------
@@ -93,7 +94,17 @@ class TorchBackend(TorchStateMixin, BackendBase):
         wrapped in Horovod's DistributedOptimizer on the horovod engine."""
         cfg, params = self.cfg, self._dense
         self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
-        if cfg.train["zero"]:
+        if cfg.train["zero"] == 3:  # parameters sharded too, gathered per unit of layers
+            self.zero = TorchZero3(
+                self.world,
+                self.model,
+                params,
+                int(cfg.train["zero_unit_mb"] * 2**20),
+                partial(make_optimizer, cfg.optimizer),
+                prefetch=cfg.train["zero_prefetch"],
+            )
+            opt = self.zero.optimizer
+        elif cfg.train["zero"]:
             self.zero = TorchZero(
                 self.world,
                 params,
@@ -157,6 +168,9 @@ class TorchBackend(TorchStateMixin, BackendBase):
         state is only broadcast once it exists (after a resume).
         """
         state = {k: v for k, v in self.model.state_dict().items() if not is_expert_param(k)}
+        if self.zero is not None and self.zero.part.stage == 3:  # the shards are rank 0's
+            dense = {self._names[p] for p in self._dense}
+            state = {k: v for k, v in state.items() if k not in dense}
         if self.hvd is None:
             self._broadcast_with_mpi(state)
             return

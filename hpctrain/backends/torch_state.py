@@ -37,6 +37,7 @@ class TorchStateMixin:
             return {
                 "grad": e["zero_model_grad_bytes"] + z.part.largest_segment_bytes(),
                 "grad_now": float(z.part.flat_len * 4 if z.part.stage == 1 else 0),
+                "params": e["zero_model_param_bytes"],
                 "optimizer": e["zero_model_optimizer_bytes"],
                 "optimizer_now": opt_now,
             }
@@ -75,9 +76,21 @@ class TorchStateMixin:
         return OrderedDict((k, v.copy()) for k, v in self._live_weights().items())
 
     def _live_weights(self) -> OrderedDict[str, np.ndarray]:
-        """Views of the model's parameters and buffers (valid until the next step)."""
+        """Views of the model's parameters and buffers (valid until the next step);
+        under ZeRO-3 the dense parameters are gathered (collective, copies)."""
         state = self.model.state_dict().items()
-        return OrderedDict((k, to_host(v, copy=False)) for k, v in state)
+        out = OrderedDict((k, to_host(v, copy=False)) for k, v in state if k not in self._sharded)
+        if self._sharded:
+            gathered = dict(zip(self.dense_names(), self.zero.all_params(), strict=True))
+            out = OrderedDict((k, out[k] if k in out else gathered[k]) for k, _ in state)
+        return out
+
+    @property
+    def _sharded(self) -> frozenset:
+        """The parameters ZeRO-3 keeps as shards only (none without ZeRO-3)."""
+        if self.zero is None or self.zero.part.stage != 3:
+            return frozenset()
+        return frozenset(self.dense_names())
 
     def weight_shapes(self) -> dict[str, tuple]:
         return {k: tuple(v.shape) for k, v in self.model.state_dict().items()}
@@ -85,9 +98,13 @@ class TorchStateMixin:
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
         self._release_exported()
+        sharded = self._sharded
         with torch.no_grad():
             for key, tensor in self.model.state_dict(keep_vars=True).items():
-                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+                if key not in sharded:
+                    tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+        if sharded:
+            self.zero.load_params([weights[n] for n in self.dense_names()])
         if self.zero is not None:
             self.zero.sync_shard()
 
@@ -98,7 +115,7 @@ class TorchStateMixin:
             names = [self._names[p] for p in self._dense]
             kind = self.cfg.optimizer["name"]
             return {
-                **with_model_prefix(self.get_weights()),
+                **with_model_prefix(self._root_weights()),
                 **export_optimizer_state(self.optimizer, self._expert_named(), kind),
                 **self.zero.export_optimizer(names, kind),
             }
@@ -117,12 +134,34 @@ class TorchStateMixin:
         communication."""
         names = [self._names[p] for p in self._dense]
         kind = self.cfg.optimizer["name"]
+        sharded = self._sharded  # ZeRO-3: each rank writes its own parameter ranges
+        weights = self._live_weights() if not sharded else self._unsharded_weights()
         replicated = {
-            **with_model_prefix(self.get_weights()),  # with experts: each rank its own
+            **with_model_prefix(OrderedDict((k, v.copy()) for k, v in weights.items())),
             **export_optimizer_state(self.optimizer, self._expert_named(), kind),
             **self.zero.step_state(kind),
         }
-        return replicated, self.zero.optimizer_pieces(names, kind)
+        pieces = self.zero.optimizer_pieces(names, kind)
+        if sharded:
+            pieces.update(self.zero.param_pieces(names))
+        return replicated, pieces
+
+    def _unsharded_weights(self) -> OrderedDict[str, np.ndarray]:
+        """Buffers and experts: what ZeRO-3 does not shard (views)."""
+        sharded = self._sharded
+        state = self.model.state_dict().items()
+        return OrderedDict((k, to_host(v, copy=False)) for k, v in state if k not in sharded)
+
+    def _root_weights(self) -> OrderedDict[str, np.ndarray]:
+        """The weights for a checkpoint whose result is whole on rank 0: ZeRO-3 gathers
+        its shards to rank 0 only (one Gatherv), never onto every rank."""
+        if not self._sharded:
+            return self.get_weights()
+        out = OrderedDict((k, v.copy()) for k, v in self._unsharded_weights().items())
+        full = self.zero.root_params()
+        if full is not None:
+            out.update(zip(self.dense_names(), full, strict=True))
+        return out
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))  # waits for an async save's copy first

@@ -25,7 +25,66 @@ from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
 
 
-class TorchZero:
+class ShardedOptimizerState:
+    """The optimizer state of a ZeRO shard in the canonical layout, for TorchZero and
+    TorchZero3: needs self.part, self.params, self.optimizer and self.shard."""
+
+    def export_optimizer(self, names: list[str], kind: str) -> dict[str, np.ndarray]:
+        """`optimizer/<slot>/<name>` for every dense parameter, on rank 0 (collective)."""
+        state = {}
+        for slot in OPTIMIZER_SLOTS[kind]:
+            full = self.part.gather_full(self._slot_shard(slot), f"ZeRO checkpoint: gather {slot}")
+            if full is None:
+                continue
+            for name, p, view in zip(names, self.params, self.part.views(full), strict=True):
+                state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(p.shape)).copy()
+        return {**state, **self.step_state(kind)}
+
+    def _slot_shard(self, slot: str) -> np.ndarray:
+        """This rank's shard of an optimizer slot (zeros before the first step)."""
+        value = self.optimizer.state.get(self.shard, {}).get(slot)
+        return np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
+
+    def step_state(self, kind: str) -> dict[str, np.ndarray]:
+        """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
+        if kind != "adam":
+            return {}
+        st = self.optimizer.state.get(self.shard, {})
+        return {"optimizer/step": np.array(int(float(st.get("step", 0))), dtype=np.int64)}
+
+    def optimizer_pieces(self, names: list[str], kind: str) -> dict:
+        """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
+        what a sharded checkpoint writes from this rank."""
+        shapes = [tuple(p.shape) for p in self.params]
+        pieces = {}
+        for slot in OPTIMIZER_SLOTS[kind]:
+            keys = [f"optimizer/{slot}/{n}" for n in names]
+            pieces.update(self.part.owned_pieces(self._slot_shard(slot), keys, shapes))
+        return pieces
+
+    def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:
+        st = self.optimizer.state[self.shard]
+        for slot in OPTIMIZER_SLOTS[kind]:
+            keys = [f"optimizer/{slot}/{n}" for n in names]
+            missing = [k for k in keys if k not in state]
+            if missing:
+                raise ValueError(f"optimizer state {missing[0]} missing")
+            full = self.part.flatten([state[k] for k in keys])
+            st[slot] = torch.from_numpy(self.part.shard_of(full))
+        if kind == "adam":
+            st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
+
+    def optimizer_bytes(self) -> float:
+        return float(
+            sum(
+                v.numel() * v.element_size()
+                for v in self.optimizer.state.get(self.shard, {}).values()
+                if torch.is_tensor(v) and v.dim() > 0
+            )
+        )
+
+
+class TorchZero(ShardedOptimizerState):
     def __init__(self, world, params: list[nn.Parameter], stage: int, bucket_bytes: int, make_opt):
         self.part = part = ZeroPartition(world, [p.numel() for p in params], stage, bucket_bytes)
         self.params = params
@@ -144,62 +203,11 @@ class TorchZero:
         with torch.no_grad():
             self.shard.copy_(torch.from_numpy(self.part.shard_of(self.flat.numpy())))
 
-    # --- checkpoints: the canonical layout ---------------------------------------------
-    def export_optimizer(self, names: list[str], kind: str) -> dict[str, np.ndarray]:
-        """`optimizer/<slot>/<name>` for every dense parameter, on rank 0 (collective)."""
-        state = {}
-        for slot in OPTIMIZER_SLOTS[kind]:
-            full = self.part.gather_full(self._slot_shard(slot), f"ZeRO checkpoint: gather {slot}")
-            if full is None:
-                continue
-            for name, p, view in zip(names, self.params, self.part.views(full), strict=True):
-                state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(p.shape)).copy()
-        return {**state, **self.step_state(kind)}
-
-    def _slot_shard(self, slot: str) -> np.ndarray:
-        """This rank's shard of an optimizer slot (zeros before the first step)."""
-        value = self.optimizer.state.get(self.shard, {}).get(slot)
-        return np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
-
-    def step_state(self, kind: str) -> dict[str, np.ndarray]:
-        """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
-        if kind != "adam":
-            return {}
-        st = self.optimizer.state.get(self.shard, {})
-        return {"optimizer/step": np.array(int(float(st.get("step", 0))), dtype=np.int64)}
-
-    def optimizer_pieces(self, names: list[str], kind: str) -> dict:
-        """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
-        what a sharded checkpoint writes from this rank."""
-        shapes = [tuple(p.shape) for p in self.params]
-        pieces = {}
-        for slot in OPTIMIZER_SLOTS[kind]:
-            keys = [f"optimizer/{slot}/{n}" for n in names]
-            pieces.update(self.part.owned_pieces(self._slot_shard(slot), keys, shapes))
-        return pieces
-
-    def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:
-        st = self.optimizer.state[self.shard]
-        for slot in OPTIMIZER_SLOTS[kind]:
-            keys = [f"optimizer/{slot}/{n}" for n in names]
-            missing = [k for k in keys if k not in state]
-            if missing:
-                raise ValueError(f"optimizer state {missing[0]} missing")
-            full = self.part.flatten([state[k] for k in keys])
-            st[slot] = torch.from_numpy(self.part.shard_of(full))
-        if kind == "adam":
-            st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
-
     # --- memory -------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:
-        opt = sum(
-            v.numel() * v.element_size()
-            for v in self.optimizer.state.get(self.shard, {}).values()
-            if torch.is_tensor(v) and v.dim() > 0
-        )
         return {
             "mem_param_bytes": float(self.flat.numel() * 4),
             "mem_grad_bytes": float(self.grad_bytes_peak),
-            "mem_optimizer_bytes": float(opt),
+            "mem_optimizer_bytes": self.optimizer_bytes(),
             **self.part.expected_bytes(slots),
         }

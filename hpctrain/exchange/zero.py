@@ -1,4 +1,5 @@
-"""ZeRO-1/2: optimizer state (stage 1) and gradients (stage 2) split over the data ranks.
+"""ZeRO-1/2/3: optimizer state (stage 1), gradients (stage 2) and parameters (stage 3,
+see zero3.py) split over the data ranks.
 
 The dense parameters, in registration order, form one flat float32 vector. It is cut
 into segments (stage 1: one; stage 2: `stage2_segments`, so a segment can be reduced as
@@ -27,6 +28,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+
+def unit_plan(module_params: list[list[int]], sizes: list[int], unit_bytes: int) -> list[list[int]]:
+    """ZeRO-3's units: consecutive modules (in forward order) merged until a unit holds
+    at least `unit_bytes` of float32 parameters; returns the module indices per unit.
+    Modules without parameters join their neighbours. A unit is what is gathered whole
+    before it runs, so its size trades peak memory (two units live: the running one and
+    the prefetched one) against the number of collectives per step."""
+    units, current, filled = [], [], 0
+    for m, params in enumerate(module_params):
+        current.append(m)
+        filled += sum(sizes[i] for i in params) * 4
+        if filled >= unit_bytes:
+            units.append(current)
+            current, filled = [], 0
+    if current:
+        if units and filled == 0:
+            units[-1].extend(current)  # trailing modules without parameters
+        else:
+            units.append(current)
+    return units
 
 
 def stage2_segments(sizes: list[int], bucket_bytes: int) -> list[list[int]]:
@@ -68,17 +90,22 @@ class Segment:
 class ZeroPartition:
     """The flat layout of the dense parameters and this rank's shard of it."""
 
-    def __init__(self, comm, sizes: list[int], stage: int, bucket_bytes: int):
-        if stage not in (1, 2):
-            raise ValueError(f"ZeRO stage must be 1 or 2, got {stage}")
+    def __init__(self, comm, sizes: list[int], stage: int, bucket_bytes: int, units=None):
+        """`units` (stage 3): the parameter indices of each unit, in forward order; each
+        unit is one segment, gathered and reduce-scattered whole."""
+        if stage not in (1, 2, 3) or (stage == 3) != (units is not None):
+            raise ValueError(f"ZeRO stage must be 1, 2 or 3 (3 with units), got {stage}")
         self.comm = comm
         self.stage = stage
         self.n = comm.size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
         self.sizes = [int(s) for s in sizes]
-        groups = (
-            [list(range(len(sizes)))] if stage == 1 else stage2_segments(self.sizes, bucket_bytes)
-        )
+        if stage == 3:
+            groups = [list(u) for u in units]
+        elif stage == 2:
+            groups = stage2_segments(self.sizes, bucket_bytes)
+        else:
+            groups = [list(range(len(sizes)))]
         self.segments: list[Segment] = []
         self.offsets = [0] * len(self.sizes)
         start = shard = 0
@@ -255,8 +282,14 @@ class ZeroPartition:
         """One segment's padded buffer: what stage 2 holds beside its shard while the
         segment's gradients arrive (the stage-1 shard beside the whole gradient)."""
         return (
-            max(seg.padded for seg in self.segments) * 4 if self.stage == 2 else self.shard_len * 4
+            max(seg.padded for seg in self.segments) * 4 if self.stage >= 2 else self.shard_len * 4
         )
+
+    def gathered_bytes(self) -> int:
+        """Stage 3: the most parameter bytes gathered at once, the two largest units (the
+        one running and the one prefetched)."""
+        padded = sorted((seg.padded for seg in self.segments), reverse=True)
+        return sum(padded[:2]) * 4
 
     def take_sent(self) -> int:
         """Bytes this rank sent since the last call (for `comm_bytes`)."""
@@ -265,12 +298,14 @@ class ZeroPartition:
 
     # --- the memory model ---------------------------------------------------------------
     def expected_bytes(self, slots: int) -> dict[str, float]:
-        """The ZeRO paper's per-rank bytes for float32 training: parameters Psi*4, optimizer
-        state slots*Psi*4/N, gradients Psi*4 (stage 1) or Psi*4/N (stage 2, + one bucket)."""
+        """The ZeRO paper's per-rank bytes for float32 training: parameters Psi*4 (stage 3:
+        Psi*4/N + the two largest units, gathered), optimizer state slots*Psi*4/N,
+        gradients Psi*4 (stage 1) or Psi*4/N (stages 2 and 3, + one segment)."""
         psi = sum(self.sizes)
         grads = psi * 4 if self.stage == 1 else self.shard_len * 4
+        params = psi * 4 if self.stage < 3 else self.shard_len * 4 + self.gathered_bytes()
         return {
-            "zero_model_param_bytes": float(psi * 4),
+            "zero_model_param_bytes": float(params),
             "zero_model_optimizer_bytes": float(slots * self.shard_len * 4),
             "zero_model_grad_bytes": float(grads),
         }

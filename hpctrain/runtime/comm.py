@@ -168,6 +168,20 @@ class GuardedComm:
             self.comm.Allgatherv(mine, [buf, (list(counts), displs)])
         return buf
 
+    def start_allgather_into(
+        self, mine: np.ndarray, buf: np.ndarray, counts: list[int], what: str
+    ) -> PendingArray:
+        """Begin `allgather_into` without blocking (`MPI_Iallgatherv`): ZeRO-3 gathers
+        the next unit's parameters while this one computes. `mine` and `buf` must stay
+        untouched until `.wait()` (guarded); every rank starts the same gathers in the
+        same order."""
+        if self.size == 1:
+            buf[:] = mine
+            return PendingArray(buf)
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+        request = self.comm.Iallgatherv(mine, [buf, (list(counts), displs)])
+        return PendingArray(buf, request, self.watchdog, what)
+
     def allgather_array(self, send: np.ndarray, what: str = "allgather") -> np.ndarray:
         """Every rank's equally sized array, stacked in rank order (guarded). Each rank
         receives (N-1) x its own bytes: at 1,024 or 4,096 ranks that is 1,023 or 4,095

@@ -32,13 +32,20 @@ def data_parallel(v: dict) -> list[str]:
 
 
 def pipeline(v: dict) -> list[str]:
-    t = v["train"]
+    t, problems = v["train"], []
     if t["compression"] == "fp16" and t["allreduce"] in ("mpi", "overlap"):
-        return [
+        problems.append(
             "train.compression=fp16: the pipeline strategy compresses only through Horovod "
             "(train.allreduce=horovod or auto)"
-        ]
-    return []
+        )
+    if t["zero"] > 1:
+        problems.append(
+            f"train.zero={t['zero']}: the pipeline shards with ZeRO-1 (optimizer state); "
+            "ZeRO-2 and 3 would reduce-scatter (and ZeRO-3 also gather) every "
+            f"micro-batch's, pipeline.microbatches={v['pipeline']['microbatches']} times a "
+            "step's traffic (DeepSpeed refuses ZeRO-2/3 with its pipeline engine too)"
+        )
+    return problems
 
 
 def parameter_server(v: dict) -> list[str]:
@@ -99,6 +106,11 @@ def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
 
 def zero_rules(v: dict) -> list[str]:
     zero = v["train"]["zero"]
+    if zero == 3 and v["backend"] != "torch":
+        return [
+            "train.zero=3: parameter sharding runs on the torch backend; the tensorflow "
+            "backend shards up to train.zero=2 (optimizer state and gradients)"
+        ]
     clash = _clash(_dense_mpi_clash(v)) if zero else []
     if not clash:
         return []

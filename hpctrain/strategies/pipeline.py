@@ -82,12 +82,6 @@ def config_problem(cfg, world_size: int) -> str | None:
             "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
             "leave train.grad_accum at 1"
         )
-    if cfg.train["zero"] > 1:
-        return (
-            f"train.zero={cfg.train['zero']}: the pipeline shards with ZeRO-1 "
-            "(optimizer state); ZeRO-2 would reduce-scatter every micro-batch's gradients, "
-            f"pipeline.microbatches={cfg.pipeline['microbatches']} times a step's traffic"
-        )
     if zoo.has_moe(cfg.model) and (cfg.train["zero"] or cfg.train["allreduce"] == "horovod"):
         return (
             "model.moe: mixture-of-experts blocks inside pipeline stages run on the MPI "

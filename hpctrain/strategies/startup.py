@@ -13,7 +13,11 @@ from __future__ import annotations
 from ..backends.gradient_engine import join_words
 from ..models import zoo
 
-ZERO_SHARDS = {1: "the optimizer state", 2: "the optimizer state and gradients"}
+ZERO_SHARDS = {
+    1: "the optimizer state",
+    2: "the optimizer state and gradients",
+    3: "the optimizer state, gradients and parameters (gathered per unit ahead of use)",
+}
 PRECISION = {
     "fp32": "fp32",
     "bf16": "bf16 (float32 master weights)",

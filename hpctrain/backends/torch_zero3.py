@@ -1,0 +1,280 @@
+"""ZeRO-3 for the torch backend: each rank keeps 1/N of every dense parameter.
+
+The model's layers are grouped into units (exchange/zero.py `unit_plan`, sized by
+`train.zero_unit_mb`); a unit's parameters are views of one flat tensor whose storage
+exists only while the unit runs: a forward pre-hook gathers it (or waits for its
+prefetch) and starts the next unit's gather; a forward hook frees it again and puts a
+hook on the unit's output, which fires when backward reaches the unit, gathers it once
+more and prefetches the unit before it. Each parameter's gradient is copied out by a
+post-accumulate-grad hook; when a unit's last gradient is in, the unit is freed and its
+gradient reduce-scattered (in a fixed order on every rank, as stage 2). The optimizer
+holds one flat parameter, this rank's shard, and steps on it alone; nothing is
+gathered after the step: the next forward gathers what it uses.
+
+Freeing is `untyped_storage().resize_(0)` (as torch's FSDP does): the parameters, their
+views and whatever autograd saved keep their storage object, so the gathered values are
+seen again once it is resized and refilled. MPI writes through a numpy view, which does
+not bump autograd's version counters.
+
+Activation checkpointing composes: a recomputed unit's forward (inside backward) finds
+its parameters gathered and does not free them.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from functools import partial
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten
+
+from ..errors import ConfigError
+from ..exchange.zero import ZeroPartition, unit_plan
+from ..exchange.zero3 import UnitGather
+from .torch_zero import ShardedOptimizerState
+
+
+def _host_view(t: torch.Tensor) -> np.ndarray:
+    """A numpy view of a CPU float32 tensor that leaves its storage resizable
+    (`tensor.numpy()` would pin it); valid until the storage is resized."""
+    return np.ctypeslib.as_array((ctypes.c_float * t.numel()).from_address(t.data_ptr()))
+
+
+def unit_modules(model: nn.Module) -> list[nn.Module]:
+    """The model's layers in forward order: a zoo model's sequence, or a user model's
+    children in registration order."""
+    return list(model.seq) if hasattr(model, "seq") else list(model.children())
+
+
+def _module_params(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]]:
+    """Indices (into `params`) of the parameters of each unit module; every parameter in
+    exactly one module, or a ConfigError that says why ZeRO-3 cannot shard the model."""
+    index = {id(p): i for i, p in enumerate(params)}
+    owner: dict[int, int] = {}
+    out = []
+    for m, module in enumerate(unit_modules(model)):
+        mine = []
+        for p in module.parameters():
+            i = index.get(id(p))
+            if i is None:
+                continue  # an expert: not partitioned
+            if i in owner:
+                raise ConfigError(
+                    "train.zero=3 gathers parameters per layer; a parameter is shared by "
+                    "two layers (tied weights): use train.zero=2"
+                )
+            owner[i] = m
+            mine.append(i)
+        out.append(sorted(mine))
+    names = {id(p): n for n, p in model.named_parameters()}
+    lost = [names[id(p)] for i, p in enumerate(params) if i not in owner]
+    if lost:
+        raise ConfigError(
+            f"train.zero=3 gathers parameters per child module of the model; {lost[0]} is "
+            "registered on the model itself: move it into a layer, or use train.zero=2"
+        )
+    return out
+
+
+class TorchZero3(ShardedOptimizerState):
+    def __init__(
+        self,
+        world,
+        model: nn.Module,
+        params: list[nn.Parameter],
+        unit_bytes: int,
+        make_opt,
+        prefetch: bool = True,
+    ):
+        modules = unit_modules(model)
+        module_params = _module_params(model, params)
+        sizes = [p.numel() for p in params]
+        groups = unit_plan(module_params, sizes, unit_bytes)
+        units = [sorted(i for m in g for i in module_params[m]) for g in groups]
+        self.part = part = ZeroPartition(world, sizes, 3, 0, units=units)
+        self.params = params
+        self.shard = nn.Parameter(torch.zeros(part.shard_len))
+        self._full = [torch.zeros(seg.padded) for seg in part.segments]
+        self._shard_np = self.shard.detach().numpy()
+        with torch.no_grad():
+            for u, seg in enumerate(part.segments):
+                flat = self._full[u]
+                for i in seg.params:
+                    at = part.offsets[i] - seg.start
+                    view = flat[at : at + sizes[i]].view_as(params[i])
+                    view.copy_(params[i].detach())
+                    params[i].data = view
+                if world is not None and world.size > 1:  # rank 0's weights everywhere
+                    world.bcast_inplace(_host_view(flat), what=f"ZeRO-3 broadcast unit {u}")
+                k = seg.piece(part.n)
+                lo = part.rank * k
+                part.shard_view(self._shard_np, u)[:] = _host_view(flat)[lo : lo + k]
+        self.gather = UnitGather(part, self._shard_np, self._alloc, self._free, prefetch)
+        for u in range(len(part.segments)):
+            self._free(u)
+        self.optimizer = make_opt([self.shard])
+        self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
+        self.grad_bytes_peak = 0
+        self.gathered_peak = 0
+        self._open: dict[int, np.ndarray] = {}  # unit -> its gradient, while it fills
+        self._order = list(reversed(range(len(part.segments))))  # backward's order
+        self._in_backward = False
+        self._live = False
+        self._arm()
+        for u, group in enumerate(groups):
+            first, last = modules[group[0]], modules[group[-1]]
+            first.register_forward_pre_hook(partial(self._before_forward, u))
+            last.register_forward_hook(partial(self._after_forward, u))
+        for i, p in enumerate(params):
+            p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+
+    # --- storage -----------------------------------------------------------------------
+    def _alloc(self, u: int) -> np.ndarray:
+        flat = self._full[u]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        self.gathered_peak = max(self.gathered_peak, self.gather_live_bytes(extra=u))
+        return _host_view(flat)
+
+    def _free(self, u: int) -> None:
+        self._full[u].untyped_storage().resize_(0)
+
+    def gather_live_bytes(self, extra: int | None = None) -> int:
+        live = set(self.gather.live) if hasattr(self, "gather") else set()
+        if extra is not None:
+            live.add(extra)
+        return sum(self._full[u].numel() * 4 for u in live)
+
+    # --- the hooks -----------------------------------------------------------------------
+    def _before_forward(self, u: int, module, args) -> None:
+        self.gather.need(u)
+        self.gather.prefetch(u + 1 if u + 1 < len(self._full) else None)
+
+    def _after_forward(self, u: int, module, args, output) -> None:
+        if self._in_backward:  # a recomputed unit (activation checkpointing)
+            return
+        training = torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters())
+        if training:
+            for t in tree_flatten(output)[0]:
+                if torch.is_tensor(t) and t.requires_grad:
+                    t.register_hook(partial(self._before_backward, u))
+            if u == len(self._full) - 1:
+                return  # backward starts here: keep it
+        self.gather.release(u)
+
+    def _before_backward(self, u: int, grad) -> None:
+        self._in_backward = True
+        self.gather.need(u)
+        self.gather.prefetch(u - 1 if u > 0 else None)
+
+    @torch.no_grad()
+    def _grad_ready(self, index: int, param) -> None:
+        if not self._live:
+            return
+        part = self.part
+        u = part.segment_of[index]
+        seg = part.segments[u]
+        if u not in self._open:
+            self._open[u] = np.zeros(seg.padded, dtype=np.float32)
+        at = part.offsets[index] - seg.start
+        self._open[u][at : at + part.sizes[index]] = param.grad.detach().reshape(-1).numpy()
+        held = sum(b.nbytes for b in self._open.values()) + param.grad.numel() * 4
+        self.grad_bytes_peak = max(self.grad_bytes_peak, held + self.shard_grad.nbytes)
+        param.grad = None  # only the shard of the gradient outlives backward
+        self._left[u] -= 1
+        if self._left[u] == 0:
+            self.gather.release(u)  # its backward is over
+        self._reduce_finished()
+
+    def _reduce_finished(self) -> None:
+        while self._next < len(self._order) and self._left[self._order[self._next]] == 0:
+            u = self._order[self._next]
+            buf = self._open.pop(u, None)
+            if buf is None:  # no gradient reached this unit: it contributes zeros
+                buf = np.zeros(self.part.segments[u].padded, dtype=np.float32)
+            self.part.reduce_segment(u, buf, self.shard_grad)
+            self._next += 1
+
+    def _arm(self) -> None:
+        self._left = [len(seg.params) for seg in self.part.segments]
+        self._next = 0
+
+    # --- a step (the same calls as TorchZero) ------------------------------------------
+    def begin_step(self) -> None:
+        self.shard_grad[:] = 0.0
+        self.grad_bytes_peak = self.shard_grad.nbytes
+        self.gathered_peak = self.gather_live_bytes()
+        for p in self.params:
+            p.grad = None
+        self._arm()
+        self._live = True
+
+    def end_backward(self) -> None:
+        """After each micro-batch's backward: parameters that got no gradient count as
+        zeros; every unit is reduced, in the same order on every rank, and freed."""
+        self._left = [0] * len(self._left)
+        self._reduce_finished()
+        self.gather.release_all()
+        self._in_backward = False
+        self._arm()
+
+    def reduce(self) -> None:
+        """Everything was reduced during backward (end_backward)."""
+        self._live = False
+
+    def clip(self, max_norm: float, split=None, extra_sq: float = 0.0) -> float:
+        return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
+
+    def step(self) -> None:
+        self.shard.grad = torch.from_numpy(self.shard_grad)
+        self.optimizer.step()
+        self.gather.release_all()  # an evaluation's gathers, if one ran; none is live
+
+    def sync_shard(self) -> None:
+        """Nothing to do: the shard is the parameters (ZeRO-1/2 re-read it from them)."""
+
+    # --- the whole parameters, for state ---------------------------------------------
+    def all_params(self) -> list[np.ndarray]:
+        """Every dense parameter, whole, on every rank (collective, one unit at a time:
+        Psi bytes of copies; checkpoints use `root_params` or `param_pieces`)."""
+        out: list[np.ndarray | None] = [None] * len(self.params)
+        for u, seg in enumerate(self.part.segments):
+            was_live = u in self.gather.live
+            self.gather.need(u)
+            for i in seg.params:
+                out[i] = self.params[i].detach().clone().numpy()
+            if not was_live:
+                self.gather.release(u)
+        return out
+
+    def root_params(self) -> list[np.ndarray] | None:
+        """Every dense parameter on rank 0 (None elsewhere): one gather of the shards."""
+        full = self.part.gather_full(self._shard_np, "ZeRO-3 checkpoint: gather parameters")
+        if full is None:
+            return None
+        return [
+            v.reshape(tuple(p.shape)).copy()
+            for v, p in zip(self.part.views(full), self.params, strict=True)
+        ]
+
+    def param_pieces(self, names: list[str]) -> dict:
+        """This rank's own part of every `model/<name>` (no communication)."""
+        shapes = [tuple(p.shape) for p in self.params]
+        return self.part.owned_pieces(self._shard_np, [f"model/{n}" for n in names], shapes)
+
+    def load_params(self, arrays: list[np.ndarray]) -> None:
+        """The shard from whole parameters (every rank holds them: a load)."""
+        self.gather.release_all()
+        self._shard_np[:] = self.part.shard_of(self.part.flatten(arrays))
+
+    # --- memory ----------------------------------------------------------------------------
+    def memory(self, slots: int) -> dict[str, float]:
+        return {
+            "mem_param_bytes": float(self.part.shard_len * 4 + self.gathered_peak),
+            "mem_grad_bytes": float(self.grad_bytes_peak),
+            "mem_optimizer_bytes": self.optimizer_bytes(),
+            "zero_gathered_peak_bytes": float(self.gathered_peak),
+            "zero_gather_wait_s": float(self.gather.waited),
+            **self.part.expected_bytes(slots),
+        }
