@@ -90,3 +90,20 @@ def test_tensor_parallelism_composes_with_the_pipeline_and_names_what_it_does_no
         Config.load(
             None, [*tp, "strategy=pipeline", "model.d_model=33", "model.n_heads=3", "model.d_ff=63"]
         )
+
+
+def test_zero3_is_refused_in_tensorflow_and_under_the_pipeline():
+    """ZeRO-3 shards parameters on the torch backend under data parallelism only: the
+    tensorflow backend and the pipeline strategy are refused, saying what they do shard."""
+    cfg = Config.load(None, ["train.zero=3", "train.zero_unit_mb=0.5"])
+    assert cfg.train["zero"] == 3 and cfg.train["zero_prefetch"] is True
+    torch_only = "train.zero=3: parameter sharding runs on the torch backend; the tensorflow"
+    with pytest.raises(ConfigError, match=torch_only + " backend shards up to train.zero=2"):
+        Config.load(None, ["train.zero=3", "backend=tensorflow"])
+    with pytest.raises(ConfigError, match="train.zero=3: the pipeline shards with ZeRO-1") as err:
+        Config.load(None, ["train.zero=3", "strategy=pipeline"])
+    assert "DeepSpeed" in str(err.value)
+    with pytest.raises(ConfigError, match="zero_unit_mb"):
+        Config.load(None, ["train.zero=3", "train.zero_unit_mb=0"])
+    with pytest.raises(ConfigError, match="train.zero"):
+        Config.load(None, ["train.zero=4"])

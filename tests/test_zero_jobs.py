@@ -9,8 +9,10 @@ import shutil
 
 import numpy as np
 import pytest
-from test_resume_jobs import _run, _step_losses
-from test_trainer_jobs import _assert_same_weights, _train, share, shared_run
+from test_resume_jobs import BASE, _run, _step_losses
+from test_trainer_jobs import _assert_same_weights, _train, _train_many, share, shared_run
+
+from hpctrain.checkpoint import list_checkpoints, load
 
 COMMON = ["train.max_steps=5", "model.hidden=[64, 32]", "train.batch_size=8"]
 TORTURE = [
@@ -63,10 +65,30 @@ def test_zero_equals_plain_data_parallel(tmp_path_factory, backend, np_, optimiz
     # Reduce-scatter + allgather: what a ring allreduce sends, 2 (N-1)/N of the vector;
     # stage 2 reduce-scatters every micro-batch (grad_accum=2): 3 (N-1)/N.
     if stage == 3:
-        return  # test_zero3_gathers_each_unit_ahead_of_use counts its traffic
+        _assert_zero3_step_traffic(steps, zero, np_)
+        return
     psi = steps[-1]["zero_model_param_bytes"]
     times = 2 if stage == 1 else 3
     assert steps[-1]["comm_bytes"] == pytest.approx(times * (np_ - 1) / np_ * psi, rel=0.01)
+
+
+def _assert_zero3_step_traffic(steps, weights, np_):
+    """ZeRO-3 with one layer per unit (MLP 32 -> 64 -> 32 -> 10): per micro-batch,
+    forward gathers every unit, backward every unit but the last (still gathered from
+    forward), and each unit's gradient is reduce-scattered once; each of these sends
+    (N-1) pieces of the unit. So a step sends grad_accum x (N-1) x (3 x shard - the
+    last unit's piece), whatever the prefetch does (it only starts gathers earlier)."""
+    layers = {}
+    for name, w in weights.items():
+        layer = name.rsplit(".", 1)[0]
+        layers[layer] = layers.get(layer, 0) + w.size
+    assert list(layers) == ["fc1", "fc2", "head"], list(layers)
+    pieces = [-(-size // np_) * 4 for size in layers.values()]  # a unit padded to N
+    shard = sum(pieces)
+    accum = 2  # TORTURE's train.grad_accum
+    for x in steps:
+        assert x["zero_model_grad_bytes"] == shard, x  # the gradient's shard
+        assert x["comm_bytes"] == accum * (np_ - 1) * (3 * shard - pieces[-1]), x
 
 
 @pytest.mark.parametrize("backend", ["torch"])
@@ -152,6 +174,158 @@ def test_zero_checkpoint_resumes_as_plain_at_another_size_and_in_the_other_backe
             np.testing.assert_allclose(
                 results[name][k], results["ref"][k], atol=1e-5, err_msg=f"{name}: {k}"
             )
+
+
+ZERO3_JOB = [  # a resume test's ZeRO-3 run: Adam over three units, one per layer
+    *BASE,
+    "backend=torch",
+    "model.hidden=[64, 32]",
+    "optimizer.name=adam",
+    "optimizer.lr=0.003",
+    "train.allreduce=mpi",
+]
+ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
+
+
+def _model_ranges(commit) -> dict:
+    """{shard file: {model/<name>: (first element, elements, tensor's elements)}} of a
+    sharded checkpoint's table: the parameter ranges each rank wrote."""
+    import h5py
+
+    with h5py.File(commit, "r") as f:
+        table = json.loads(f["manifest"][()].tobytes())["shards"]
+    return {
+        r["file"]: {
+            n: (p[2], p[3], int(np.prod(p[1])))
+            for n, p in r["pieces"].items()
+            if n.startswith("model/")
+        }
+        for r in table["files"]
+    }
+
+
+def _assert_ranges_cover_once(ranges: dict, names) -> None:
+    """Every `model/<name>` in `names` is cut into ranges that cover it exactly once."""
+    for name in names:
+        parts = sorted((r[name][0], r[name][1]) for r in ranges.values() if name in r)
+        size = next(r[name][2] for r in ranges.values() if name in r)
+        ends = [0] + [first + count for first, count in parts]
+        assert [first for first, _ in parts] == ends[:-1] and ends[-1] == size, (name, parts)
+
+
+def test_zero3_interrupted_run_resumes_bit_for_bit_from_sharded_and_async_checkpoints(tmp_path):
+    """ZeRO-3 at np 2 (three units, Adam): a run stopped at step 20 resumes from its
+    sharded checkpoint, where each rank wrote the parameter ranges it owns, and another
+    run's step-20 checkpoint written in the background (checkpoint.async: one file from
+    rank 0, gathered by the collective export) resumes too; both end bit for bit where
+    the uninterrupted run ended, every step's loss identical. Every step reports the
+    same comm_bytes, also the first after the epoch-end evaluation (whose gathers are
+    not a step's)."""
+    job = [*ZERO3_JOB, *ZERO3]
+    first = _train_many(
+        tmp_path,
+        2,
+        {
+            "ref": job,  # 2 epochs x 640 / (16 x 2): 40 steps, checkpoints every 10
+            "part1": [*job, "train.max_steps=20"],
+            "async": [*job, "checkpoint.async=true"],
+        },
+    )
+    ref, ref_dir = first["ref"][0], tmp_path / "ref.npz.run"
+    ckpts = tmp_path / "part1.npz.run" / "checkpoints"
+    # the default sharded save: each rank wrote its own ranges of the parameters
+    ranges = _model_ranges(ckpts / "ckpt-00000020.h5")
+    assert sorted(ranges) == ["shard-00000-of-00002.h5", "shard-00001-of-00002.h5"], ranges
+    for file, pieces in ranges.items():
+        assert any(count < size for _, count, size in pieces.values()), (file, pieces)
+    _assert_ranges_cover_once(ranges, [f"model/{k}" for k in ref])
+    # async: one file per save, from rank 0 (a collective gathered it), and the run
+    # itself trained as the synchronous one did
+    async_ckpts = tmp_path / "async.npz.run" / "checkpoints"
+    assert [s for s, _ in list_checkpoints(async_ckpts)] == [10, 20, 30, 40]
+    assert not list(async_ckpts.glob("*.shards"))
+    for k in ref:
+        np.testing.assert_array_equal(first["async"][0][k], ref[k], err_msg=k)
+    again = _train_many(
+        tmp_path,
+        2,
+        {
+            "resumed": [*job, f"checkpoint.resume={ckpts / 'ckpt-00000020.h5'}"],
+            "from-async": [*job, f"checkpoint.resume={async_ckpts / 'ckpt-00000020.h5'}"],
+        },
+    )
+    ref_losses = _step_losses(ref_dir)
+    assert sorted(ref_losses) == list(range(1, 41))
+    # every step sends the same bytes: step 21's exclude the epoch-end evaluation's gathers
+    sent = {x["step"]: x["comm_bytes"] for x in _metrics(ref_dir) if x["event"] == "step"}
+    assert set(sent.values()) == {sent[1]}, sent
+    for name, (final, _) in again.items():
+        for k in ref:
+            np.testing.assert_array_equal(final[k], ref[k], err_msg=f"{name}: {k}")
+        losses = _step_losses(tmp_path / f"{name}.npz.run")
+        assert sorted(losses) == list(range(21, 41)), name
+        assert all(losses[s] == ref_losses[s] for s in losses), name
+
+
+def test_zero3_checkpoints_resume_at_other_sizes_and_stages(tmp_path):
+    """ZeRO-3 at np 4 checkpoints at step 5, sharded (each rank its parameter ranges)
+    and as one file (checkpoint.sharded=false: gathered onto rank 0); the two files
+    hold the same state. The sharded one continues as ZeRO-2 at np 2 and as one plain
+    process, the single file as ZeRO-3 at np 2; a ZeRO-1 (np 4) and a plain one-process
+    checkpoint continue as ZeRO-3 at np 2. All equal one process doing the same math
+    from the start (global batch 32 for 5 steps, then 16)."""
+    job = [*ZERO3_JOB, "train.max_steps=5"]
+    _train_many(
+        tmp_path,
+        4,
+        {
+            "zero3": [*job, *ZERO3, "train.batch_size=8"],
+            "zero3-onefile": [*job, *ZERO3, "train.batch_size=8", "checkpoint.sharded=false"],
+            "zero1": [*job, "train.zero=1", "train.batch_size=8"],
+        },
+    )
+
+    def ckpt(name):
+        return tmp_path / f"{name}.npz.run" / "checkpoints" / "ckpt-00000005.h5"
+
+    ranges = _model_ranges(ckpt("zero3"))
+    assert sorted(ranges) == [f"shard-{r:05d}-of-00004.h5" for r in range(4)], ranges
+    assert all(ranges.values()), ranges  # every rank wrote parameter ranges
+    onefile = tmp_path / "zero3-onefile.npz.run" / "checkpoints"
+    assert not list(onefile.glob("*.shards"))
+    sharded, whole = load(ckpt("zero3")).state, load(ckpt("zero3-onefile")).state
+    assert sharded.keys() == whole.keys() and any(k.startswith("optimizer/exp_avg/") for k in whole)
+    for k in whole:
+        np.testing.assert_array_equal(sharded[k], whole[k], err_msg=k)
+
+    def then(source, *overrides):
+        return [*ZERO3_JOB, "train.epochs=1", f"checkpoint.resume={ckpt(source)}", *overrides]
+
+    one = _train_many(
+        tmp_path,
+        1,
+        {
+            "ref-a": [*job, "train.batch_size=32"],
+            "ref": then("ref-a", "train.batch_size=16"),
+            "zero3-then-np1": then("zero3", "train.batch_size=16"),
+        },
+    )
+    two = _train_many(
+        tmp_path,
+        2,
+        {
+            "zero3-then-zero2": then("zero3", "train.batch_size=8", "train.zero=2"),
+            "onefile-then-zero3": then("zero3-onefile", "train.batch_size=8", *ZERO3),
+            "zero1-then-zero3": then("zero1", "train.batch_size=8", *ZERO3),
+            "plain-then-zero3": then("ref-a", "train.batch_size=8", *ZERO3),
+        },
+    )
+    ref = one["ref"][0]
+    for name, (weights, _) in [*two.items(), ("zero3-then-np1", one["zero3-then-np1"])]:
+        # the data position carried over: 5 x 32 samples done, the rest in steps of 16
+        assert sorted(_step_losses(tmp_path / f"{name}.npz.run")) == list(range(6, 36)), name
+        for k in ref:
+            np.testing.assert_allclose(weights[k], ref[k], atol=1e-5, err_msg=f"{name}: {k}")
 
 
 def test_zero_refuses_what_it_cannot_shard(tmp_path):

@@ -51,3 +51,14 @@ def versions(name: str) -> dict[str, str]:
     except ImportError:  # a GPU node's Python without Horovod (the nccl/mpi engines)
         hvd = "not installed"
     return {"framework": f"{name} {framework.__version__}", "horovod": hvd}
+
+
+def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int):
+    """The memory plan of a data-parallel rank before its model exists: (terms,
+    baseline bytes), or None where the backend cannot plan it without building it (the
+    TensorFlow backend, a user's model): then the check runs after the build."""
+    if cfg.backend != "torch":
+        return None
+    from .torch_plan import plan_before_build as torch_plan
+
+    return torch_plan(cfg, inp, groups, n, threads, rank)

@@ -21,6 +21,7 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
+from ..runtime import allocator
 from . import gradient_engine, step, torch_moe, torch_tensor
 from .base import (
     BackendBase,
@@ -34,7 +35,7 @@ from .torch_device import (
     agreed_device,
     to_host,
 )
-from .torch_model import ZooNet, _Layer, build_model  # noqa: F401 - importable from here
+from .torch_model import ZooNet, _Layer, build_model, init_stream  # noqa: F401
 from .torch_probe import gpu_of_rank, probe  # noqa: F401 - doctor asks the backend module
 from .torch_state import TorchStateMixin
 from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, tests)
@@ -46,6 +47,7 @@ from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, 
     make_loss_scaler,
     make_optimizer,
     prepare_process,
+    resident_baseline,
     rng_state,
     set_rng_state,
 )
@@ -70,7 +72,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
-        model = build_agreed(world, lambda: build_model(cfg.model, inp, seed, groups))
+        self.rss_before_model = resident_baseline(cfg.optimizer)  # the memory plan's
+        # ZeRO-3 builds a zoo model without memory and fills it a unit at a time
+        self._lazy = cfg.train["zero"] == 3 and zoo.is_zoo_model(cfg.model["name"])
+        model = build_agreed(
+            world, lambda: build_model(cfg.model, inp, seed, groups, lazy=self._lazy)
+        )
         self.model = model.to(self.device)  # canonical weights built on the host, then moved
         self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
@@ -88,6 +95,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.clip = cfg.train["clip_norm"]
         self.tokens = inp.tokens
         self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
+        allocator.give_back_freed()  # construction's temporaries: resident only if held
 
     def _make_optimizer(self, dense: list, hvd_comm):
         """The optimizer of the dense parameters: this rank's ZeRO shard or all of them,
@@ -102,6 +110,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
                 int(cfg.train["zero_unit_mb"] * 2**20),
                 partial(make_optimizer, cfg.optimizer),
                 prefetch=cfg.train["zero_prefetch"],
+                init=self._init_stream() if self._lazy else None,
             )
             opt = self.zero.optimizer
         elif cfg.train["zero"]:
@@ -131,6 +140,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
             backward_passes_per_step=self.accum,
             op=hvd.Average,
         )
+
+    def _init_stream(self):
+        """The canonical initial values of this rank's tensors (a lazily built model)."""
+        keys = set(self.model.state_dict())
+        seed = self.cfg.train["seed"]
+        return init_stream(self.cfg.model, self.inp, seed, self.groups, keys)
 
     def _make_exchange(self) -> None:
         """The engine's gradient buffer (`_flat`): the ZeRO partition, a reducer, a

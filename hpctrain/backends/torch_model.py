@@ -49,15 +49,23 @@ def _causal_attention(qkv, heads: int):
     return (att @ v).transpose(1, 2).reshape(n, t, width)
 
 
+def _unallocated(shape) -> torch.Tensor:
+    """A float32 CPU tensor of `shape` without memory (storage resized to 0): ZeRO-3
+    points it into a unit's buffer before it is used."""
+    t = torch.empty(shape)  # pages never touched: nothing resident
+    t.untyped_storage().resize_(0)
+    return t
+
+
 class _Layer(nn.Module):
-    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None):
+    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None, lazy=False):
         super().__init__()
         self.spec = spec
         self.groups = groups or ModelGroups()  # tensor axis and experts of this model
         self.p: dict[str, torch.Tensor] = {}
         for name, shape in spec.params.items():
             holder, leaf = self._holder(name)
-            param = nn.Parameter(torch.zeros(shape))
+            param = nn.Parameter(_unallocated(shape) if lazy else torch.zeros(shape))
             holder.register_parameter(leaf, param)
             self.p[name] = param
         for name, shape in spec.buffers.items():
@@ -158,11 +166,11 @@ class _Layer(nn.Module):
 class ZooNet(nn.Module):
     """A zoo model: the layers in order, parameters under their canonical names."""
 
-    def __init__(self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None):
+    def __init__(self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None, lazy=False):
         super().__init__()
         self.seq = []
         for spec in layers:
-            layer = _Layer(spec, groups)
+            layer = _Layer(spec, groups, lazy)
             if "." in spec.name:
                 parent, leaf = spec.name.rsplit(".", 1)
                 _child(self, parent).add_module(leaf, layer)
@@ -182,31 +190,44 @@ class ZooNet(nn.Module):
 
 
 def build_model(
-    model_cfg: dict, inp: zoo.InputSpec, seed: int, groups: ModelGroups | None = None
+    model_cfg: dict,
+    inp: zoo.InputSpec,
+    seed: int,
+    groups: ModelGroups | None = None,
+    lazy: bool = False,
 ) -> nn.Module:
     """A zoo model with the canonical initial weights, or the user's own nn.Module.
-    `groups`: the tensor axis and expert group from the process grid (none: one rank)."""
+    `groups`: the tensor axis and expert group from the process grid (none: one rank).
+    `lazy` (zoo models, ZeRO-3): parameters without memory and no initial values; the
+    caller fills them from `init_stream`, one unit at a time."""
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         groups = groups or ModelGroups()
         layers = zoo.build_layers(model_cfg, inp)
-        tp = groups.tensor  # this rank's shard of each split layer
         mine_layers = local_layers(layers, seed, groups.experts)
-        model = ZooNet(tensor_parallel.local_layers(mine_layers, tp.size), groups)
-        # Initial values of all experts (the same at any world size), one tensor at a
-        # time; this rank keeps its experts (MoE) and its tensor-parallel pieces.
+        model = ZooNet(tensor_parallel.local_layers(mine_layers, groups.tensor.size), groups, lazy)
+        if lazy:
+            return model
         mine = model.state_dict(keep_vars=True)
         unset = set(mine)
         with torch.no_grad():
-            for key, value in zoo.iter_init_weights(layers, seed):
-                if key in mine:
-                    part = tensor_parallel.shard(key, value, tp.size, tp.rank)
-                    mine[key].copy_(torch.from_numpy(part))
-                    unset.discard(key)
-                del value
+            for key, part in init_stream(model_cfg, inp, seed, groups, set(mine)):
+                mine[key].copy_(torch.from_numpy(part))
+                unset.discard(key)
         if unset:  # a zoo layer whose tensors the canonical specs do not name: a bug
             raise RuntimeError(f"no initial value for {sorted(unset)[:3]}")
         return model
     from .torch_user import build_user_model  # import, call, one checked forward pass
 
     return build_user_model(model_cfg, inp, seed)
+
+
+def init_stream(model_cfg: dict, inp: zoo.InputSpec, seed: int, groups: ModelGroups, keys):
+    """(name, this rank's initial value) of a zoo model's tensors in `keys`, one tensor
+    at a time: the initial values of all experts (the same at any world size), of which
+    this rank keeps its own, and its tensor-parallel piece of each split tensor."""
+    tp = groups.tensor
+    for key, value in zoo.iter_init_weights(zoo.build_layers(model_cfg, inp), seed):
+        if key in keys:
+            yield key, tensor_parallel.shard(key, value, tp.size, tp.rank)
+        del value

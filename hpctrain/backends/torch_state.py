@@ -65,6 +65,7 @@ class TorchStateMixin:
                 "mem_optimizer_bytes": float(opt),
             }
         out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
+        out["mem_rss_before_model_bytes"] = float(self.rss_before_model)
         out.update(memory_figures(self.device))  # the CUDA allocator's peaks on a GPU rank
         return out
 
@@ -159,9 +160,13 @@ class TorchStateMixin:
             return self.get_weights()
         out = OrderedDict((k, v.copy()) for k, v in self._unsharded_weights().items())
         full = self.zero.root_params()
-        if full is not None:
-            out.update(zip(self.dense_names(), full, strict=True))
-        return out
+        if full is None:
+            return out  # not rank 0 (of the data ranks): its result is not saved
+        gathered = dict(zip(self.dense_names(), full, strict=True))
+        # in the model's order, as every other export (buffers among the parameters)
+        return OrderedDict(
+            (k, out[k] if k in out else gathered[k]) for k in self.model.state_dict()
+        )
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:
         self.set_weights(model_part(state))  # waits for an async save's copy first

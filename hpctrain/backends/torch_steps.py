@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..runtime.memory import current_rss_bytes
 from .base import OPTIMIZER_SLOTS, EvalStats
 from .torch_device import from_host, to_host
 
@@ -147,6 +148,14 @@ def set_rng_state(state: dict[str, np.ndarray]) -> None:
         torch.set_rng_state(torch.from_numpy(np.asarray(state["torch"], dtype=np.uint8)))
     if "torch_cuda" in state and torch.cuda.is_available() and torch.cuda.is_initialized():
         torch.cuda.set_rng_state(torch.from_numpy(np.asarray(state["torch_cuda"], np.uint8)))
+
+
+def resident_baseline(optimizer_cfg: dict) -> int:
+    """This process's resident bytes before any model tensor, once the code a step
+    loads is loaded: torch's optimizers import ~70 MiB of modules at their first
+    construction, which is no model's memory (the memory plan's baseline)."""
+    make_optimizer(optimizer_cfg, [nn.Parameter(torch.zeros(1))])
+    return current_rss_bytes()
 
 
 def backward_mean_loss(

@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import ConfigError
 from ..exchange.zero import ZeroPartition, unit_plan
 from ..exchange.zero3 import UnitGather
+from .torch_model import _unallocated
 from .torch_zero import ShardedOptimizerState
 
 
@@ -87,7 +88,12 @@ class TorchZero3(ShardedOptimizerState):
         unit_bytes: int,
         make_opt,
         prefetch: bool = True,
+        init=None,
     ):
+        """`init`: (name, initial value) of every tensor of a model built lazily
+        (torch_model.init_stream): each unit is filled, sharded and freed in turn, so a
+        rank never holds more than one unit of the whole model. Without it the model's
+        own parameters are taken, rank 0's broadcast."""
         modules = unit_modules(model)
         module_params = _module_params(model, params)
         sizes = [p.numel() for p in params]
@@ -96,24 +102,14 @@ class TorchZero3(ShardedOptimizerState):
         self.part = part = ZeroPartition(world, sizes, 3, 0, units=units)
         self.params = params
         self.shard = nn.Parameter(torch.zeros(part.shard_len))
-        self._full = [torch.zeros(seg.padded) for seg in part.segments]
         self._shard_np = self.shard.detach().numpy()
+        self._full = [_unallocated((seg.padded,)) for seg in part.segments]
         with torch.no_grad():
-            for u, seg in enumerate(part.segments):
-                flat = self._full[u]
-                for i in seg.params:
-                    at = part.offsets[i] - seg.start
-                    view = flat[at : at + sizes[i]].view_as(params[i])
-                    view.copy_(params[i].detach())
-                    params[i].data = view
-                if world is not None and world.size > 1:  # rank 0's weights everywhere
-                    world.bcast_inplace(_host_view(flat), what=f"ZeRO-3 broadcast unit {u}")
-                k = seg.piece(part.n)
-                lo = part.rank * k
-                part.shard_view(self._shard_np, u)[:] = _host_view(flat)[lo : lo + k]
+            if init is None:
+                self._take_params(world)
+            else:
+                self._fill(model, init)
         self.gather = UnitGather(part, self._shard_np, self._alloc, self._free, prefetch)
-        for u in range(len(part.segments)):
-            self._free(u)
         self.optimizer = make_opt([self.shard])
         self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
         self.grad_bytes_peak = 0
@@ -129,6 +125,68 @@ class TorchZero3(ShardedOptimizerState):
             last.register_forward_hook(partial(self._after_forward, u))
         for i, p in enumerate(params):
             p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+
+    # --- construction: the shard from whole units, one unit at a time ------------------
+    def _view(self, i: int) -> torch.Tensor:
+        part = self.part
+        seg = part.segments[part.segment_of[i]]
+        at = part.offsets[i] - seg.start
+        return self._full[part.segment_of[i]][at : at + part.sizes[i]].view_as(self.params[i])
+
+    def _open_unit(self, u: int) -> torch.Tensor:
+        flat = self._full[u]
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        return flat.zero_()  # the padding stays zero
+
+    def _close_unit(self, u: int) -> None:
+        """This rank's piece of unit u into the shard; the unit's memory freed."""
+        part = self.part
+        k = part.segments[u].piece(part.n)
+        lo = part.rank * k
+        part.shard_view(self._shard_np, u)[:] = _host_view(self._full[u])[lo : lo + k]
+        self._free(u)
+
+    def _take_params(self, world) -> None:
+        for u, seg in enumerate(self.part.segments):
+            flat = self._open_unit(u)
+            for i in seg.params:
+                view = self._view(i)
+                view.copy_(self.params[i].detach())
+                self.params[i].data = view
+            if world is not None and world.size > 1:  # rank 0's weights everywhere
+                world.bcast_inplace(_host_view(flat), what=f"ZeRO-3 broadcast unit {u}")
+            self._close_unit(u)
+
+    def _fill(self, model: nn.Module, init) -> None:
+        """Fill a lazily built model from `init` (canonical values, the same on every
+        rank): dense parameters unit by unit into the shard, the rest in place."""
+        part = self.part
+        index = {n: i for i, (n, p) in enumerate(self._named(model))}
+        others = {k: v for k, v in model.state_dict(keep_vars=True).items() if k not in index}
+        left = [len(seg.params) for seg in part.segments]
+        for key, value in init:
+            i = index.get(key)
+            if i is None:  # a buffer or an expert: allocated here if it was built lazily
+                t = others.pop(key)
+                if t.untyped_storage().nbytes() == 0:
+                    t.data = torch.zeros(t.shape)
+                t.copy_(torch.from_numpy(value))
+                continue
+            u = part.segment_of[i]
+            if left[u] == len(part.segments[u].params):
+                self._open_unit(u)
+            view = self._view(i)
+            view.copy_(torch.from_numpy(value).reshape(view.shape))
+            self.params[i].data = view
+            left[u] -= 1
+            if left[u] == 0:
+                self._close_unit(u)
+        if any(left) or others:  # a zoo layer the canonical specs do not name: a bug
+            raise RuntimeError(f"no initial value for {sorted(others)[:3] or 'a parameter'}")
+
+    def _named(self, model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+        names = {id(p): n for n, p in model.named_parameters()}
+        return [(names[id(p)], p) for p in self.params]
 
     # --- storage -----------------------------------------------------------------------
     def _alloc(self, u: int) -> np.ndarray:
@@ -205,6 +263,7 @@ class TorchZero3(ShardedOptimizerState):
         self.shard_grad[:] = 0.0
         self.grad_bytes_peak = self.shard_grad.nbytes
         self.gathered_peak = self.gather_live_bytes()
+        self.part.take_sent()  # an evaluation's gathers since the last step: not its traffic
         for p in self.params:
             p.grad = None
         self._arm()

@@ -56,3 +56,20 @@ def _apply() -> str:
     if not ok:
         return "mallopt refused the settings: allocator left at its defaults"
     return f"malloc keeps freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim 1 GiB)"
+
+
+def give_back_freed() -> int:
+    """Return the heap's free memory to the kernel now (glibc `malloc_trim(0)`); 1 if
+    any was returned, 0 if none or not glibc.
+
+    Why: building a model frees a model's worth of temporaries (initial values, the
+    replicated parameters ZeRO copies into its flat layout), and `keep_freed_memory`
+    keeps them resident for reuse; a rank's memory after start-up should be what it
+    holds, so the memory plan and the limit check see the real figure. Called once,
+    after the backend is built (the settings still hold for the steps)."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return 0
+    trim.argtypes = [ctypes.c_size_t]
+    return int(trim(0))

@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from ..backends import backend_class, versions
+from ..backends import backend_class, plan_before_build, versions
 from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
@@ -26,7 +26,7 @@ from ..runtime.grid import ProcessGrid
 from ..shape import GridShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
-from .memory_check import check_memory
+from .memory_check import check_memory, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
 
 log = logging.getLogger("hpctrain.memory")
@@ -61,6 +61,15 @@ class DataParallel(StrategyBase):
         replicas = world
         if self.tensor > 1:
             replicas = g.replicas
+        # before any compute, and before the model exists: a clear refusal, not an OOM kill
+        planned = check_memory_plan(
+            cfg,
+            world,
+            lambda: plan_before_build(
+                cfg, self.input_spec, self.groups, replicas.size, threads, world.rank
+            ),
+            log,
+        )
         self.backend = backend_class(cfg.backend)(
             cfg, replicas, self.input_spec, threads, groups=self.groups
         )
@@ -69,7 +78,8 @@ class DataParallel(StrategyBase):
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
-        check_memory(self, log)  # before any compute: a clear refusal, not an OOM kill
+        if not planned:  # a model the backend plans only once it exists
+            check_memory(self, log)
 
     def _start_local_sgd(self, tcfg) -> None:
         b = self.backend

@@ -11,6 +11,7 @@ are not counted: a run within 15% of its limit gets a warning instead of a refus
 
 from __future__ import annotations
 
+from ..exchange.memory_plan import TERMS
 from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
 
 MIB = 1 << 20
@@ -40,19 +41,59 @@ def memory_problem(plan: dict[str, float], resident: int, limit: int, source: st
     return None, None
 
 
+def _limit(cfg, world) -> tuple[int, str] | None:
+    if cfg.runtime["memory_limit_mb"] is not None:
+        return int(cfg.runtime["memory_limit_mb"] * MIB), "runtime.memory_limit_mb"
+    return rank_memory_limit(world.node)
+
+
+def plan_problem(terms: dict[str, float], baseline: int, limit: int, source: str, hints: str):
+    """(refusal or None, warning or None) for a memory plan (exchange/memory_plan.py)
+    against a rank's limit: the peak is the baseline plus every term."""
+    need = baseline + terms["total"]
+    parts = ", ".join(f"{t} {_mib(terms[t])}" for t in TERMS if terms[t])
+    figures = (
+        f"about {_mib(need)} per rank at its peak ({_mib(baseline)} resident before the "
+        f"model + {parts}) against a limit of {_mib(limit)} ({source})"
+    )
+    if need > limit:
+        return f"the model will not fit: training needs {figures}. {hints}", None
+    if need > WARN_FRACTION * limit:
+        return None, f"memory is tight: training needs {figures}"
+    return None, None
+
+
+def check_memory_plan(cfg, world, plan_of, log) -> bool:
+    """Before the model is built (collective): the plan of this rank's configured stage
+    against its limit, errors agreed. `plan_of()`: (terms, baseline) or None where the
+    backend cannot plan the model (then `check_memory` checks after the build). Returns
+    whether the plan was checked."""
+    if not cfg.runtime["memory_check"]:
+        return True
+    found = _limit(cfg, world)
+    planned = plan_of() if found is not None else None
+    error = None
+    if planned is not None:
+        error, warning = plan_problem(*planned, found[0], found[1], _hint_text(cfg))
+        if warning is not None:
+            log.warning(warning)
+    world.agree(error)
+    return found is None or planned is not None
+
+
+def _hint_text(cfg) -> str:
+    return "Shard it: " + ", ".join(_hints(cfg)) + "; or ask for more memory per rank."
+
+
 def check_memory(strategy, log) -> None:
     """Collective over the job: every rank checks its own plan, errors are agreed."""
     cfg, world = strategy.cfg, strategy.world
-    rcfg = cfg.runtime
-    if not rcfg["memory_check"]:
+    if not cfg.runtime["memory_check"]:
         return
-    if rcfg["memory_limit_mb"] is not None:
-        found = (int(rcfg["memory_limit_mb"] * MIB), "runtime.memory_limit_mb")
-    else:
-        found = rank_memory_limit(world.node)
+    found = _limit(cfg, world)
     error = None
     if found is not None:
-        hints = "Shard it: " + ", ".join(_hints(cfg)) + "; or ask for more memory per rank."
+        hints = _hint_text(cfg)
         resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
         error, warning = memory_problem(
             strategy.backend.memory_plan(), resident, found[0], found[1], hints
@@ -68,6 +109,8 @@ def _hints(cfg) -> list[str]:
         hints.append(
             "train.zero=2 (gradients and optimizer state split over the data-parallel ranks)"
         )
+    if cfg.train["zero"] < 3 and cfg.backend == "torch":
+        hints.append("train.zero=3 (the parameters too, gathered a unit of layers at a time)")
     if cfg.model["name"] == "transformer":
         hints.append("parallel.tensor=T (the transformer's layers split over T ranks)")
     hints.append("fewer ranks per node")

@@ -1,0 +1,134 @@
+"""The memory plan: what one rank will hold at its peak, for each ZeRO stage, before any
+memory is allocated (`hpctrain plan-memory`, and the limit check before the model is built).
+
+Terms, per rank, in bytes (float32 training; Psi: the dense parameters a data-parallel
+rank trains, after tensor-parallel splitting; N: the data-parallel ranks; s: optimizer
+slots, 1 SGD with momentum, 2 Adam; MoE experts, local to their rank, are replicated
+state on top):
+
+- parameters: 4 Psi; stages 1 and 2 add the optimizer's own shard, 4 Psi/N; stage 3
+  keeps 4 Psi/N and gathers two units at a time (`gathered`: the running one and the
+  prefetched one, the two largest);
+- gradients: stage 0: 4 Psi in `param.grad` + 4 Psi of the MPI engine's flat buffer;
+  stage 1: 4 Psi (one flat gradient) + 4 Psi/N (the shard's mean); stage 2: 4 Psi/N +
+  the largest segment + the largest gradient being copied; stage 3: 4 Psi/N + the
+  largest unit's gradient + the largest gradient being copied;
+- optimizer state: 4 s Psi (stage 0) or 4 s Psi/N;
+- activations: what autograd saves for backward in one micro-batch (counted by the
+  backend on torch's meta device: no memory, exact shapes);
+- transients, the larger of: the optimizer step's temporaries (torch's foreach Adam
+  makes two shard-sized ones for a flat shard, one model-sized list + one tensor-sized
+  for per-parameter state; SGD one per weight decay) and the exchange's scratch (Open
+  MPI's reduce-scatter allocates about twice the segment it reduces; an in-place
+  allreduce about half the buffer; measured on this machine, Open MPI 4.1);
+- baseline: the process's resident bytes before the model (the interpreter, torch, MPI,
+  the data pipeline), measured by the process itself.
+
+Each term is what the code allocates (exchange/zero.py, backends/torch_zero*.py); the
+test compares the total with the peak RSS a real run reaches (tests/test_memory_plan_jobs.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .zero import stage2_segments, unit_plan
+
+SLOTS = {"sgd": 1, "adam": 2}
+STAGES = (0, 1, 2, 3)
+TERMS = ("parameters", "gathered", "gradients", "optimizer", "activations", "transients")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the plan needs of a model: its dense parameters' elements on this rank
+    (registration order), which of them each layer holds (forward order), the experts'
+    elements and the activations one micro-batch saves for backward (bytes)."""
+
+    sizes: list[int]
+    layers: list[list[int]] = field(default_factory=list)
+    expert_elements: int = 0
+    activation_bytes: int = 0
+
+
+def _padded(elements: int, n: int) -> int:
+    return -(-max(elements, 1) // n) * n
+
+
+def _optimizer_slots(optimizer: dict) -> int:
+    if optimizer["name"] == "sgd" and not optimizer.get("momentum"):
+        return 0
+    return SLOTS[optimizer["name"]]
+
+
+def _step_temporaries(optimizer: dict, stepped: float, largest: float, flat: bool) -> float:
+    """Bytes torch's foreach optimizers allocate during `step()` (see the module doc)."""
+    if optimizer["name"] == "adam":
+        return 2 * stepped if flat else stepped + largest
+    return stepped if optimizer.get("weight_decay") else 0.0
+
+
+def plan_stage(
+    shape: ModelShape,
+    n: int,
+    stage: int,
+    optimizer: dict,
+    unit_bytes: int,
+    bucket_bytes: int,
+) -> dict[str, float]:
+    """The terms of one stage (bytes per rank) and their sum (`total`, no baseline)."""
+    psi = sum(shape.sizes)
+    full, shard = 4.0 * psi, 4.0 * _padded(psi, n) / n
+    largest = 4.0 * max(shape.sizes, default=0)
+    slots = _optimizer_slots(optimizer)
+    experts = 4.0 * shape.expert_elements  # local to this rank: weights, gradients, state
+    gathered = segment = 0.0
+    if stage == 3:
+        layers = shape.layers or [list(range(len(shape.sizes)))]
+        units = [
+            4.0 * _padded(sum(shape.sizes[i] for m in u for i in layers[m]), n)
+            for u in unit_plan(layers, shape.sizes, unit_bytes)
+        ]
+        gathered, segment = sum(sorted(units)[-2:]), max(units)
+    elif stage == 2:
+        segment = max(
+            4.0 * _padded(sum(shape.sizes[i] for i in g), n)
+            for g in stage2_segments(shape.sizes, bucket_bytes)
+        )
+    params = {0: full, 1: full + shard, 2: full + shard, 3: shard}[stage]
+    grads = {0: 2 * full, 1: full + shard, 2: shard + segment, 3: shard + segment}[stage]
+    grads += largest if stage >= 2 else 0.0  # the gradient being copied into its segment
+    opt = slots * (full if stage == 0 else shard)
+    temps = _step_temporaries(optimizer, full if stage == 0 else shard, largest, stage > 0)
+    scratch = {0: full / 2, 1: 2 * full, 2: 2 * segment, 3: 2 * segment}[stage] if n > 1 else 0.0
+    out = {
+        "parameters": params + experts,
+        "gathered": gathered,
+        "gradients": grads + experts,
+        "optimizer": opt + slots * experts,
+        "activations": float(shape.activation_bytes),
+        "transients": max(temps, scratch),
+    }
+    out["total"] = sum(out[t] for t in TERMS)
+    return out
+
+
+def plan_all(shape: ModelShape, n: int, optimizer: dict, unit_bytes: int, bucket_bytes: int):
+    """{stage: plan_stage(...)} for stages 0 to 3."""
+    return {s: plan_stage(shape, n, s, optimizer, unit_bytes, bucket_bytes) for s in STAGES}
+
+
+def table(plans: dict[int, dict], baseline: float, limit: float | None = None) -> str:
+    """The plans as a text table in MiB, one row per stage (peak = baseline + total)."""
+    mib = 1 << 20
+    head = ["stage", *TERMS, "baseline", "peak"]
+    rows = [head]
+    for stage, p in plans.items():
+        peak = baseline + p["total"]
+        row = [f"ZeRO-{stage}" if stage else "plain", *(f"{p[t] / mib:,.0f}" for t in TERMS)]
+        row += [f"{baseline / mib:,.0f}", f"{peak / mib:,.0f}"]
+        if limit is not None:
+            row[-1] += " (fits)" if peak <= limit else " (over the limit)"
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
