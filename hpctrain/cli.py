@@ -12,6 +12,7 @@ import importlib
 import sys
 import textwrap
 
+from . import memory_report
 from .version import __version__
 
 # Feature packages that add subcommands: each module has
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--vocab", type=int, default=64)
     for module_name in COMMAND_MODULES:
         COMMANDS.update(importlib.import_module(module_name).register(sub))
+    COMMANDS.update(memory_report.register(sub, _add_config_args))
     return parser
 
 

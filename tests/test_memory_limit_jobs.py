@@ -161,3 +161,39 @@ def test_zero2_with_tensor_parallelism_trains_it_within_the_limit(backend, cgrou
     assert len(steps) == 3 and all(x["loss"] == x["loss"] for x in steps)
     assert max(x["mem_peak_rss_bytes"] for x in steps) < LIMIT_MIB[backend] * MIB
     assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+
+
+# ZeRO-3: a model twice too big for plain data parallelism is refused at ZeRO-2 with the
+# plan's figures and trains at ZeRO-3 within the same limit (torch, np 4, Adam). The
+# 101 M-parameter transformer (8 blocks; units of one block): plan per rank plain 2,677,
+# ZeRO-2 1,345 (peak RSS measured 1,422 without a limit), ZeRO-3 1,089 (measured 1,068).
+ZERO3_LIMIT_MIB = 1250
+ZERO3_MODEL = ["model.n_layers=8", "train.zero_unit_mb=1"]
+
+
+def _zero3_train(cgroup_dir, run_dir, *overrides):
+    limit = ZERO3_LIMIT_MIB * MIB
+    args = [WRAPPER, str(cgroup_dir), str(limit), HPCTRAIN, "train", "--run-dir", str(run_dir)]
+    for o in ["backend=torch", *MODEL, *ZERO3_MODEL, *overrides]:
+        args += ["--set", o]
+    return mpirun(4, *args, timeout=300)
+
+
+def test_zero2_is_refused_with_the_plan_and_zero3_trains_within_the_limit(cgroup_dir, tmp_path):
+    refused = _zero3_train(cgroup_dir, tmp_path / "zero2", "train.zero=2")
+    assert refused.returncode != 0, refused.output
+    out = refused.output
+    assert "the model will not fit" in out and "Traceback" not in out, out
+    assert f"against a limit of {ZERO3_LIMIT_MIB:,} MiB (cgroup " in out, out
+    for term in ("parameters", "gradients", "optimizer", "resident before the model"):
+        assert term in out, out  # the plan's figures
+    assert "train.zero=3" in out, out  # the way out
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+    run = tmp_path / "zero3"
+    job = _zero3_train(cgroup_dir, run, "train.zero=3")
+    assert job.returncode == 0, job.output
+    steps = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    steps = [x for x in steps if x["event"] == "step"]
+    assert len(steps) == 3 and all(x["loss"] == x["loss"] for x in steps)
+    assert max(x["mem_peak_rss_bytes"] for x in steps) < ZERO3_LIMIT_MIB * MIB
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))

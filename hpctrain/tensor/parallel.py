@@ -46,6 +46,14 @@ class TensorGroup:
         self.size = axis.size if axis is not None else 1
         self.rank = axis.rank if axis is not None else 0
 
+    @classmethod
+    def planned(cls, size: int) -> TensorGroup:
+        """Tensor rank 0 of `size` ranks, without a communicator: the shapes the memory
+        plan needs (its forward runs on torch's meta device and never sums)."""
+        group = cls(None)
+        group.size = size
+        return group
+
     def my_rows(self, n: int) -> tuple[int, int]:
         """[lo, hi) of the n samples of the group's batch that this rank routes through
         a mixture-of-experts layer (each rank 1/T of them: no token goes twice)."""

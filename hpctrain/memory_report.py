@@ -1,0 +1,99 @@
+"""`hpctrain plan-memory`: a configuration's per-rank memory at a world size, for every
+ZeRO stage, before anything is launched (no MPI, no model in memory).
+
+The terms are exchange/memory_plan.py's; the model's shapes and activations come from
+the torch backend on the meta device (backends/torch_plan.py); the baseline, what a rank
+holds before its model, is measured in this process after loading what a rank loads
+(torch, its thread pools, the optimizer's code), so run it where the job runs.
+"""
+
+from __future__ import annotations
+
+MIB = 1 << 20
+
+
+def data_ranks(cfg, world_size: int) -> int:
+    """The data-parallel ranks ZeRO shards over: the world over the tensor axis."""
+    from .errors import ConfigError
+
+    tensor = cfg.parallel["tensor"]
+    if world_size < 1 or world_size % tensor:
+        raise ConfigError(
+            f"--np {world_size}: a positive multiple of parallel.tensor={tensor} is needed"
+        )
+    return world_size // tensor
+
+
+def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
+    """The report: the model, the world, and the table of stages (peak per rank)."""
+    from .backends.groups import ModelGroups
+    from .backends.torch_plan import plan_shape
+    from .backends.torch_steps import prepare_process, resident_baseline
+    from .data import benchmark_input_spec
+    from .errors import ConfigError
+    from .exchange.memory_plan import plan_all, table
+    from .tensor.parallel import TensorGroup
+
+    if cfg.backend != "torch" or cfg.strategy != "data_parallel":
+        raise ConfigError(
+            "plan-memory plans the torch backend's data-parallel strategy (ZeRO 0-3, "
+            f"tensor parallelism); not backend {cfg.backend} with strategy {cfg.strategy}"
+        )
+    if cfg.model.get("moe"):
+        raise ConfigError(
+            "plan-memory: mixture-of-experts models are not planned before launch (their "
+            "experts depend on the expert layout); a run checks its plan at start"
+        )
+    n = data_ranks(cfg, world_size)
+    tensor = cfg.parallel["tensor"]
+    groups = ModelGroups(tensor=TensorGroup.planned(tensor)) if tensor > 1 else ModelGroups()
+    t = cfg.train
+    shape = plan_shape(cfg.model, benchmark_input_spec(cfg.data), groups, t["batch_size"])
+    if shape is None:
+        raise ConfigError(
+            f"model {cfg.model['name']!r}: plan-memory plans zoo models; a user's model "
+            "is checked against the rank's limit once built (runtime.memory_check)"
+        )
+    prepare_process(1, t["deterministic"], t["seed"])
+    baseline = resident_baseline(cfg.optimizer)
+    plans = plan_all(
+        shape, n, cfg.optimizer, int(t["zero_unit_mb"] * MIB), int(t["bucket_mb"] * MIB)
+    )
+    psi = sum(shape.sizes)
+    head = (
+        f"model {cfg.model['name']}: {psi:,} dense parameters per rank"
+        + (f" (this rank's 1/{tensor} of the split layers)" if tensor > 1 else "")
+        + (f", {shape.expert_elements:,} in local experts" if shape.expert_elements else "")
+        + f"; {world_size} rank(s) = {n} data-parallel x {tensor} tensor; optimizer "
+        f"{cfg.optimizer['name']}, micro-batch {t['batch_size']}; MiB per rank:"
+    )
+    limit = None if limit_mb is None else limit_mb * MIB
+    notes = (
+        "peak = baseline (this process, before a model) + every term; ZeRO-3 gathers "
+        f"units of train.zero_unit_mb={t['zero_unit_mb']} MB, two at a time"
+    )
+    return "\n".join([head, table(plans, baseline, limit), notes])
+
+
+def register(sub, add_config_args) -> dict:
+    p = sub.add_parser(
+        "plan-memory",
+        help="per-rank memory of a configuration at a world size, for each ZeRO stage",
+        description="Print, for a configuration and a world size, the bytes one rank "
+        "will hold at its peak with ZeRO 0, 1, 2 and 3: parameters, gathered units, "
+        "gradients, optimizer state, activations, the step's transients and the "
+        "process's baseline. Nothing is launched and no model is allocated.",
+    )
+    add_config_args(p)
+    p.add_argument("--np", type=int, required=True, help="the job's world size (ranks)")
+    p.add_argument(
+        "--limit-mb", type=float, default=None, help="mark each stage's fit against MiB per rank"
+    )
+    return {"plan-memory": _cmd_plan_memory}
+
+
+def _cmd_plan_memory(args) -> int:
+    from .config import Config
+
+    print(plan_memory(Config.load(args.config, args.overrides), args.np, args.limit_mb))
+    return 0
