@@ -38,6 +38,7 @@ SECTIONS = [
     "exchange",
     "convergence",
     "memory",
+    "zero",
     "gpu",  # only where torch sees a CUDA GPU (skipped with the reason elsewhere)
 ]
 BUDGET_SECONDS = {True: 100, False: 13 * 60}  # quick / full, before optional work is cut
@@ -100,6 +101,11 @@ def headline(ctx) -> list[str]:
     if ar:
         wrong = sum(r["wrong"] for res in ar["results"] for r in res["rows"])
         lines.append(f"- allreduce microbenchmark: #wrong = {wrong} over all sizes and paths")
+    zr = ctx.results.get("zero")
+    if zr and "rows" in zr:
+        from benchmarks.sections import zero
+
+        lines += zero.headline(zr)
     pj = ctx.results.get("projection")
     if pj and pj.get("local_fit"):
         lines.append(

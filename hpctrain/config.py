@@ -195,6 +195,14 @@ SCHEMA: dict[str, Any] = {
             minimum=0,
             exclusive_min=True,
         ),
+        "offload": _f(
+            "none",
+            str,
+            "ZeRO: keep the optimizer state (optimizer) and the float32 master parameters "
+            "(optimizer+params) in host memory, updated by the CPU; for GPU ranks, so on "
+            "CPU ranks only none (their state is in host memory already)",
+            choices=("none", "optimizer", "optimizer+params"),
+        ),
         "zero_prefetch": _f(
             True,
             bool,

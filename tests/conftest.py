@@ -47,6 +47,7 @@ QUICK_MODULES = frozenset(
         "test_launcher",
         "test_loss_scaling",
         "test_memory_limit",
+        "test_memory_plan",
         "test_moe_routing",
         "test_no_module_state",
         "test_preemption",

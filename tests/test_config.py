@@ -107,3 +107,13 @@ def test_zero3_is_refused_in_tensorflow_and_under_the_pipeline():
         Config.load(None, ["train.zero=3", "train.zero_unit_mb=0"])
     with pytest.raises(ConfigError, match="train.zero"):
         Config.load(None, ["train.zero=4"])
+
+
+def test_offload_is_refused_on_cpu_ranks_with_the_reason():
+    from hpctrain.config import Config
+    from hpctrain.errors import ConfigError
+
+    assert Config.load(None, ["train.zero=3"]).train["offload"] == "none"
+    for value in ("optimizer", "optimizer+params"):
+        with pytest.raises(ConfigError, match=f"train.offload={value}: .*host memory already"):
+            Config.load(None, ["train.zero=3", f"train.offload={value}"])

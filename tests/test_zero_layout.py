@@ -98,7 +98,7 @@ def test_stage_three_segments_are_the_units_each_padded_and_owned_once(n):
         assert seg.length == sum(SIZES[i] for i in unit)
         assert seg.padded % n == 0 and seg.length <= seg.padded < seg.length + n
     assert p.shard_len * n == p.flat_len == sum(seg.padded for seg in p.segments)
-    assert p.gathered_bytes() == 4 * sum(sorted(seg.padded for seg in p.segments)[-2:])
+    assert p.gathered_bytes() == 2 * 4 * max(seg.padded for seg in p.segments)
     arrays = [np.arange(s, dtype=np.float32) + 10_000 * i for i, s in enumerate(SIZES)]
     flat = p.flatten(arrays)
     shards = np.stack([q.shard_of(flat) for q in parts])
@@ -159,61 +159,66 @@ def _gather(comm, prefetch=True):
 
     part = ZeroPartition(comm, SIZES, 3, 0, units=UNITS)
     shard = np.arange(part.shard_len, dtype=np.float32) + 1
-    buffers, freed = {}, []
+    largest = max(seg.padded for seg in part.segments)
+    slots = [np.full(largest, np.nan, dtype=np.float32) for _ in range(2)]
 
-    def alloc(u):
-        buffers[u] = np.full(part.segments[u].padded, np.nan, dtype=np.float32)
-        return buffers[u]
+    def buffer(u):
+        return slots[u % 2][: part.segments[u].padded]
 
-    gather = UnitGather(part, shard, alloc, freed.append, prefetch=prefetch, poll_s=0)
-    return part, shard, gather, buffers, freed
+    gather = UnitGather(part, shard, buffer, 2, prefetch=prefetch, poll_s=0)
+    return part, shard, gather, buffer
 
 
-def test_unit_gather_in_one_process_copies_the_shard_and_frees_what_it_releases():
-    part, shard, g, buffers, freed = _gather(None)
+def test_unit_gather_in_one_process_fills_two_slots_and_reuses_what_they_hold():
+    part, shard, g, buffer = _gather(None)
     g.need(1)
-    np.testing.assert_array_equal(buffers[1], part.shard_view(shard, 1))
-    g.prefetch(2)  # one process: ready at once
-    assert g.live == {1, 2} and g.gathers == 2
-    assert g.gathered_bytes() == 4 * (part.segments[1].padded + part.segments[2].padded)
+    np.testing.assert_array_equal(buffer(1), part.shard_view(shard, 1))
+    g.prefetch(2)  # one process: ready at once, in the other slot
+    assert g.live == {1} and g.holder == [2, 1] and g.gathers == 2
     g.need(2)
-    g.prefetch(2)  # live already: nothing
-    assert g.gathers == 2
+    g.prefetch(2)  # in its slot already: nothing
+    assert g.gathers == 2 and g.live == {1, 2}
     g.release(1)
-    assert freed == [1] and g.live == {2}
-    g.release(1)  # not live: nothing
-    assert freed == [1]
-    g.prefetch(None)  # after the last unit
+    assert g.live == {2} and g.holder == [2, 1]  # released, its values still there
+    g.need(1)  # still in its slot: not gathered again
+    assert g.gathers == 2
     g.release_all()
-    assert freed == [1, 2] and not g.live and g.gathered_bytes() == 0
-    _, _, off, _, _ = _gather(None, prefetch=False)
+    assert not g.live
+    g.need(0)  # shares unit 2's slot: overwrites it
+    np.testing.assert_array_equal(buffer(0), part.shard_view(shard, 0))
+    assert g.holder == [0, 1] and g.gathers == 3
+    g.invalidate()  # the shard changed: everything is gathered afresh
+    g.need(1)
+    assert g.gathers == 4 and g.holder == [None, 1]
+    _, _, off, _ = _gather(None, prefetch=False)
     off.prefetch(0)
     assert off.gathers == 0 and not off.live
 
 
 def test_unit_gather_keeps_at_most_one_prefetch_on_its_way():
     comm = _TwoRanks()
-    part, shard, g, buffers, freed = _gather(comm)
+    part, shard, g, buffer = _gather(comm)
     g.need(0)  # gathered and waited for
     mine = part.shard_view(shard, 0)
-    np.testing.assert_array_equal(buffers[0], np.concatenate([mine, -mine]))
+    np.testing.assert_array_equal(buffer(0), np.concatenate([mine, -mine]))
     g.prefetch(1)
     g.prefetch(2)  # unit 1's gather is still on its way: no second one
     assert comm.started == [
         "ZeRO-3 parameter allgather (unit 0)",
         "ZeRO-3 parameter allgather (unit 1)",
     ]
-    assert g.live == {0, 1} and list(g._pending) == [1]
-    g.release(1)  # on its way: not freed under MPI's feet
-    assert freed == [] and 1 in g.live
-    g.release(0)
+    assert g.live == {0} and list(g._pending) == [1]
     g.need(1)  # waits for the prefetch, starts nothing
     assert len(comm.started) == 2 and not g._pending
     mine = part.shard_view(shard, 1)
-    np.testing.assert_array_equal(buffers[1], np.concatenate([mine, -mine]))
+    np.testing.assert_array_equal(buffer(1), np.concatenate([mine, -mine]))
+    g.prefetch(2)  # unit 0 is in use in that slot: not overwritten
+    assert len(comm.started) == 2
+    g.release(0)
     g.prefetch(2)
-    g.release_all()  # waits for unit 2's gather, then frees every unit
-    assert not g._pending and not g.live and sorted(freed) == [0, 1, 2]
+    assert len(comm.started) == 3 and list(g._pending) == [2]
+    g.release_all()  # waits for unit 2's gather
+    assert not g._pending and not g.live and g.holder == [2, 1]
     # bytes sent: (N-1) pieces per gather, as `comm_bytes` counts them
     assert part.take_sent() == 4 * sum(part.segments[u].piece(2) for u in (0, 1, 2))
 
@@ -228,15 +233,17 @@ def _mlp():
     )
 
 
-def _storage(model) -> list[int]:
-    return [p.untyped_storage().size() for p in model.parameters()]
+def _storage(model) -> set[int]:
+    """The storages the parameters point into (ZeRO-3: its two slots)."""
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
 
 
 def test_torch_zero3_in_one_process_trains_as_plain_torch_and_frees_outside_use():
     """TorchZero3 without a world (one rank): a unit per Linear (ReLU and Tanh join the
     layer after them), SGD with momentum, two micro-batches, clipping: the parameters
     equal plain torch's after every step; a unit's parameters have storage only while
-    it runs (forward, backward), never between steps; the state functions give the
+    it runs: every parameter points into one of two slots, units take turns in them;
+    the state functions give the
     whole parameters and take them back."""
     import copy
 
@@ -251,7 +258,8 @@ def test_torch_zero3_in_one_process_trains_as_plain_torch_and_frees_outside_use(
     names = [n for n, _ in model.named_parameters()]
     zero = TorchZero3(None, model, params, 1, lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9))
     assert [list(seg.params) for seg in zero.part.segments] == [[0, 1], [2, 3], [4, 5]]
-    assert _storage(model) == [0] * 6  # sharded from the start
+    slots = {t.untyped_storage().data_ptr() for t in zero._slots}
+    assert _storage(model) == slots and len(slots) == 2  # sharded from the start
     seen = []  # (layer, its weight's storage size) as its forward starts
     for i in (0, 2, 4):
         model[i].register_forward_pre_hook(
@@ -269,19 +277,19 @@ def test_torch_zero3_in_one_process_trains_as_plain_torch_and_frees_outside_use(
         for x, y in micro:
             (torch.nn.functional.mse_loss(model(x), y) / 2).backward()
             zero.end_backward()
-            assert _storage(model) == [0] * 6 and not zero.gather.live
+            assert not zero.gather.live
         zero.reduce()
         zero.clip(0.5)
         zero.step()
-        assert _storage(model) == [0] * 6 and not zero.gather.live
+        assert not zero.gather.live and _storage(model) == slots
         whole = zero.all_params()
         for got, want in zip(whole, ref.parameters(), strict=True):
             np.testing.assert_allclose(got, want.detach().numpy(), rtol=0, atol=1e-6)
     assert seen and all(size > 0 for _, size in seen)  # gathered while it ran
-    assert _storage(model) == [0] * 6  # all_params frees what it gathered
-    # peak: two units at once (the running and the prefetched one), not the model
-    padded = sorted(seg.padded * 4 for seg in zero.part.segments)
-    assert zero.gathered_peak <= sum(padded[-2:]) < zero.part.flat_len * 4
+    assert not zero.gather.live  # all_params releases what it gathered
+    # two slots of the largest unit (the running and the prefetched one)
+    largest = max(seg.padded * 4 for seg in zero.part.segments)
+    assert zero.gathered_peak == 2 * largest
     # the state functions: one rank holds everything; a load round-trips
     root = zero.root_params()
     for a, b in zip(root, whole, strict=True):
@@ -295,10 +303,10 @@ def test_torch_zero3_in_one_process_trains_as_plain_torch_and_frees_outside_use(
     zero.load_params([w * 2 for w in whole])
     for a, b in zip(zero.all_params(), whole, strict=True):
         np.testing.assert_array_equal(a, b * 2)
-    assert _storage(model) == [0] * 6
+    assert _storage(model) == slots
     with torch.no_grad():  # evaluation: gathered per unit, freed after it
         out = model(torch.ones(2, 8))
-    assert out.shape == (2, 4) and _storage(model) == [0] * 6 and not zero.gather.live
+    assert out.shape == (2, 4) and _storage(model) == slots and not zero.gather.live
 
 
 def test_torch_zero3_refuses_parameters_it_cannot_place_in_a_unit():
@@ -359,7 +367,7 @@ def test_torch_backend_zero3_state_in_one_process_is_the_plain_backends():
     for batch in batches[:3]:
         plain.train_step(batch, 0.01)
         zero.train_step(batch, 0.01)
-    assert all(p.untyped_storage().size() == 0 for p in zero._dense)  # sharded between steps
+    assert not zero.zero.gather.live  # sharded between steps: no unit in use
     state = zero.export_state()
     want = plain.export_state()
     same({k: v for k, v in state.items() if k.startswith("model/")},

@@ -7,8 +7,8 @@ slots, 1 SGD with momentum, 2 Adam; MoE experts, local to their rank, are replic
 state on top):
 
 - parameters: 4 Psi; stages 1 and 2 add the optimizer's own shard, 4 Psi/N; stage 3
-  keeps 4 Psi/N and gathers two units at a time (`gathered`: the running one and the
-  prefetched one, the two largest);
+  keeps 4 Psi/N and gathers units into two slots of the largest unit's size
+  (`gathered`: the running unit and the prefetched one);
 - gradients: stage 0: 4 Psi in `param.grad` + 4 Psi of the MPI engine's flat buffer;
   stage 1: 4 Psi (one flat gradient) + 4 Psi/N (the shard's mean); stage 2: 4 Psi/N +
   the largest segment + the largest gradient being copied; stage 3: 4 Psi/N + the
@@ -89,7 +89,7 @@ def plan_stage(
             4.0 * _padded(sum(shape.sizes[i] for m in u for i in layers[m]), n)
             for u in unit_plan(layers, shape.sizes, unit_bytes)
         ]
-        gathered, segment = sum(sorted(units)[-2:]), max(units)
+        gathered, segment = 2 * max(units), max(units)  # two slots of the largest unit
     elif stage == 2:
         segment = max(
             4.0 * _padded(sum(shape.sizes[i] for i in g), n)

@@ -194,7 +194,8 @@ class ZeroPartition:
                 buf, [k] * self.n, f"ZeRO-{self.stage} gradient reduce-scatter (segment {s})"
             )
             self._sent += (self.n - 1) * k * 4
-        self.shard_view(into, s)[:] += mine * np.float32(1.0 / self.n)
+        mine *= np.float32(1.0 / self.n)  # in place: no temporary the size of a piece
+        self.shard_view(into, s)[:] += mine
 
     def reduce_all(self, grads: np.ndarray, into: np.ndarray) -> None:
         for s in range(len(self.segments)):
@@ -286,10 +287,9 @@ class ZeroPartition:
         )
 
     def gathered_bytes(self) -> int:
-        """Stage 3: the most parameter bytes gathered at once, the two largest units (the
-        one running and the one prefetched)."""
-        padded = sorted((seg.padded for seg in self.segments), reverse=True)
-        return sum(padded[:2]) * 4
+        """Stage 3: the parameter bytes gathered at once, two slots of the largest unit
+        (the one running and the one prefetched; backends/torch_zero3.py)."""
+        return 2 * max(seg.padded for seg in self.segments) * 4
 
     def take_sent(self) -> int:
         """Bytes this rank sent since the last call (for `comm_bytes`)."""
@@ -299,7 +299,7 @@ class ZeroPartition:
     # --- the memory model ---------------------------------------------------------------
     def expected_bytes(self, slots: int) -> dict[str, float]:
         """The ZeRO paper's per-rank bytes for float32 training: parameters Psi*4 (stage 3:
-        Psi*4/N + the two largest units, gathered), optimizer state slots*Psi*4/N,
+        Psi*4/N + two slots of the largest unit), optimizer state slots*Psi*4/N,
         gradients Psi*4 (stage 1) or Psi*4/N (stages 2 and 3, + one segment)."""
         psi = sum(self.sizes)
         grads = psi * 4 if self.stage == 1 else self.shard_len * 4

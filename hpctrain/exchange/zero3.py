@@ -1,10 +1,10 @@
 """ZeRO-3's parameter gathers: each unit's full parameters exist only while it runs.
 
 Every rank keeps its shard of each unit (the ZeroPartition layout, stage 3: one segment
-per unit). Before a unit's forward or backward its parameters are all-gathered into a
-buffer the backend allocates (`alloc(u)` returns the buffer as a numpy view) and freed
-right after (`free(u)`). The backend says which unit runs next, so its gather is started
-ahead (`MPI_Iallgatherv`) and travels while the current unit computes; a progress thread
+per unit). Before a unit's forward or backward its parameters are all-gathered into one
+of two buffers (slots) the backend keeps, and the slot is given up right after. The
+backend says which unit runs next, so its gather is started ahead (`MPI_Iallgatherv`)
+into the other slot and travels while the current unit computes; a progress thread
 tests it, because Open MPI moves a non-blocking collective only inside MPI calls (see
 overlap.py). At most one prefetch is outstanding: two units live, the running one and
 the next.
@@ -13,9 +13,9 @@ Order: MPI needs every rank to start the same collectives in the same order. The
 run in the same order on every rank (the same model), and a prefetch is only a gather
 started earlier, so the order of gathers is the same everywhere.
 
-Cost per rank and step: forward and backward each gather every unit once, 2 x (N-1)/N x
-Psi x 4 bytes, plus the gradients' reduce-scatter (N-1)/N x Psi x 4: 1.5x the traffic of
-ZeRO-1/2 (a ring allreduce's 2x), whatever N (1,024 or 4,096 ranks: the same bytes in
+Cost per rank and step: forward and backward each gather every unit once (backward
+finds the last two units still in their slots), about 2 x (N-1)/N x Psi x 4 bytes, plus
+the gradients' reduce-scatter (N-1)/N x Psi x 4: about 1.5x the traffic of ZeRO-1/2 (a ring allreduce's 2x), whatever N (1,024 or 4,096 ranks: the same bytes in
 2 x units collectives per step; each collective's latency term grows with log N or N as
 Open MPI's algorithm picks).
 """
@@ -32,23 +32,34 @@ from .zero import ZeroPartition
 
 
 class UnitGather:
-    """Gather, prefetch and free ZeRO-3 units (framework-free: the buffers come from
-    `alloc`/`free`, so torch can resize a tensor's storage in place)."""
+    """Gather and prefetch ZeRO-3 units into `slots` persistent buffers (framework-free:
+    `buffer(u)` is unit u's numpy view of its slot, u % slots).
+
+    A slot is allocated once, at the largest unit's size, and reused: a buffer freed and
+    allocated again per gather would come back from the kernel as fresh pages (a unit is
+    above glibc's 32 MiB mmap threshold), faulted in and zeroed on every gather. Units u
+    and u + slots share a slot; layers run in sequence, so the unit a gather overwrites
+    has finished its forward (released) or its backward (its gradients are in). A slot
+    keeps its unit's values after release, so a unit still there when needed again (the
+    last units, forward then backward) is not gathered again, until `invalidate()` (the
+    shard changed: the optimizer stepped or a state was loaded)."""
 
     def __init__(
         self,
         part: ZeroPartition,
         shard: np.ndarray,
-        alloc: Callable[[int], np.ndarray],
-        free: Callable[[int], None],
+        buffer: Callable[[int], np.ndarray],
+        slots: int = 2,
         prefetch: bool = True,
         poll_s: float = 0.0005,
     ):
         self.part, self.shard = part, shard
-        self._alloc, self._free = alloc, free
+        self._buffer = buffer
+        self.slots = slots
         self.prefetch_on = prefetch
         self.poll_s = poll_s
-        self.live: set[int] = set()  # gathered (or on their way)
+        self.holder: list[int | None] = [None] * slots  # the unit each slot holds
+        self.live: set[int] = set()  # in use: not to be overwritten
         self._pending: dict[int, object] = {}  # unit -> PendingArray
         self._lock = threading.Lock()
         self._wake = threading.Event()
@@ -60,8 +71,9 @@ class UnitGather:
     # --- the units' lifetimes -----------------------------------------------------------
     def need(self, u: int) -> None:
         """Unit u's full parameters, now: waits for its prefetch or gathers it."""
-        if u not in self.live:
+        if self.holder[u % self.slots] != u:
             self._start(u)
+        self.live.add(u)
         if u in self._pending:
             t0 = time.perf_counter()
             with self._lock:  # the progress thread stays out while we wait
@@ -69,34 +81,45 @@ class UnitGather:
             self.waited += time.perf_counter() - t0
 
     def prefetch(self, u: int | None) -> None:
-        """Start unit u's gather if it is not live, and nothing else is on its way."""
-        if u is None or not self.prefetch_on or u in self.live or self._pending:
+        """Start unit u's gather if it is not in its slot, nothing else is on its way,
+        and the slot's unit is not in use."""
+        if u is None or not self.prefetch_on or self._pending:
             return
-        self._start(u)
+        held = self.holder[u % self.slots]
+        if held != u and held not in self.live:
+            self._start(u)
 
     def release(self, u: int) -> None:
-        """Free unit u's parameters (after its forward, or its backward)."""
-        if u in self.live and u not in self._pending:
-            self.live.discard(u)
-            self._free(u)
+        """Unit u is done (its forward, or its backward): its slot may be overwritten."""
+        self.live.discard(u)
 
     def release_all(self) -> None:
-        """Every unit freed: waits for a prefetch still on its way (the same on every rank)."""
+        """Every unit released; a prefetch still on its way is waited for (the same
+        on every rank)."""
         for u in list(self._pending):
             self.need(u)
-        for u in list(self.live):
-            self.release(u)
+        self.live.clear()
 
-    def gathered_bytes(self) -> int:
-        return sum(self.part.segments[u].padded for u in self.live) * 4
+    def invalidate(self) -> None:
+        """The shard changed: no slot holds current values any more."""
+        self.release_all()
+        self.holder = [None] * self.slots
+
+    def is_live(self, u: int) -> bool:
+        return u in self.live
 
     # --- MPI ---------------------------------------------------------------------------
     def _start(self, u: int) -> None:
         part = self.part
+        slot = u % self.slots
+        held = self.holder[slot]
+        if held is not None and held in self._pending:  # never overwrite a gather in flight
+            self.need(held)
+        self.live.discard(held)  # sequential layers: its forward or backward is over
         seg = part.segments[u]
-        buf = self._alloc(u)
+        buf = self._buffer(u)
         mine = part.shard_view(self.shard, u)
-        self.live.add(u)
+        self.holder[slot] = u
         self.gathers += 1
         if part.n == 1:
             buf[:] = mine

@@ -104,6 +104,19 @@ def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
     ]
 
 
+def offload_rules(v: dict) -> list[str]:
+    """Offload moves GPU-resident optimizer state (and master parameters) to the host;
+    ZeRO runs on CPU ranks, whose state is in host memory already."""
+    offload = v["train"]["offload"]
+    if offload == "none":
+        return []
+    return [
+        f"train.offload={offload}: offloading moves a GPU rank's optimizer state to host "
+        "memory; ZeRO runs on CPU ranks (the MPI exchange layer), whose state is in host "
+        "memory already, so there is nothing to offload: leave train.offload=none"
+    ]
+
+
 def zero_rules(v: dict) -> list[str]:
     zero = v["train"]["zero"]
     if zero == 3 and v["backend"] != "torch":
@@ -223,5 +236,11 @@ def refusals(v: dict) -> list[str]:
     problems = engine_rules(v)
     problems += BY_STRATEGY[v["strategy"]](v)
     problems += local_sgd_rules(v) + process_group_rules(v) + device_rules(v)
-    problems += zero_rules(v) + tensor_rules(v) + precision_rules(v) + compression_rules(v)
+    problems += (
+        zero_rules(v)
+        + offload_rules(v)
+        + tensor_rules(v)
+        + precision_rules(v)
+        + compression_rules(v)
+    )
     return problems

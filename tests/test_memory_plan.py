@@ -1,0 +1,101 @@
+"""The memory plan's arithmetic (exchange/memory_plan.py) against the ZeRO paper's
+accounting, the model shapes the torch backend counts on the meta device, and
+`hpctrain plan-memory` (no launch). The plan against measured peaks:
+test_memory_plan_jobs.py."""
+
+from __future__ import annotations
+
+import pytest
+
+from hpctrain.exchange.memory_plan import ModelShape, plan_all, plan_stage, table
+
+MIB = 1 << 20
+ADAM = {"name": "adam", "weight_decay": 0.0}
+SGD = {"name": "sgd", "momentum": 0.9, "weight_decay": 0.0}
+
+
+def _shape(layers=8, per_layer=1 << 20):
+    sizes = [per_layer] * layers
+    return ModelShape(sizes=sizes, layers=[[i] for i in range(layers)], activation_bytes=0)
+
+
+@pytest.mark.parametrize("n", [1, 2, 4, 8])
+def test_model_state_per_stage_follows_the_zero_accounting(n):
+    """float32 with Adam: optimizer state 8 Psi, then 8 Psi/N; ZeRO-3's parameters and
+    gradients 4 Psi/N each beside two gathered units and one unit's gradient."""
+    shape = _shape()
+    psi = sum(shape.sizes)
+    unit = 4 * (1 << 20)
+    p = plan_all(shape, n, ADAM, unit_bytes=unit, bucket_bytes=unit)
+    assert p[0]["optimizer"] == 8 * psi
+    for stage in (1, 2, 3):
+        assert p[stage]["optimizer"] == pytest.approx(8 * psi / n)
+    assert p[0]["parameters"] == p[1]["parameters"] - 4 * psi / n == 4 * psi
+    assert p[3]["parameters"] == pytest.approx(4 * psi / n)
+    assert p[3]["gathered"] == 2 * unit
+    if n > 1:  # sharding pays off beyond one rank
+        assert p[2]["gradients"] < p[1]["gradients"] < p[0]["gradients"]
+        totals = [p[s]["total"] for s in (0, 2, 3)]
+        assert totals == sorted(totals, reverse=True)
+
+
+def test_zero3_gathers_whole_layers_merged_up_to_the_unit_size():
+    shape = _shape(layers=6, per_layer=1000)
+    one = plan_stage(shape, 2, 3, SGD, unit_bytes=1, bucket_bytes=1)
+    assert one["gathered"] == 2 * 4 * 1000  # a layer per unit
+    three = plan_stage(shape, 2, 3, SGD, unit_bytes=3 * 4000, bucket_bytes=1)
+    assert three["gathered"] == 2 * 3 * 4 * 1000  # three layers per unit
+
+
+def test_a_table_marks_what_fits_a_limit():
+    plans = plan_all(_shape(), 4, ADAM, 4 * MIB, 4 * MIB)
+    limit = 300 * MIB + plans[2]["total"]
+    text = table(plans, 300 * MIB, limit)
+    lines = text.splitlines()
+    assert lines[0].split()[0] == "stage" and len(lines) == 5
+    assert "over the limit" in lines[1] and "(fits)" in lines[3] and "(fits)" in lines[4]
+
+
+def test_the_torch_backend_counts_parameters_per_layer_and_activations_on_meta():
+    from hpctrain.backends.groups import ModelGroups
+    from hpctrain.backends.torch_model import build_model
+    from hpctrain.backends.torch_plan import plan_shape
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+
+    cfg = Config.load(None, ["model.name=transformer", "data.task=tokens"])
+    inp = benchmark_input_spec(cfg.data)
+    shape = plan_shape(cfg.model, inp, ModelGroups(), batch=8)
+    model = build_model(cfg.model, inp, 0)
+    assert shape.sizes == [p.numel() for p in model.parameters()]
+    assert sorted(i for layer in shape.layers for i in layer) == list(range(len(shape.sizes)))
+    # activations grow with the micro-batch (linearly, but for the causal mask)
+    twice = plan_shape(cfg.model, inp, ModelGroups(), batch=16).activation_bytes
+    assert shape.activation_bytes > 0 and twice == pytest.approx(
+        2 * shape.activation_bytes, rel=0.01
+    )
+
+
+def test_plan_memory_prints_every_stage_without_launching(capsys):
+    from hpctrain.cli import main
+
+    code = main(["plan-memory", "--np", "4", "--set", "model.name=transformer",
+                 "--set", "data.task=tokens", "--limit-mb", "100000"])  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "4 rank(s) = 4 data-parallel x 1 tensor" in out
+    rows = [line.split()[0] for line in out.splitlines()[1:6]]
+    assert rows == ["stage", "plain", "ZeRO-1", "ZeRO-2", "ZeRO-3"], out
+    assert out.count("(fits)") == 4
+
+
+def test_plan_memory_refuses_what_it_cannot_plan():
+    from hpctrain.config import Config
+    from hpctrain.errors import ConfigError
+    from hpctrain.memory_report import plan_memory
+
+    with pytest.raises(ConfigError, match="multiple of parallel.tensor=2"):
+        plan_memory(Config.load(None, ["model.name=transformer", "data.task=tokens",
+                                       "parallel.tensor=2"]), 3, None)  # fmt: skip
+    with pytest.raises(ConfigError, match="torch backend's data-parallel strategy"):
+        plan_memory(Config.load(None, ["backend=tensorflow"]), 2, None)
