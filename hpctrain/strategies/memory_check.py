@@ -34,10 +34,15 @@ def memory_problem(plan: dict[str, float], resident: int, limit: int, source: st
         f"{_mib(max(0.0, plan['optimizer'] - plan['optimizer_now']))} of optimizer state "
         f"to come; activations not counted) against a limit of {_mib(limit)} ({source})"
     )
+    return _verdict(need, limit, figures, hints, "; activations come on top")
+
+
+def _verdict(need: float, limit: int, figures: str, hints: str, caveat: str = ""):
+    """(refusal, None) over the limit, (None, warning) within 15% of it, else neither."""
     if need > limit:
         return f"the model will not fit: training needs {figures}. {hints}", None
     if need > WARN_FRACTION * limit:
-        return None, f"memory is tight: training needs {figures}; activations come on top"
+        return None, f"memory is tight: training needs {figures}{caveat}"
     return None, None
 
 
@@ -56,11 +61,7 @@ def plan_problem(terms: dict[str, float], baseline: int, limit: int, source: str
         f"about {_mib(need)} per rank at its peak ({_mib(baseline)} resident before the "
         f"model + {parts}) against a limit of {_mib(limit)} ({source})"
     )
-    if need > limit:
-        return f"the model will not fit: training needs {figures}. {hints}", None
-    if need > WARN_FRACTION * limit:
-        return None, f"memory is tight: training needs {figures}"
-    return None, None
+    return _verdict(need, limit, figures, hints)
 
 
 def check_memory_plan(cfg, world, plan_of, log) -> bool:
