@@ -81,6 +81,25 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quiet", "-q", action="store_true", help="print only problems")
 
+    _add_train_commands(sub)
+
+    p = sub.add_parser(
+        "config",
+        help="print the resolved configuration (after --set)",
+        description="Validate a configuration and print it with defaults filled "
+        "in, without starting MPI.",
+    )
+    _add_config_args(p)
+
+    _add_data_command(sub)
+    for module_name in COMMAND_MODULES:
+        COMMANDS.update(importlib.import_module(module_name).register(sub))
+    COMMANDS.update(memory_report.register(sub, _add_config_args))
+    return parser
+
+
+def _add_train_commands(sub) -> None:
+    """`train` and `ps`: the same options (a config, a run directory, resume, reuse)."""
     for name, help_text, description in (
         (
             "train",
@@ -133,14 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
             help="the run directory holds an earlier run: move it to <run-dir>/previous/<UTC>",
         )
 
-    p = sub.add_parser(
-        "config",
-        help="print the resolved configuration (after --set)",
-        description="Validate a configuration and print it with defaults filled "
-        "in, without starting MPI.",
-    )
-    _add_config_args(p)
 
+def _add_data_command(sub) -> None:
+    """`data synth`: a learnable synthetic HDF5 dataset."""
     p = sub.add_parser("data", help="dataset tools")
     dsub = p.add_subparsers(dest="data_command", metavar="ACTION", required=True)
     s = dsub.add_parser(
@@ -164,10 +178,6 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--channels", type=int, default=3)
     s.add_argument("--seq-len", type=int, default=32)
     s.add_argument("--vocab", type=int, default=64)
-    for module_name in COMMAND_MODULES:
-        COMMANDS.update(importlib.import_module(module_name).register(sub))
-    COMMANDS.update(memory_report.register(sub, _add_config_args))
-    return parser
 
 
 def _cmd_doctor(args) -> int:

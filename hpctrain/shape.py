@@ -1,5 +1,5 @@
 """How a configuration divides a world of ranks: one rule for the strategies, the loop's
-learning-rate scaling, elastic restart and SLURM's rank checks (`GridShape.of`).
+learning-rate scaling, elastic restart and SLURM's rank checks (`JobShape.of`).
 
 A data-parallel replica is the set of ranks that hold one copy of the model: one rank,
 `parallel.tensor` ranks with tensor parallelism, `pipeline.stages x parallel.tensor`
@@ -13,14 +13,14 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class GridShape:
+class JobShape:
     ranks: int
     stages: int  # pipeline stages (1 outside the pipeline)
     tensor: int  # ranks of a tensor group (parallel.tensor)
     servers: int  # parameter-server ranks (0 outside that strategy)
 
     @classmethod
-    def of(cls, cfg, ranks: int) -> GridShape:
+    def of(cls, cfg, ranks: int) -> JobShape:
         """The shape of `cfg` (a Config or its dict) on `ranks` ranks."""
         strategy = cfg["strategy"]
         ps = strategy == "parameter_server"

@@ -1,4 +1,4 @@
-"""One `GridShape` counts replicas, stages and tensor ranks for the strategies, the
+"""One `JobShape` counts replicas, stages and tensor ranks for the strategies, the
 loop's learning-rate scaling, elastic restart and SLURM's rank checks (no mpirun)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 
 from hpctrain.config import Config
 from hpctrain.elastic.batch import plan_batch, ranks_per_replica, replicas_of
-from hpctrain.shape import GridShape
+from hpctrain.shape import JobShape
 from hpctrain.slurm.fit import world_size_problems
 
 TP = ["model.name=transformer", "data.task=tokens"]
@@ -29,7 +29,7 @@ PIPE_TP = ["strategy=pipeline", "pipeline.stages=2", "parallel.tensor=2", *TP]
     ],
 )
 def test_replicas_of_every_strategy(overrides, ranks, per_replica, replicas, tiles):
-    shape = GridShape.of(Config.load(None, overrides), ranks)
+    shape = JobShape.of(Config.load(None, overrides), ranks)
     assert (shape.ranks_per_replica, shape.replicas, shape.tiles) == (
         per_replica,
         replicas,
@@ -39,9 +39,9 @@ def test_replicas_of_every_strategy(overrides, ranks, per_replica, replicas, til
 
 def test_global_batch_scales_with_the_replicas():
     cfg = Config.load(None, [*PIPE_TP, "train.batch_size=8"])
-    assert GridShape.of(cfg, 16).global_batch(8, 2) == 8 * 2 * 4
+    assert JobShape.of(cfg, 16).global_batch(8, 2) == 8 * 2 * 4
     ps = Config.load(None, ["strategy=parameter_server", "ps.servers=1"])
-    assert GridShape.of(ps, 4).global_batch(8, 1) == 24  # three workers
+    assert JobShape.of(ps, 4).global_batch(8, 1) == 24  # three workers
 
 
 @pytest.mark.parametrize("lost", [4, 8])

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 
 from ..lr_schedule import scaled_lr
-from ..shape import GridShape
+from ..shape import JobShape
 
 
 @dataclass(frozen=True)
@@ -27,12 +27,12 @@ class BatchPlan:
 
 def replicas_of(cfg, world_size: int) -> int:
     """Data-parallel replicas of a world: what the learning rate and the batch scale with
-    (a pipeline's replica is stages x tensor ranks: GridShape)."""
-    return GridShape.of(cfg, world_size).replicas
+    (a pipeline's replica is stages x tensor ranks: JobShape)."""
+    return JobShape.of(cfg, world_size).replicas
 
 
 def ranks_per_replica(cfg) -> int:
-    return GridShape.of(cfg, 0).ranks_per_replica
+    return JobShape.of(cfg, 0).ranks_per_replica
 
 
 def plan_batch(cfg, first_replicas: int, replicas: int) -> BatchPlan:

@@ -2,7 +2,7 @@
 
 The same rules the strategies apply when the job starts, checked before it queues:
 - pipeline and tensor parallelism: ranks = pipeline.stages x parallel.tensor x replicas,
-  so a multiple of a replica's ranks, at least one replica (`GridShape`);
+  so a multiple of a replica's ranks, at least one replica (`JobShape`);
 - parameter server: at least one worker beside the ps.servers servers;
 - mixture of experts (`model.moe`): experts split evenly over each expert-parallel
   group (`parallel.expert` ranks, the whole job when unset), and groups tile the job.
@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from ..models.zoo import has_moe
 from ..moe.options import moe_options
-from ..shape import GridShape
+from ..shape import JobShape
 
 
 def world_size_problems(cfg, ranks: int, where: str) -> list[str]:
     """Why `ranks` ranks cannot run `cfg`; `where` says how the ranks were asked for."""
     problems = []
-    shape = GridShape.of(cfg, ranks)
+    shape = JobShape.of(cfg, ranks)
     if not shape.tiles and shape.servers:
         servers = shape.servers
         problems.append(

@@ -7,7 +7,7 @@ below, one function each, in `BY_STRATEGY`); the features that several strategie
 (ZeRO, tensor parallelism, half precision, the process-group engines, GPU ranks) state
 theirs once, naming the strategies they run under. What needs the world size (a
 pipeline's ranks, a parameter server's workers) the strategy checks when it starts
-(`GridShape`).
+(`shape.JobShape`; `runtime.grid.GridShape` is the axes of the process grid).
 """
 
 from __future__ import annotations

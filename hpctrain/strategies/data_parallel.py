@@ -23,7 +23,7 @@ from ..exchange.local_sgd import LocalSchedule, LocalSGDReducer, average_weights
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
-from ..shape import GridShape
+from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 from .memory_check import check_memory, check_memory_plan
@@ -38,7 +38,7 @@ def expert_degree(cfg, world_size: int) -> int:
     wanted = cfg.parallel["expert"]
     if wanted is not None:
         return wanted
-    return GridShape.of(cfg, world_size).replicas if zoo.has_moe(cfg.model) else 1
+    return JobShape.of(cfg, world_size).replicas if zoo.has_moe(cfg.model) else 1
 
 
 class DataParallel(StrategyBase):
@@ -74,7 +74,7 @@ class DataParallel(StrategyBase):
             cfg, replicas, self.input_spec, threads, groups=self.groups
         )
         self.report_comm = world
-        self.lr_replicas = GridShape.of(cfg, world.size).replicas
+        self.lr_replicas = JobShape.of(cfg, world.size).replicas
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)

@@ -40,7 +40,7 @@ from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
 from ..pipeline.schedule import bubble_theory, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
-from ..shape import GridShape
+from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
 from .startup import noop_warnings, replica_axis, settings_text
@@ -64,7 +64,7 @@ def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
 
 def config_problem(cfg, world_size: int) -> str | None:
     """What the pipeline refuses before any work (every rank sees the same config)."""
-    shape = GridShape.of(cfg, world_size)
+    shape = JobShape.of(cfg, world_size)
     stages, tensor = shape.stages, shape.tensor
     if world_size % shape.ranks_per_replica:
         if tensor == 1:
@@ -101,7 +101,7 @@ def expert_degree(cfg, world_size: int) -> int:
     if not zoo.has_moe(cfg.model):
         return 1
     wanted = cfg.parallel["expert"]
-    return wanted if wanted is not None else max(1, GridShape.of(cfg, world_size).replicas)
+    return wanted if wanted is not None else max(1, JobShape.of(cfg, world_size).replicas)
 
 
 class Pipeline(StrategyBase):

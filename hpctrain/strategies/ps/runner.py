@@ -35,7 +35,7 @@ from ...errors import CheckpointError, ConfigError
 from ...models import zoo
 from ...runtime import p2p
 from ...runtime.grid import ProcessGrid
-from ...shape import GridShape
+from ...shape import JobShape
 from ..base import RunEnd, StrategyBase
 from ..startup import settings_text
 from . import protocol as P
@@ -51,7 +51,7 @@ def config_problems(cfg, world_size: int) -> str | None:
     """What makes this configuration impossible for the parameter server (or None)."""
     problems = []
     servers = cfg.ps["servers"]
-    if not GridShape.of(cfg, world_size).tiles:
+    if not JobShape.of(cfg, world_size).tiles:
         problems.append(
             f"ps.servers={servers} leaves no worker in a job of {world_size} rank(s): "
             f"launch more ranks than servers (e.g. mpirun -np {servers + 2})"
@@ -82,7 +82,7 @@ class ParameterServer(StrategyBase):
         w = world
         w.agree(config_problems(cfg, w.size), error_type=ConfigError)
         self.grid = ProcessGrid(w)
-        shape = GridShape.of(cfg, w.size)
+        shape = JobShape.of(cfg, w.size)
         self.n_servers, self.n_workers = shape.servers, shape.replicas
         self.is_server = self.serves = w.rank >= self.n_workers
         self.index = w.rank - self.n_workers if self.is_server else w.rank
