@@ -210,7 +210,8 @@ class TorchZero3(ShardedOptimizerState):
     # --- the hooks -----------------------------------------------------------------------
     def _before_forward(self, u: int, module, args) -> None:
         self.gather.need(u)
-        self.gather.prefetch(u + 1 if u + 1 < len(self._full) else None)
+        if not self._in_backward:  # a recomputation inside backward: the next is done
+            self.gather.prefetch(u + 1 if u + 1 < len(self._full) else None)
 
     def _after_forward(self, u: int, module, args, output) -> None:
         if self._in_backward:  # a recomputed unit (activation checkpointing)
