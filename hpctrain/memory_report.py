@@ -27,11 +27,10 @@ def data_ranks(cfg, world_size: int) -> int:
 def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
     """The report: the model, the world, and the table of stages (peak per rank)."""
     from .backends.groups import ModelGroups
-    from .backends.torch_plan import plan_shape
-    from .backends.torch_steps import prepare_process, resident_baseline
+    from .backends.torch_plan import plan_stages
     from .data import benchmark_input_spec
     from .errors import ConfigError
-    from .exchange.memory_plan import plan_all, table
+    from .exchange.memory_plan import STAGES, table
     from .tensor.parallel import TensorGroup
 
     if cfg.backend != "torch" or cfg.strategy != "data_parallel":
@@ -48,17 +47,13 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
     tensor = cfg.parallel["tensor"]
     groups = ModelGroups(tensor=TensorGroup.planned(tensor)) if tensor > 1 else ModelGroups()
     t = cfg.train
-    shape = plan_shape(cfg.model, benchmark_input_spec(cfg.data), groups, t["batch_size"])
-    if shape is None:
+    planned = plan_stages(cfg, benchmark_input_spec(cfg.data), groups, n, STAGES)
+    if planned is None:
         raise ConfigError(
             f"model {cfg.model['name']!r}: plan-memory plans zoo models; a user's model "
             "is checked against the rank's limit once built (runtime.memory_check)"
         )
-    prepare_process(1, t["deterministic"], t["seed"])
-    baseline = resident_baseline(cfg.optimizer)
-    plans = plan_all(
-        shape, n, cfg.optimizer, int(t["zero_unit_mb"] * MIB), int(t["bucket_mb"] * MIB)
-    )
+    shape, plans, baseline = planned
     psi = sum(shape.sizes)
     head = (
         f"model {cfg.model['name']}: {psi:,} dense parameters per rank"

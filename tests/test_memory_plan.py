@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import pytest
 
-from hpctrain.exchange.memory_plan import ModelShape, plan_all, plan_stage, table
+from hpctrain.exchange.memory_plan import STAGES, ModelShape, plan_stage, table
 
 MIB = 1 << 20
 ADAM = {"name": "adam", "weight_decay": 0.0}
 SGD = {"name": "sgd", "momentum": 0.9, "weight_decay": 0.0}
+
+
+def plan_all(shape, n, optimizer, unit_bytes, bucket_bytes) -> dict:
+    return {s: plan_stage(shape, n, s, optimizer, unit_bytes, bucket_bytes) for s in STAGES}
 
 
 def _shape(layers=8, per_layer=1 << 20):

@@ -198,15 +198,18 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
     [
         ["strategy=pipeline", "pipeline.microbatches=2", "train.batch_size=8"],
         ["train.zero=2", "train.batch_size=8"],
+        # ZeRO-3: every unit's gathers and reduce-scatters cross the link
+        ["train.zero=3", "train.zero_unit_mb=0.004", "train.batch_size=8"],
         [MOE, "train.batch_size=8"],
     ],
-    ids=["pipe2-tensor2", "zero2-data2-tensor2", "experts-data2-tensor2"],
+    ids=["pipe2-tensor2", "zero2-data2-tensor2", "zero3-data2-tensor2", "experts-data2-tensor2"],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(
     two_nodes, tmp_path, tmp_path_factory, layout
 ):
     """2 nodes x 2 ranks, tensor pairs inside a node (the grid's innermost axis), the
-    pipeline stages, the ZeRO data replicas or the experts' all-to-alls across the link;
+    pipeline stages, the ZeRO data replicas (ZeRO-3: its parameter gathers too) or the
+    experts' all-to-alls across the link;
     the sharded checkpoint (each rank its tensor slices, and its experts) is written to
     the shared run directory from both nodes and reads back as the one-process model."""
     model = [o for o in layout if o.startswith("model.")]

@@ -14,7 +14,7 @@ from ..moe.parallel import is_expert_param, local_layers
 from ..tensor import parallel as tensor_parallel
 from .groups import ModelGroups
 from .torch_model import ZooNet
-from .torch_zero3 import unit_modules
+from .torch_zero3 import module_params
 
 
 def plan_shape(model_cfg: dict, inp: zoo.InputSpec, groups: ModelGroups, batch: int, seed=0):
@@ -28,15 +28,11 @@ def plan_shape(model_cfg: dict, inp: zoo.InputSpec, groups: ModelGroups, batch: 
     with torch.device("meta"):
         model = ZooNet(mine, groups)
     named = list(model.named_parameters())
-    dense = [(n, p) for n, p in named if not is_expert_param(n)]
-    index = {id(p): i for i, (_, p) in enumerate(dense)}
-    per_layer = [
-        sorted(index[id(p)] for p in m.parameters() if id(p) in index) for m in unit_modules(model)
-    ]
+    dense = [p for n, p in named if not is_expert_param(n)]
     experts = sum(p.numel() for n, p in named if is_expert_param(n))
     return ModelShape(
-        sizes=[p.numel() for _, p in dense],
-        layers=per_layer,
+        sizes=[p.numel() for p in dense],
+        layers=module_params(model, dense),  # ZeRO-3's grouping of them into units
         expert_elements=experts,
         # routing needs values, so a meta forward cannot run MoE layers: not counted
         activation_bytes=0 if zoo.has_moe(model_cfg) else _saved_bytes(model, inp, batch),
@@ -67,11 +63,11 @@ def _saved_bytes(model, inp: zoo.InputSpec, batch: int) -> int:
     return sum(seen.values())
 
 
-def plan_before_build(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, threads: int, rank):
-    """(the plan's terms for the configured ZeRO stage, this process's resident bytes
-    before the model) or None for a user's model: what the limit check needs before
-    anything of the model is allocated. Prepares the process first (threads, seeds), as
-    the backend will, so the baseline includes torch's thread pools."""
+def plan_stages(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, stages, threads=1, rank=0):
+    """(ModelShape, {stage: the plan's terms}, this process's resident bytes before the
+    model) for a zoo model on `n` data-parallel ranks, or None for a user's model.
+    Prepares the process first (threads, seeds), as the backend will, so the baseline
+    includes torch's thread pools."""
     from .torch_steps import prepare_process, resident_baseline
 
     t = cfg.train
@@ -79,12 +75,16 @@ def plan_before_build(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, thre
     if shape is None:
         return None
     prepare_process(threads, t["deterministic"], t["seed"] + rank)
-    terms = plan_stage(
-        shape,
-        n,
-        t["zero"],
-        cfg.optimizer,
-        int(t["zero_unit_mb"] * 2**20),
-        int(t["bucket_mb"] * 2**20),
-    )
-    return terms, resident_baseline(cfg.optimizer)
+    unit, bucket = int(t["zero_unit_mb"] * 2**20), int(t["bucket_mb"] * 2**20)
+    plans = {s: plan_stage(shape, n, s, cfg.optimizer, unit, bucket) for s in stages}
+    return shape, plans, resident_baseline(cfg.optimizer)
+
+
+def plan_before_build(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, threads: int, rank):
+    """(the plan's terms for the configured ZeRO stage, the baseline) or None for a
+    user's model: what the limit check needs before anything of the model exists."""
+    planned = plan_stages(cfg, inp, groups, n, (cfg.train["zero"],), threads, rank)
+    if planned is None:
+        return None
+    _, plans, baseline = planned
+    return plans[cfg.train["zero"]], baseline

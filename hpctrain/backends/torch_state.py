@@ -37,7 +37,6 @@ class TorchStateMixin:
             return {
                 "grad": e["zero_model_grad_bytes"] + z.part.largest_segment_bytes(),
                 "grad_now": float(z.part.flat_len * 4 if z.part.stage == 1 else 0),
-                "params": e["zero_model_param_bytes"],
                 "optimizer": e["zero_model_optimizer_bytes"],
                 "optimizer_now": opt_now,
             }
@@ -79,12 +78,8 @@ class TorchStateMixin:
     def _live_weights(self) -> OrderedDict[str, np.ndarray]:
         """Views of the model's parameters and buffers (valid until the next step);
         under ZeRO-3 the dense parameters are gathered (collective, copies)."""
-        state = self.model.state_dict().items()
-        out = OrderedDict((k, to_host(v, copy=False)) for k, v in state if k not in self._sharded)
-        if self._sharded:
-            gathered = dict(zip(self.dense_names(), self.zero.all_params(), strict=True))
-            out = OrderedDict((k, out[k] if k in out else gathered[k]) for k, _ in state)
-        return out
+        views = self._unsharded_weights()
+        return self._in_model_order(views, self.zero.all_params()) if self._sharded else views
 
     @property
     def _sharded(self) -> frozenset:
@@ -136,7 +131,7 @@ class TorchStateMixin:
         names = [self._names[p] for p in self._dense]
         kind = self.cfg.optimizer["name"]
         sharded = self._sharded  # ZeRO-3: each rank writes its own parameter ranges
-        weights = self._live_weights() if not sharded else self._unsharded_weights()
+        weights = self._unsharded_weights()
         replicated = {
             **with_model_prefix(OrderedDict((k, v.copy()) for k, v in weights.items())),
             **export_optimizer_state(self.optimizer, self._expert_named(), kind),
@@ -148,7 +143,8 @@ class TorchStateMixin:
         return replicated, pieces
 
     def _unsharded_weights(self) -> OrderedDict[str, np.ndarray]:
-        """Buffers and experts: what ZeRO-3 does not shard (views)."""
+        """Views of the tensors this rank holds whole: all of them, or under ZeRO-3
+        the buffers and experts."""
         sharded = self._sharded
         state = self.model.state_dict().items()
         return OrderedDict((k, to_host(v, copy=False)) for k, v in state if k not in sharded)
@@ -162,10 +158,14 @@ class TorchStateMixin:
         full = self.zero.root_params()
         if full is None:
             return out  # not rank 0 (of the data ranks): its result is not saved
-        gathered = dict(zip(self.dense_names(), full, strict=True))
-        # in the model's order, as every other export (buffers among the parameters)
+        return self._in_model_order(out, full)
+
+    def _in_model_order(self, unsharded: dict, dense: list) -> OrderedDict[str, np.ndarray]:
+        """ZeRO-3's whole dense parameters (`dense`, in dense_names' order) among the
+        unsharded tensors, in the model's order, as every other export."""
+        gathered = dict(zip(self.dense_names(), dense, strict=True))
         return OrderedDict(
-            (k, out[k] if k in out else gathered[k]) for k in self.model.state_dict()
+            (k, unsharded[k] if k in unsharded else gathered[k]) for k in self.model.state_dict()
         )
 
     def import_state(self, state: dict[str, np.ndarray]) -> None:

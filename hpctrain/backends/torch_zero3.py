@@ -27,7 +27,6 @@ its parameters gathered and does not free them.
 
 from __future__ import annotations
 
-import ctypes
 from functools import partial
 
 import numpy as np
@@ -41,19 +40,13 @@ from ..exchange.zero3 import UnitGather
 from .torch_zero import ShardedOptimizerState
 
 
-def _host_view(t: torch.Tensor) -> np.ndarray:
-    """A numpy view of a CPU float32 tensor that leaves its storage resizable
-    (`tensor.numpy()` would pin it); valid until the storage is resized."""
-    return np.ctypeslib.as_array((ctypes.c_float * t.numel()).from_address(t.data_ptr()))
-
-
 def unit_modules(model: nn.Module) -> list[nn.Module]:
     """The model's layers in forward order: a zoo model's sequence, or a user model's
     children in registration order."""
     return list(model.seq) if hasattr(model, "seq") else list(model.children())
 
 
-def _module_params(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]]:
+def module_params(model: nn.Module, params: list[nn.Parameter]) -> list[list[int]]:
     """Indices (into `params`) of the parameters of each unit module; every parameter in
     exactly one module, or a ConfigError that says why ZeRO-3 cannot shard the model."""
     index = {id(p): i for i, p in enumerate(params)}
@@ -102,10 +95,10 @@ class TorchZero3(ShardedOptimizerState):
         rank never holds more than one unit of the whole model. Without it the model's
         own parameters are taken, rank 0's broadcast."""
         modules = unit_modules(model)
-        module_params = _module_params(model, params)
+        per_layer = module_params(model, params)
         sizes = [p.numel() for p in params]
-        groups = unit_plan(module_params, sizes, unit_bytes)
-        units = [sorted(i for m in g for i in module_params[m]) for g in groups]
+        groups = unit_plan(per_layer, sizes, unit_bytes)
+        units = [sorted(i for m in g for i in per_layer[m]) for g in groups]
         self.part = part = ZeroPartition(world, sizes, 3, 0, units=units)
         self.params = params
         self.shard = nn.Parameter(torch.zeros(part.shard_len))
@@ -152,7 +145,7 @@ class TorchZero3(ShardedOptimizerState):
         part = self.part
         k = part.segments[u].piece(part.n)
         lo = part.rank * k
-        part.shard_view(self._shard_np, u)[:] = _host_view(self._full[u])[lo : lo + k]
+        part.shard_view(self._shard_np, u)[:] = self._full[u].numpy()[lo : lo + k]
 
     def _take_params(self, world) -> None:
         for u, seg in enumerate(self.part.segments):
@@ -162,7 +155,7 @@ class TorchZero3(ShardedOptimizerState):
                 view.copy_(self.params[i].detach())
                 self.params[i].data = view
             if world is not None and world.size > 1:  # rank 0's weights everywhere
-                world.bcast_inplace(_host_view(flat), what=f"ZeRO-3 broadcast unit {u}")
+                world.bcast_inplace(flat.numpy(), what=f"ZeRO-3 broadcast unit {u}")
             self._close_unit(u)
 
     def _fill(self, model: nn.Module, init) -> None:
@@ -198,7 +191,7 @@ class TorchZero3(ShardedOptimizerState):
 
     # --- storage ----------------------------------------------------------------------
     def _buffer(self, u: int) -> np.ndarray:
-        return _host_view(self._full[u])
+        return self._full[u].numpy()
 
     def _grad_buffer(self, u: int) -> np.ndarray:
         """A zeroed gradient buffer for unit u, from the spares (allocated once)."""

@@ -113,11 +113,6 @@ def plan_stage(
     return out
 
 
-def plan_all(shape: ModelShape, n: int, optimizer: dict, unit_bytes: int, bucket_bytes: int):
-    """{stage: plan_stage(...)} for stages 0 to 3."""
-    return {s: plan_stage(shape, n, s, optimizer, unit_bytes, bucket_bytes) for s in STAGES}
-
-
 def table(plans: dict[int, dict], baseline: float, limit: float | None = None) -> str:
     """The plans as a text table in MiB, one row per stage (peak = baseline + total)."""
     mib = 1 << 20
