@@ -1,10 +1,26 @@
-"""Start real mpirun jobs from single-process tests, always under a hard timeout."""
+"""Start real mpirun jobs from single-process tests, always under a hard timeout.
+
+An ordinary launch (`hpctrain ...` or `python SCRIPT ...`, the suite's environment, no
+mpirun options) runs on warm ranks (tests/warm_ranks.py): a real `mpirun -np N` job
+kept for the session that runs launches one after another, so the suite pays torch's,
+TensorFlow's and MPI's start-up once per job instead of once per launch. A launch that
+sets its own environment (faults, Open MPI settings), passes mpirun options, or says
+`fresh=True` (it measures its processes' memory) gets its own mpirun as before;
+HPCTRAIN_TEST_FRESH_LAUNCHES=1 gives every launch its own.
+"""
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,19 +38,218 @@ class Job:
     seconds: float
 
 
-def mpirun(
-    np: int, *cmd: str, timeout: float = 300, env: dict | None = None, cwd: str | Path | None = None
-) -> Job:
-    """Run `cmd` on `np` ranks; stdout+stderr together; killed (and failed) on timeout."""
+def _launch_env(env: dict | None) -> dict:
     full_env = dict(os.environ)
     full_env.update(
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1"
     )
     full_env.update(env or {})
-    args = ["mpirun", "-np", str(np)]
-    if np > 2:
-        args.append("--oversubscribe")
-    args += list(cmd)
+    return full_env
+
+
+def _mpirun_args(np: int) -> list[str]:
+    return ["mpirun", "-np", str(np), *(["--oversubscribe"] if np > 2 else [])]
+
+
+def _same_env(a: dict, b: dict) -> bool:
+    skip = "PYTEST_CURRENT_TEST"
+    return {k: v for k, v in a.items() if k != skip} == {k: v for k, v in b.items() if k != skip}
+
+
+class WarmJob:
+    """One `mpirun -np N tests/warm_ranks.py` job and the launches it runs."""
+
+    def __init__(self, np: int, env: dict):
+        self.np, self.env, self.lock = np, env, threading.Lock()
+        self.dir = Path(tempfile.mkdtemp(prefix=f"hpctrain-warm{np}-"))
+        self.socket = str(self.dir / "socket")
+        self.log_path = self.dir / "job.log"
+        with open(self.log_path, "wb") as log:
+            self.proc = subprocess.Popen(
+                [
+                    *_mpirun_args(np),
+                    PYTHON,
+                    str(Path(__file__).with_name("warm_ranks.py")),
+                    self.socket,
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=ROOT,
+                start_new_session=True,
+            )
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def _connect(self, deadline: float) -> socket.socket | None:
+        while time.monotonic() < deadline and self.alive():
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                conn.connect(self.socket)
+                return conn
+            except OSError:
+                conn.close()
+                time.sleep(0.05)
+        return None
+
+    def _output(self, out: Path, log_from: int) -> str:
+        parts = [
+            (out / f"rank{r}.log").read_text(errors="replace")
+            for r in range(self.np)
+            if (out / f"rank{r}.log").exists()
+        ]
+        with open(self.log_path, "rb") as log:
+            log.seek(log_from)
+            parts.append(log.read().decode(errors="replace"))
+        return "".join(parts)
+
+    def kill(self) -> None:
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, 9)
+        self.proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def run(self, cmd: list[str], cwd: Path, timeout: float, env: dict) -> Job:
+        """`cmd` on the warm ranks; the job ends with it if it aborts (as its own would)."""
+        start = time.monotonic()
+        out = Path(tempfile.mkdtemp(dir=self.dir))
+        log_from = self.log_path.stat().st_size
+        conn = self._connect(start + timeout)
+        reply = b""
+        if conn is not None:
+            with conn:
+                conn.sendall(
+                    (
+                        json.dumps({"cmd": cmd, "cwd": str(cwd), "out": str(out), "env": env})
+                        + "\n"
+                    ).encode()
+                )
+                conn.settimeout(max(1.0, start + timeout - time.monotonic()))
+                try:
+                    while not reply.endswith(b"\n"):
+                        chunk = conn.recv(65536)
+                        if not chunk:
+                            break
+                        reply += chunk
+                except TimeoutError:
+                    output = self._output(out, log_from)
+                    self.kill()
+                    raise AssertionError(
+                        f"mpirun -np {self.np} {' '.join(cmd)} hung for {timeout} s "
+                        f"(warm ranks):\n{output}"
+                    ) from None
+        if reply.endswith(b"\n"):
+            answer = json.loads(reply)
+            code = next((c for c in answer["codes"] if c != 0), 0)
+            output = self._output(out, log_from)
+            if answer["retired"]:
+                self.proc.wait(timeout=60)
+        else:  # the job ended: an abort, a killed rank (or it could not start)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
+            output = self._output(out, log_from)
+            code = self.proc.returncode if self.proc.returncode is not None else 1
+            self.kill()
+        shutil.rmtree(out, ignore_errors=True)
+        return Job(code, output, time.monotonic() - start)
+
+    def close(self) -> None:
+        if self.alive():
+            conn = self._connect(time.monotonic() + 5)
+            if conn is not None:
+                with conn:
+                    conn.sendall(b'{"cmd": []}\n')
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=30)
+        self.kill()
+
+
+_warm: dict[int, WarmJob] = {}
+# Ranks kept warm at once (each holds torch, and TensorFlow once a run used it: about
+# 1 GB): the suite's 1-, 2-, 3- and 4-rank jobs fit, an 8-rank one replaces them.
+MAX_WARM_RANKS = 10
+
+
+def _warm_job(np: int, env: dict) -> WarmJob:
+    job = _warm.get(np)
+    if job is not None and (not job.alive() or not _same_env(job.env, env)):
+        job.close()
+        job = None
+    if job is None:
+        _warm.pop(np, None)
+        while _warm and sum(_warm) + np > MAX_WARM_RANKS:
+            _warm.pop(next(iter(_warm))).close()
+        job = _warm[np] = WarmJob(np, env)
+    else:
+        _warm[np] = _warm.pop(np)  # most recently used last
+    return job
+
+
+@atexit.register
+def close_warm_jobs() -> None:
+    while _warm:
+        _warm.popitem()[1].close()
+
+
+def _run_level_env(env: dict | None) -> bool:
+    """Variables read when a run starts (faults, a user model's import path), which warm
+    ranks set for that run alone; anything else (Open MPI's, TensorFlow's, Horovod's) is
+    read when a process starts and needs a launch of its own."""
+    return all(k.startswith("HPCTRAIN_FAULT_") or (k == "PYTHONPATH" and v)
+               for k, v in (env or {}).items())  # fmt: skip
+
+
+def _warm_eligible(cmd: tuple[str, ...], env: dict | None, fresh: bool) -> bool:
+    if fresh or not _run_level_env(env) or not cmd:
+        return False
+    if os.environ.get("HPCTRAIN_TEST_FRESH_LAUNCHES") == "1":
+        return False
+    if Path(cmd[0]).name == "hpctrain":
+        return True
+    return cmd[0] == PYTHON and len(cmd) > 1 and cmd[1].endswith(".py")
+
+
+def mpirun(
+    np: int,
+    *cmd: str,
+    timeout: float = 300,
+    env: dict | None = None,
+    cwd: str | Path | None = None,
+    fresh: bool = False,
+) -> Job:
+    """Run `cmd` on `np` ranks; stdout+stderr together; killed (and failed) on timeout.
+    fresh=True: its own mpirun even where warm ranks could run it (memory measured)."""
+    full_env = _launch_env(env)
+    if _warm_eligible(cmd, env, fresh):
+        job = _warm_job(np, _launch_env(None))
+        if job.lock.acquire(blocking=False):
+            try:
+                if job.alive():
+                    result = job.run(list(cmd), Path(cwd or ROOT), timeout, env or {})
+                    if not job.alive():
+                        _warm.pop(np, None)
+                    return _logged(result, np, cmd, warm=True)
+            finally:
+                job.lock.release()
+    return _logged(_fresh(np, cmd, timeout, full_env, cwd), np, cmd, warm=False)
+
+
+def _logged(job: Job, np: int, cmd, warm: bool) -> Job:
+    """HPCTRAIN_TEST_LAUNCH_LOG=FILE: one JSON line per launch (where the suite's time goes)."""
+    path = os.environ.get("HPCTRAIN_TEST_LAUNCH_LOG")
+    if path:
+        with open(path, "a") as log:
+            test = os.environ.get("PYTEST_CURRENT_TEST", "?").split(" ")[0]
+            what = [Path(c).name for c in cmd[:2]]
+            line = {"test": test, "np": np, "warm": warm, "cmd": what, "s": round(job.seconds, 2)}
+            log.write(json.dumps(line) + "\n")
+    return job
+
+
+def _fresh(np, cmd, timeout, full_env, cwd) -> Job:
+    args = _mpirun_args(np) + list(cmd)
     start = time.monotonic()
     proc = subprocess.Popen(
         args,

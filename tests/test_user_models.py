@@ -130,3 +130,20 @@ def test_options_are_checked_against_the_signature_and_data_facts_passed():
         "depth": 1,
         "classes": 5,
     }
+
+
+def test_a_keras_user_model_has_the_same_keys_however_many_models_the_process_built(
+    monkeypatch,
+):
+    """Keras numbers unnamed layers per process (dense, dense_1, ...); the keys of a user
+    model (and so its checkpoints) must not depend on what the process built before (a
+    second Trainer in a notebook, a resumed run in the same process)."""
+    monkeypatch.syspath_prepend(str(ROOT / "tests"))
+    from hpctrain.backends.tensorflow_user import build_user_model
+    from hpctrain.models.zoo import InputSpec
+
+    cfg = {"name": "random_layer_models:keras_dropout"}
+    first = build_user_model(cfg, InputSpec((8,), 3), seed=0)
+    second = build_user_model(cfg, InputSpec((8,), 3), seed=0)
+    assert list(first.vars) == list(second.vars)
+    assert list(second.vars)[0].startswith("dense/"), list(second.vars)

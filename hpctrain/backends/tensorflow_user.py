@@ -3,9 +3,10 @@
 Keras convolves channels last, so the function gets `input_shape` as (H, W, C) for
 images, and `KerasUserNet` turns hpctrain's channels-first batches (N, C, H, W) into
 (N, H, W, C) before calling the model. Variables are keyed by their Keras path without
-the outer model's own name (`dense1/kernel`, not `sequential_3/dense1/kernel`, whose
-counter depends on how many models the process built), so keys are the same in every
-process and name the layer that `model.get_layer` finds (the export recipe relies on it).
+the outer model's own name (`dense1/kernel`, not `sequential_3/dense1/kernel`), and
+Keras' layer-name counter is reset before the model is built, so keys are the same in
+every process, however many models it built before, and name the layer that
+`model.get_layer` finds (the export recipe relies on it).
 """
 
 from __future__ import annotations
@@ -83,6 +84,10 @@ def build_user_model(model_cfg: dict, inp: zoo.InputSpec, seed: int) -> KerasUse
     fn = user.resolve(name)
     shape = keras_input_shape(inp)
     kwargs = user.builder_kwargs(fn, model_cfg, shape, inp.classes)
+    # Keras numbers unnamed layers per process (dense, dense_1, ...): a process that built
+    # a model before (a second Trainer, a notebook) would name the same layers otherwise
+    # and find its own checkpoints "do not fit". Keras' reset of that counter:
+    keras.backend.clear_session()
     keras.utils.set_random_seed(seed)
     import tensorflow as tf
 

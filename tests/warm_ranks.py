@@ -1,0 +1,161 @@
+"""Warm ranks: one real `mpirun -np N` job that runs the suite's ordinary launches one
+after another in the same processes (started by tests/mpirun.py, never by a test).
+
+A launch on 2 cores spends 5-15 s importing torch (2.8 s of CPU per rank, 2.2 s more
+for the optimizer's first import of torch._dynamo), TensorFlow (5 s per rank), MPI and
+h5py, and under a second training a test's small run. Here each rank imports once and
+then, per request, runs `hpctrain ARGS...` (hpctrain.cli.main) or `python SCRIPT ARGS...`
+(runpy) with its stdout and stderr in its own file, exactly as the dump scripts already
+run several runs per launch: every run builds its own World use, loop and backend, and
+reseeds every random stream.
+
+Protocol: rank 0 accepts one connection at a time on the Unix socket argv[1] and reads
+one JSON line {"cmd": [...], "cwd": DIR, "out": DIR, "env": {...}}; every rank runs it and writes
+out/rank<r>.log; rank 0 answers {"codes": [exit code per rank]}. An empty cmd ends the
+job. After a run that started Horovod (its background thread would cost every later
+run CPU), the job answers with "retired": true and ends.
+A run that aborts (MPI_Abort, a killed rank) ends this job as it would end its own
+launch; tests/mpirun.py then reports the job's exit code and output.
+
+Idle ranks wait in a non-blocking barrier polled every 5 ms, not in a spinning
+collective: an idle job costs no CPU beside the tests' own jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import runpy
+import socket
+import sys
+import time
+import traceback
+
+from mpi4py import MPI
+
+COMM = MPI.COMM_WORLD
+RANK = COMM.Get_rank()
+
+
+def _quiet_barrier() -> None:
+    request = COMM.Ibarrier()
+    while not request.Test():
+        time.sleep(0.005)
+
+
+def _exit_code(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code
+    sys.stderr.write(f"{exc.code}\n")  # what the interpreter prints for sys.exit("text")
+    return 1
+
+
+def _run(cmd: list[str]) -> int:
+    """One launch's command in this process; its exit code."""
+    from hpctrain.runtime.logs import set_verbose
+
+    set_verbose(False)  # --verbose is sticky in a process; a launch starts without it
+    argv, path = sys.argv, list(sys.path)
+    try:
+        if os.path.basename(cmd[0]) == "hpctrain":
+            from hpctrain.cli import main
+
+            sys.argv = list(cmd)
+            return main(cmd[1:])
+        sys.argv = list(cmd[1:])
+        sys.path.insert(0, os.path.dirname(os.path.abspath(cmd[1])))
+        runpy.run_path(cmd[1], run_name="__main__")
+        return 0
+    except SystemExit as exc:
+        return _exit_code(exc)
+    except BaseException:  # noqa: BLE001 - what the interpreter would print, then status 1
+        traceback.print_exc()
+        return 1
+    finally:
+        sys.argv, sys.path[:] = argv, path
+
+
+def _run_captured(request: dict) -> int:
+    """Run with fds 1 and 2 in out/rank<r>.log (children inherit them), in request's cwd,
+    with its run-level environment (tests/mpirun.py: faults, PYTHONPATH) for this run."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    log = os.open(
+        os.path.join(request["out"], f"rank{RANK}.log"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    )
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    cwd, env, path = os.getcwd(), dict(os.environ), list(sys.path)
+    try:
+        os.chdir(request["cwd"])
+        os.environ.update(request["env"])
+        if request["env"].get("PYTHONPATH"):
+            sys.path[1:1] = request["env"]["PYTHONPATH"].split(os.pathsep)
+        return _run(request["cmd"])
+    finally:
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:] = path
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        os.close(saved[0])
+        os.close(saved[1])
+        os.chdir(cwd)
+
+
+def _horovod_started() -> bool:
+    """Horovod's background thread would cost every later run CPU: retire the job."""
+    for name in ("horovod.torch", "horovod.tensorflow"):
+        module = sys.modules.get(name)
+        if module is not None and module.is_initialized():
+            return True
+    return False
+
+
+def _read_request(conn: socket.socket) -> dict:
+    data = b""
+    while not data.endswith(b"\n"):
+        chunk = conn.recv(65536)
+        if not chunk:
+            return {"cmd": []}
+        data += chunk
+    return json.loads(data)
+
+
+def serve(socket_path: str) -> None:
+    server = None
+    if RANK == 0:
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        server.bind(socket_path)
+        server.listen(1)
+    while True:
+        conn, request = None, None
+        if RANK == 0:
+            conn, _ = server.accept()
+            request = _read_request(conn)
+        _quiet_barrier()
+        request = COMM.bcast(request, root=0)
+        if not request["cmd"]:
+            break
+        code = _run_captured(request)
+        _quiet_barrier()
+        codes = COMM.gather(code, root=0)
+        retire = COMM.allreduce(int(_horovod_started()), op=MPI.MAX)
+        if RANK == 0:
+            conn.sendall((json.dumps({"codes": codes, "retired": bool(retire)}) + "\n").encode())
+            conn.close()
+        if retire:
+            break
+    if RANK == 0:
+        server.close()
+        os.unlink(socket_path)
+
+
+if __name__ == "__main__":
+    serve(sys.argv[1])
