@@ -18,6 +18,7 @@ from typing import Any
 import yaml
 
 from .errors import ConfigError
+from .exchange import compression as compression_methods
 from .strategies import STRATEGIES, composition
 
 
@@ -155,7 +156,7 @@ SCHEMA: dict[str, Any] = {
             "none",
             str,
             "gradient compression on the wire (options in the compression section)",
-            choices=("none", "fp16", "bf16", "topk", "randomk", "int8", "powersgd"),
+            choices=compression_methods.METHODS,
         ),
         "hierarchical": _f(
             False,

@@ -11,6 +11,7 @@ mixture-of-experts layers), each with what to change.
 from __future__ import annotations
 
 from ..backends.gradient_engine import join_words
+from ..exchange.compression import LOSSY
 from ..models import zoo
 
 ZERO_SHARDS = {
@@ -53,7 +54,7 @@ def compression_text(cfg) -> str:
         options.append(f"ratio {c['ratio']:g}")
     if method == "powersgd":
         options.append(f"rank {c['rank']}")
-    if method in ("topk", "randomk", "int8", "powersgd") and c["error_feedback"]:
+    if method in LOSSY and c["error_feedback"]:
         options.append("error feedback")
     if method != "none" and c["warmup_steps"]:
         options.append(f"dense for the first {c['warmup_steps']} steps")

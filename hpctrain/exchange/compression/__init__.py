@@ -7,11 +7,14 @@ from .halfring import HalfRing
 from .lossy import Int8, PowerSGD, RandomK, TopK
 
 LOSSY = {"topk": TopK, "randomk": RandomK, "int8": Int8, "powersgd": PowerSGD}
+HALF = ("fp16", "bf16")
+# `train.compression`'s choices (config.py reads them here: one list of what exists)
+METHODS = ("none", *HALF, *LOSSY)
 
 
 def build(method: str, comm, shapes: list[tuple], opts: dict, what: str):
     """The reducer for `method` (not none) over `comm` for gradients of `shapes`."""
-    if method in ("fp16", "bf16"):
+    if method in HALF:
         return HalfRing(comm, [int(_prod(s)) for s in shapes], method, what)
     return LOSSY[method](comm, shapes, opts, what)
 
@@ -23,4 +26,4 @@ def _prod(shape) -> int:
     return out
 
 
-__all__ = ["HalfRing", "Int8", "LOSSY", "PowerSGD", "RandomK", "TopK", "build"]
+__all__ = ["HALF", "HalfRing", "Int8", "LOSSY", "METHODS", "PowerSGD", "RandomK", "TopK", "build"]
