@@ -60,7 +60,7 @@ class WarmJob:
     """One `mpirun -np N tests/warm_ranks.py` job and the launches it runs."""
 
     def __init__(self, np: int, env: dict):
-        self.np, self.env, self.lock = np, env, threading.Lock()
+        self.np, self.env, self.lock, self.runs = np, env, threading.Lock(), 0
         self.dir = Path(tempfile.mkdtemp(prefix=f"hpctrain-warm{np}-"))
         self.socket = str(self.dir / "socket")
         self.log_path = self.dir / "job.log"
@@ -228,16 +228,19 @@ def mpirun(
             try:
                 if job.alive():
                     result = job.run(list(cmd), Path(cwd or ROOT), timeout, env or {})
+                    job.runs += 1
                     if not job.alive():
                         _warm.pop(np, None)
-                    return _logged(result, np, cmd, warm=True)
+                    return _logged(result, np, cmd, warm=job.runs)
             finally:
                 job.lock.release()
     return _logged(_fresh(np, cmd, timeout, full_env, cwd), np, cmd, warm=False)
 
 
-def _logged(job: Job, np: int, cmd, warm: bool) -> Job:
-    """HPCTRAIN_TEST_LAUNCH_LOG=FILE: one JSON line per launch (where the suite's time goes)."""
+def _logged(job: Job, np: int, cmd, warm: int | bool) -> Job:
+    """HPCTRAIN_TEST_LAUNCH_LOG=FILE: one JSON line per launch (where the suite's time goes);
+    warm: False for a launch of its own, else which run of its warm job it was (1: the
+    job started for it)."""
     path = os.environ.get("HPCTRAIN_TEST_LAUNCH_LOG")
     if path:
         with open(path, "a") as log:
