@@ -123,6 +123,13 @@ CASES = {  # name: (first np, first overrides, then np, then overrides)
     "plain-then-tp": (1, [], 2, ["parallel.tensor=2"]),
     "zero-tp-then-plain": (4, ["parallel.tensor=2", "train.zero=2", "train.batch_size=8"], 1, []),
     "zero3-tp-then-plain": (4, ["parallel.tensor=2", *ZERO3, "train.batch_size=8"], 1, []),
+    # one file: rank 0 writes what the ZeRO-3 x tensor ranks gather for it
+    "zero3-tp-one-file-then-plain": (
+        4,
+        ["parallel.tensor=2", *ZERO3, "train.batch_size=8", "checkpoint.sharded=false"],
+        1,
+        [],
+    ),
     "plain-then-zero3": (1, [], 2, ["parallel.tensor=1", *ZERO3, "train.batch_size=8"]),
     "tp-data-then-tp": (4, ["parallel.tensor=2", "train.batch_size=8"], 2, ["parallel.tensor=2"]),
     "pipe-tp-then-plain": (4, [*PIPE_TP, "train.batch_size=8"], 1, []),
@@ -191,7 +198,8 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
-    if "parallel.tensor=2" in first:  # each tensor rank wrote its slices (sharded)
+    sharded = "checkpoint.sharded=false" not in first
+    if "parallel.tensor=2" in first and sharded:  # each tensor rank wrote its slices
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == first_np, slices
         assert any("attn.qkv.weight" in n for names in slices.values() for n in names)
@@ -212,6 +220,8 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
     got, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{case} {k}")
+    if not sharded:
+        assert not list((part / "checkpoints").glob("*.shards")), "sharded=false wrote shards"
 
 
 # Mixture of experts inside tensor-parallel blocks: attention split over the tensor
