@@ -41,6 +41,7 @@ from .tensorflow_model import (  # noqa: F401 - importable from here (stage, wor
     eval_sums,
     evaluate_with,
     net_weights,
+    traced,
 )
 from .tensorflow_optim import _clip_like_torch, _clip_tensor_parallel, _Optimizer
 from .tensorflow_state import (  # noqa: F401 - importable from here
@@ -125,8 +126,8 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
             self.engine_reason += "; TensorFlow sends the buckets after tape.gradient"
         self.exchange_step = 0  # optimizer steps taken (reducers' warm-up, local SGD)
         self.broadcast_from_root()
-        self._grad_fn = tf.function(self._grads, reduce_retracing=True)
-        self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
+        self._grad_fn = traced(self._grads, self.net)
+        self._eval_fn = traced(lambda x, y: eval_sums(self.net, x, y), self.net)
 
     def broadcast_from_root(self) -> None:
         """Every replica takes rank 0's variables and optimizer state.

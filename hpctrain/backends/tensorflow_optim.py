@@ -38,7 +38,7 @@ class _Optimizer:
         self.step = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.started = tf.Variable(False, trainable=False)  # SGD buffers start at g
 
-    @tf.function(reduce_retracing=True)
+    @tf.function(reduce_retracing=True, autograph=False)  # Python branches only
     def apply(self, grads, lr):
         """One update of every variable, one variable after the other: TF's executor
         would otherwise start every variable's elementwise ops at once and hold all their

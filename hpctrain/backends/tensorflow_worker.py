@@ -22,6 +22,7 @@ from .tensorflow import (
     rng_state,
     set_rng_state,
     tf,
+    traced,
 )
 from .worker_base import WorkerBase
 
@@ -37,8 +38,8 @@ class TensorFlowWorker(WorkerBase):
         self.net = build_model(model_cfg, inp, seed, groups=groups)
         self.params = self.net.vars
         self.buffers = self.net.buffers
-        self._grad_fn = tf.function(self._grads, reduce_retracing=True)
-        self._eval_fn = tf.function(lambda x, y: eval_sums(self.net, x, y), reduce_retracing=True)
+        self._grad_fn = traced(self._grads, self.net)
+        self._eval_fn = traced(lambda x, y: eval_sums(self.net, x, y), self.net)
 
     def param_shapes(self) -> OrderedDict[str, tuple]:
         return OrderedDict((k, tuple(v.shape)) for k, v in self.params.items())
