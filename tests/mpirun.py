@@ -111,8 +111,9 @@ class WarmJob:
         self.proc.wait()
         shutil.rmtree(self.dir, ignore_errors=True)
 
-    def run(self, cmd: list[str], cwd: Path, timeout: float, env: dict) -> Job:
-        """`cmd` on the warm ranks; the job ends with it if it aborts (as its own would)."""
+    def run(self, cmd: list[str], cwd: Path, timeout: float, env: dict) -> Job | None:
+        """`cmd` on the warm ranks; the job ends with it if it aborts (as its own would).
+        None: the job ended before any rank started it (idle timeout): launch it elsewhere."""
         start = time.monotonic()
         out = Path(tempfile.mkdtemp(dir=self.dir))
         log_from = self.log_path.stat().st_size
@@ -144,11 +145,16 @@ class WarmJob:
             answer = json.loads(reply)
             code = next((c for c in answer["codes"] if c != 0), 0)
             output = self._output(out, log_from)
-            if answer["retired"]:
-                self.proc.wait(timeout=60)
+            if answer["retired"]:  # it ends by itself (Horovod started)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=60)
+                self.kill()
         else:  # the job ended: an abort, a killed rank (or it could not start)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=max(1.0, start + timeout - time.monotonic()))
+            if not any(out.iterdir()) and not self.alive():
+                self.kill()
+                return None  # no rank ran it
             output = self._output(out, log_from)
             code = self.proc.returncode if self.proc.returncode is not None else 1
             self.kill()
@@ -231,7 +237,8 @@ def mpirun(
                     job.runs += 1
                     if not job.alive():
                         _warm.pop(np, None)
-                    return _logged(result, np, cmd, warm=job.runs)
+                    if result is not None:
+                        return _logged(result, np, cmd, warm=job.runs)
             finally:
                 job.lock.release()
     return _logged(_fresh(np, cmd, timeout, full_env, cwd), np, cmd, warm=False)

@@ -203,6 +203,8 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
         slices = _tensor_slices(part / "checkpoints")
         assert sum(1 for names in slices.values() if names) == first_np, slices
         assert any("attn.qkv.weight" in n for names in slices.values() for n in names)
+    if not sharded:  # one file: no rank wrote pieces of its own
+        assert not list((part / "checkpoints").glob("*.shards")), "sharded=false wrote shards"
     if case == "zero-pipe-then-plain":  # every replica wrote its own optimizer ranges
         ranges = _flat_ranges(part / "checkpoints")
         assert sum(1 for names in ranges.values() if names) == first_np, ranges
@@ -220,8 +222,6 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
     got, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{case} {k}")
-    if not sharded:
-        assert not list((part / "checkpoints").glob("*.shards")), "sharded=false wrote shards"
 
 
 # Mixture of experts inside tensor-parallel blocks: attention split over the tensor

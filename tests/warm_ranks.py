@@ -18,7 +18,8 @@ A run that aborts (MPI_Abort, a killed rank) ends this job as it would end its o
 launch; tests/mpirun.py then reports the job's exit code and output.
 
 Idle ranks wait in a non-blocking barrier polled every 5 ms, not in a spinning
-collective: an idle job costs no CPU beside the tests' own jobs.
+collective: an idle job costs no CPU beside the tests' own jobs. After 15 minutes
+without a launch (or once the test session that started it is gone) the job ends.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from mpi4py import MPI
 
 COMM = MPI.COMM_WORLD
 RANK = COMM.Get_rank()
+IDLE_TIMEOUT_S = 900
 
 
 def _quiet_barrier() -> None:
@@ -57,7 +59,6 @@ def _run(cmd: list[str]) -> int:
     from hpctrain.runtime.logs import set_verbose
 
     set_verbose(False)  # --verbose is sticky in a process; a launch starts without it
-    argv, path = sys.argv, list(sys.path)
     try:
         if os.path.basename(cmd[0]) == "hpctrain":
             from hpctrain.cli import main
@@ -73,8 +74,6 @@ def _run(cmd: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter would print, then status 1
         traceback.print_exc()
         return 1
-    finally:
-        sys.argv, sys.path[:] = argv, path
 
 
 def _run_captured(request: dict) -> int:
@@ -89,7 +88,7 @@ def _run_captured(request: dict) -> int:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    cwd, env, path = os.getcwd(), dict(os.environ), list(sys.path)
+    cwd, env, path, argv = os.getcwd(), dict(os.environ), list(sys.path), sys.argv
     try:
         os.chdir(request["cwd"])
         os.environ.update(request["env"])
@@ -99,7 +98,7 @@ def _run_captured(request: dict) -> int:
     finally:
         os.environ.clear()
         os.environ.update(env)
-        sys.path[:] = path
+        sys.path[:], sys.argv = path, argv
         sys.stdout.flush()
         sys.stderr.flush()
         os.dup2(saved[0], 1)
@@ -134,11 +133,19 @@ def serve(socket_path: str) -> None:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(socket_path)
         server.listen(1)
+        # No launch for this long (or a test session that died without closing the job):
+        # the job ends; tests/mpirun.py starts another when one is needed.
+        server.settimeout(IDLE_TIMEOUT_S)
     while True:
         conn, request = None, None
         if RANK == 0:
-            conn, _ = server.accept()
-            request = _read_request(conn)
+            try:
+                conn, _ = server.accept()
+            except TimeoutError:
+                request = {"cmd": []}
+            else:
+                conn.settimeout(None)
+                request = _read_request(conn)
         _quiet_barrier()
         request = COMM.bcast(request, root=0)
         if not request["cmd"]:
