@@ -108,6 +108,14 @@ SCHEMA: dict[str, Any] = {
         "vocab": _f(64, int, "vocabulary of the 'tokens' task", minimum=2),
         "seed": _f(1234, int, "seed of the synthetic data generator", **NONNEG),
         "prefetch": _f(2, int, "batches read ahead by a background thread", **NONNEG),
+        "in_memory_mb": _f(
+            256,
+            (int, float),
+            "a training split of at most this many MiB (x and y) is read once into each "
+            "rank's memory and batched from there; a larger one row by row from the file "
+            "(0: always from the file)",
+            minimum=0,
+        ),
     },
     "optimizer": {
         "name": _f("sgd", str, "optimizer", choices=("sgd", "adam")),

@@ -65,7 +65,9 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
     limit = None if limit_mb is None else limit_mb * MIB
     notes = (
         "peak = baseline (this process, before a model) + every term; ZeRO-3 gathers "
-        f"units of train.zero_unit_mb={t['zero_unit_mb']} MB, two at a time"
+        f"units of train.zero_unit_mb={t['zero_unit_mb']} MB, two at a time; a run's "
+        "baseline also holds its training split when it fits data.in_memory_mb "
+        f"({cfg.data['in_memory_mb']:g} MiB)"
     )
     return "\n".join([head, table(plans, baseline, limit), notes])
 

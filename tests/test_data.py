@@ -7,7 +7,13 @@ import pytest
 from hpctrain.data.dataset import DataOptions, held_out_rows, inspect_dataset
 from hpctrain.data.keys import validate_keys_option
 from hpctrain.data.layout import decide_layout
-from hpctrain.data.sharded import DatasetInfo, ShardedTrainData, epoch_permutation, val_block
+from hpctrain.data.sharded import (
+    DatasetInfo,
+    ShardedTrainData,
+    epoch_permutation,
+    split_bytes,
+    val_block,
+)
 from hpctrain.data.synthetic import generate, write_dataset
 from hpctrain.errors import DataError
 from hpctrain.models.zoo import InputSpec
@@ -62,6 +68,38 @@ def test_prefetched_batches_equal_direct_reads(tmp_path):
     for sa, sb in zip(a, b, strict=True):
         np.testing.assert_array_equal(sa[0][0], sb[0][0])
         np.testing.assert_array_equal(sa[0][1], sb[0][1])
+
+
+@pytest.mark.parametrize("held_out", [False, True])
+def test_a_split_in_memory_gives_the_batches_read_from_the_file(tmp_path, held_out):
+    """data.in_memory_mb: the split read whole once, or row by row: the same batches bit
+    for bit (with validation held out of the file's one split too), and the limit
+    decides which path a run takes."""
+    splits, attrs = generate("vectors", 300, 20, seed=5, features=4, classes=3)
+    if held_out:
+        x, y = splits["train"]
+        path = _file(tmp_path / "d.h5", x=x, y=y)
+        info = inspect_dataset(path, DataOptions(val_fraction=0.2, seed=1))
+    else:
+        path = write_dataset(tmp_path / "d.h5", splits, attrs)
+        info = DatasetInfo(str(path), 300, 20, InputSpec((4,), 3), "float32", {})
+    need = split_bytes(info)
+    assert need == info.train_size * (4 * 4 + 8)  # float32 x 4 features + int64 label
+    for prefetch in (0, 2):
+        memory = ShardedTrainData(info, 1, 2, 16, 2, seed=0, prefetch=prefetch,
+                                  in_memory_bytes=need)  # fmt: skip
+        file = ShardedTrainData(info, 1, 2, 16, 2, seed=0, prefetch=prefetch,
+                                in_memory_bytes=need - 1)  # fmt: skip
+        assert memory.in_memory is not None and file.in_memory is None
+        for epoch, position in ((0, 0), (1, 64)):
+            got = list(memory.iterate(epoch, position))
+            want = list(file.iterate(epoch, position))
+            assert len(got) == len(want) > 0
+            for step_got, step_want in zip(got, want, strict=True):
+                for (gx, gy), (wx, wy) in zip(step_got, step_want, strict=True):
+                    assert gx.dtype == wx.dtype and gy.dtype == wy.dtype
+                    np.testing.assert_array_equal(gx, wx)
+                    np.testing.assert_array_equal(gy, wy)
 
 
 def test_synthetic_tasks_are_deterministic_and_learnable_in_shape():

@@ -122,7 +122,14 @@ class StrategyBase:
             return None, BenchmarkData(inp, b, accum, shards, tcfg["seed"] + shard, steps), inp
         dataset = prepare_dataset(cfg, self.world, self.run_dir)
         data = ShardedTrainData(
-            dataset, shard, shards, b, accum, tcfg["seed"], cfg.data["prefetch"] if prefetch else 0
+            dataset,
+            shard,
+            shards,
+            b,
+            accum,
+            tcfg["seed"],
+            cfg.data["prefetch"] if prefetch else 0,
+            in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
         )
         return dataset, data, dataset.input_spec
 

@@ -125,6 +125,7 @@ class ParameterServer(StrategyBase):
             self.data = ShardedTrainData(
                 self.dataset, self.index, self.n_workers, tcfg["batch_size"],
                 tcfg["grad_accum"], tcfg["seed"], cfg.data["prefetch"],
+                in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
             )  # fmt: skip
             self.agreed_flags = lambda _stats: self.worker.flags()
         w.agree(error)
