@@ -43,7 +43,7 @@ def test_a_layout_gpus_cannot_run_yet_keeps_auto_on_the_cpu_and_refuses_cuda():
     "overrides, says",
     [
         (["train.allreduce=nccl", "runtime.device=cpu"], "NCCL needs GPU ranks"),
-        (["train.allreduce=gloo", "train.zero=1"], "train.allreduce=gloo: the process-group"),
+        (["train.allreduce=gloo", "train.zero=3"], "train.allreduce=gloo: the process-group"),
         (["train.allreduce=nccl", "backend=tensorflow"], "not with backend tensorflow"),
         (["runtime.device=cuda", "backend=tensorflow"], "tensorflow backend trains on CPU"),
         (["runtime.device=cuda", "train.zero=2"], "not with train.zero=2"),

@@ -1,7 +1,9 @@
 """`train.allreduce=gloo` under real mpirun: torch.distributed bootstrapped over MPI (no
 MASTER_ADDR), the same device-side code GPU ranks run with NCCL, gives the parameters
 and losses of the MPI engine after the steps (SGD with momentum and Adam, clipping,
-accumulation) at np 2 and 4. The runs share the overlap tests' launches.
+accumulation) at np 2 and 4. The runs share the overlap tests' launches. ZeRO-1 and
+ZeRO-2 over Gloo (the partition on torch tensors) equal one process on the MPI engine,
+and their checkpoints resume as plain data parallelism.
 
 Tolerance: 1e-6, except Adam at np=4. There Gloo and Open MPI sum four ranks' gradients
 in different orders, and Adam divides each update by sqrt(v): a last-bit difference in
@@ -10,9 +12,12 @@ elements of one matrix). At np=2 the sums are the same additions and the runs ag
 for bit; with SGD at np=4 within 1e-6.
 """
 
+import json
+
 import pytest
 from test_overlap_jobs import COMMON, TORTURE
-from test_trainer_jobs import _assert_same_weights, share, shared_run
+from test_resume_jobs import BASE
+from test_trainer_jobs import _assert_same_weights, _train_many, share, shared_run
 
 CASES = [(2, "sgd", 1e-6), (4, "sgd", 1e-6), (4, "adam", 1e-5)]
 # The MPI-engine runs test_overlap_jobs already trains (same options) are not repeated.
@@ -33,3 +38,71 @@ def test_gloo_process_group_equals_the_mpi_engine(tmp_path_factory, np_, optimiz
     assert mpi_losses and len(pg_losses) == len(mpi_losses)
     _assert_same_weights(pg, mpi, tol)
     assert pg_losses == pytest.approx(mpi_losses, abs=tol)
+
+
+# ZeRO-1/2 on the process-group engine: shard, gradients and collectives stay torch
+# tensors (backends/torch_transport.py). Adam at a usual lr (see test_zero_jobs.py),
+# clipped by the global norm, two micro-batches, ~4 KB segments (stage 2 reduces several
+# during backward), weight decay.
+ZERO_PG_JOB = [
+    *BASE,
+    "backend=torch",
+    "model.hidden=[64, 32]",
+    "optimizer.name=adam",
+    "optimizer.lr=0.003",
+    "optimizer.weight_decay=0.01",
+    "train.grad_accum=2",
+    "train.clip_norm=0.05",
+    "train.bucket_mb=0.004",
+]
+
+
+def test_gloo_zero_equals_one_process_and_its_checkpoint_resumes_as_plain(tmp_path):
+    """6 steps of train.zero=1 and train.zero=2 over Gloo at np 2 (global batch 32)
+    equal one process on the MPI engine; each step sends what reduce-scatter plus
+    allgather send; the ZeRO-2 run's step-6 checkpoint continues as plain data
+    parallelism (mpi engine, np 2) for 3 more steps equal to one process's own
+    continuation, and that process's checkpoint continues as ZeRO-1 over Gloo equal too
+    (the optimizer state loaded into the process group's shard)."""
+    six = [*ZERO_PG_JOB, "train.max_steps=6"]
+
+    def then(source, *overrides):
+        ckpt = tmp_path / f"{source}.npz.run" / "checkpoints" / "ckpt-00000006.h5"
+        return [*ZERO_PG_JOB, "train.max_steps=9", f"checkpoint.resume={ckpt}", *overrides]
+
+    one = _train_many(
+        tmp_path,
+        1,
+        {
+            "ref": [*six, "train.batch_size=16", "train.allreduce=mpi"],
+            "ref-cont": then("ref", "train.batch_size=16", "train.allreduce=mpi"),
+        },
+    )
+    gloo = ["train.batch_size=8", "train.allreduce=gloo"]
+    two = _train_many(
+        tmp_path,
+        2,
+        {
+            "zero1": [*six, *gloo, "train.zero=1"],
+            "zero2": [*six, *gloo, "train.zero=2"],
+            "zero2-then-plain": then("zero2", "train.batch_size=8", "train.allreduce=mpi"),
+            "plain-then-zero1": then("ref", *gloo, "train.zero=1"),
+        },
+    )
+    ref, ref_losses = one["ref"]
+    for stage, times in ((1, 2), (2, 3)):  # stage 2 reduce-scatters each micro-batch
+        weights, losses = two[f"zero{stage}"]
+        _assert_same_weights(weights, ref, 1e-6)
+        assert len(losses) == 6 and losses == pytest.approx(ref_losses, abs=1e-6)
+        steps = [x for x in _metrics(tmp_path / f"zero{stage}.npz.run") if x["event"] == "step"]
+        psi = steps[-1]["zero_model_param_bytes"]
+        assert steps[-1]["comm_bytes"] == pytest.approx(times * psi / 2, rel=0.01)
+    for name in ("zero2-then-plain", "plain-then-zero1"):
+        cont, cont_losses = two[name]
+        _assert_same_weights(cont, one["ref-cont"][0], 1e-6)
+        assert len(cont_losses) == 3
+        assert cont_losses == pytest.approx(one["ref-cont"][1], abs=1e-6)
+
+
+def _metrics(run_dir):
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]

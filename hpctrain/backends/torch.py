@@ -51,7 +51,7 @@ from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, 
     rng_state,
     set_rng_state,
 )
-from .torch_zero import TorchZero
+from .torch_zero import make_torch_zero
 from .torch_zero3 import TorchZero3
 
 
@@ -113,14 +113,9 @@ class TorchBackend(TorchStateMixin, BackendBase):
                 init=self._init_stream() if self._lazy else None,
             )
             opt = self.zero.optimizer
-        elif cfg.train["zero"]:
-            self.zero = TorchZero(
-                self.world,
-                params,
-                cfg.train["zero"],
-                int(cfg.train["bucket_mb"] * 2**20),
-                partial(make_optimizer, cfg.optimizer),
-            )
+        elif cfg.train["zero"]:  # over MPI (host) or the process group (device)
+            make_opt = partial(make_optimizer, cfg.optimizer)
+            self.zero = make_torch_zero(cfg, self.world, params, self.engine, self.device, make_opt)
             opt = self.zero.optimizer
         else:
             opt = make_optimizer(cfg.optimizer, params)
@@ -157,7 +152,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             else make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
         )
         self._pg = None  # nccl / gloo: torch.distributed on the device (torch_pg.py)
-        if self.engine in gradient_engine.PROCESS_GROUP_ENGINES:
+        if self.engine in gradient_engine.PROCESS_GROUP_ENGINES and self.zero is None:
             from .torch_pg import ProcessGroupMean
 
             timeout = cfg.runtime["collective_timeout"]

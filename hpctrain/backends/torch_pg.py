@@ -15,7 +15,8 @@ default TORCH_NCCL_ASYNC_ERROR_HANDLING), and mpirun/srun end the rest of the jo
 Cost at scale: bootstrap is one MPI broadcast and N-1 TCP connections to rank 0's
 store (torch's libuv store serves thousands of clients: seconds at 4,096 ranks, once).
 The dense average is one ring/tree allreduce of the gradient bytes per step: 2(N-1)/N
-of the buffer per rank at 1,024 and 4,096 ranks alike.
+of the buffer per rank at 1,024 and 4,096 ranks alike. ZeRO-1/2 on these engines use the
+same group through the exchange layer's transport (`torch_transport.py`).
 """
 
 from __future__ import annotations

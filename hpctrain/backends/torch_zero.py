@@ -1,4 +1,11 @@
-"""ZeRO-1/2 for the torch backend (the layout and the MPI side: exchange/zero.py).
+"""ZeRO-1/2 for the torch backend (the layout and the collectives: exchange/zero.py).
+
+The partition runs over a transport (exchange/transport.py): on the `mpi` engine the
+World (host numpy buffers, which here are views of the torch tensors' memory: no
+copy); on the process-group engines (`gloo`, `nccl`) a `ProcessGroupTransport`, whose
+buffers are the torch tensors themselves, on the rank's device, so a step's shard,
+gradients, reduce-scatters and allgathers never leave it. Checkpoints gather the
+optimizer state over MPI on the host (once per save).
 
 The dense parameters become views of one padded flat tensor, so the allgather of the
 updated shards writes straight into the model; the torch optimizer holds one flat
@@ -23,6 +30,7 @@ from torch import nn
 
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
+from .gradient_engine import PROCESS_GROUP_ENGINES
 
 
 class ShardedOptimizerState:
@@ -41,9 +49,12 @@ class ShardedOptimizerState:
         return {**state, **self.step_state(kind)}
 
     def _slot_shard(self, slot: str) -> np.ndarray:
-        """This rank's shard of an optimizer slot (zeros before the first step)."""
+        """This rank's shard of an optimizer slot on the host (zeros before the first
+        step)."""
         value = self.optimizer.state.get(self.shard, {}).get(slot)
-        return np.zeros(self.part.shard_len, np.float32) if value is None else value.numpy()
+        if value is None:
+            return np.zeros(self.part.shard_len, np.float32)
+        return value.detach().cpu().numpy()
 
     def step_state(self, kind: str) -> dict[str, np.ndarray]:
         """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
@@ -70,7 +81,7 @@ class ShardedOptimizerState:
             if missing:
                 raise ValueError(f"optimizer state {missing[0]} missing")
             full = self.part.flatten([state[k] for k in keys])
-            st[slot] = torch.from_numpy(self.part.shard_of(full))
+            st[slot] = torch.from_numpy(self.part.shard_of(full)).to(self.shard.device)
         if kind == "adam":
             st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
 
@@ -85,37 +96,51 @@ class ShardedOptimizerState:
 
 
 class TorchZero(ShardedOptimizerState):
-    def __init__(self, world, params: list[nn.Parameter], stage: int, bucket_bytes: int, make_opt):
-        self.part = part = ZeroPartition(world, [p.numel() for p in params], stage, bucket_bytes)
+    def __init__(
+        self,
+        world,
+        params: list[nn.Parameter],
+        stage: int,
+        bucket_bytes: int,
+        make_opt,
+        transport=None,
+    ):
+        """`transport`: the process-group transport of the gloo/nccl engines (torch
+        tensors on the parameters' device); None: the MPI engine over `world` (numpy)."""
+        sizes = [p.numel() for p in params]
+        self.part = part = ZeroPartition(transport or world, sizes, stage, bucket_bytes, host=world)
+        # the transport's view of a tensor: its numpy view (MPI, host memory) or itself
+        self._arr = (lambda t: t.numpy()) if transport is None else (lambda t: t)
         self.params = params
-        self.flat = torch.zeros(part.flat_len)
+        device = params[0].device if params else torch.device("cpu")
+        self.flat = torch.zeros(part.flat_len, device=device)
         with torch.no_grad():
-            for p, view in zip(params, part.views(self.flat.numpy()), strict=True):
-                v = torch.from_numpy(view).view_as(p)
+            for p, v in zip(params, part.views(self.flat), strict=True):
+                v = v.view_as(p)
                 v.copy_(p.detach())
                 p.data = v
-        self.shard = nn.Parameter(torch.zeros(part.shard_len))
+        self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
         self.optimizer = make_opt([self.shard])
-        self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
+        self._shard_grad = torch.zeros(part.shard_len, device=device)
+        self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type
         self.sync_shard()
         self.grad_bytes_peak = 0
         if stage == 1:
-            self.grads = torch.zeros(part.flat_len)
+            self.grads = torch.zeros(part.flat_len, device=device)
             self._grad_views = [
-                torch.from_numpy(v).view_as(p)
-                for p, v in zip(params, part.views(self.grads.numpy()), strict=True)
+                v.view_as(p) for p, v in zip(params, part.views(self.grads), strict=True)
             ]
         else:
             self._live = False
-            self._open: dict[int, np.ndarray] = {}  # segment -> buffer, while it fills
+            self._open: dict[int, object] = {}  # segment -> buffer, while it fills
             self._order = list(reversed(range(len(part.segments))))  # backward's order
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
 
     # --- a step -----------------------------------------------------------------------
     def begin_step(self) -> None:
-        self.shard_grad[:] = 0.0
-        self.grad_bytes_peak = self.shard_grad.nbytes
+        self._shard_grad.zero_()
+        self.grad_bytes_peak = self.part.shard_len * 4
         if self.part.stage == 1:
             self.grads.zero_()
             for p, view in zip(self.params, self._grad_views, strict=True):
@@ -138,18 +163,18 @@ class TorchZero(ShardedOptimizerState):
         part = self.part
         s = part.segment_of[index]
         seg = part.segments[s]
-        grad = param.grad.detach().reshape(-1).numpy()
+        grad = self._arr(param.grad.detach().reshape(-1))
         if len(seg.params) == 1 and seg.padded == seg.length:
             self._open[s] = grad  # a segment of one unpadded gradient: no copy
             fresh = 0
         else:
             if s not in self._open:
-                self._open[s] = np.zeros(seg.padded, dtype=np.float32)
+                self._open[s] = part.arrays.zeros(seg.padded)
             at = part.offsets[index] - seg.start
             self._open[s][at : at + part.sizes[index]] = grad
-            fresh = grad.nbytes  # the gradient and its copy, until it is dropped below
-        held = sum(b.nbytes for b in self._open.values()) + fresh
-        self.grad_bytes_peak = max(self.grad_bytes_peak, held + self.shard_grad.nbytes)
+            fresh = part.sizes[index] * 4  # the gradient and its copy, until dropped below
+        held = sum(len(b) for b in self._open.values()) * 4 + fresh
+        self.grad_bytes_peak = max(self.grad_bytes_peak, held + part.shard_len * 4)
         param.grad = None  # stage 2: only the shard of the gradient outlives backward
         self._left[s] -= 1
         self._reduce_finished()
@@ -159,7 +184,7 @@ class TorchZero(ShardedOptimizerState):
             s = self._order[self._next]
             buf = self._open.pop(s, None)
             if buf is None:  # no gradient reached this segment: it contributes zeros
-                buf = np.zeros(self.part.segments[s].padded, dtype=np.float32)
+                buf = self.part.arrays.zeros(self.part.segments[s].padded)
             self.part.reduce_segment(s, buf, self.shard_grad)
             self._next += 1
 
@@ -177,7 +202,7 @@ class TorchZero(ShardedOptimizerState):
         """Stage 1: reduce-scatter the flat gradient after backward."""
         self._live = False
         if self.part.stage == 1:
-            flat = self.grads.numpy()
+            flat = self._arr(self.grads)
             for p, view in zip(self.params, self._grad_views, strict=True):
                 if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
                     view.copy_(p.grad)  # autograd replaced the view: take its gradient
@@ -190,10 +215,10 @@ class TorchZero(ShardedOptimizerState):
         return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
 
     def step(self) -> None:
-        self.shard.grad = torch.from_numpy(self.shard_grad)
+        self.shard.grad = self._shard_grad
         self.optimizer.step()
         with torch.no_grad():
-            self.part.gather_params(self.shard.detach().numpy(), self.flat.numpy())
+            self.part.gather_params(self._arr(self.shard.detach()), self._arr(self.flat))
         if self.part.stage == 2:
             for p in self.params:
                 p.grad = None
@@ -201,7 +226,7 @@ class TorchZero(ShardedOptimizerState):
     def sync_shard(self) -> None:
         """The shard from the (replicated) parameters: after a broadcast or a load."""
         with torch.no_grad():
-            self.shard.copy_(torch.from_numpy(self.part.shard_of(self.flat.numpy())))
+            self.part.shard_of(self.flat, out=self.shard.detach())
 
     # --- memory -------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:
@@ -211,3 +236,17 @@ class TorchZero(ShardedOptimizerState):
             "mem_optimizer_bytes": self.optimizer_bytes(),
             **self.part.expected_bytes(slots),
         }
+
+
+def make_torch_zero(cfg, world, params: list, engine: str, device, make_opt) -> TorchZero:
+    """ZeRO-1/2 on the gradient engine `engine`: over the World (host numpy, `mpi`) or
+    over a process group on the parameters' device (`gloo` on CPU ranks, `nccl` on GPU
+    ranks; gradient_engine.PROCESS_GROUP_ENGINES)."""
+    transport = None
+    if engine in PROCESS_GROUP_ENGINES:
+        from .torch_transport import ProcessGroupTransport
+
+        timeout = cfg.runtime["collective_timeout"]
+        transport = ProcessGroupTransport(world, engine, timeout, device)
+    bucket_bytes = int(cfg.train["bucket_mb"] * 2**20)
+    return TorchZero(world, params, cfg.train["zero"], bucket_bytes, make_opt, transport)

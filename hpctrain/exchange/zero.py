@@ -16,6 +16,10 @@ the same bytes as a ring allreduce: the cost does not grow with N (1,024 or 4,09
 ranks: still < 2x the vector), and memory per rank is Psi (parameters) + the gradient
 (stage 1: Psi; stage 2: Psi/N + what backward holds) + K*Psi/N of optimizer state.
 
+The per-step collectives and arithmetic go through the transport (`transport.py`), so
+the same code runs on host numpy over MPI (`runtime.comm.GuardedComm`) and on torch
+tensors of the rank's device over a process group (`backends/torch_transport.py`).
+
 Checkpoints stay canonical: `gather_full` collects a shard-shaped array into the full
 flat vector on rank 0 only (`MPI_Gatherv`: rank 0 receives K*Psi, the others send
 K*Psi/N; never an allgather, which would put the whole state on every rank), and
@@ -28,6 +32,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+from ..runtime.comm import HostArrays
+from .transport import Transport
 
 
 def unit_plan(module_params: list[list[int]], sizes: list[int], unit_bytes: int) -> list[list[int]]:
@@ -90,12 +97,25 @@ class Segment:
 class ZeroPartition:
     """The flat layout of the dense parameters and this rank's shard of it."""
 
-    def __init__(self, comm, sizes: list[int], stage: int, bucket_bytes: int, units=None):
-        """`units` (stage 3): the parameter indices of each unit, in forward order; each
+    def __init__(
+        self,
+        comm: Transport | None,
+        sizes: list[int],
+        stage: int,
+        bucket_bytes: int,
+        units=None,
+        host=None,
+    ):
+        """`comm`: the transport of the per-step collectives, whose array type the
+        gradient and shard buffers have (None: one process, numpy). `host`: the guarded
+        MPI communicator of the checkpoint gathers (host numpy; default `comm`).
+        `units` (stage 3): the parameter indices of each unit, in forward order; each
         unit is one segment, gathered and reduce-scattered whole."""
         if stage not in (1, 2, 3) or (stage == 3) != (units is not None):
             raise ValueError(f"ZeRO stage must be 1, 2 or 3 (3 with units), got {stage}")
         self.comm = comm
+        self.host = comm if host is None else host
+        self.arrays = comm if comm is not None else HostArrays()  # the array seam
         self.stage = stage
         self.n = comm.size if comm is not None else 1
         self.rank = comm.rank if comm is not None else 0
@@ -137,9 +157,11 @@ class ZeroPartition:
         seg = self.segments[s]
         return shard[seg.shard_start : seg.shard_start + seg.piece(self.n)]
 
-    def shard_of(self, flat: np.ndarray) -> np.ndarray:
-        """This rank's pieces of a full padded flat vector (a copy)."""
-        out = np.empty(self.shard_len, dtype=flat.dtype)
+    def shard_of(self, flat: np.ndarray, out=None) -> np.ndarray:
+        """This rank's pieces of a full padded flat vector (a copy; into `out`, a
+        shard-shaped buffer of any array type, when given)."""
+        if out is None:
+            out = np.empty(self.shard_len, dtype=flat.dtype)
         for s, seg in enumerate(self.segments):
             k = seg.piece(self.n)
             self.shard_view(out, s)[:] = flat[
@@ -194,7 +216,7 @@ class ZeroPartition:
                 buf, [k] * self.n, f"ZeRO-{self.stage} gradient reduce-scatter (segment {s})"
             )
             self._sent += (self.n - 1) * k * 4
-        mine *= np.float32(1.0 / self.n)  # in place: no temporary the size of a piece
+        self.arrays.scale_(mine, 1.0 / self.n)  # in place: no temporary of a piece
         self.shard_view(into, s)[:] += mine
 
     def reduce_all(self, grads: np.ndarray, into: np.ndarray) -> None:
@@ -219,19 +241,22 @@ class ZeroPartition:
         norm = (self.global_norm(shard_grad, split) ** 2 + extra_sq) ** 0.5
         coef = max_norm / (norm + 1e-6)
         if coef < 1.0:
-            shard_grad *= np.float32(coef)
+            self.arrays.scale_(shard_grad, coef)
         return coef
 
     def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None) -> tuple[float, float]:
         """(masked, unmasked) sums of squares of the whole (averaged) gradient, from the
-        shards: one allreduce of two numbers (the pipeline adds them over its stages)."""
-        g = shard_grad.astype(np.float64)
+        shards: one allreduce of two numbers (the pipeline adds them over its stages),
+        accumulated in float64 where the shard lives."""
+        xp = self.arrays
+        sums = xp.zeros(2, "float64")
         if mask is None:
-            sums = np.array([0.0, np.dot(g, g)])
+            sums[1] = xp.square_sum(shard_grad)
         else:
-            sums = np.array([np.dot(g[mask], g[mask]), np.dot(g[~mask], g[~mask])])
+            sums[0] = xp.square_sum(shard_grad[mask])
+            sums[1] = xp.square_sum(shard_grad[~mask])
         if self.n > 1:
-            sums = self.comm.allreduce_array(sums, "sum", "ZeRO gradient norm")
+            self.comm.allreduce_inplace(sums, "sum", "ZeRO gradient norm")
         return float(sums[0]), float(sums[1])
 
     def shard_mask(self, params: set[int]) -> np.ndarray:
@@ -255,7 +280,7 @@ class ZeroPartition:
             target[:] = mine
             return
         self.comm.allgather_into(
-            np.ascontiguousarray(mine),
+            mine,  # a slice of the 1-D shard: contiguous
             target,
             [k] * self.n,
             f"ZeRO-{self.stage} parameter allgather (segment {s})",
@@ -267,7 +292,7 @@ class ZeroPartition:
         for checkpoints, so they keep the canonical, world-size-free layout."""
         if self.n == 1:
             return self.unshard(shard[None])
-        pieces = self.comm.gather_array(np.ascontiguousarray(shard, dtype=np.float32), what=what)
+        pieces = self.host.gather_array(np.ascontiguousarray(shard, dtype=np.float32), what=what)
         return None if pieces is None else self.unshard(pieces)
 
     def unshard(self, pieces: np.ndarray) -> np.ndarray:

@@ -12,16 +12,21 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import LaunchError, RankErrors, rank_ranges
+from . import p2p
 
 
 class PendingArray:
-    """A started `World.start_allreduce_array`; every rank must `wait()` for it."""
+    """A started collective or point-to-point operation (the exchange layer's `Pending`);
+    every rank must `wait()` for it. `peer` (point-to-point: (communicator, who)) waits
+    by polling with the communicator's deadline, naming the peer, instead of the
+    watchdog, which guards sections that every rank enters."""
 
-    def __init__(self, buf: np.ndarray, request=None, watchdog=None, what: str = ""):
+    def __init__(self, buf: np.ndarray, request=None, watchdog=None, what: str = "", peer=None):
         self._buf = buf
         self._request = request
         self._watchdog = watchdog
         self._what = what
+        self._peer = peer
 
     def test(self) -> bool:
         """Progress the operation without blocking; True once it completed.
@@ -35,17 +40,39 @@ class PendingArray:
     def wait(self) -> np.ndarray:
         """The reduced array (blocks until every rank contributed; guarded)."""
         if self._request is not None:
-            with self._watchdog.guard(self._what):
-                self._request.Wait()
+            if self._peer is not None:
+                p2p.wait_or_abort(self._peer[0], [self._request], self._what, self._peer[1])
+            else:
+                with self._watchdog.guard(self._what):
+                    self._request.Wait()
             self._request = None
         return self._buf
 
 
-class GuardedComm:
+class HostArrays:
+    """The exchange layer's array seam (`exchange.transport.Transport`) for host numpy
+    buffers: what ZeRO computes locally, in the arithmetic it always had."""
+
+    @staticmethod
+    def zeros(n: int, dtype: str = "float32") -> np.ndarray:
+        return np.zeros(int(n), dtype=dtype)
+
+    @staticmethod
+    def square_sum(buf: np.ndarray):
+        g = buf.astype(np.float64)
+        return np.dot(g, g)
+
+    @staticmethod
+    def scale_(buf: np.ndarray, factor: float) -> None:
+        buf *= np.float32(factor)
+
+
+class GuardedComm(HostArrays):
     """Collectives over `comm`, each under `watchdog`'s deadline.
 
     Subclasses set `MPI`, `comm`, `rank`, `size` and `watchdog`; `GuardedComm.over()`
-    builds one for a sub-communicator.
+    builds one for a sub-communicator. It is the MPI implementation of the exchange
+    layer's `Transport` (host numpy buffers; exchange/transport.py).
     """
 
     MPI = None
@@ -181,6 +208,42 @@ class GuardedComm:
         displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
         request = self.comm.Iallgatherv(mine, [buf, (list(counts), displs)])
         return PendingArray(buf, request, self.watchdog, what)
+
+    def all_to_all(self, send: np.ndarray, recv: np.ndarray, what: str = "all-to-all"):
+        """Equal splits: slice r of `send` to rank r, slice r of `recv` from rank r
+        (`MPI_Alltoall`), guarded. N-1 messages of len/N per rank: for small groups."""
+        if self.size == 1:
+            recv[:] = send
+            return recv
+        with self.watchdog.guard(what):
+            self.comm.Alltoall(send, recv)
+        return recv
+
+    def start_all_to_all(
+        self, send: np.ndarray, recv: np.ndarray, what: str = "all-to-all"
+    ) -> PendingArray:
+        """Begin `all_to_all` without blocking (`MPI_Ialltoall`); `.wait()` is guarded."""
+        if self.size == 1:
+            recv[:] = send
+            return PendingArray(recv)
+        return PendingArray(recv, self.comm.Ialltoall(send, recv), self.watchdog, what)
+
+    def start_send(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send"):
+        """Begin sending `buf` to `peer`; `.wait()` polls with the collective timeout and
+        ends the job naming the peer if it never receives."""
+        request = self.comm.Isend(buf, dest=peer, tag=tag)
+        return PendingArray(buf, request, None, what, (self, f"rank {peer} of {self.name}"))
+
+    def start_recv(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv"):
+        """Begin receiving `peer`'s message into `buf` (deadline as `start_send`)."""
+        request = self.comm.Irecv(buf, source=peer, tag=tag)
+        return PendingArray(buf, request, None, what, (self, f"rank {peer} of {self.name}"))
+
+    def send(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send") -> None:
+        self.start_send(buf, peer, tag, what).wait()
+
+    def recv(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv"):
+        return self.start_recv(buf, peer, tag, what).wait()
 
     def allgather_array(self, send: np.ndarray, what: str = "allgather") -> np.ndarray:
         """Every rank's equally sized array, stacked in rank order (guarded). Each rank

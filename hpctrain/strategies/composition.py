@@ -130,8 +130,8 @@ def zero_rules(v: dict) -> list[str]:
     return [
         f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
         f"engine (strategy data_parallel, or pipeline with train.zero=1; "
-        f"train.allreduce mpi or auto, no compression, hierarchical allreduce or "
-        f"local SGD); not with {', '.join(clash)}"
+        f"train.allreduce mpi or auto, or gloo/nccl for train.zero 1 and 2 of torch; no "
+        f"compression, hierarchical allreduce or local SGD); not with {', '.join(clash)}"
     ]
 
 
@@ -194,19 +194,21 @@ def compression_rules(v: dict) -> list[str]:
 
 
 def process_group_rules(v: dict) -> list[str]:
-    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients;
-    the features that run on the MPI exchange layer are refused with them."""
-    engine = v["train"]["allreduce"]
+    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients
+    and run ZeRO-1/2 over their process group (backends/torch_transport.py); the
+    features that run on the MPI exchange layer only are refused with them."""
+    engine, train = v["train"]["allreduce"], v["train"]
     if engine not in ("nccl", "gloo"):
         return []
     from ..runtime.devices import mpi_only_features
 
+    sharded = train["zero"] in (1, 2)  # on the process group's transport
     clash = _clash(
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
             (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
         )
-    ) + mpi_only_features(v)
+    ) + mpi_only_features({**v, "train": {**train, "zero": 0}} if sharded else v)
     if not clash:
         return []
     return [

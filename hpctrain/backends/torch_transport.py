@@ -1,0 +1,192 @@
+"""The exchange layer's transport (exchange/transport.py) over torch tensors on a
+torch.distributed process group: Gloo on CPU ranks, NCCL on GPU ranks, the same code.
+
+The buffers stay on the rank's device: ZeRO's gradient pieces, shard and parameter
+gathers never cross to the host. The group is the process-group engine's
+(`torch_pg.init_process_group`, bootstrapped over MPI).
+
+Deadlines: every call is issued with `async_op=True` and waited here. On CPU (Gloo) the
+wait is `work.wait(timeout)` with `runtime.collective_timeout`; on a GPU (NCCL) the
+wait only orders the device's stream (the host does not block) and the deadline is the
+group's timeout, enforced by NCCL's watchdog, which aborts the communicator and ends the
+process (torch's default). Either failure raises `CollectiveError` naming the
+collective (`what`), the rank and the group, which fail-together turns into the job's
+end. Costs per collective: the Protocol's docstring; uneven counts (never ZeRO's, whose
+pieces are equal) pad to the largest piece, as the process groups gather equal pieces.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .torch_pg import check_backend, init_process_group
+
+_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
+# torch 2.13 renamed the equal-split collectives (the old names warn)
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class CollectiveError(RuntimeError):
+    """A process-group operation that failed or passed its deadline."""
+
+
+class TorchPending:
+    """A started operation (the exchange layer's `Pending`); `wait()` has the deadline
+    and runs `finish` (copying padded pieces out) once the operation is done."""
+
+    def __init__(self, result, work=None, transport=None, what: str = "", finish=None):
+        self._result, self._work, self._transport = result, work, transport
+        self._what, self._finish = what, finish
+
+    def test(self) -> bool:
+        if self._work is not None and self._work.is_completed():
+            return self.wait() is not None
+        return self._work is None
+
+    def wait(self):
+        work, self._work = self._work, None
+        if work is not None:
+            self._transport.wait_work(work, self._what)
+            if self._finish is not None:
+                self._finish()
+        return self._result
+
+
+class ProcessGroupTransport:
+    """`Transport` over tensors on `device`, across `comm`'s ranks (a guarded MPI
+    communicator, which bootstraps the group), with `engine` nccl or gloo."""
+
+    def __init__(self, comm, engine: str, timeout_s: float, device: torch.device, group=None):
+        check_backend(engine, device)
+        self.rank = comm.rank if comm is not None else 0
+        self.size = comm.size if comm is not None else 1
+        self.name, self.device = engine, device
+        self.timeout = timedelta(seconds=float(timeout_s))
+        self.group = group
+        if group is None and self.size > 1:
+            self.group = init_process_group(comm, engine, timeout_s, device)
+
+    def wait_work(self, work, what: str) -> None:
+        """Wait for `work` under the deadline; a failure names `what` and this rank."""
+        try:
+            if self.device.type == "cuda":
+                work.wait()  # stream order only; NCCL's watchdog holds the group timeout
+            else:
+                work.wait(self.timeout)
+        except Exception as exc:  # RuntimeError, DistBackendError, a timeout
+            raise CollectiveError(
+                f"{self.name} '{what}' failed on rank {self.rank} of {self.size} (deadline "
+                f"{self.timeout.total_seconds():g} s, runtime.collective_timeout): {exc}"
+            ) from exc
+
+    def _run(self, work, result, what: str, wait: bool, finish=None):
+        pending = TorchPending(result, work, self, what, finish)
+        return pending.wait() if wait else pending
+
+    # --- collectives ------------------------------------------------------------------
+    def allreduce_inplace(self, buf, op: str = "sum", what: str = "allreduce"):
+        return self._allreduce(buf, op, what, True)
+
+    def start_allreduce_inplace(self, buf, op: str = "sum", what: str = "allreduce"):
+        return self._allreduce(buf, op, what, False)
+
+    def _allreduce(self, buf, op, what, wait):
+        if self.size == 1:
+            return buf if wait else TorchPending(buf)
+        work = dist.all_reduce(buf, op=_OPS[op], group=self.group, async_op=True)
+        return self._run(work, buf, what, wait)
+
+    def reduce_scatter_sum(self, buf, counts: list[int], what: str):
+        mine = torch.empty(int(counts[self.rank]), dtype=buf.dtype, device=buf.device)
+        if self.size == 1:
+            return mine.copy_(buf[: mine.numel()])
+        k = max(counts)
+        if any(c != k for c in counts):  # pad every rank's slice to the largest
+            padded = torch.zeros(k * self.size, dtype=buf.dtype, device=buf.device)
+            self._spread(buf, padded, counts, k)
+            out = torch.empty(k, dtype=buf.dtype, device=buf.device)
+            work = _REDUCE_SCATTER(out, padded, group=self.group, async_op=True)
+            self._run(work, out, what, True)
+            return mine.copy_(out[: mine.numel()])
+        work = _REDUCE_SCATTER(mine, buf[: k * self.size], group=self.group, async_op=True)
+        return self._run(work, mine, what, True)
+
+    def allgather_into(self, mine, buf, counts: list[int], what: str):
+        return self._allgather(mine, buf, counts, what, True)
+
+    def start_allgather_into(self, mine, buf, counts: list[int], what: str):
+        return self._allgather(mine, buf, counts, what, False)
+
+    def _allgather(self, mine, buf, counts, what, wait):
+        if self.size == 1:
+            buf[: mine.numel()] = mine
+            return buf if wait else TorchPending(buf)
+        k = max(counts)
+        if all(c == k for c in counts):
+            work = _ALL_GATHER(buf[: k * self.size], mine, group=self.group, async_op=True)
+            return self._run(work, buf, what, wait)
+        send = torch.zeros(k, dtype=mine.dtype, device=mine.device)
+        send[: mine.numel()] = mine
+        out = torch.empty(k * self.size, dtype=mine.dtype, device=mine.device)
+        work = _ALL_GATHER(out, send, group=self.group, async_op=True)
+        return self._run(work, buf, what, wait, lambda: self._gather_pieces(out, buf, counts, k))
+
+    @staticmethod
+    def _spread(buf, padded, counts, k) -> None:
+        """Rank-ordered slices of `buf` (counts) into `padded`, one per k elements."""
+        at = 0
+        for r, c in enumerate(counts):
+            padded[r * k : r * k + c] = buf[at : at + c]
+            at += c
+
+    @staticmethod
+    def _gather_pieces(out, buf, counts, k) -> None:
+        at = 0
+        for r, c in enumerate(counts):
+            buf[at : at + c] = out[r * k : r * k + c]
+            at += c
+
+    def all_to_all(self, send, recv, what: str = "all-to-all"):
+        return self._all_to_all(send, recv, what, True)
+
+    def start_all_to_all(self, send, recv, what: str = "all-to-all"):
+        return self._all_to_all(send, recv, what, False)
+
+    def _all_to_all(self, send, recv, what, wait):
+        if self.size == 1:
+            recv.copy_(send)
+            return recv if wait else TorchPending(recv)
+        work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
+        return self._run(work, recv, what, wait)
+
+    # --- point to point (Gloo honours tags; NCCL matches by order) -----------------------
+    def start_send(self, buf, peer: int, tag: int = 0, what: str = "send"):
+        work = dist.isend(buf, group=self.group, tag=tag, group_dst=peer)
+        return TorchPending(buf, work, self, f"{what} (to rank {peer})")
+
+    def start_recv(self, buf, peer: int, tag: int = 0, what: str = "recv"):
+        work = dist.irecv(buf, group=self.group, tag=tag, group_src=peer)
+        return TorchPending(buf, work, self, f"{what} (from rank {peer})")
+
+    def send(self, buf, peer: int, tag: int = 0, what: str = "send") -> None:
+        self.start_send(buf, peer, tag, what).wait()
+
+    def recv(self, buf, peer: int, tag: int = 0, what: str = "recv"):
+        return self.start_recv(buf, peer, tag, what).wait()
+
+    # --- the array seam -------------------------------------------------------------------
+    def zeros(self, n: int, dtype: str = "float32"):
+        return torch.zeros(int(n), dtype=getattr(torch, dtype), device=self.device)
+
+    @staticmethod
+    def square_sum(buf):
+        g = buf.double()
+        return torch.dot(g, g)
+
+    @staticmethod
+    def scale_(buf, factor: float) -> None:
+        buf.mul_(factor)  # a float32 tensor's scalar is rounded to float32, as numpy's
