@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from mpirun import ROOT
+from mpirun import ROOT, close_warm_jobs, mpirun
 
 from hpctrain.cluster import ClusterUnavailable, session
 from hpctrain.cluster.system import missing_capabilities, missing_tools
@@ -56,7 +56,10 @@ def two_nodes():
         pytest.skip(reason)
     try:
         with session(nodes=2, link="none", wait=240, what="pytest multi-node tier") as c:
-            yield c
+            try:
+                yield c
+            finally:
+                close_warm_jobs(launched_by_others=True)  # their ranks live on the nodes
     except ClusterUnavailable as exc:
         print(f"\nmulti-node tests skipped: {exc}")
         pytest.skip(str(exc))
@@ -70,7 +73,10 @@ class Job:
 
 
 def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
-    """Start a job in its own process group, stdout and stderr together."""
+    """Start a job in its own process group, stdout and stderr together. Warm ranks on
+    the nodes end first: a job of its own may take a node away, and its timing is the
+    test's."""
+    close_warm_jobs(launched_by_others=True)
     full = dict(os.environ)
     full.update(ENV)
     full.update(env or {})
@@ -100,6 +106,15 @@ def finish(proc: subprocess.Popen, timeout: float, started: float | None = None)
 def launch(argv: list[str], timeout: float = 180, env: dict | None = None) -> Job:
     t0 = time.monotonic()
     return finish(start(argv, env), timeout, t0)
+
+
+def launch_across(cluster, per_node: int, *cmd: str, hosts: str | None = None, timeout=300):
+    """`cmd` (hpctrain ...) on `per_node` ranks of each node (or the `--host` list
+    `hosts`), on warm ranks placed the same way when it is an ordinary launch
+    (tests/mpirun.py): the same Open MPI placement, transports and namespaces as its own
+    mpirun, without paying torch's and TensorFlow's start-up again."""
+    ranks = sum(int(h.split(":")[1]) for h in hosts.split(",")) if hosts else 2 * per_node
+    return mpirun(ranks, *cmd, timeout=timeout, launcher=cluster.mpirun(per_node, hosts=hosts))
 
 
 # --- SLURM across the emulated nodes --------------------------------------------------------

@@ -57,17 +57,20 @@ def _same_env(a: dict, b: dict) -> bool:
 
 
 class WarmJob:
-    """One `mpirun -np N tests/warm_ranks.py` job and the launches it runs."""
+    """One `mpirun -np N tests/warm_ranks.py` job and the launches it runs. `launcher`:
+    the mpirun command line before the program (default: this machine's; the emulated
+    cluster's places the ranks on its nodes)."""
 
-    def __init__(self, np: int, env: dict):
+    def __init__(self, np: int, env: dict, launcher: list[str] | None = None):
         self.np, self.env, self.lock, self.runs = np, env, threading.Lock(), 0
+        self.launcher = launcher or _mpirun_args(np)
         self.dir = Path(tempfile.mkdtemp(prefix=f"hpctrain-warm{np}-"))
         self.socket = str(self.dir / "socket")
         self.log_path = self.dir / "job.log"
         with open(self.log_path, "wb") as log:
             self.proc = subprocess.Popen(
                 [
-                    *_mpirun_args(np),
+                    *self.launcher,
                     PYTHON,
                     str(Path(__file__).with_name("warm_ranks.py")),
                     self.socket,
@@ -172,31 +175,36 @@ class WarmJob:
         self.kill()
 
 
-_warm: dict[int, WarmJob] = {}
+# Warm jobs by (ranks, launcher: None for this machine's mpirun).
+_warm: dict[tuple[int, tuple[str, ...] | None], WarmJob] = {}
 # Ranks kept warm at once (each holds torch, and TensorFlow once a run used it: about
 # 1 GB): the suite's 1-, 2-, 3- and 4-rank jobs fit, an 8-rank one replaces them.
 MAX_WARM_RANKS = 10
 
 
-def _warm_job(np: int, env: dict) -> WarmJob:
-    job = _warm.get(np)
+def _warm_job(np: int, env: dict, launcher: list[str] | None) -> WarmJob:
+    key = (np, tuple(launcher) if launcher else None)
+    job = _warm.get(key)
     if job is not None and (not job.alive() or not _same_env(job.env, env)):
         job.close()
         job = None
     if job is None:
-        _warm.pop(np, None)
-        while _warm and sum(_warm) + np > MAX_WARM_RANKS:
+        _warm.pop(key, None)
+        while _warm and sum(j.np for j in _warm.values()) + np > MAX_WARM_RANKS:
             _warm.pop(next(iter(_warm))).close()
-        job = _warm[np] = WarmJob(np, env)
+        job = _warm[key] = WarmJob(np, env, launcher)
     else:
-        _warm[np] = _warm.pop(np)  # most recently used last
+        _warm[key] = _warm.pop(key)  # most recently used last
     return job
 
 
 @atexit.register
-def close_warm_jobs() -> None:
-    while _warm:
-        _warm.popitem()[1].close()
+def close_warm_jobs(launched_by_others: bool = False) -> None:
+    """End the warm jobs (`launched_by_others`: only those with a launcher of their own,
+    the emulated cluster's, before a test takes a node away or the cluster goes down)."""
+    for key in list(_warm):
+        if not launched_by_others or key[1] is not None:
+            _warm.pop(key).close()
 
 
 def _run_level_env(env: dict | None) -> bool:
@@ -224,24 +232,28 @@ def mpirun(
     env: dict | None = None,
     cwd: str | Path | None = None,
     fresh: bool = False,
+    launcher: list[str] | None = None,
 ) -> Job:
     """Run `cmd` on `np` ranks; stdout+stderr together; killed (and failed) on timeout.
-    fresh=True: its own mpirun even where warm ranks could run it (memory measured)."""
+    fresh=True: its own mpirun even where warm ranks could run it (memory measured).
+    `launcher`: the mpirun command line (with its options) that starts the `np` ranks,
+    instead of this machine's `mpirun -np N` (the emulated cluster's, tests/cluster.py)."""
     full_env = _launch_env(env)
     if _warm_eligible(cmd, env, fresh):
-        job = _warm_job(np, _launch_env(None))
+        job = _warm_job(np, _launch_env(None), launcher)
         if job.lock.acquire(blocking=False):
             try:
                 if job.alive():
                     result = job.run(list(cmd), Path(cwd or ROOT), timeout, env or {})
                     job.runs += 1
                     if not job.alive():
-                        _warm.pop(np, None)
+                        _warm.pop((np, tuple(launcher) if launcher else None), None)
                     if result is not None:
                         return _logged(result, np, cmd, warm=job.runs)
             finally:
                 job.lock.release()
-    return _logged(_fresh(np, cmd, timeout, full_env, cwd), np, cmd, warm=False)
+    args = (launcher or _mpirun_args(np)) + list(cmd)
+    return _logged(_fresh(args, timeout, full_env, cwd), np, cmd, warm=False)
 
 
 def _logged(job: Job, np: int, cmd, warm: int | bool) -> Job:
@@ -258,8 +270,7 @@ def _logged(job: Job, np: int, cmd, warm: int | bool) -> Job:
     return job
 
 
-def _fresh(np, cmd, timeout, full_env, cwd) -> Job:
-    args = _mpirun_args(np) + list(cmd)
+def _fresh(args, timeout, full_env, cwd) -> Job:
     start = time.monotonic()
     proc = subprocess.Popen(
         args,
@@ -275,7 +286,5 @@ def _fresh(np, cmd, timeout, full_env, cwd) -> Job:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, 9)
         out, _ = proc.communicate()
-        raise AssertionError(
-            f"mpirun -np {np} {' '.join(cmd)} hung for {timeout} s:\n{out}"
-        ) from None
+        raise AssertionError(f"{' '.join(args)} hung for {timeout} s:\n{out}") from None
     return Job(proc.returncode, out, time.monotonic() - start)

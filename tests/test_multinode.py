@@ -23,9 +23,9 @@ from pathlib import Path
 import cluster as emulated
 import numpy as np
 import pytest
-from cluster import finish, launch, start
+from cluster import finish, launch, launch_across, start
 from dump_runs import TINY_TRANSFORMER
-from mpirun import HPCTRAIN
+from mpirun import HPCTRAIN, mpirun
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.cluster.plan import mpirun_args
@@ -81,9 +81,11 @@ def _single_process(tmp_path_factory, backend: str) -> Path:
     """The single-process run every multi-node run must equal (once per backend)."""
     if backend not in _REFERENCE:
         run = tmp_path_factory.mktemp(f"ref-{backend}") / "run"
-        job = launch(
-            [HPCTRAIN, "train", "--run-dir", str(run)]
-            + _sets(f"backend={backend}", f"train.batch_size={GLOBAL_BATCH}"),
+        job = mpirun(
+            1,
+            HPCTRAIN,
+            *["train", "--run-dir", str(run)],
+            *_sets(f"backend={backend}", f"train.batch_size={GLOBAL_BATCH}"),
             timeout=240,
         )
         assert job.returncode == 0, job.output
@@ -93,21 +95,18 @@ def _single_process(tmp_path_factory, backend: str) -> Path:
 
 def _train(cluster, run_dir: Path, per_node: int, *overrides: str, hosts=None, extra=()):
     ranks = sum(int(h.split(":")[1]) for h in hosts.split(",")) if hosts else 2 * per_node
-    argv = cluster.mpirun(
+    return launch_across(
+        cluster,
         per_node,
         HPCTRAIN,
-        "train",
-        "--run-dir",
-        str(run_dir),
-        *extra,
+        *["train", "--run-dir", str(run_dir), *extra],
         *_sets(f"train.batch_size={GLOBAL_BATCH // ranks}", *overrides),
         hosts=hosts,
     )
-    return launch(argv, timeout=300)
 
 
 def test_layout_and_doctor_with_two_hosts(two_nodes):
-    job = launch(two_nodes.mpirun(2, HPCTRAIN, "doctor"), timeout=300)
+    job = launch_across(two_nodes, 2, HPCTRAIN, "doctor")
     assert job.returncode == 0, job.output
     assert "4 rank(s), launcher: mpirun (Open MPI)" in job.output, job.output
     rows = re.findall(r"^\s+(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(hpcn\d)\s*$", job.output, re.M)
@@ -216,29 +215,24 @@ def test_tensor_parallel_groups_within_a_node_equal_one_process(
     key = f"transformer{model}"
     if key not in _REFERENCE:
         ref = tmp_path_factory.mktemp("ref-transformer") / "run"
-        job = launch(
-            [
-                HPCTRAIN,
-                "train",
-                "--run-dir",
-                str(ref),
-                *_transformer_sets(*model, "train.batch_size=16"),
-            ],
+        job = mpirun(
+            1,
+            HPCTRAIN,
+            *["train", "--run-dir", str(ref)],
+            *_transformer_sets(*model, "train.batch_size=16"),
             timeout=240,
         )
         assert job.returncode == 0, job.output
         _REFERENCE[key] = ref
     ref = _REFERENCE[key]
     run = tmp_path / "run"
-    argv = two_nodes.mpirun(
+    job = launch_across(
+        two_nodes,
         2,
         HPCTRAIN,
-        "train",
-        "--run-dir",
-        str(run),
+        *["train", "--run-dir", str(run)],
         *_transformer_sets("parallel.tensor=2", "train.allreduce=mpi", *layout),
     )
-    job = launch(argv, timeout=300)
     assert job.returncode == 0, job.output
     assert "tensor 2" in job.output, job.output
     _assert_close(_weights(run), _weights(ref), TOL)
