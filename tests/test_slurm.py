@@ -7,20 +7,16 @@ which starts munged/slurmctld/slurmd and is skipped, saying why, if it cannot.
 
 from __future__ import annotations
 
-import contextlib
-import io
 import json
 import re
 import shutil
 import subprocess
-import threading
 from pathlib import Path
 
 import pytest
 from mpirun import HPCTRAIN, PYTHON
 from slurm_cluster import TERMINAL_STATES, SlurmUnavailable, start_cluster
 
-from hpctrain import cli
 from hpctrain import config as config_module
 from hpctrain.errors import ConfigError
 from hpctrain.runtime.launcher import launcher_views
@@ -65,26 +61,9 @@ def config_file(tmp_path) -> Path:
 
 
 def hpctrain(*args: str, cwd=None, env=None, timeout: float = 60):
-    """`hpctrain ARGS` as a finished process. `slurm render` without cwd or env runs in
-    this process (the CLI's own entry point, its exit code and output): it starts no
-    MPI and no framework, and a process of its own cost 0.6 s for each of ~60 renders."""
-    if args[:2] == ("slurm", "render") and cwd is None and env is None:
-        return _in_process(list(args))
     return subprocess.run(
         [HPCTRAIN, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
     )
-
-
-def _in_process(argv: list[str]) -> subprocess.CompletedProcess:
-    out, err, hook = io.StringIO(), io.StringIO(), threading.excepthook
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        try:
-            code = cli.main(argv)
-        except SystemExit as stop:  # argparse: --help, or a usage error
-            code = stop.code if isinstance(stop.code, int) else int(stop.code is not None)
-        finally:
-            threading.excepthook = hook  # the CLI installs its own for its process
-    return subprocess.CompletedProcess([HPCTRAIN, *argv], code, out.getvalue(), err.getvalue())
 
 
 def render_args(name: str, config: Path, *extra: str) -> list[str]:
