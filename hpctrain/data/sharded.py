@@ -165,20 +165,31 @@ class ShardedTrainData:
 def split_bytes(info: DatasetInfo) -> int:
     """Bytes of the training split's x and y as stored (what holding it in memory costs)."""
     with h5py.File(info.path, "r") as f:
-        x_ds, y_ds = f[info.keys.train_x], f[info.keys.train_y]
-        row = x_ds.dtype.itemsize * int(np.prod(x_ds.shape[1:], dtype=np.int64))
-        row += y_ds.dtype.itemsize * int(np.prod(y_ds.shape[1:], dtype=np.int64))
+        return _split_bytes(info, f)
+
+
+def _split_bytes(info: DatasetInfo, f: h5py.File) -> int:
+    x_ds, y_ds = f[info.keys.train_x], f[info.keys.train_y]
+    row = x_ds.dtype.itemsize * int(np.prod(x_ds.shape[1:], dtype=np.int64))
+    row += y_ds.dtype.itemsize * int(np.prod(y_ds.shape[1:], dtype=np.int64))
     return info.train_size * row
 
 
 def _read_split(info: DatasetInfo, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
     """The training split's (x, y) in split order when it fits `limit` bytes, else None.
-    One sequential read of each dataset (the held-out validation rows skipped)."""
-    if limit <= 0 or split_bytes(info) > limit:
+    One sequential read of each dataset (the held-out validation rows skipped).
+
+    Cost at scale: every rank reads the split once, so the filesystem serves N x S at
+    start (S <= data.in_memory_mb: at 256 MiB, 256 GiB for 1,024 ranks and 1 TiB for
+    4,096), where row-by-row reading serves S per epoch in all. One copy per node (an
+    MPI shared-memory window) would make that nodes x S; until then, lower the setting
+    (or 0) for jobs of thousands of ranks (docs/training.md)."""
+    if limit <= 0:
         return None
     with h5py.File(info.path, "r") as f:
-        x_ds, y_ds = f[info.keys.train_x], f[info.keys.train_y]
-        x, y = x_ds[()], y_ds[()]
+        if _split_bytes(info, f) > limit:
+            return None
+        x, y = f[info.keys.train_x][()], f[info.keys.train_y][()]
     if info.train_rows is not None:
         x, y = x[info.train_rows], y[info.train_rows]
     return x, y
