@@ -111,9 +111,9 @@ SCHEMA: dict[str, Any] = {
         "in_memory_mb": _f(
             256,
             (int, float),
-            "a training split of at most this many MiB (x and y) is read once into each "
-            "rank's memory and batched from there; a larger one row by row from the file "
-            "(0: always from the file)",
+            "a training split of at most this many MiB (x and y) is read once per node "
+            "into memory its ranks share and batched from there; a larger one row by row "
+            "from the file (0: always from the file)",
             minimum=0,
         ),
     },

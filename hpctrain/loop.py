@@ -206,6 +206,7 @@ class TrainingLoop:
             if not self.preempted:
                 self.checkpoints.maybe_save(st.step, final=True, metrics=self.last_eval)
             self.checkpoints.close()
+            s.release()
         finally:
             pre.uninstall()
             self.progress.close()

@@ -67,7 +67,7 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
         "peak = baseline (this process, before a model) + every term; ZeRO-3 gathers "
         f"units of train.zero_unit_mb={t['zero_unit_mb']} MB, two at a time; a run's "
         "baseline also holds its training split when it fits data.in_memory_mb "
-        f"({cfg.data['in_memory_mb']:g} MiB)"
+        f"({cfg.data['in_memory_mb']:g} MiB; one copy per node, on its first rank)"
     )
     return "\n".join([head, table(plans, baseline, limit), notes])
 

@@ -211,8 +211,7 @@ def _run_level_env(env: dict | None) -> bool:
     """Variables read when a run starts (faults, a user model's import path), which warm
     ranks set for that run alone; anything else (Open MPI's, TensorFlow's, Horovod's) is
     read when a process starts and needs a launch of its own."""
-    return all(k.startswith("HPCTRAIN_FAULT_") or (k == "PYTHONPATH" and v)
-               for k, v in (env or {}).items())  # fmt: skip
+    return all(k.startswith("HPCTRAIN_FAULT_") or k == "PYTHONPATH" for k in (env or {}))
 
 
 def _warm_eligible(cmd: tuple[str, ...], env: dict | None, fresh: bool) -> bool:

@@ -138,6 +138,8 @@ def test_training_across_nodes_equals_one_process(
     job = _train(two_nodes, run, per_node, f"backend={backend}", f"train.allreduce={engine}")
     assert job.returncode == 0, job.output
     assert f"gradients by {engine}" in job.output, job.output
+    # the split in memory: one copy per emulated node, shared by that node's ranks
+    assert f"one copy per node (2 for {2 * per_node} ranks)" in job.output, job.output
     _assert_close(_weights(run), _weights(ref), TOL)
     got, want = _losses(run), _losses(ref)
     assert sorted(got) == sorted(want) == list(range(1, 7))

@@ -67,7 +67,6 @@ def _run(cmd: list[str]) -> int:
             sys.argv = list(cmd)
             return main(cmd[1:])
         sys.argv = list(cmd[1:])
-        sys.path.insert(0, os.path.dirname(os.path.abspath(cmd[1])))
         runpy.run_path(cmd[1], run_name="__main__")
         return 0
     except SystemExit as exc:
@@ -75,6 +74,16 @@ def _run(cmd: list[str]) -> int:
     except BaseException:  # noqa: BLE001 - what the interpreter would print, then status 1
         traceback.print_exc()
         return 1
+
+
+def _launch_path(cmd: list[str], pythonpath: str, path: list[str]) -> list[str]:
+    """sys.path as the launch's own interpreter would start: the program's directory
+    first (the console script's for `hpctrain`, the script's for `python SCRIPT`; never
+    tests/, this file's, so a user module is found only where the product looks), then
+    PYTHONPATH, then the interpreter's own (`path` without its first entry)."""
+    program = cmd[0] if os.path.basename(cmd[0]) == "hpctrain" else cmd[1]
+    extra = [p for p in pythonpath.split(os.pathsep) if p]
+    return [os.path.dirname(os.path.abspath(program)), *extra, *path[1:]]
 
 
 def _run_captured(request: dict) -> int:
@@ -93,8 +102,7 @@ def _run_captured(request: dict) -> int:
     try:
         os.chdir(request["cwd"])
         os.environ.update(request["env"])
-        if request["env"].get("PYTHONPATH"):
-            sys.path[1:1] = request["env"]["PYTHONPATH"].split(os.pathsep)
+        sys.path[:] = _launch_path(request["cmd"], request["env"].get("PYTHONPATH", ""), path)
         return _run(request["cmd"])
     finally:
         os.environ.clear()

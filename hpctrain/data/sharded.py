@@ -12,7 +12,9 @@ Validation is split into contiguous blocks, one per rank, covering every sample
 exactly once; the trainer sums loss, correct and counts over ranks.
 
 A training split of at most `data.in_memory_mb` (x and y together) is read whole once,
-with one sequential read, and each batch is then a numpy index of it: h5py's row
+with one sequential read, by one rank per node into a shared-memory window the node's
+ranks map (runtime/node_shared.py; one copy per node, not per rank), and each batch
+is then a numpy index of it: h5py's row
 selection costs ~15 us per row (2.3 ms for a batch of 128 rows of 32 floats and
 their labels, on the background thread of a rank that shares its core with it), and
 it made the demo's steps at np=2 2-3x slower than the model's own compute. A larger
@@ -25,6 +27,7 @@ the path, so both give the same batches, bit for bit.
 from __future__ import annotations
 
 import contextlib
+import logging
 import queue
 import threading
 
@@ -33,7 +36,10 @@ import numpy as np
 
 from ..errors import DataError
 from ..models.zoo import InputSpec
+from ..runtime.node_shared import NodeShared
 from .dataset import DatasetInfo
+
+log = logging.getLogger("hpctrain")
 
 __all__ = ["BenchmarkData", "DatasetInfo", "ShardedTrainData", "epoch_permutation", "iterate_val"]
 
@@ -70,6 +76,7 @@ class ShardedTrainData:
         seed: int,
         prefetch: int = 2,
         in_memory_bytes: int = 0,
+        node_group=None,
     ):
         self.info, self.rank, self.size = info, rank, size
         self.batch, self.accum, self.seed = batch_size, grad_accum, seed
@@ -83,7 +90,30 @@ class ShardedTrainData:
             )
         self.prefetch = prefetch
         # Read now, before the model: the memory check's resident baseline includes it.
-        self.in_memory = _read_split(info, in_memory_bytes)
+        # With `node_group` (a GuardedComm of the ranks that read this data, all calling
+        # together) one copy per node is shared by its ranks (runtime/node_shared.py).
+        self._shared = None
+        self.in_memory = None
+        if in_memory_bytes > 0 and split_bytes(info) <= in_memory_bytes:
+            if node_group is None:
+                self.in_memory = _read_split(info)
+            else:
+                self._shared = _shared_split(info, node_group)
+                self.in_memory = self._shared.arrays["x"], self._shared.arrays["y"]
+                if node_group.is_root:
+                    log.info(
+                        "training split in memory: %.1f MiB, one copy per node (%d for %d "
+                        "ranks)", self._shared.nbytes / (1 << 20), self._shared.copies,
+                        node_group.size,
+                    )  # fmt: skip
+
+    def close(self) -> None:
+        """Release the node's shared copy (collective over the node's ranks of the
+        group given); a private copy goes with the object."""
+        self.in_memory = None
+        if self._shared is not None:
+            self._shared.free()
+            self._shared = None
 
     def micro_batch_rows(self, epoch: int, position: int, perm=None) -> list[np.ndarray]:
         """Rows of this rank's micro-batches for the step starting at sample `position`."""
@@ -175,24 +205,36 @@ def _split_bytes(info: DatasetInfo, f: h5py.File) -> int:
     return info.train_size * row
 
 
-def _read_split(info: DatasetInfo, limit: int) -> tuple[np.ndarray, np.ndarray] | None:
-    """The training split's (x, y) in split order when it fits `limit` bytes, else None.
-    One sequential read of each dataset (the held-out validation rows skipped).
-
-    Cost at scale: every rank reads the split once, so the filesystem serves N x S at
-    start (S <= data.in_memory_mb: at 256 MiB, 256 GiB for 1,024 ranks and 1 TiB for
-    4,096), where row-by-row reading serves S per epoch in all. One copy per node (an
-    MPI shared-memory window) would make that nodes x S; until then, lower the setting
-    (or 0) for jobs of thousands of ranks (docs/training.md)."""
-    if limit <= 0:
-        return None
+def _read_split(info: DatasetInfo) -> tuple[np.ndarray, np.ndarray]:
+    """The training split's (x, y) in split order: one sequential read of each dataset
+    (the held-out validation rows skipped), for this rank alone."""
     with h5py.File(info.path, "r") as f:
-        if _split_bytes(info, f) > limit:
-            return None
         x, y = f[info.keys.train_x][()], f[info.keys.train_y][()]
     if info.train_rows is not None:
         x, y = x[info.train_rows], y[info.train_rows]
     return x, y
+
+
+def _shared_split(info: DatasetInfo, group) -> NodeShared:
+    """The training split in one shared-memory window per node, read by the node's first
+    rank with one sequential read per dataset: the filesystem serves nodes x S at start
+    (S <= data.in_memory_mb: at 256 MiB and 8 ranks a node, 32 GiB for 1,024 ranks and
+    128 GiB for 4,096; each rank reading its own would be 256 GiB and 1 TiB)."""
+    with h5py.File(info.path, "r") as f:
+        specs = {
+            name: ((info.train_size, *f[key].shape[1:]), f[key].dtype)
+            for name, key in (("x", info.keys.train_x), ("y", info.keys.train_y))
+        }
+
+    def fill(arrays: dict[str, np.ndarray]) -> None:
+        with h5py.File(info.path, "r") as f:
+            for name, key in (("x", info.keys.train_x), ("y", info.keys.train_y)):
+                if info.train_rows is None:
+                    f[key].read_direct(arrays[name])
+                else:
+                    arrays[name][...] = f[key][()][info.train_rows]
+
+    return NodeShared(group, specs, fill, f"the training split of {info.path}")
 
 
 def val_block(val_size: int, rank: int, size: int) -> tuple[int, int]:

@@ -95,6 +95,19 @@ class GuardedComm(HostArrays):
     def is_root(self) -> bool:
         return self.rank == 0
 
+    _node_split = None
+
+    def node_split(self) -> GuardedComm:
+        """This communicator's ranks on this node, under the same watchdog (split once,
+        then cached): where a shared-memory window lives (node_shared.py)."""
+        if self._node_split is None:
+            with self.watchdog.guard(f"split '{self.name}' by node"):
+                comm = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED, key=self.rank)
+            self._node_split = GuardedComm.over(
+                f"{self.name} on this node", comm, self.watchdog, self.MPI, self.abort
+            )
+        return self._node_split
+
     # --- control collectives (small, guarded) ------------------------------------
     def agree(self, error: str | None, prefix: str = "", error_type=RankErrors) -> None:
         """Every rank passes its own error (or None); if any rank has one, every rank raises.

@@ -128,7 +128,10 @@ class World(GuardedComm):
 
     # --- sub-communicators -------------------------------------------------------
     def guarded_split(self, name: str, color: int, key: int | None = None) -> GuardedComm:
-        """A sub-communicator with its own watchdog (cached by `name`); collective."""
+        """A sub-communicator with its own watchdog; collective the first time. Cached by
+        `name` for the process, so the name must fix every rank's color and key (the
+        grid names its axes by shape): a later run in the same process with another
+        partition under the same name would get the old groups."""
         if name not in self._guarded:
             self._guarded[name] = self._guard(name, self.split(name, color, key))
         return self._guarded[name]
@@ -146,6 +149,10 @@ class World(GuardedComm):
         if "node" not in self._guarded:
             self._guarded["node"] = self._guard("node", self._local)
         return self._guarded["node"]
+
+    def node_split(self) -> GuardedComm:
+        """The world's ranks on this node: the node communicator made at start-up."""
+        return self.node
 
     def split(self, name: str, color: int, key: int | None = None):
         """A sub-communicator by role (cached by `name`); collective over the world."""

@@ -99,6 +99,7 @@ class Strategy(Protocol):
     def on_preempt(self, ctx: RunContext) -> str: ...  # collective; the signal's name
     def save_now(self, ctx: RunContext) -> None: ...  # collective; an agreed checkpoint
     def summary(self, ctx: RunContext, summary: dict) -> dict: ...  # collective
+    def release(self) -> None: ...  # collective, after a finished run: shared memory freed
     def rank_name(self, index: int) -> str: ...  # a report_comm rank, for messages
 
 
@@ -130,6 +131,7 @@ class StrategyBase:
             tcfg["seed"],
             cfg.data["prefetch"] if prefetch else 0,
             in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
+            node_group=self.world,  # every rank reads: one copy per node
         )
         return dataset, data, dataset.input_spec
 
@@ -194,6 +196,13 @@ class StrategyBase:
 
     def summary(self, ctx: RunContext, summary: dict) -> dict:
         return summary
+
+    def release(self) -> None:
+        """Free the node's shared copy of the data (collective over the ranks that read
+        it; a run that fails leaves it to the process's end)."""
+        close = getattr(getattr(self, "data", None), "close", None)
+        if close is not None:
+            close()
 
     def rank_name(self, index: int) -> str:
         return f"rank {index}"

@@ -87,7 +87,10 @@ class ParameterServer(StrategyBase):
         self.is_server = self.serves = w.rank >= self.n_workers
         self.index = w.rank - self.n_workers if self.is_server else w.rank
         self.server_ranks = list(range(self.n_workers, w.size))
-        self.role = w.guarded_split("ps.role", 1 if self.is_server else 0)
+        # the name fixes the partition (the split is cached by name for the process)
+        self.role = w.guarded_split(
+            f"ps.role.{self.n_workers}+{self.n_servers}", int(self.is_server)
+        )
         self.dataset = prepare_dataset(cfg, w, run_dir)
         inp = self.dataset.input_spec
         tcfg = cfg.train
@@ -126,6 +129,7 @@ class ParameterServer(StrategyBase):
                 self.dataset, self.index, self.n_workers, tcfg["batch_size"],
                 tcfg["grad_accum"], tcfg["seed"], cfg.data["prefetch"],
                 in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
+                node_group=self.role,  # the workers: one copy per node
             )  # fmt: skip
             self.agreed_flags = lambda _stats: self.worker.flags()
         w.agree(error)
