@@ -151,19 +151,27 @@ class TorchBackend(TorchStateMixin, BackendBase):
             if self.zero is not None
             else make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
         )
-        self._pg = None  # nccl / gloo: torch.distributed on the device (torch_pg.py)
-        if self.engine in gradient_engine.PROCESS_GROUP_ENGINES and self.zero is None:
-            from .torch_pg import ProcessGroupMean
+        self._overlap = None  # buckets started from backward hooks (exchange/overlap.py)
+        pg = self.engine in gradient_engine.PROCESS_GROUP_ENGINES and self.zero is None
+        if self.engine == "overlap" or pg:
+            transport, poll_s = world, 0.0005  # MPI on host numpy
+            if pg:  # nccl / gloo: the buckets on the device, torch.distributed's group
+                from .torch_transport import ProcessGroupTransport
 
-            timeout = cfg.runtime["collective_timeout"]
-            self._pg = self._flat = ProcessGroupMean(
-                world, params, self.device, self.engine, timeout
-            )
-        self._overlap = None  # the overlapped engine: buckets started from backward hooks
-        if self.engine == "overlap":
+                timeout = cfg.runtime["collective_timeout"]
+                transport = ProcessGroupTransport(world, self.engine, timeout, self.device)
+                poll_s = 0.0  # Gloo and NCCL progress on their own threads and streams
+            sizes, bucket = [p.numel() for p in params], int(cfg.train["bucket_mb"] * 2**20)
             self._overlap = self._flat = OverlapMean(
-                world, [p.numel() for p in params], int(cfg.train["bucket_mb"] * 2**20)
+                transport if world is not None and world.size > 1 else None,
+                sizes,
+                bucket,
+                poll_s=poll_s,
             )
+            # torch views of the buffer's views (sharing memory with numpy's on MPI)
+            self._grad_views = [
+                torch.from_numpy(v) if isinstance(v, np.ndarray) else v for v in self._overlap.views
+            ]
             self._arrived = [False] * len(params)
             for i, p in enumerate(params):
                 p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
@@ -256,10 +264,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         return None, loss_sum, correct, total  # the gradients are in param.grad
 
     def exchange(self, grads):
-        if self._pg is not None:  # on the device; on a GPU this only queues the work
-            self._pg.average(self._dense)
-            self.exchange_step += 1
-        elif self._overlap is not None:
+        if self._overlap is not None:  # on a GPU the waits only order the streams
             self._finish_buckets()
         elif self.hvd is None:
             self._average_with_mpi()
@@ -375,7 +380,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             if p.grad is not None:  # a parameter without gradient stays without
                 p.grad.copy_(view.view_as(p))
 
-    # --- the overlapped engine (exchange/overlap.py does the MPI side) -------------
+    # --- the overlapped engines (exchange/overlap.py over MPI or a process group) ---
     def _open_buckets(self) -> None:
         """The next backward makes the gradients final: let the hooks send them."""
         self._overlap.begin()
@@ -386,7 +391,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
     def _grad_ready(self, index: int, param) -> None:
         if not self._hooks_live:
             return
-        self._overlap.views[index][:] = param.grad.reshape(-1).numpy()
+        self._grad_views[index].copy_(param.grad.reshape(-1))
         self._arrived[index] = True
         self._overlap.ready(index)
 
@@ -398,12 +403,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self._hooks_live = False
         for i, arrived in enumerate(self._arrived):
             if not arrived:
-                self._overlap.views[i][:] = 0.0
+                self._grad_views[i].zero_()
                 self._overlap.ready(i)
         self._overlap.finish()
-        for p, view in zip(self._dense, self._overlap.views, strict=True):
-            if p.grad is not None:
-                p.grad.copy_(torch.from_numpy(view).view_as(p))
+        for p, view in zip(self._dense, self._grad_views, strict=True):
+            if p.grad is not None:  # a parameter without gradient stays without
+                p.grad.copy_(view.view_as(p))
         self.exchange_step += 1
 
     def evaluate(self, x, y) -> EvalStats:

@@ -14,9 +14,11 @@ default TORCH_NCCL_ASYNC_ERROR_HANDLING), and mpirun/srun end the rest of the jo
 
 Cost at scale: bootstrap is one MPI broadcast and N-1 TCP connections to rank 0's
 store (torch's libuv store serves thousands of clients: seconds at 4,096 ranks, once).
-The dense average is one ring/tree allreduce of the gradient bytes per step: 2(N-1)/N
-of the buffer per rank at 1,024 and 4,096 ranks alike. ZeRO-1/2 on these engines use the
-same group through the exchange layer's transport (`torch_transport.py`).
+The dense average is the overlapped engine (exchange/overlap.py) over this group through
+the exchange layer's transport (`torch_transport.py`): buckets of `train.bucket_mb`
+allreduced from backward hooks, on the device, as DDP does; 2(N-1)/N of the gradients per
+rank per step at 1,024 and 4,096 ranks alike. ZeRO-1/2 on these engines use the same
+group and transport.
 """
 
 from __future__ import annotations
@@ -103,52 +105,3 @@ def check_backend(engine: str, device: torch.device) -> None:
         raise ConfigError("train.allreduce=nccl: this torch build has no NCCL")
     if not dist.is_available():
         raise ConfigError(f"train.allreduce={engine}: this torch build has no torch.distributed")
-
-
-class ProcessGroupMean:
-    """The dense gradient average on the device: the step's gradients gathered into one
-    preallocated flat buffer of the device, one in-place `all_reduce`, the mean copied
-    back. Same arithmetic as the MPI engine's DenseMean (sum, then times float32 1/N),
-    so the two agree to rounding of the reduction order."""
-
-    def __init__(self, comm, params: list, device: torch.device, engine: str, timeout_s: float):
-        check_backend(engine, device)
-        self.size = comm.size if comm is not None else 1
-        self.sizes = [p.numel() for p in params]
-        self.buffer = torch.zeros(sum(self.sizes), dtype=torch.float32, device=device)
-        self.group = None
-        if self.size > 1:
-            self.group = init_process_group(comm, engine, timeout_s, device)
-        self._sent = 0
-
-    @torch.no_grad()
-    def average(self, params: list) -> None:
-        if self.group is None:
-            self._sent = 0
-            return
-        flat = self.buffer
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        torch.cat([g.reshape(-1) for g in grads], out=flat)
-        dist.all_reduce(flat, group=self.group)
-        flat.mul_(1.0 / self.size)
-        for p, view in zip(params, flat.split(self.sizes), strict=True):
-            if p.grad is not None:  # a parameter without gradient stays without
-                p.grad.copy_(view.view_as(p))
-        self._sent = 2 * (self.size - 1) * flat.numel() * 4 // self.size
-
-    @torch.no_grad()
-    def broadcast(self, tensors) -> None:
-        """Rank 0's values of `tensors` on every rank (device-resident)."""
-        if self.group is None:
-            return
-        for t in tensors:
-            dist.broadcast(t, src=0, group=self.group)
-
-    def stats(self) -> dict[str, float]:
-        return {"comm_bytes": float(self._sent), "compression_ratio": 1.0}
-
-    def state(self) -> dict:
-        return {}
-
-    def load_state(self, state) -> None:
-        return None

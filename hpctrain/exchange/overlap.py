@@ -3,9 +3,14 @@
 The backend copies each gradient into its view of one flat float32 buffer the moment
 autograd has finished it (torch: post-accumulate-grad hooks) and calls `ready(i)`. The
 buffer is cut into buckets of about `bucket_bytes` in reverse registration order (the
-order backward produces gradients, as DDP does); a bucket's non-blocking
-`MPI_Iallreduce` starts as soon as its last gradient is in. `finish()` starts whatever
-is left, waits for every bucket under the watchdog's deadline and divides by N.
+order backward produces gradients, as DDP does); a bucket's non-blocking allreduce
+starts as soon as its last gradient is in. `finish()` starts whatever is left, waits
+for every bucket under the transport's deadline and divides by N.
+
+Written once against the exchange layer's `Transport` (transport.py): over MPI
+(`train.allreduce=overlap`: host numpy, `MPI_Iallreduce`, the watchdog's deadline) or
+over a torch.distributed group (`train.allreduce=gloo|nccl`: the buffer and its
+buckets on the rank's device, as DDP keeps them, and the group's deadline).
 
 Order: MPI needs every rank to start the same collectives in the same order, so bucket b
 starts only after buckets 0..b-1 started; a gradient that never arrives (a parameter
@@ -16,7 +21,8 @@ Progress: Open MPI advances a non-blocking collective only inside MPI calls (mea
 over the emulated 1 Gbit/s link: an Iallreduce of 5.3 MB left alone for 200 ms had not
 moved). Each `ready()` tests the outstanding buckets; between hooks a progress thread
 tests them every `poll_s` and sleeps otherwise (no spinning: it blocks on an event when
-nothing is outstanding, and MPI calls release the GIL).
+nothing is outstanding, and MPI calls release the GIL). Gloo and NCCL progress on
+their own threads and streams: over a process group `poll_s` is 0 and no thread starts.
 
 Cost: per rank per step the same bytes as one flat ring allreduce (2(N-1)/N of the
 gradients) in `ceil(bytes / bucket_bytes)` collectives, whatever N (1,024 or 4,096
@@ -64,12 +70,18 @@ class OverlapMean(DenseStats):
         what: str = "gradient allreduce (bucket)",
         poll_s: float = 0.0005,
     ):
+        """comm: a `Transport` (None: one process, nothing to average); the buffer and
+        its views are of the transport's array type, allocated by it."""
         self.world = comm
         self.sizes = [int(n) for n in sizes]
-        self.buffer, self.views = flat_buffer(self.sizes)
+        ends = np.cumsum([0, *self.sizes])
+        if comm is None:
+            self.buffer, self.views = flat_buffer(self.sizes)
+        else:
+            self.buffer = comm.zeros(int(ends[-1]))
+            self.views = [self.buffer[int(a) : int(b)] for a, b in zip(ends, ends[1:])]
         self.what = what
         self.buckets = bucket_plan(self.sizes, int(bucket_bytes))
-        ends = np.cumsum([0, *self.sizes])
         # Element range of each bucket in the buffer (its indices are consecutive).
         self.ranges = [(int(ends[min(b)]), int(ends[max(b) + 1])) for b in self.buckets]
         self.bucket_of = {i: k for k, b in enumerate(self.buckets) for i in b}
@@ -87,6 +99,12 @@ class OverlapMean(DenseStats):
     @property
     def distributed(self) -> bool:
         return self.world is not None and self.world.size > 1
+
+    @property
+    def started(self) -> int:
+        """Buckets started so far this step (all of them once backward has sent every
+        gradient: the overlap the hooks achieved)."""
+        return self._next
 
     def begin(self) -> None:
         """Start a step: no gradient is in yet."""
@@ -151,7 +169,7 @@ class OverlapMean(DenseStats):
                 p.wait()
             self._pending = []
             self._wake.clear()
-        self.buffer *= np.float32(1.0 / self.world.size)
+        self.world.scale_(self.buffer, 1.0 / self.world.size)
         sent = self._sent
         self.begin()
         self._sent = sent

@@ -81,3 +81,41 @@ def test_reduce_after_backward_equals_one_allreduce():
     engine.reduce(0)
     np.testing.assert_allclose(engine.buffer, _reference(grads), rtol=1e-6, atol=1e-6)
     engine.close()
+
+
+@pytest.mark.parametrize("bucket_bytes", [1, 16_000])
+def test_the_same_engine_over_a_gloo_group_keeps_torch_buffers_and_equals_one_allreduce(
+    bucket_bytes,
+):
+    """`train.allreduce=gloo|nccl`: the engine written once, over the process-group
+    transport: the buffer and its bucket views are torch tensors (on the device on a GPU
+    rank), buckets start from `ready()` before `finish()`, and the average equals MPI's."""
+    import torch
+    import torch.distributed as dist
+
+    from hpctrain.backends.torch_transport import ProcessGroupTransport
+
+    w = world()
+    if w.size < 2:
+        pytest.skip("a process group needs two ranks")
+    pg = ProcessGroupTransport(w, "gloo", 60.0, torch.device("cpu"))
+    try:
+        grads = _grads(w.rank)
+        engine = OverlapMean(pg, SIZES, bucket_bytes, poll_s=0.0)
+        assert isinstance(engine.buffer, torch.Tensor)
+        assert all(isinstance(v, torch.Tensor) for v in engine.views)
+        order = np.random.default_rng(w.rank).permutation(len(SIZES))
+        for step in range(2):
+            engine.begin()
+            for i in order:
+                engine.views[i].copy_(torch.from_numpy(grads[i] * (step + 1)))
+                engine.ready(int(i))
+            started_before_finish = engine.started  # sent from the hooks, before finish
+            engine.finish()
+            assert started_before_finish == len(engine.buckets)
+            np.testing.assert_allclose(
+                engine.buffer.numpy(), _reference(grads) * (step + 1), rtol=1e-6, atol=1e-6
+            )
+        engine.close()
+    finally:
+        dist.destroy_process_group()
