@@ -135,7 +135,8 @@ class TrainingLoop:
                 log.warning("%s", warning)
         dataset = getattr(self.strategy, "dataset", None)
         if dataset is not None and hasattr(dataset, "summary"):
-            log.info("%s", dataset.summary())
+            note = getattr(getattr(self.strategy, "data", None), "memory_note", None)
+            log.info("%s%s", dataset.summary(), f"; {note}" if note else "")
 
     # --- set-up ---------------------------------------------------------------------
     def _claim_run_dir(self, resume, overwrite: bool, new: bool) -> None:

@@ -156,8 +156,9 @@ def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
     print(f"stopped pipeline peer: job ended {took:.1f} s after SIGSTOP (timeout {timeout} s)")
     assert proc.returncode != 0, out
     assert took < timeout + 10, (took, out)
-    # stage 0 waits for stage 1's gradient (or, less often, for its step report, or in
-    # an epoch end's checkpoint, which rank 1 had entered before it was stopped)
+    # stage 0 waits for stage 1's gradient or to finish sending it an activation (or,
+    # less often, for its step report, or in an epoch end's checkpoint, which rank 1 had
+    # entered before it was stopped)
     named = (
         "no answer from stage 1 (rank 1)" in out
         or "rank(s) 1 never arrived" in out

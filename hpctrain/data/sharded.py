@@ -27,7 +27,6 @@ the path, so both give the same batches, bit for bit.
 from __future__ import annotations
 
 import contextlib
-import logging
 import queue
 import threading
 
@@ -38,8 +37,6 @@ from ..errors import DataError
 from ..models.zoo import InputSpec
 from ..runtime.node_shared import NodeShared
 from .dataset import DatasetInfo
-
-log = logging.getLogger("hpctrain")
 
 __all__ = ["BenchmarkData", "DatasetInfo", "ShardedTrainData", "epoch_permutation", "iterate_val"]
 
@@ -94,18 +91,18 @@ class ShardedTrainData:
         # together) one copy per node is shared by its ranks (runtime/node_shared.py).
         self._shared = None
         self.in_memory = None
+        self.memory_note = None  # for the run's data line: where the split is held
         if in_memory_bytes > 0 and split_bytes(info) <= in_memory_bytes:
             if node_group is None:
                 self.in_memory = _read_split(info)
+                self.memory_note = "training split in memory"
             else:
                 self._shared = _shared_split(info, node_group)
                 self.in_memory = self._shared.arrays["x"], self._shared.arrays["y"]
-                if node_group.is_root:
-                    log.info(
-                        "training split in memory: %.1f MiB, one copy per node (%d for %d "
-                        "ranks)", self._shared.nbytes / (1 << 20), self._shared.copies,
-                        node_group.size,
-                    )  # fmt: skip
+                self.memory_note = (
+                    f"training split in memory: {self._shared.nbytes / (1 << 20):.1f} MiB, one "
+                    f"copy per node ({self._shared.copies} for {node_group.size} ranks)"
+                )
 
     def close(self) -> None:
         """Release the node's shared copy (collective over the node's ranks of the

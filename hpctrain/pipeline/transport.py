@@ -45,7 +45,7 @@ class StageTransport:
         self.dtype = np.dtype(dtype)
         self._free: list[np.ndarray] = []  # activation buffers ready for the next receive
         self._posted: dict[tuple[int, int], tuple[object, np.ndarray]] = {}
-        self._sends: list[tuple[object, np.ndarray]] = []
+        self._sends: list[tuple[object, np.ndarray, int]] = []  # (request, buffer, stage)
         self.wait_seconds = 0.0  # time blocked waiting for a neighbour
         self.bytes_sent = 0
 
@@ -65,7 +65,7 @@ class StageTransport:
         """
         if buf is None or buf.shape != self.in_shape:
             return
-        if any(np.shares_memory(buf, arr) for _, arr in self._sends):
+        if any(np.shares_memory(buf, arr) for _, arr, _ in self._sends):
             return
         self._free.append(buf)
 
@@ -118,7 +118,8 @@ class StageTransport:
                 f"{self.dtype}{shape}"
             )
         arr = np.ascontiguousarray(arr)
-        self._sends.append((self.comm.Isend([arr, self.MPI.FLOAT], dest=dest, tag=tag), arr))
+        request = self.comm.Isend([arr, self.MPI.FLOAT], dest=dest, tag=tag)
+        self._sends.append((request, arr, dest))
         self.bytes_sent += arr.nbytes
         self.progress()
 
@@ -131,7 +132,7 @@ class StageTransport:
     def progress(self) -> None:
         """Let MPI advance outstanding sends and forget the finished ones."""
         if self._sends:
-            done = self.MPI.Request.Testsome([r for r, _ in self._sends])
+            done = self.MPI.Request.Testsome([r for r, _, _ in self._sends])
             if done:
                 keep = set(range(len(self._sends))) - set(done)
                 self._sends = [self._sends[i] for i in sorted(keep)]
@@ -140,11 +141,12 @@ class StageTransport:
         """Wait until every send of this step has left (end of step)."""
         if self._sends:
             t0 = time.perf_counter()
+            to = sorted({dest for _, _, dest in self._sends})  # the stages not yet taking
             p2p.wait_or_abort(
                 self.pipe,
-                [r for r, _ in self._sends],
+                [r for r, _, _ in self._sends],
                 f"pipeline stage {self.stage} (rank {self.peer_rank(self.stage)}) sending",
-                "a neighbouring stage",
+                " or ".join(f"stage {s} (rank {self.peer_rank(s)})" for s in to),
             )
             self.wait_seconds += time.perf_counter() - t0
             self._sends = []
