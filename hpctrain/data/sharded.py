@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import queue
 import threading
+from functools import partial
 
 import h5py
 import numpy as np
@@ -92,12 +93,20 @@ class ShardedTrainData:
         self._shared = None
         self.in_memory = None
         self.memory_note = None  # for the run's data line: where the split is held
-        if in_memory_bytes > 0 and split_bytes(info) <= in_memory_bytes:
-            if node_group is None:
-                self.in_memory = _read_split(info)
+        specs = _split_specs(info) if in_memory_bytes > 0 else None
+        if specs is not None and _nbytes(specs) <= in_memory_bytes:
+            if node_group is None:  # this rank alone
+                arrays = {name: np.empty(shape, dtype) for name, (shape, dtype) in specs.items()}
+                _fill_split(info, arrays)
+                self.in_memory = arrays["x"], arrays["y"]
                 self.memory_note = "training split in memory"
             else:
-                self._shared = _shared_split(info, node_group)
+                self._shared = NodeShared(
+                    node_group,
+                    specs,
+                    partial(_fill_split, info),
+                    f"the training split of {info.path}",
+                )
                 self.in_memory = self._shared.arrays["x"], self._shared.arrays["y"]
                 self.memory_note = (
                     f"training split in memory: {self._shared.nbytes / (1 << 20):.1f} MiB, one "
@@ -191,47 +200,38 @@ class ShardedTrainData:
 
 def split_bytes(info: DatasetInfo) -> int:
     """Bytes of the training split's x and y as stored (what holding it in memory costs)."""
+    return _nbytes(_split_specs(info))
+
+
+def _split_specs(info: DatasetInfo) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """Shape and dtype of the training split's x and y in memory (one open of the file:
+    metadata only). With validation held out of the file's split, train_size rows."""
     with h5py.File(info.path, "r") as f:
-        return _split_bytes(info, f)
-
-
-def _split_bytes(info: DatasetInfo, f: h5py.File) -> int:
-    x_ds, y_ds = f[info.keys.train_x], f[info.keys.train_y]
-    row = x_ds.dtype.itemsize * int(np.prod(x_ds.shape[1:], dtype=np.int64))
-    row += y_ds.dtype.itemsize * int(np.prod(y_ds.shape[1:], dtype=np.int64))
-    return info.train_size * row
-
-
-def _read_split(info: DatasetInfo) -> tuple[np.ndarray, np.ndarray]:
-    """The training split's (x, y) in split order: one sequential read of each dataset
-    (the held-out validation rows skipped), for this rank alone."""
-    with h5py.File(info.path, "r") as f:
-        x, y = f[info.keys.train_x][()], f[info.keys.train_y][()]
-    if info.train_rows is not None:
-        x, y = x[info.train_rows], y[info.train_rows]
-    return x, y
-
-
-def _shared_split(info: DatasetInfo, group) -> NodeShared:
-    """The training split in one shared-memory window per node, read by the node's first
-    rank with one sequential read per dataset: the filesystem serves nodes x S at start
-    (S <= data.in_memory_mb: at 256 MiB and 8 ranks a node, 32 GiB for 1,024 ranks and
-    128 GiB for 4,096; each rank reading its own would be 256 GiB and 1 TiB)."""
-    with h5py.File(info.path, "r") as f:
-        specs = {
+        return {
             name: ((info.train_size, *f[key].shape[1:]), f[key].dtype)
             for name, key in (("x", info.keys.train_x), ("y", info.keys.train_y))
         }
 
-    def fill(arrays: dict[str, np.ndarray]) -> None:
-        with h5py.File(info.path, "r") as f:
-            for name, key in (("x", info.keys.train_x), ("y", info.keys.train_y)):
-                if info.train_rows is None:
-                    f[key].read_direct(arrays[name])
-                else:
-                    arrays[name][...] = f[key][()][info.train_rows]
 
-    return NodeShared(group, specs, fill, f"the training split of {info.path}")
+def _nbytes(specs: dict[str, tuple[tuple[int, ...], np.dtype]]) -> int:
+    return sum(
+        int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+        for shape, dtype in specs.values()
+    )
+
+
+def _fill_split(info: DatasetInfo, arrays: dict[str, np.ndarray]) -> None:
+    """Read the training split's x and y into `arrays` (split order): one sequential read
+    of each dataset, the held-out validation rows skipped. On a node sharing the split
+    (runtime/node_shared.py) only its first rank calls this: the filesystem serves
+    nodes x S at start (S <= data.in_memory_mb: at 256 MiB and 8 ranks a node, 32 GiB
+    for 1,024 ranks and 128 GiB for 4,096; a copy per rank would be 256 GiB and 1 TiB)."""
+    with h5py.File(info.path, "r") as f:
+        for name, key in (("x", info.keys.train_x), ("y", info.keys.train_y)):
+            if info.train_rows is None:
+                f[key].read_direct(arrays[name])
+            else:
+                arrays[name][...] = f[key][()][info.train_rows]
 
 
 def val_block(val_size: int, rank: int, size: int) -> tuple[int, int]:
@@ -287,6 +287,9 @@ class BenchmarkData:
 
     def steps_left(self, position: int) -> int:
         return self.steps_per_epoch - position // self.global_batch
+
+    def close(self) -> None:
+        """Nothing shared to release (the batch is this rank's own)."""
 
     def iterate(self, epoch: int, position: int = 0):
         for _ in range(self.steps_left(position)):

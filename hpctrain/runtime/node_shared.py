@@ -9,9 +9,10 @@ ranks read 32 GiB instead of 256 GiB and 4,096 ranks 128 GiB instead of 1 TiB, a
 each node holds 256 MiB instead of 2 GiB.
 
 Cost at scale: one split of the group by node (collective, once per group and process),
-one window over each node (local to the node), a fence on the node and one agreement on
-errors over the group (an allreduce of one integer: log2 N steps, 10 at 1,024 ranks and
-12 at 4,096). Every wait is under the group's watchdog deadline.
+one window over each node (local to the node), a fence on the node, and two allreduces
+of one integer over the group (the agreement on errors, the count of copies for the
+run's log: log2 N steps each, 10 at 1,024 ranks and 12 at 4,096). Every wait is under
+the group's watchdog deadline.
 """
 
 from __future__ import annotations

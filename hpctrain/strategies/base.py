@@ -200,9 +200,8 @@ class StrategyBase:
     def release(self) -> None:
         """Free the node's shared copy of the data (collective over the ranks that read
         it; a run that fails leaves it to the process's end)."""
-        close = getattr(getattr(self, "data", None), "close", None)
-        if close is not None:
-            close()
+        if self.data is not None:
+            self.data.close()
 
     def rank_name(self, index: int) -> str:
         return f"rank {index}"
