@@ -177,9 +177,23 @@ class WarmJob:
 
 # Warm jobs by (ranks, launcher: None for this machine's mpirun).
 _warm: dict[tuple[int, tuple[str, ...] | None], WarmJob] = {}
-# Ranks kept warm at once (each holds torch, and TensorFlow once a run used it: about
-# 1 GB): the suite's 1-, 2-, 3- and 4-rank jobs fit, an 8-rank one replaces them.
-MAX_WARM_RANKS = 10
+
+
+def _max_warm_ranks(per_rank_gib: float = 0.75, share: float = 0.5, most: int = 16) -> int:
+    """Ranks kept warm at once: each holds torch, and TensorFlow once a run used it
+    (measured PSS 0.55-0.62 GiB a rank), in at most half of this machine's memory. On
+    24 GiB the suite's 8-rank job fits beside its 1-, 2- and 4-rank ones (15 ranks), so
+    the tensor-parallel tests stop restarting them (each restart re-imports torch and
+    TensorFlow: about 8 s of CPU a rank)."""
+    try:
+        with open("/proc/meminfo") as info:
+            kib = next(int(line.split()[1]) for line in info if line.startswith("MemTotal:"))
+    except (OSError, StopIteration, ValueError):
+        return 10
+    return max(4, min(most, int(kib / 2**20 * share / per_rank_gib)))
+
+
+MAX_WARM_RANKS = _max_warm_ranks()
 
 
 def _warm_job(np: int, env: dict, launcher: list[str] | None) -> WarmJob:
