@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 from cluster import launch
-from mpirun import HPCTRAIN
+from mpirun import HPCTRAIN, mpirun
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.config import Config
@@ -138,13 +138,15 @@ SMALL = [
 ]
 
 
+def _sets(*extra: str) -> list[str]:
+    return [w for o in [*SMALL, *extra] for w in ("--set", o)]
+
+
 def _elastic(tmp_path, run, *extra, env=None, restarts=2):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")
     argv = [HPCTRAIN, "elastic", "--hostfile", str(hosts), "--max-restarts", str(restarts)]
-    argv += ["--probe-timeout", "2", "--", "train", "--run-dir", str(run)]
-    for o in [*SMALL, *extra]:
-        argv += ["--set", o]
+    argv += ["--probe-timeout", "2", "--", "train", "--run-dir", str(run), *_sets(*extra)]
     return launch(argv, timeout=300, env=env)  # its process group is killed on timeout
 
 
@@ -171,7 +173,10 @@ STRATEGIES = {  # strategy: (settings, the rank killed at step 8)
 @pytest.mark.parametrize("strategy", list(STRATEGIES))
 def test_a_killed_rank_is_restarted_from_the_checkpoint_and_ends_bit_for_bit(tmp_path, strategy):
     sets, victim = STRATEGIES[strategy]
-    plain = _elastic(tmp_path, tmp_path / "plain", *sets)
+    # the uninterrupted run: the same command on warm ranks (the supervisor's first
+    # launch is exactly this one; its uninterrupted path is the budget test's and the
+    # multi-node tests')
+    plain = mpirun(2, HPCTRAIN, "train", "--run-dir", str(tmp_path / "plain"), *_sets(*sets))
     assert plain.returncode == 0, plain.output
     kill = {"HPCTRAIN_FAULT_DIE_AT_STEP": f"{victim}:8"}
     job = _elastic(tmp_path, tmp_path / "run", *sets, env=kill)
