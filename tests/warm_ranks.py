@@ -42,7 +42,7 @@ IDLE_TIMEOUT_S = 900
 
 def _quiet_barrier(first_s: float = 0.001, most_s: float = 0.05) -> None:
     """A barrier that sleeps between polls, 1 ms at first and then longer, up to 50 ms:
-    an idle rank costs about 0.1% of a core (polled every 5 ms it was 1.3%, and the
+    an idle rank costs 0.2-0.3% of a core (polled every 5 ms it was 1.3%, and the
     suite keeps up to 15 ranks warm), and a launch waits at most 50 ms for it."""
     request = COMM.Ibarrier()
     sleep = first_s
