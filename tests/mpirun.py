@@ -38,11 +38,19 @@ class Job:
     seconds: float
 
 
+# Waiting ranks yield the core (sched_yield) instead of spinning in a blocking MPI call.
+# Open MPI does this by itself when it sees more ranks than slots (np > 2 here, with
+# --oversubscribe), but not for the emulated nodes, whose 2 + 2 slots share these 2
+# cores: measured on the multi-node training tests, 100.6 -> 90.5 s.
+YIELD_WHEN_IDLE = {"OMPI_MCA_mpi_yield_when_idle": "1"}
+
+
 def _launch_env(env: dict | None) -> dict:
     full_env = dict(os.environ)
     full_env.update(
         OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", PYTHONUNBUFFERED="1"
     )
+    full_env.update(YIELD_WHEN_IDLE)
     full_env.update(env or {})
     return full_env
 
