@@ -62,6 +62,9 @@ def config_file(tmp_path) -> Path:
     return path
 
 
+_CLI: ForkedCli | None = None  # the server of hpctrain()'s forked calls
+
+
 def hpctrain(*args: str, cwd=None, env=None, timeout: float = 60):
     """`hpctrain ARGS` as its own process: exit code, stdout and stderr. Without `cwd` or
     `env` (the renderer's and validation's calls, about a hundred) the process is forked
@@ -69,16 +72,13 @@ def hpctrain(*args: str, cwd=None, env=None, timeout: float = 60):
     without half a second of interpreter start per call."""
     global _CLI
     if cwd is None and env is None:
-        if _CLI is None:
+        if _CLI is None or not _CLI.alive():  # first call, or a call that timed out
             _CLI = ForkedCli()
             atexit.register(_CLI.close)
         return _CLI.run([HPCTRAIN, *args], timeout=timeout)
     return subprocess.run(
         [HPCTRAIN, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout
     )
-
-
-_CLI: ForkedCli | None = None
 
 
 def render_args(name: str, config: Path, *extra: str) -> list[str]:
