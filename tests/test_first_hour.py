@@ -17,6 +17,7 @@ import h5py
 import numpy as np
 import pytest
 from mpirun import HPCTRAIN, ROOT, mpirun
+from signalled_runs import sets, stop_after_steps
 
 TESTS = ROOT / "tests"
 QUICK = ["metrics.tensorboard=false", "checkpoint.enabled=false", "train.log_every=1"]
@@ -327,43 +328,13 @@ def test_zoo_options_left_over_from_another_model_are_named(tmp_path):
 
 
 # --- the terminal -----------------------------------------------------------------------------
-LONG = ["data.train_samples=200000", "data.val_samples=64", "train.batch_size=16"]
-LONG += ["model.hidden=[16]", "train.log_every=1", "metrics.tensorboard=false"]
-
-
-def _wait_for_steps(metrics: Path, steps: int, proc, timeout=120.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for _ in metrics.open()) >= steps:
-            return
-        time.sleep(0.2)
-    raise AssertionError(f"{steps} steps not reached (exit {proc.poll()})")
-
-
 @pytest.mark.parametrize("launch", ["plain", "mpirun"])
 def test_ctrl_c_writes_a_checkpoint_then_stops_with_and_without_mpirun(tmp_path, launch):
     run = tmp_path / "run"
-    cmd = [HPCTRAIN, "train", "--run-dir", str(run), *_sets(*LONG, quick=())]
+    cmd = [HPCTRAIN, "train", "--run-dir", str(run), *sets()]
     if launch == "mpirun":
         cmd = ["mpirun", "-np", "2", *cmd]
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
-    try:
-        _wait_for_steps(run / "metrics.jsonl", 5, proc)
-        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C does: the whole foreground group
-        out, _ = proc.communicate(timeout=120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
+    _, out = stop_after_steps(cmd, run, signal.SIGINT, group=True)  # Ctrl-C: the whole group
     # mpirun passes Ctrl-C on to its ranks as SIGTERM; alone, the process gets SIGINT
     name = "SIGTERM" if launch == "mpirun" else "SIGINT"
     assert f"{name} received: stopped at step" in out, out

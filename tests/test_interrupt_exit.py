@@ -12,12 +12,11 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 from mpirun import HPCTRAIN, ROOT
+from signalled_runs import sets, stop_after_steps
 
 from hpctrain.runtime.preemption import Preemption, interrupt_exit_code, interrupt_reason
 
@@ -64,55 +63,6 @@ def test_sigterm_is_an_interrupt_outside_slurm_and_a_preemption_under_it():
 
 
 # --- real runs ------------------------------------------------------------------------------
-SETS = [
-    "data.train_samples=200000",
-    "data.val_samples=64",
-    "train.batch_size=16",
-    "model.hidden=[16]",
-    "train.log_every=1",
-    "metrics.tensorboard=false",
-]
-
-
-def _env() -> dict:
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env["PYTHONUNBUFFERED"] = "1"
-    for key in [k for k in env if k.startswith("SLURM_")]:
-        del env[key]
-    return env
-
-
-def _stop_after_steps(cmd, run: Path, sig, group: bool, steps=5, timeout=120):
-    """Start `cmd`, wait for `steps` steps in metrics.jsonl, send `sig`, wait for the end."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=_env(),
-        cwd=ROOT,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
-    metrics = run / "metrics.jsonl"
-    try:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.poll() is None:
-            if metrics.exists() and sum(1 for _ in metrics.open()) >= steps:
-                break
-            time.sleep(0.2)
-        assert proc.poll() is None, proc.communicate()[0]
-        if group:
-            os.killpg(proc.pid, sig)  # what Ctrl-C does: the whole foreground group
-        else:
-            os.kill(proc.pid, sig)
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.communicate()
-    return proc.returncode, out
-
-
 def _assert_checkpointed_stop(run: Path, out: str, name: str) -> None:
     assert f"{name} received: stopped at step" in out, out
     assert "Traceback" not in out and "MPI_ABORT" not in out, out
@@ -127,10 +77,8 @@ def _assert_checkpointed_stop(run: Path, out: str, name: str) -> None:
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_a_process_alone_stops_as_an_interrupted_program(tmp_path, sig, code):
     run = tmp_path / "run"
-    cmd = [HPCTRAIN, "train", "--run-dir", str(run)]
-    for s in SETS:
-        cmd += ["--set", s]
-    rc, out = _stop_after_steps(cmd, run, sig, group=sig == signal.SIGINT)
+    cmd = [HPCTRAIN, "train", "--run-dir", str(run), *sets()]
+    rc, out = stop_after_steps(cmd, run, sig, group=sig == signal.SIGINT, cwd=ROOT)
     _assert_checkpointed_stop(run, out, sig.name)
     assert "interrupted (" in out, out
     assert rc == code, out
@@ -138,10 +86,8 @@ def test_a_process_alone_stops_as_an_interrupted_program(tmp_path, sig, code):
 
 def test_ctrl_c_on_mpirun_is_an_interrupt_and_mpirun_exits_1(tmp_path):
     run = tmp_path / "run"
-    cmd = ["mpirun", "-np", "2", HPCTRAIN, "train", "--run-dir", str(run)]
-    for s in SETS:
-        cmd += ["--set", s]
-    rc, out = _stop_after_steps(cmd, run, signal.SIGINT, group=True)
+    cmd = ["mpirun", "-np", "2", HPCTRAIN, "train", "--run-dir", str(run), *sets()]
+    rc, out = stop_after_steps(cmd, run, signal.SIGINT, group=True, cwd=ROOT)
     _assert_checkpointed_stop(run, out, "SIGTERM")  # mpirun passes Ctrl-C on as SIGTERM
     assert "interrupted (Ctrl-C or a kill of mpirun" in out, out
     # Open MPI's mpirun ends 1 after Ctrl-C whatever its ranks return (its abort status);
