@@ -22,7 +22,7 @@ import time
 from dataclasses import dataclass
 
 import pytest
-from mpirun import ROOT, YIELD_WHEN_IDLE, close_warm_jobs, mpirun
+from mpirun import ROOT, YIELD_WHEN_IDLE, DrainedPopen, close_warm_jobs, mpirun
 
 from hpctrain.cluster import ClusterUnavailable, session
 from hpctrain.cluster.system import missing_capabilities, missing_tools
@@ -81,15 +81,7 @@ def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     full = dict(os.environ)
     full.update(ENV)
     full.update(env or {})
-    return subprocess.Popen(
-        argv,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    return DrainedPopen(argv, env=full, cwd=ROOT)
 
 
 def finish(proc: subprocess.Popen, timeout: float, started: float | None = None) -> Job:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import threading
 import time
 from pathlib import Path
+
+from mpirun import DrainedPopen
 
 EPOCHS = 50
 # Rank 0's console lines must stay far below a pipe's 64 KiB over the 2 s that Open MPI
@@ -64,33 +64,17 @@ def wait_for_steps(metrics: Path, steps: int, proc, timeout: float = 120.0) -> N
 
 def stop_after_steps(cmd, run: Path, sig, group: bool, cwd=None, steps=5, timeout=120):
     """Start `cmd`, wait for `steps` steps in metrics.jsonl, send `sig` (to the whole
-    process group when `group`: what Ctrl-C does), wait for the end; (exit code, output).
-
-    The output is read from the start, by a thread: a run that logs every step fills a
-    pipe nobody reads (64 KiB) within a second, and a full pipe stops mpirun's event loop,
-    which then never passes the signal on (measured: no SIGTERM reached the ranks)."""
-    proc = subprocess.Popen(
-        cmd,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=run_env(),
-        cwd=cwd,
-        start_new_session=True,  # its own process group, as a terminal's foreground job
-    )
-    chunks: list[str] = []
-    reader = threading.Thread(target=lambda: chunks.extend(proc.stdout), daemon=True)
-    reader.start()
+    process group when `group`: what Ctrl-C does), wait for the end; (exit code, output)."""
+    proc = DrainedPopen(cmd, env=run_env(), cwd=cwd)  # its own group, as a terminal's job
     try:
         wait_for_steps(run / "metrics.jsonl", steps, proc, timeout)
         if group:
             os.killpg(proc.pid, sig)
         else:
             os.kill(proc.pid, sig)
-        proc.wait(timeout=timeout)
+        out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-        reader.join(timeout=30)
-    return proc.returncode, "".join(chunks)
+            out, _ = proc.communicate()
+    return proc.returncode, out

@@ -18,7 +18,7 @@ from pathlib import Path
 import h5py
 import numpy as np
 import pytest
-from mpirun import HPCTRAIN, ROOT, mpirun
+from mpirun import HPCTRAIN, ROOT, DrainedPopen, mpirun
 
 SCRIPTS = ROOT / "tests" / "scripts"
 SMALL = ["metrics.tensorboard=false", "data.prefetch=0", "train.log_every=1"]
@@ -105,15 +105,7 @@ def _start(np_, args, tag):
     cmd = ["mpirun", "-np", str(np_), "-x", "HPCTRAIN_TEST_JOB"]
     if np_ > 2:
         cmd.append("--oversubscribe")
-    return subprocess.Popen(
-        cmd + list(args),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=env,
-        cwd=ROOT,
-        start_new_session=True,
-    )
+    return DrainedPopen(cmd + list(args), env=env, cwd=ROOT)
 
 
 def _finish(proc, timeout):
