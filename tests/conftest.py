@@ -36,6 +36,7 @@ QUICK_MODULES = frozenset(
         "test_checkpoint_format",
         "test_checkpoint_policy",
         "test_checkpoint_sharded",
+        "test_code_shape",
         "test_config",
         "test_data",
         "test_devices",
