@@ -17,6 +17,9 @@ from .version import __version__
 
 # Feature packages that add subcommands: each module has
 # `register(subparsers) -> {command name: handler(args) -> exit code}`.
+# command modules whose import failed (a package missing): name -> the error
+UNLOADABLE: dict[str, str] = {}
+
 COMMAND_MODULES: list[str] = [
     "hpctrain.slurm.cli",
     "hpctrain.checkpoint.cli",
@@ -93,7 +96,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     _add_data_command(sub)
     for module_name in COMMAND_MODULES:
-        COMMANDS.update(importlib.import_module(module_name).register(sub))
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:  # a broken install: `doctor` must still run and say so
+            UNLOADABLE[module_name] = f"{type(exc).__name__}: {exc}"
+            continue
+        COMMANDS.update(module.register(sub))
     COMMANDS.update(memory_report.register(sub, _add_config_args))
     return parser
 
@@ -296,10 +304,33 @@ COMMANDS = {
 }
 
 
+def _launcher_rank() -> int:
+    """This process's rank as its launcher exported it (0 alone), without MPI."""
+    from .runtime.launcher import launcher_views
+
+    try:
+        views = launcher_views()
+    except ValueError:
+        return 0
+    return views[0].values["rank"] if views else 0
+
+
 def main(argv: list[str] | None = None) -> int:
     from .backends import tf_env  # noqa: F401 - TF's start-up noise off on every rank
 
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    words = sys.argv[1:] if argv is None else argv
+    command = next((w for w in words if not w.startswith("-")), None)
+    if UNLOADABLE and command not in (None, "doctor"):
+        problem = "; ".join(f"{m} ({e})" for m, e in UNLOADABLE.items())
+        if _launcher_rank() == 0:  # said once, before MPI (every rank exits 2)
+            print(
+                f"hpctrain: the install is incomplete: cannot import {problem}. "
+                "`hpctrain doctor` checks every piece.",
+                file=sys.stderr,
+            )
+        return 2
+    args = parser.parse_args(argv)
     from .runtime import run_fail_together
 
     code = run_fail_together(COMMANDS[args.command], args)

@@ -113,6 +113,29 @@ def _print_topology() -> None:
         print("    " + line)
 
 
+def missing_by_host(layouts: list[dict] | None, failures: list[list[str]]) -> list[str]:
+    """Each problem once, with the nodes that have it: a node installed apart from the
+    others is named instead of hidden in a union. `layouts` and `failures` are per rank,
+    in rank order (None: no MPI, one process). At 1,024 or 4,096 ranks the names stop
+    after 8 nodes ("and N more"), and a problem every node has says so."""
+    if layouts is None:
+        return sorted({p for rank_missing in failures for p in rank_missing})
+    every = {lay["hostname"] for lay in layouts}
+    hosts_of: dict[str, set[str]] = {}
+    for lay, rank_missing in zip(layouts, failures):
+        for problem in rank_missing:
+            hosts_of.setdefault(problem, set()).add(lay["hostname"])
+    out = []
+    for problem, hosts in sorted(hosts_of.items()):
+        if hosts == every and len(every) > 1:
+            where = "every node"
+        else:
+            names = sorted(hosts)
+            where = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        out.append(f"{problem} (on {where})")
+    return out
+
+
 def run_doctor(quiet: bool = False) -> int:
     from .runtime import world
 
@@ -147,7 +170,7 @@ def run_doctor(quiet: bool = False) -> int:
             )
         if gpus:
             _print_topology()
-    problems = sorted({p for rank_missing in failures for p in rank_missing})
+    problems = missing_by_host(layouts, failures)
     if problems:
         print("\ndoctor: MISSING: " + "; ".join(problems), file=sys.stderr)
         return 1

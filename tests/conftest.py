@@ -40,6 +40,7 @@ QUICK_MODULES = frozenset(
         "test_config",
         "test_data",
         "test_devices",
+        "test_doctor",
         "test_docs",
         "test_environment",
         "test_gradient_engine",

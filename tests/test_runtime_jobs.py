@@ -69,6 +69,21 @@ def test_doctor_shows_four_ranks_and_both_frameworks():
     assert "doctor: all checks passed" in job.output
 
 
+def test_a_missing_package_is_named_by_doctor_and_refuses_train_in_one_line(tmp_path):
+    """h5py unimportable on every rank (a broken install): `doctor` still runs and names
+    it with the node; `train` stops with one line, said once, never a traceback."""
+    (tmp_path / "h5py.py").write_text('raise ImportError("h5py is broken here")\n')
+    env = {"PYTHONPATH": str(tmp_path)}
+    job = mpirun(2, HPCTRAIN, "doctor", "--quiet", env=env, fresh=True, timeout=240)
+    assert job.returncode == 1, job.output
+    assert re.search(r"^doctor: MISSING: h5py \(on \S+\)$", job.output, re.M), job.output
+    assert "Traceback" not in job.output, job.output
+    job = mpirun(2, HPCTRAIN, "train", env=env, fresh=True, timeout=120)
+    assert job.returncode != 0, job.output
+    line = "the install is incomplete: cannot import hpctrain.checkpoint.cli (ImportError: h5py"
+    assert job.output.count(line) == 1 and "Traceback" not in job.output, job.output
+
+
 def test_launcher_variables_that_disagree_with_mpi_are_refused():
     # Simulate a broken launch: every rank told it is rank 0 by a stale variable.
     job = mpirun(2, "-x", "HOROVOD_RANK=0", "-x", "HOROVOD_SIZE=2", HPCTRAIN, "doctor", timeout=120)

@@ -1,0 +1,37 @@
+"""`hpctrain doctor`'s verdict names the nodes that lack a piece (the whole doctor runs
+under mpirun in test_runtime_jobs.py and on two emulated hosts in test_multinode.py)."""
+
+from __future__ import annotations
+
+from hpctrain.doctor import missing_by_host
+
+
+def _layouts(*hosts: str) -> list[dict]:
+    return [{"rank": r, "hostname": h} for r, h in enumerate(hosts)]
+
+
+def test_a_piece_missing_on_one_node_names_that_node():
+    layouts = _layouts("n1", "n1", "n2", "n2")
+    failures = [[], [], ["torch: horovod without MPI"], []]
+    assert missing_by_host(layouts, failures) == ["torch: horovod without MPI (on n2)"]
+
+
+def test_a_piece_missing_everywhere_says_every_node_once():
+    layouts = _layouts("n1", "n1", "n2", "n2")
+    failures = [["h5py"], ["h5py"], ["h5py", "tensorflow"], ["h5py"]]
+    assert missing_by_host(layouts, failures) == [
+        "h5py (on every node)",
+        "tensorflow (on n2)",
+    ]
+
+
+def test_many_nodes_are_cut_after_eight():
+    hosts = [f"node{i:03d}" for i in range(20)]
+    failures = [["mpi4py"] if i % 2 else [] for i in range(20)]
+    (line,) = missing_by_host(_layouts(*hosts), failures)
+    assert line == "mpi4py (on " + ", ".join(hosts[1:17:2]) + " and 2 more)"
+
+
+def test_one_host_or_no_mpi_keeps_the_plain_list():
+    assert missing_by_host(_layouts("n1", "n1"), [["h5py"], []]) == ["h5py (on n1)"]
+    assert missing_by_host(None, [["tensorflow", "h5py"]]) == ["h5py", "tensorflow"]
