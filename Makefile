@@ -57,11 +57,14 @@ bench-quick: install
 	$(MPIRUN_KILL) 600 $(PY) benchmarks/run.py --quick $(BENCH_ARGS)
 
 ## ruff, plus the layering contracts in .importlinter (a lower layer never imports a
-## higher one; only hpctrain/backends imports torch, TensorFlow or Horovod).
+## higher one; only hpctrain/backends imports torch, TensorFlow or Horovod), no module-level
+## communicator state, and the code-shape limits (no function over 80 lines, no backend
+## module over 450).
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
+	$(PY) -m pytest -q -p no:cacheprovider tests/test_code_shape.py tests/test_no_module_state.py
 
 format:
 	$(VENV)/bin/ruff format .
