@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import platform
 import sys
 import textwrap
 
@@ -304,15 +305,19 @@ COMMANDS = {
 }
 
 
-def _launcher_rank() -> int:
-    """This process's rank as its launcher exported it (0 alone), without MPI."""
+def _first_on_its_node() -> bool:
+    """Whether this process is its node's first rank as the launcher exported it (True
+    alone, or when the launcher says nothing of local ranks: then rank 0), without MPI."""
     from .runtime.launcher import launcher_views
 
     try:
         views = launcher_views()
     except ValueError:
-        return 0
-    return views[0].values["rank"] if views else 0
+        return True
+    if not views:
+        return True
+    values = views[0].values
+    return values.get("local_rank", values.get("rank", 0)) == 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -322,14 +327,17 @@ def main(argv: list[str] | None = None) -> int:
     words = sys.argv[1:] if argv is None else argv
     command = next((w for w in words if not w.startswith("-")), None)
     if UNLOADABLE and command not in (None, "doctor"):
-        problem = "; ".join(f"{m} ({e})" for m, e in UNLOADABLE.items())
-        if _launcher_rank() == 0:  # said once, before MPI (every rank exits 2)
+        # Said once per node, by its first rank, before MPI: the install is a node's, and
+        # a node that lacks a piece beside nodes that have it must still be named (at
+        # 1,024 or 4,096 ranks, one line per broken node, none from the others).
+        if _first_on_its_node():
+            problem = "; ".join(f"{m} ({e})" for m, e in UNLOADABLE.items())
             print(
-                f"hpctrain: the install is incomplete: cannot import {problem}. "
-                "`hpctrain doctor` checks every piece.",
+                f"hpctrain: the install on {platform.node()} is incomplete: cannot import "
+                f"{problem}. `hpctrain doctor` checks every piece.",
                 file=sys.stderr,
             )
-        return 2
+        return 2  # on every rank (mpirun then ends the job)
     args = parser.parse_args(argv)
     from .runtime import run_fail_together
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import signal
 import subprocess
 import time
 from dataclasses import dataclass
@@ -73,7 +72,7 @@ class Job:
     seconds: float
 
 
-def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
+def start(argv: list[str], env: dict | None = None) -> DrainedPopen:
     """Start a job in its own process group, stdout and stderr together. Warm ranks on
     the nodes end first: a job of its own may take a node away, and its timing is the
     test's."""
@@ -84,15 +83,10 @@ def start(argv: list[str], env: dict | None = None) -> subprocess.Popen:
     return DrainedPopen(argv, env=full, cwd=ROOT)
 
 
-def finish(proc: subprocess.Popen, timeout: float, started: float | None = None) -> Job:
+def finish(proc: DrainedPopen, timeout: float, started: float | None = None) -> Job:
     """Wait for a started job; on timeout kill its process group and fail the test."""
     started = time.monotonic() if started is None else started
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job hung for {timeout:g} s and was killed:\n{out}") from None
+    out = proc.finish(timeout)
     return Job(proc.returncode, out, time.monotonic() - started)
 
 

@@ -16,6 +16,7 @@ import contextlib
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -66,6 +67,18 @@ class DrainedPopen(subprocess.Popen):
         self.wait(timeout=timeout)
         self._reader.join(timeout=30)
         return "".join(self._chunks), None
+
+    def finish(self, timeout: float) -> str:
+        """All the output once the job ends; past `timeout` its process group is killed
+        and the test fails with what it printed."""
+        try:
+            out, _ = self.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.pid, signal.SIGKILL)
+            out, _ = self.communicate()
+            what = " ".join(str(a) for a in self.args)
+            raise AssertionError(f"{what} did not end within {timeout:g} s:\n{out}") from None
+        return out
 
 
 # Waiting ranks yield the core (sched_yield) instead of spinning in a blocking MPI call.
@@ -323,19 +336,6 @@ def _logged(job: Job, np: int, cmd, warm: int | bool) -> Job:
 
 def _fresh(args, timeout, full_env, cwd) -> Job:
     start = time.monotonic()
-    proc = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=full_env,
-        cwd=cwd or ROOT,
-        start_new_session=True,
-    )
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, 9)
-        out, _ = proc.communicate()
-        raise AssertionError(f"{' '.join(args)} hung for {timeout} s:\n{out}") from None
+    proc = DrainedPopen(args, env=full_env, cwd=cwd or ROOT)
+    out = proc.finish(timeout)
     return Job(proc.returncode, out, time.monotonic() - start)

@@ -121,6 +121,26 @@ def test_layout_and_doctor_with_two_hosts(two_nodes):
     assert "doctor: all checks passed" in job.output  # the launcher cross-check agreed
 
 
+def test_a_package_missing_on_one_node_is_named_with_that_node(two_nodes, tmp_path):
+    """h5py unimportable on hpcn2 only (one app context runs with a broken module first on
+    its path): `doctor` names hpcn2 alone, and `train` stops with one line from hpcn2's
+    first rank, though rank 0 (on hpcn1) is fine, with no traceback."""
+    (tmp_path / "h5py.py").write_text('raise ImportError("h5py is broken on this node")\n')
+    broken = ["env", f"PYTHONPATH={tmp_path}", HPCTRAIN]
+    for cmd in (["doctor", "--quiet"], ["train", "--run-dir", str(tmp_path / "run")]):
+        argv = [
+            *two_nodes.mpirun(1, "-np", "1", HPCTRAIN, *cmd, hosts="hpcn1:1"),
+            *[":", "--host", "hpcn2:1", "-np", "1", *broken, *cmd],
+        ]
+        job = emulated.launch(argv, timeout=240)
+        assert job.returncode != 0 and "Traceback" not in job.output, job.output
+        if cmd[0] == "doctor":
+            assert "doctor: MISSING: h5py (on hpcn2)\n" in job.output, job.output
+        else:
+            line = "hpctrain: the install on hpcn2 is incomplete: cannot import"
+            assert job.output.count(line) == 1 and "hpcn1 is" not in job.output, job.output
+
+
 @pytest.mark.parametrize(
     "backend,engine,per_node",
     [

@@ -108,16 +108,6 @@ def _start(np_, args, tag):
     return DrainedPopen(cmd + list(args), env=env, cwd=ROOT)
 
 
-def _finish(proc, timeout):
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        out, _ = proc.communicate()
-        raise AssertionError(f"job did not end within {timeout} s:\n{out}") from None
-    return out
-
-
 def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
     run = tmp_path / "run"
     # The deadline under test, for the whole run: in a healthy run of this job the
@@ -140,7 +130,7 @@ def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
         assert set(pids) == {0, 1}, pids
         t0 = time.monotonic()
         os.kill(pids[1], signal.SIGSTOP)
-        out = _finish(proc, timeout + 30)
+        out = proc.finish(timeout + 30)
         took = time.monotonic() - t0
     finally:
         if proc.poll() is None:
@@ -174,7 +164,7 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
     try:
         _wait_for_steps(run, 3, proc)
         os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
-        out = _finish(proc, 120)
+        out = proc.finish(120)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,5 +1,6 @@
 """The runtime layer under real mpirun jobs: fail-together, watchdog, doctor, launch checks."""
 
+import platform
 import re
 
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
@@ -71,7 +72,7 @@ def test_doctor_shows_four_ranks_and_both_frameworks():
 
 def test_a_missing_package_is_named_by_doctor_and_refuses_train_in_one_line(tmp_path):
     """h5py unimportable on every rank (a broken install): `doctor` still runs and names
-    it with the node; `train` stops with one line, said once, never a traceback."""
+    it with the node; `train` stops with one line, said once (by the node's first rank), never a traceback."""
     (tmp_path / "h5py.py").write_text('raise ImportError("h5py is broken here")\n')
     env = {"PYTHONPATH": str(tmp_path)}
     job = mpirun(2, HPCTRAIN, "doctor", "--quiet", env=env, fresh=True, timeout=240)
@@ -80,8 +81,9 @@ def test_a_missing_package_is_named_by_doctor_and_refuses_train_in_one_line(tmp_
     assert "Traceback" not in job.output, job.output
     job = mpirun(2, HPCTRAIN, "train", env=env, fresh=True, timeout=120)
     assert job.returncode != 0, job.output
-    line = "the install is incomplete: cannot import hpctrain.checkpoint.cli (ImportError: h5py"
+    line = "is incomplete: cannot import hpctrain.checkpoint.cli (ImportError: h5py"
     assert job.output.count(line) == 1 and "Traceback" not in job.output, job.output
+    assert f"the install on {platform.node()} is incomplete" in job.output, job.output
 
 
 def test_launcher_variables_that_disagree_with_mpi_are_refused():
