@@ -59,6 +59,15 @@ def test_the_process_group_engine_is_accepted_for_dense_data_parallel():
     assert cfg.train["allreduce"] == "gloo"
 
 
+def test_the_process_group_engine_runs_tensor_parallelism_with_zero_but_not_moe():
+    tp = Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo"])
+    assert tp.parallel["tensor"] == 2 and tp.train["zero"] == 1
+    with pytest.raises(ConfigError, match="gloo: .* not with mixture-of-experts layers"):
+        Config.load("configs/moe.yaml", ["train.allreduce=gloo", "parallel.tensor=2"])
+    with pytest.raises(ConfigError, match="not with train.zero=3"):
+        Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo", "train.zero=3"])
+
+
 def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
     """GPU ranks leave a step's sums on the device; the step report reads them at the
     next push (after the next step is queued). 0-d tensors stand in for device sums."""

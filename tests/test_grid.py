@@ -36,3 +36,17 @@ def test_an_impossible_grid_names_every_factor():
         "launch a multiple of 4 ranks"
     )
     assert "must be >= 1" in GridShape.infer(4, pipe=0)[1]
+
+
+def test_a_tensor_axis_transport_over_other_ranks_is_refused():
+    """TensorGroup.with_transport: the transport must be the axis's ranks in its order."""
+    from types import SimpleNamespace
+
+    from hpctrain.tensor.parallel import TensorGroup
+
+    axis = SimpleNamespace(rank=1, size=2)
+    with pytest.raises(ValueError, match="transport is rank 0 of 2, the axis rank 1 of 2"):
+        TensorGroup(axis).with_transport(SimpleNamespace(rank=0, size=2))
+    same = SimpleNamespace(rank=1, size=2)
+    assert TensorGroup(axis).with_transport(same).transport is same
+    assert TensorGroup(None).with_transport(same).transport is None  # one rank: nothing to sum

@@ -222,8 +222,17 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
         # ZeRO-3: every unit's gathers and reduce-scatters cross the link
         ["train.zero=3", "train.zero_unit_mb=0.004", "train.batch_size=8"],
         [MOE, "train.batch_size=8"],
+        # torch.distributed over Gloo: the default group's store crosses the link, the
+        # tensor pairs' groups stay in a node, the replicas' group spans both
+        ["train.zero=2", "train.batch_size=8", "train.allreduce=gloo"],
     ],
-    ids=["pipe2-tensor2", "zero2-data2-tensor2", "zero3-data2-tensor2", "experts-data2-tensor2"],
+    ids=[
+        "pipe2-tensor2",
+        "zero2-data2-tensor2",
+        "zero3-data2-tensor2",
+        "experts-data2-tensor2",
+        "gloo-zero2-data2-tensor2",
+    ],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(
     two_nodes, tmp_path, tmp_path_factory, layout
@@ -257,6 +266,8 @@ def test_tensor_parallel_groups_within_a_node_equal_one_process(
     )
     assert job.returncode == 0, job.output
     assert "tensor 2" in job.output, job.output
+    engine = next((o.split("=")[1] for o in layout if o.startswith("train.allreduce")), "mpi")
+    assert f"gradients by {engine}" in job.output, job.output
     _assert_close(_weights(run), _weights(ref), TOL)
     got, want = _losses(run), _losses(ref)
     np.testing.assert_allclose(

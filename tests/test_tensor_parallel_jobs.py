@@ -38,10 +38,12 @@ def _train_many(where, np_, runs: dict, timeout=300, run_dir=None, resume=None) 
         said=lambda out: re.escape(f"TP DUMP {out} over") + COUNTS, keep=lambda x: x["loss"],
         run_dir=run_dir, resume=resume,
     )  # fmt: skip
-    return {n: (w, losses, json.loads(m.group(1))) for n, (w, losses, m) in results.items()}
+    return {
+        n: (w, losses, json.loads(m.group(1)), m.group(2)) for n, (w, losses, m) in results.items()
+    }
 
 
-COUNTS = r" \d+ rank\(s\): local parameters (\[[0-9, ]+\])"
+COUNTS = r" \d+ rank\(s\): local parameters (\[[0-9, ]+\]), tensor sums by (\w+)"
 
 
 def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
@@ -52,7 +54,7 @@ def _run(tmp_path, name, np_, *overrides, run_dir=None, resume=None):
 # The comparison runs, one launch per (ranks, backend) (shared_runs.py); the runs that
 # resume from a checkpoint start their own processes.
 _SHARED = SharedRuns(_train_many, "tp-np")
-share, shared_run = _SHARED.share, _SHARED.get  # (weights, losses, counts) of a run
+share, shared_run = _SHARED.share, _SHARED.get  # (weights, losses, counts, sums) of a run
 
 
 PIPE_TP = ["strategy=pipeline", "pipeline.microbatches=2", "parallel.tensor=2"]
@@ -96,8 +98,8 @@ for _b, _layout in BACKEND_LAYOUTS:
 @pytest.mark.parametrize("backend, layout", BACKEND_LAYOUTS)
 def test_tensor_parallel_equals_one_process(tmp_path_factory, backend, layout):
     np_, overrides = LAYOUTS[layout]
-    ref, ref_losses, ref_counts = shared_run(tmp_path_factory, 1, backend, "ref")
-    got, losses, counts = shared_run(tmp_path_factory, np_, backend, layout)
+    ref, ref_losses, ref_counts, _ = shared_run(tmp_path_factory, 1, backend, "ref")
+    got, losses, counts, _ = shared_run(tmp_path_factory, np_, backend, layout)
     assert ref.keys() == got.keys()
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
@@ -116,6 +118,26 @@ def test_tensor_parallel_equals_one_process(tmp_path_factory, backend, layout):
     assert sum(replica) == tensor * (ref_counts[0] - split) + split
     assert all(len(set(replica[s * tensor : (s + 1) * tensor])) == 1 for s in range(2))
     assert counts == replica * (np_ // len(replica))
+
+
+# The process-group engine (torch.distributed over Gloo: the code NCCL runs on GPU
+# ranks): the f/g activation sums on the tensor axis's group, gradients and ZeRO's
+# shard on the data replicas' group, equal to the MPI engine's run of the same layout.
+GLOO = {layout: f"gloo-{layout}" for layout in ("tensor2", "data2-tensor2", "zero2-data2-tensor2")}
+for _layout, _name in GLOO.items():
+    share(LAYOUTS[_layout][0], "torch", _name, *LAYOUTS[_layout][1], "train.allreduce=gloo")
+
+
+@pytest.mark.parametrize("layout", list(GLOO))
+def test_tensor_parallelism_over_gloo_equals_the_mpi_engine(tmp_path_factory, layout):
+    np_ = LAYOUTS[layout][0]
+    mpi, mpi_losses, mpi_counts, mpi_sums = shared_run(tmp_path_factory, np_, "torch", layout)
+    got, losses, counts, sums = shared_run(tmp_path_factory, np_, "torch", GLOO[layout])
+    assert (mpi_sums, sums) == ("mpi", "gloo")  # the activations went over the group
+    assert counts == mpi_counts and mpi.keys() == got.keys()
+    for k in mpi:
+        np.testing.assert_allclose(got[k], mpi[k], rtol=0, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(losses, mpi_losses, rtol=0, atol=1e-6)
 
 
 CASES = {  # name: (first np, first overrides, then np, then overrides)
@@ -194,7 +216,7 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
     import shutil
 
     common = [f"backend={backend}", "train.batch_size=16", "checkpoint.every_steps=3"]
-    ref, _, _ = shared_run(tmp_path_factory, 1, backend, "ref")  # (checkpoints change none)
+    ref, _, _, _ = shared_run(tmp_path_factory, 1, backend, "ref")  # (checkpoints change none)
     first_np, first, then_np, then = CASES[case]
     part = tmp_path / "part1"
     _run(tmp_path, "a", first_np, *common, *first, "train.max_steps=3", run_dir=part)
@@ -219,7 +241,7 @@ def test_tensor_parallel_checkpoints_are_canonical(tmp_path, tmp_path_factory, b
     run = tmp_path / case
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")
-    got, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
+    got, _, _, _ = _run(tmp_path, case, then_np, *common, *then, run_dir=run, resume="auto")
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=f"{case} {k}")
 
@@ -266,8 +288,8 @@ def test_experts_with_tensor_parallelism_zero_or_pipeline_equal_one_process(
     tmp_path_factory, layout
 ):
     backend, np_, _ = MOE_LAYOUTS[layout]
-    ref, ref_losses, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
-    got, losses, counts = shared_run(tmp_path_factory, np_, backend, f"moe-{layout}")
+    ref, ref_losses, _, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
+    got, losses, counts, _ = shared_run(tmp_path_factory, np_, backend, f"moe-{layout}")
     assert ref.keys() == got.keys() and sum(".moe.experts." in k for k in ref) == 2 * 4 * 4
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
@@ -311,8 +333,8 @@ def test_composed_experts_drop_and_balance_like_data_parallel_moe(tmp_path_facto
     experts in tensor-parallel blocks or in pipeline stages compute what data-parallel
     MoE computes on the same routing batches."""
     backend, (dp_np, _), (np_, _) = SAME_ROUTING[case]
-    dp, dp_losses, _ = shared_run(tmp_path_factory, dp_np, backend, f"routing-dp-{case}")
-    got, losses, _ = shared_run(tmp_path_factory, np_, backend, f"routing-{case}")
+    dp, dp_losses, _, _ = shared_run(tmp_path_factory, dp_np, backend, f"routing-dp-{case}")
+    got, losses, _, _ = shared_run(tmp_path_factory, np_, backend, f"routing-{case}")
     for k in dp:
         np.testing.assert_allclose(got[k], dp[k], rtol=0, atol=1e-5, err_msg=k)
     np.testing.assert_allclose(losses, dp_losses, atol=1e-5)
@@ -339,7 +361,7 @@ def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
     tensor slices, its ZeRO ranges), resumes as one process."""
     import shutil
 
-    ref, _, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
+    ref, _, _, _ = shared_run(tmp_path_factory, 1, backend, "ref-moe")
     common = [f"backend={backend}", MOE_EXACT, "checkpoint.every_steps=3"]
     part = tmp_path / "part1"
     first = [*common, *layout, "train.max_steps=3"]
@@ -355,6 +377,8 @@ def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
     run = tmp_path / "resumed"
     shutil.copytree(part / "checkpoints", run / "checkpoints")
     shutil.copy(part / "config.yaml", run / "config.yaml")
-    got, _, _ = _run(tmp_path, "b", 1, *common, "train.batch_size=16", run_dir=run, resume="auto")
+    got, _, _, _ = _run(
+        tmp_path, "b", 1, *common, "train.batch_size=16", run_dir=run, resume="auto"
+    )
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)

@@ -9,7 +9,7 @@ constructors: no module keeps a group, so two runs in one process never share on
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ..moe.parallel import ExpertGroup
 from ..tensor.parallel import TensorGroup
@@ -18,10 +18,13 @@ from ..tensor.parallel import TensorGroup
 @dataclass(frozen=True)
 class ModelGroups:
     """tensor: this rank's tensor axis (TensorGroup(None) without tensor parallelism);
-    experts: the expert group (None: the model has no mixture-of-experts layers)."""
+    experts: the expert group (None: the model has no mixture-of-experts layers);
+    grid: the process grid they came from (None when built without one), from which a
+    backend builds its own library's groups over the same axes (torch.distributed)."""
 
     tensor: TensorGroup = field(default_factory=TensorGroup)
     experts: ExpertGroup | None = None
+    grid: object = field(default=None, compare=False, repr=False)
 
     @classmethod
     def from_grid(cls, grid, moe: bool) -> ModelGroups:
@@ -30,12 +33,18 @@ class ModelGroups:
         t = grid.shape.tensor
         tensor = TensorGroup(grid.tensor if t > 1 else None)
         if not moe:
-            return cls(tensor)
+            return cls(tensor, grid=grid)
         if t == 1:  # the experts on the grid's expert axis, copies over `data`
-            return cls(tensor, ExpertGroup(grid.expert, grid.data))
+            return cls(tensor, ExpertGroup(grid.expert, grid.data), grid)
         # with tensor parallelism on the expert x tensor ranks of one (data, pipe) slot,
         # where each rank of a tensor group routes 1/T of the group's samples
-        return cls(tensor, ExpertGroup(grid.experts_x_tensor(), grid.data, ranks_per_batch=t))
+        experts = ExpertGroup(grid.experts_x_tensor(), grid.data, ranks_per_batch=t)
+        return cls(tensor, experts, grid)
+
+    def with_tensor_transport(self, transport) -> ModelGroups:
+        """These groups with the tensor axis's activations summed over `transport` (a
+        device-side transport over the same ranks) instead of the MPI communicator."""
+        return replace(self, tensor=self.tensor.with_transport(transport))
 
     @property
     def tensor_parallel(self) -> bool:

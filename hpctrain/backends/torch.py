@@ -51,6 +51,7 @@ from .torch_steps import (  # noqa: F401 - importable from here (stage, worker, 
     rng_state,
     set_rng_state,
 )
+from .torch_transport import process_group_transports
 from .torch_zero import make_torch_zero
 from .torch_zero3 import TorchZero3
 
@@ -69,6 +70,10 @@ class TorchBackend(TorchStateMixin, BackendBase):
         )
         self.precision = cfg.train["precision"]  # fp32 | bf16 | fp16 (autocast)
         self.scaler = make_loss_scaler(self.precision, self.device.type)
+        # the process-group engines' transports (None on the MPI and Horovod engines)
+        self._pg = process_group_transports(cfg, self.engine, self.device, world, groups)
+        if self._pg is not None and "tensor" in self._pg:
+            self.groups = groups = groups.with_tensor_transport(self._pg["tensor"])
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
@@ -115,7 +120,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
             opt = self.zero.optimizer
         elif cfg.train["zero"]:  # over MPI (host) or the process group (device)
             make_opt = partial(make_optimizer, cfg.optimizer)
-            self.zero = make_torch_zero(cfg, self.world, params, self.engine, self.device, make_opt)
+            transport = self._pg["replicas"] if self._pg is not None else None
+            self.zero = make_torch_zero(cfg, self.world, params, transport, make_opt)
             opt = self.zero.optimizer
         else:
             opt = make_optimizer(cfg.optimizer, params)
@@ -155,11 +161,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         pg = self.engine in gradient_engine.PROCESS_GROUP_ENGINES and self.zero is None
         if self.engine == "overlap" or pg:
             transport, poll_s = world, 0.0005  # MPI on host numpy
-            if pg:  # nccl / gloo: the buckets on the device, torch.distributed's group
-                from .torch_transport import ProcessGroupTransport
-
-                timeout = cfg.runtime["collective_timeout"]
-                transport = ProcessGroupTransport(world, self.engine, timeout, self.device)
+            if pg and self._pg is not None:  # the buckets on the device (nccl / gloo)
+                transport = self._pg["replicas"]
                 poll_s = 0.0  # Gloo and NCCL progress on their own threads and streams
             sizes, bucket = [p.numel() for p in params], int(cfg.train["bucket_mb"] * 2**20)
             self._overlap = self._flat = OverlapMean(

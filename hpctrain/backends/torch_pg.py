@@ -18,7 +18,9 @@ The dense average is the overlapped engine (exchange/overlap.py) over this group
 the exchange layer's transport (`torch_transport.py`): buckets of `train.bucket_mb`
 allreduced from backward hooks, on the device, as DDP does; 2(N-1)/N of the gradients per
 rank per step at 1,024 and 4,096 ranks alike. ZeRO-1/2 on these engines use the same
-group and transport.
+group and transport. With tensor parallelism the default group spans the job and each
+grid axis that needs one (the data replicas, the tensor axis) gets its own subgroup
+(`grid_groups`).
 """
 
 from __future__ import annotations
@@ -105,3 +107,33 @@ def check_backend(engine: str, device: torch.device) -> None:
         raise ConfigError("train.allreduce=nccl: this torch build has no NCCL")
     if not dist.is_available():
         raise ConfigError(f"train.allreduce={engine}: this torch build has no torch.distributed")
+
+
+def grid_groups(grid, backend: str, timeout_s: float, device: torch.device, axes) -> dict:
+    """{axis: process group} for this rank's `axes` of `grid` (a ProcessGrid), as
+    torchtitan's DeviceMesh has one group per mesh dimension: the default group over the
+    whole job (bootstrapped over MPI, above), then one subgroup per axis this rank is in,
+    made by its own members only (`use_local_synchronization`: a group's barrier is among
+    its ranks, and every rank creates its groups in the same order). An axis of the whole
+    job is the default group; an axis of one rank has none (None).
+
+    Cost: one TCP store connection per rank and one store barrier per axis among the
+    axis's ranks, once; the groups a rank builds do not grow with the job (2 at 1,024 or
+    4,096 ranks alike). NCCL creates each group's communicator at its first collective."""
+    world = init_process_group(grid.world, backend, timeout_s, device)
+    timeout, found = timedelta(seconds=float(timeout_s)), {}
+    for axis in axes:
+        ranks = grid.members(axis)
+        if len(ranks) == 1:
+            found[axis] = None
+        elif len(ranks) == grid.world.size:
+            found[axis] = world
+        else:
+            found[axis] = dist.new_group(
+                ranks,
+                timeout=timeout,
+                backend=backend,
+                use_local_synchronization=True,
+                group_desc=f"hpctrain {axis} axis",
+            )
+    return found

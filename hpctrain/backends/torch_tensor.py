@@ -3,8 +3,9 @@ grid's tensor axis (layout and collectives: hpctrain/tensor/parallel.py).
 
 `f` (before a column-parallel layer): identity forward, allreduce of the input's
 gradient backward. `g` (after a row-parallel layer): allreduce of the partial products
-forward, identity backward. Activations travel as float32 numpy buffers (bf16 runs cast
-there and back).
+forward, identity backward. Activations are summed in float32 (bf16 runs cast there
+and back): on the device over the group's transport (the process-group engines: Gloo on
+CPU ranks, NCCL on GPU ranks), else as numpy buffers over MPI.
 """
 
 from __future__ import annotations
@@ -19,6 +20,10 @@ from .base import split_square_sums
 def _allreduce(x: torch.Tensor, group: TensorGroup, what: str) -> torch.Tensor:
     if x.is_meta:  # the memory plan's forward on the meta device: shapes only
         return torch.empty_like(x)
+    if group.transport is not None:  # on the device: no copy to the host
+        buf = x.detach().to(torch.float32, copy=True).contiguous()
+        group.transport.allreduce_inplace(buf, "sum", f"tensor-parallel {what}")
+        return buf.to(x.dtype)
     summed = group.allreduce_sum(x.detach().float().contiguous().numpy(), what)
     return torch.from_numpy(summed).to(x.dtype)
 

@@ -22,7 +22,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from .torch_pg import check_backend, init_process_group
+from .gradient_engine import PROCESS_GROUP_ENGINES
+from .torch_pg import check_backend, grid_groups, init_process_group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed the equal-split collectives (the old names warn)
@@ -190,3 +191,22 @@ class ProcessGroupTransport:
     @staticmethod
     def scale_(buf, factor: float) -> None:
         buf.mul_(factor)  # a float32 tensor's scalar is rounded to float32, as numpy's
+
+
+def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict | None:
+    """The process-group engine's transports, or None on other engines (or without a
+    communicator): {"replicas": over the ranks that average dense gradients (`replicas`,
+    a guarded MPI communicator)}, and with tensor parallelism (the model's `groups`, a
+    ModelGroups made from the grid) {"tensor": over this rank's tensor axis} too, each
+    on its own group under the job-wide default group (grid_groups)."""
+    if engine not in PROCESS_GROUP_ENGINES or replicas is None:
+        return None
+    timeout = cfg.runtime["collective_timeout"]
+    if not groups.tensor_parallel:
+        return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}
+    grid = groups.grid
+    groups = grid_groups(grid, engine, timeout, device, ("replicas", "tensor"))
+    return {
+        axis: ProcessGroupTransport(grid.axes[axis], engine, timeout, device, group=group)
+        for axis, group in groups.items()
+    }

@@ -30,7 +30,6 @@ from torch import nn
 
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
-from .gradient_engine import PROCESS_GROUP_ENGINES
 
 
 class ShardedOptimizerState:
@@ -238,15 +237,9 @@ class TorchZero(ShardedOptimizerState):
         }
 
 
-def make_torch_zero(cfg, world, params: list, engine: str, device, make_opt) -> TorchZero:
-    """ZeRO-1/2 on the gradient engine `engine`: over the World (host numpy, `mpi`) or
-    over a process group on the parameters' device (`gloo` on CPU ranks, `nccl` on GPU
-    ranks; gradient_engine.PROCESS_GROUP_ENGINES)."""
-    transport = None
-    if engine in PROCESS_GROUP_ENGINES:
-        from .torch_transport import ProcessGroupTransport
-
-        timeout = cfg.runtime["collective_timeout"]
-        transport = ProcessGroupTransport(world, engine, timeout, device)
+def make_torch_zero(cfg, world, params: list, transport, make_opt) -> TorchZero:
+    """ZeRO-1/2 over the World (host numpy, the `mpi` engine; `transport` None) or over
+    the process-group engine's `transport` on the parameters' device (`gloo` on CPU
+    ranks, `nccl` on GPU ranks: backends/torch_transport.py)."""
     bucket_bytes = int(cfg.train["bucket_mb"] * 2**20)
     return TorchZero(world, params, cfg.train["zero"], bucket_bytes, make_opt, transport)

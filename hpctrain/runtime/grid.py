@@ -155,5 +155,18 @@ class ProcessGrid:
     def rank_of(self, **coords) -> int:
         return self.shape.rank_of(**coords)
 
+    def members(self, axis: str) -> list[int]:
+        """The world ranks of this rank's `axis` (or `replicas`), in the axis's rank
+        order: what another library's groups over the same axis are built from
+        (arithmetic only; O(axis size))."""
+        c, s = self.coord, self.shape
+        if axis == "replicas":
+            return [
+                s.rank_of(**{**c, "data": d, "expert": e})
+                for d in range(s.data)
+                for e in range(s.expert)
+            ]
+        return [s.rank_of(**{**c, axis: i}) for i in range(getattr(s, axis))]
+
     def describe(self) -> str:
         return self.shape.describe()

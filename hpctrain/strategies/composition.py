@@ -194,27 +194,33 @@ def compression_rules(v: dict) -> list[str]:
 
 
 def process_group_rules(v: dict) -> list[str]:
-    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients
-    and run ZeRO-1/2 over their process group (backends/torch_transport.py); the
-    features that run on the MPI exchange layer only are refused with them."""
+    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients,
+    run ZeRO-1/2 and sum tensor-parallel activations over their process groups
+    (backends/torch_transport.py); the features that run on the MPI exchange layer only
+    are refused with them."""
     engine, train = v["train"]["allreduce"], v["train"]
     if engine not in ("nccl", "gloo"):
         return []
     from ..runtime.devices import mpi_only_features
 
-    sharded = train["zero"] in (1, 2)  # on the process group's transport
+    # what runs on the process groups' transports is not a clash
+    on_groups = {
+        **v,
+        "train": {**train, "zero": 0 if train["zero"] in (1, 2) else train["zero"]},
+        "parallel": {**v["parallel"], "tensor": 1},
+    }
     clash = _clash(
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
             (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
         )
-    ) + mpi_only_features({**v, "train": {**train, "zero": 0}} if sharded else v)
+    ) + mpi_only_features(on_groups)
     if not clash:
         return []
     return [
-        f"train.allreduce={engine}: the process-group engine averages dense data-parallel "
-        f"gradients of the torch backend; not with {', '.join(clash)} (those run on "
-        "train.allreduce=mpi or auto)"
+        f"train.allreduce={engine}: the process-group engine runs the torch backend's "
+        f"data parallelism, ZeRO-1/2 and tensor parallelism; not with {', '.join(clash)} "
+        "(those run on train.allreduce=mpi or auto)"
     ]
 
 

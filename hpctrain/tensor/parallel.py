@@ -39,12 +39,28 @@ ROW_COLUMNS = ("attn.proj.weight", "ffn.fc2.weight")
 class TensorGroup:
     """The tensor axis of this rank (a guarded communicator) and the activation sums.
     Made from the process grid (backends/groups.py), passed to the model that uses it;
-    `TensorGroup(None)`: no tensor parallelism (one rank, nothing to sum)."""
+    `TensorGroup(None)`: no tensor parallelism (one rank, nothing to sum).
 
-    def __init__(self, axis=None):
-        self.axis = axis
+    `transport`: where a backend sums activations on its own arrays (exchange/
+    transport.py; the torch backend's process group on the process-group engines), or
+    None (host numpy over `axis`). Host scalars (the gradient norm) always use `axis`."""
+
+    def __init__(self, axis=None, transport=None):
+        self.axis, self.transport = axis, transport
         self.size = axis.size if axis is not None else 1
         self.rank = axis.rank if axis is not None else 0
+
+    def with_transport(self, transport) -> TensorGroup:
+        """This axis with activations summed over `transport` (the same ranks, in the
+        same order: checked)."""
+        if transport is None or self.size == 1:
+            return self
+        if (transport.rank, transport.size) != (self.rank, self.size):
+            raise ValueError(
+                f"tensor axis transport is rank {transport.rank} of {transport.size}, the "
+                f"axis rank {self.rank} of {self.size}"
+            )
+        return TensorGroup(self.axis, transport)
 
     @classmethod
     def planned(cls, size: int) -> TensorGroup:

@@ -27,6 +27,11 @@ def test_axes_group_exactly_the_ranks_that_share_the_other_coordinates():
             ]
         assert got == sum(members), (name, members)
         assert axis.rank == sorted(members).index(w.rank)
+        # what torch.distributed's groups over the same axis are built from
+        if name in ("replicas", "data", "expert", "pipe", "tensor"):
+            assert g.members(name) == sorted(members), name
+            gathered = axis.allgather_object(w.rank, f"grid {name} members")
+            assert gathered == g.members(name), name
 
 
 def test_an_expert_axis_smaller_than_the_world():

@@ -4,7 +4,8 @@ usage: tp_train_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key=
          [--next OUT2.npz [--run-dir DIR] [--set key=value ...] ...]
 Rank 0 writes the weights joined from every rank's pieces (the checkpoint path:
 strategy.export_state, a collective) and prints each rank's own parameter count as
-`TP DUMP OUT.npz over N rank(s): local parameters [...]`. `--next` trains one more run
+`TP DUMP OUT.npz over N rank(s): local parameters [...], tensor sums by X` (X: the
+process group's backend the tensor-parallel activations were summed over, or mpi). `--next` trains one more run
 after it in the same processes (one launch for several runs; each run's loop reseeds
 the process and sets its own layer groups).
 """
@@ -36,10 +37,16 @@ def run_one(argv: list[str]) -> None:
     local = sum(int(np.prod(v.shape)) for v in holder.get_weights().values())
     counts = w.gather_object(local, what="gather parameter counts")
     state = trainer.strategy.export_state()
+    transport = getattr(getattr(holder, "groups", None), "tensor", None)
+    transport = getattr(transport, "transport", None)  # the activations' device transport
+    sums = transport.name if transport is not None else "mpi"
     if w.rank == 0:
         weights = {k[len("model/") :]: v for k, v in state.items() if k.startswith("model/")}
         np.savez(out, **weights)
-        sys.stdout.write(f"TP DUMP {out} over {w.size} rank(s): local parameters {counts}\n")
+        sys.stdout.write(
+            f"TP DUMP {out} over {w.size} rank(s): local parameters {counts}, "
+            f"tensor sums by {sums}\n"
+        )
         sys.stdout.flush()
 
 
