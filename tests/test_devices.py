@@ -59,6 +59,14 @@ def test_the_process_group_engine_is_accepted_for_dense_data_parallel():
     assert cfg.train["allreduce"] == "gloo"
 
 
+@pytest.mark.parametrize("method", ["topk", "randomk", "int8", "powersgd"])
+def test_the_process_group_engine_runs_the_lossy_compressors_not_the_16_bit_ring(method):
+    cfg = Config.load("configs/demo.yaml", ["train.allreduce=gloo", f"train.compression={method}"])
+    assert cfg.train["compression"] == method
+    with pytest.raises(ConfigError, match="gloo: .* not with train.compression=bf16"):
+        Config.load("configs/demo.yaml", ["train.allreduce=gloo", "train.compression=bf16"])
+
+
 def test_the_process_group_engine_runs_tensor_parallelism_with_zero_but_not_moe():
     tp = Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo"])
     assert tp.parallel["tensor"] == 2 and tp.train["zero"] == 1

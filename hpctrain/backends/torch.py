@@ -152,13 +152,15 @@ class TorchBackend(TorchStateMixin, BackendBase):
         """The engine's gradient buffer (`_flat`): the ZeRO partition, a reducer, a
         torch.distributed process group or the overlapped buckets."""
         cfg, world, params = self.cfg, self.world, self._dense
+        # a compressor on the process-group engines: on the device, after backward
+        compress = self._pg is not None and cfg.train["compression"] != "none"
+        on = self._pg["replicas"] if compress else world
+        shapes = [tuple(p.shape) for p in params]
         self._flat = (
-            self.zero.part
-            if self.zero is not None
-            else make_reducer(cfg, world, [tuple(p.shape) for p in params], engine=self.engine)
+            self.zero.part if self.zero else make_reducer(cfg, on, shapes, engine=self.engine)
         )
         self._overlap = None  # buckets started from backward hooks (exchange/overlap.py)
-        pg = self.engine in gradient_engine.PROCESS_GROUP_ENGINES and self.zero is None
+        pg = self._pg is not None and self.zero is None and not compress
         if self.engine == "overlap" or pg:
             transport, poll_s = world, 0.0005  # MPI on host numpy
             if pg and self._pg is not None:  # the buckets on the device (nccl / gloo)
@@ -366,18 +368,21 @@ class TorchBackend(TorchStateMixin, BackendBase):
 
     @torch.no_grad()
     def _average_with_mpi(self) -> None:
-        """One MPI_Allreduce of every dense gradient (the `mpi` engine)."""
+        """Every dense gradient through the reducer after backward: the `mpi` engine's
+        (one MPI_Allreduce, or its exchange method), or a compressor on the process-group
+        engines (its buffer on the device)."""
         if self.world is None or self.world.size == 1:
             return
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self._dense]
-        flat = torch.from_numpy(self._flat.buffer)
-        if self.device.type == "cpu":
+        flat = torch.as_tensor(self._flat.buffer)  # numpy's memory, or the device's buffer
+        staged = flat.device != self.device
+        if not staged:
             torch.cat([g.reshape(-1) for g in grads], out=flat)
         else:  # host-staged: one device-to-host copy, MPI on the host, one copy back
             flat.copy_(torch.cat([g.reshape(-1) for g in grads]))
         self._flat.reduce(self.exchange_step)
         self.exchange_step += 1
-        if self.device.type != "cpu":
+        if staged:
             flat = flat.to(self.device, non_blocking=False)
         for p, view in zip(self._dense, flat.split(self._flat.sizes)):
             if p.grad is not None:  # a parameter without gradient stays without

@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .gradient_engine import PROCESS_GROUP_ENGINES
+from .torch_arrays import TorchArrays
 from .torch_pg import check_backend, grid_groups, init_process_group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
@@ -57,9 +58,10 @@ class TorchPending:
         return self._result
 
 
-class ProcessGroupTransport:
+class ProcessGroupTransport(TorchArrays):
     """`Transport` over tensors on `device`, across `comm`'s ranks (a guarded MPI
-    communicator, which bootstraps the group), with `engine` nccl or gloo."""
+    communicator, which bootstraps the group), with `engine` nccl or gloo; its array
+    seam is torch's (TorchArrays)."""
 
     def __init__(self, comm, engine: str, timeout_s: float, device: torch.device, group=None):
         check_backend(engine, device)
@@ -178,19 +180,6 @@ class ProcessGroupTransport:
 
     def recv(self, buf, peer: int, tag: int = 0, what: str = "recv"):
         return self.start_recv(buf, peer, tag, what).wait()
-
-    # --- the array seam -------------------------------------------------------------------
-    def zeros(self, n: int, dtype: str = "float32"):
-        return torch.zeros(int(n), dtype=getattr(torch, dtype), device=self.device)
-
-    @staticmethod
-    def square_sum(buf):
-        g = buf.double()
-        return torch.dot(g, g)
-
-    @staticmethod
-    def scale_(buf, factor: float) -> None:
-        buf.mul_(factor)  # a float32 tensor's scalar is rounded to float32, as numpy's
 
 
 def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict | None:

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..runtime.host_arrays import HostArrays
+
 
 class Reducer(Protocol):
     buffer: np.ndarray
@@ -29,12 +31,13 @@ class Reducer(Protocol):
     def load_state(self, state: dict[str, np.ndarray]) -> None: ...
 
 
-def flat_buffer(sizes: list[int]) -> tuple[np.ndarray, list[np.ndarray]]:
-    """One preallocated float32 buffer and a view per gradient of `sizes` elements."""
+def flat_buffer(sizes: list[int], arrays=None) -> tuple[np.ndarray, list[np.ndarray]]:
+    """One preallocated float32 buffer and a view per gradient of `sizes` elements,
+    host numpy or where `arrays` (a transport's array seam) keeps its buffers."""
     sizes = [int(n) for n in sizes]
-    buffer = np.zeros(sum(sizes), dtype=np.float32)
+    buffer = np.zeros(sum(sizes), np.float32) if arrays is None else arrays.zeros(sum(sizes))
     ends = np.cumsum(sizes)
-    return buffer, [buffer[e - n : e] for n, e in zip(sizes, ends, strict=True)]
+    return buffer, [buffer[int(e) - n : int(e)] for n, e in zip(sizes, ends, strict=True)]
 
 
 class DenseStats:
@@ -61,10 +64,13 @@ class DenseMean(DenseStats):
     still < 2x the buffer), so the happy path does not grow with the job.
     """
 
-    def __init__(self, comm, sizes: list[int], what: str = "gradient allreduce"):
+    def __init__(self, comm, sizes: list[int], what: str = "gradient allreduce", arrays=None):
+        """comm: a `Transport` (None: one process); `arrays`: where the buffer lives
+        (the transport's array seam; None: host numpy)."""
         self.world = comm
         self.sizes = [int(n) for n in sizes]
-        self.buffer, self.views = flat_buffer(self.sizes)
+        self.buffer, self.views = flat_buffer(self.sizes, arrays)
+        self.arrays = arrays if arrays is not None else HostArrays()
         self.what = what
         self._sent = 0
 
@@ -73,7 +79,7 @@ class DenseMean(DenseStats):
             self._sent = 0
             return
         self.world.allreduce_inplace(self.buffer, "sum", self.what)
-        self.buffer *= np.float32(1.0 / self.world.size)
+        self.arrays.scale_(self.buffer, 1.0 / self.world.size)
         n = self.world.size
         self._sent = int(2 * (n - 1) * self.buffer.nbytes // n)
 
@@ -84,11 +90,18 @@ def make_reducer(
     """The reducer `cfg` asks for, over `comm`, for gradients of `shapes`.
 
     `cfg` is the validated Config (train.compression and the `compression` section).
-    Shapes, not only sizes: PowerSGD works on matrices. Engines other than `mpi` (Horovod
-    compresses on its own; the overlapped engine sends dense buckets) get the dense mean.
+    Shapes, not only sizes: PowerSGD works on matrices. The lossy compressors run on the
+    `mpi` engine (host numpy) and on the process-group engines (`gloo`, `nccl`: `comm`
+    is then the process group's transport and every buffer lives on its device). Other
+    engines (Horovod compresses on its own; the overlapped engine sends dense buckets)
+    get the dense mean.
     """
     sizes = [int(np.prod(s)) for s in shapes]
     method = cfg.train["compression"]
+    if engine in ("gloo", "nccl") and method != "none":
+        from .compression import build
+
+        return build(method, comm, shapes, {**cfg["compression"], "seed": cfg.train["seed"]}, what)
     if engine != "mpi":
         return DenseMean(comm, sizes, what)
     if cfg.train["hierarchical"]:

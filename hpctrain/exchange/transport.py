@@ -101,6 +101,40 @@ class Transport(Protocol):
     def scale_(self, buf: Array, factor: float) -> None:
         """`buf *= factor` in place, `factor` rounded to float32 first."""
 
+    # what the gradient compressors compute locally (exchange/compression/lossy.py);
+    # 0-d reductions stay arrays (`buf.min()`), so a device never waits for the host
+    def copy(self, buf: Array) -> Array: ...
+
+    def concat(self, bufs: list) -> Array:
+        """The buffers flattened and joined, in order."""
+
+    def astype(self, buf: Array, dtype: str) -> Array: ...
+
+    def bitcast(self, buf: Array, dtype: str) -> Array:
+        """The same bytes seen as `dtype` (indices travel bit for bit beside values)."""
+
+    def top_k_indices(self, buf: Array, k: int) -> Array:
+        """int32 positions of the k largest magnitudes of `buf`, in any order."""
+
+    def take(self, buf: Array, idx: Array) -> Array: ...
+
+    def put_(self, buf: Array, idx: Array, values: Array) -> None: ...
+
+    def index_add_(self, buf: Array, idx: Array, values: Array) -> None:
+        """buf[idx] += values, repeated positions adding up."""
+
+    def round_clip(self, buf: Array, lo: float, hi: float) -> Array:
+        """Rounded half to even, clipped to [lo, hi] (a new buffer)."""
+
+    def qr(self, mat: Array) -> Array:
+        """The orthonormal factor of a reduced QR decomposition, float32."""
+
+    def from_host(self, values) -> Array:
+        """A host numpy array where this transport's buffers live (no host wait)."""
+
+    def to_host(self, buf: Array):
+        """A numpy copy (checkpoints: once per save, not per step)."""
+
 
 def protocol_methods(protocol: type = Transport) -> list[str]:
     """The methods a Protocol declares (its own, not object's): for conformance checks."""

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..runtime.comm import HostArrays
+from ..runtime.host_arrays import HostArrays
 from .transport import Transport
 
 

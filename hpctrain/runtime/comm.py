@@ -13,6 +13,7 @@ import numpy as np
 
 from ..errors import LaunchError, RankErrors, rank_ranges
 from . import p2p
+from .host_arrays import HostArrays
 
 
 class PendingArray:
@@ -47,24 +48,6 @@ class PendingArray:
                     self._request.Wait()
             self._request = None
         return self._buf
-
-
-class HostArrays:
-    """The exchange layer's array seam (`exchange.transport.Transport`) for host numpy
-    buffers: what ZeRO computes locally, in the arithmetic it always had."""
-
-    @staticmethod
-    def zeros(n: int, dtype: str = "float32") -> np.ndarray:
-        return np.zeros(int(n), dtype=dtype)
-
-    @staticmethod
-    def square_sum(buf: np.ndarray):
-        g = buf.astype(np.float64)
-        return np.dot(g, g)
-
-    @staticmethod
-    def scale_(buf: np.ndarray, factor: float) -> None:
-        buf *= np.float32(factor)
 
 
 class GuardedComm(HostArrays):

@@ -201,12 +201,18 @@ def process_group_rules(v: dict) -> list[str]:
     engine, train = v["train"]["allreduce"], v["train"]
     if engine not in ("nccl", "gloo"):
         return []
+    # what runs on the process groups' transports is not a clash
+    from ..exchange.compression import LOSSY
     from ..runtime.devices import mpi_only_features
 
-    # what runs on the process groups' transports is not a clash
+    lossy = train["compression"] in LOSSY
     on_groups = {
         **v,
-        "train": {**train, "zero": 0 if train["zero"] in (1, 2) else train["zero"]},
+        "train": {
+            **train,
+            "zero": 0 if train["zero"] in (1, 2) else train["zero"],
+            "compression": "none" if lossy else train["compression"],
+        },
         "parallel": {**v["parallel"], "tensor": 1},
     }
     clash = _clash(
@@ -219,8 +225,9 @@ def process_group_rules(v: dict) -> list[str]:
         return []
     return [
         f"train.allreduce={engine}: the process-group engine runs the torch backend's "
-        f"data parallelism, ZeRO-1/2 and tensor parallelism; not with {', '.join(clash)} "
-        "(those run on train.allreduce=mpi or auto)"
+        "data parallelism, ZeRO-1/2, tensor parallelism and the lossy compressors (topk, "
+        f"randomk, int8, powersgd); not with {', '.join(clash)} (those run on "
+        "train.allreduce=mpi or auto)"
     ]
 
 

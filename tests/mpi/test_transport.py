@@ -47,7 +47,10 @@ def test_every_protocol_method_is_implemented_with_its_parameters(impl):
     collectives = ["allreduce_inplace", "reduce_scatter_sum", "allgather_into", "all_to_all"]
     p2p = ["send", "recv"]
     starts = [f"start_{m}" for m in collectives + p2p if m != "reduce_scatter_sum"]
-    assert set(methods) == {*collectives, *p2p, *starts, "zeros", "square_sum", "scale_"}
+    arrays = {"zeros", "square_sum", "scale_", "copy", "concat", "astype", "bitcast"}
+    arrays |= {"top_k_indices", "take", "put_", "index_add_", "round_clip", "qr"}
+    arrays |= {"from_host", "to_host"}
+    assert set(methods) == {*collectives, *p2p, *starts, *arrays}
     for name in methods:
         member = inspect.getattr_static(impl, name, None)
         assert member is not None, f"{impl.__name__} lacks {name}"

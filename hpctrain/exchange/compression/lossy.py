@@ -1,6 +1,11 @@
 """Lossy gradient compressors with error feedback: top-k, random-k, 8-bit, PowerSGD.
 
-Each works on the flat float32 gradient buffer of one rank. With error feedback (on by
+Each works on the flat float32 gradient buffer of one rank, written once over the
+transport's array seam (exchange/transport.py): host numpy over MPI, or torch tensors
+on the rank's device over a process group (Gloo on CPU ranks, NCCL on GPU ranks), so a
+GPU rank compresses, exchanges and decompresses without a copy to the host or a host
+wait per step (only random-k's k indices, drawn on the host from the shared seed,
+cross to the device, without waiting). With error feedback (on by
 default) what a step did not send is kept in a per-rank residual and added to the next
 step's gradient, so nothing is lost, only delayed (Stich et al.; Karimireddy et al.);
 without it top-k drops most of every gradient for good. The first
@@ -22,7 +27,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..reducer import DenseMean, flat_buffer
+from ...runtime.host_arrays import HostArrays
+from ..reducer import DenseMean
 
 
 class _Lossy:
@@ -30,19 +36,23 @@ class _Lossy:
 
     def __init__(self, comm, shapes, opts: dict, what: str):
         self.world = comm
+        self.xp = comm if comm is not None else HostArrays()  # the array seam
         self.shapes = [tuple(int(d) for d in s) for s in shapes]
         self.sizes = [int(np.prod(s)) for s in self.shapes]
-        self.buffer, self.views = flat_buffer(self.sizes)
+        self.dense = DenseMean(comm, self.sizes, what, arrays=self.xp)  # warm-up steps
+        self.buffer, self.views = self.dense.buffer, self.dense.views
         self.opts, self.what = opts, what
         self.feedback = bool(opts["error_feedback"])
-        self.residual = np.zeros_like(self.buffer) if self.feedback else None
-        self.dense = DenseMean(comm, self.sizes, what)
-        self.dense.buffer, self.dense.views = self.buffer, self.views
+        self.residual = self.xp.zeros(self.length) if self.feedback else None
         self._sent = 0
 
     @property
     def n(self) -> int:
         return self.world.size if self.world is not None else 1
+
+    @property
+    def length(self) -> int:
+        return sum(self.sizes)
 
     def reduce(self, step: int = 0) -> None:
         if self.n == 1:
@@ -55,48 +65,54 @@ class _Lossy:
         g = self.buffer
         if self.feedback:
             g += self.residual  # what earlier steps did not send
-        local = g.copy() if self.feedback else None
+        local = self.xp.copy(g) if self.feedback else None
         self._sent = 0
         # `g` becomes the average; `sent` is what this rank's gradient counted as.
         sent = self._exchange(g, step)
         if self.feedback:
-            np.subtract(local, sent, out=self.residual)
+            self.residual[:] = local - sent
 
     def stats(self) -> dict[str, float]:
-        dense = 2 * (self.n - 1) * self.buffer.nbytes / max(self.n, 1)
+        dense = 2 * (self.n - 1) * self.length * 4 / max(self.n, 1)
         ratio = dense / self._sent if self._sent else 1.0
         return {"comm_bytes": float(self._sent), "compression_ratio": float(ratio)}
 
     def state(self) -> dict[str, np.ndarray]:
-        return {"residual": self.residual.copy()} if self.feedback else {}
+        return {"residual": self.xp.to_host(self.residual)} if self.feedback else {}
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
         residual = state.get("residual")
-        if self.feedback and residual is not None and residual.size == self.residual.size:
-            self.residual[:] = residual.reshape(-1)
+        if self.feedback and residual is not None and residual.size == self.length:
+            self.residual[:] = self.xp.from_host(residual.reshape(-1).astype(np.float32))
 
     def _k(self) -> int:
-        return max(1, int(self.buffer.size * float(self.opts["ratio"])))
+        return max(1, int(self.length * float(self.opts["ratio"])))
+
+    def _rows(self, mine, what: str) -> list:
+        """Every rank's equally long `mine`, one row per rank in rank order (Allgather)."""
+        m = int(mine.shape[0])
+        everyone = self.xp.zeros(m * self.n, str(mine.dtype).removeprefix("torch."))
+        self.world.allgather_into(mine, everyone, [m] * self.n, what)
+        self._sent += m * mine.itemsize * (self.n - 1)  # each rank's row to N-1 ranks
+        return [everyone[r * m : (r + 1) * m] for r in range(self.n)]
 
 
 class TopK(_Lossy):
     """The k largest-magnitude entries of each rank, summed densely on every rank."""
 
-    def _exchange(self, g: np.ndarray, step: int) -> np.ndarray:
-        k = self._k()
-        idx = np.argpartition(np.abs(g), g.size - k)[g.size - k :].astype(np.int32)
-        vals = g[idx]
-        pairs = np.empty(2 * k, dtype=np.float32)
-        pairs[:k] = idx.view(np.float32)  # indices travel bit for bit beside the values
-        pairs[k:] = vals
-        everyone = self.world.allgather_array(pairs, f"{self.what} (top-k)")
-        self._sent += pairs.nbytes * (self.n - 1)  # Allgather: each rank's pairs to N-1
-        sent = np.zeros_like(g)
-        sent[idx] = vals
+    def _exchange(self, g, step: int):
+        xp, k = self.xp, self._k()
+        idx = xp.top_k_indices(g, k)
+        vals = xp.take(g, idx)
+        # indices travel bit for bit beside the values
+        pairs = xp.concat([xp.bitcast(idx, "float32"), vals])
+        rows = self._rows(pairs, f"{self.what} (top-k)")
+        sent = xp.zeros(self.length)
+        xp.put_(sent, idx, vals)
         g[:] = 0.0
-        for row in everyone:
-            np.add.at(g, row[:k].view(np.int32), row[k:])
-        g *= np.float32(1.0 / self.n)
+        for row in rows:
+            xp.index_add_(g, xp.bitcast(row[:k], "int32"), row[k:])
+        xp.scale_(g, 1.0 / self.n)
         return sent
 
 
@@ -104,39 +120,41 @@ class RandomK(_Lossy):
     """k entries drawn from a seed all ranks share (so only values travel), one Allreduce.
     Without error feedback they are scaled by n/k, which keeps the estimate unbiased."""
 
-    def _exchange(self, g: np.ndarray, step: int) -> np.ndarray:
-        k = self._k()
+    def _exchange(self, g, step: int):
+        xp, k = self.xp, self._k()
         rng = np.random.default_rng((int(self.opts.get("seed", 0)), int(step)))
-        idx = np.sort(rng.choice(g.size, size=k, replace=False))
-        vals = np.ascontiguousarray(g[idx])
-        sent = np.zeros_like(g)
-        sent[idx] = vals
+        idx = xp.from_host(np.sort(rng.choice(self.length, size=k, replace=False)))
+        vals = xp.take(g, idx)
+        sent = xp.zeros(self.length)
+        xp.put_(sent, idx, vals)
         self.world.allreduce_inplace(vals, "sum", f"{self.what} (random-k)")
-        self._sent += 2 * (self.n - 1) * vals.nbytes // self.n
-        scale = 1.0 if self.feedback else g.size / k
+        self._sent += 2 * (self.n - 1) * k * 4 // self.n
+        scale = 1.0 if self.feedback else self.length / k
         g[:] = 0.0
-        g[idx] = vals * np.float32(scale / self.n)
+        xp.scale_(vals, scale / self.n)
+        xp.put_(g, idx, vals)
         return sent
 
 
 class Int8(_Lossy):
     """Min-max 8-bit quantization (256 levels between this rank's min and max, rounded
-    to nearest), allgathered and dequantized in float32."""
+    to nearest), allgathered and dequantized in float32. The minimum and the step stay
+    0-d arrays (on a GPU, no wait for the host)."""
 
-    def _exchange(self, g: np.ndarray, step: int) -> np.ndarray:
-        lo, hi = float(g.min()), float(g.max())
-        scale = (hi - lo) / 255.0 if hi > lo else 1.0
-        q = np.clip(np.rint((g - lo) / scale), 0, 255).astype(np.uint8)
-        header = np.array([lo, scale], dtype=np.float32).view(np.uint8)
-        msg = np.concatenate([header, q])
-        everyone = self.world.allgather_array(msg, f"{self.what} (int8)")
-        self._sent += msg.nbytes * (self.n - 1)
-        sent = q.astype(np.float32) * np.float32(scale) + np.float32(lo)
+    def _exchange(self, g, step: int):
+        xp = self.xp
+        lo = g.min()
+        span = xp.astype(g.max(), "float64") - xp.astype(lo, "float64")
+        scale = xp.astype(span / 255.0 + (span == 0), "float32")  # 1 where max == min
+        q = xp.astype(xp.round_clip((g - lo) / scale, 0, 255), "uint8")
+        header = xp.bitcast(xp.concat([xp.astype(lo, "float32"), scale]), "uint8")
+        rows = self._rows(xp.concat([header, q]), f"{self.what} (int8)")
+        sent = xp.astype(q, "float32") * scale + lo
         g[:] = 0.0
-        for row in everyone:
-            lo_r, scale_r = row[:8].view(np.float32)
-            g += row[8:].astype(np.float32) * scale_r + lo_r
-        g *= np.float32(1.0 / self.n)
+        for row in rows:
+            lo_scale = xp.bitcast(row[:8], "float32")
+            g += xp.astype(row[8:], "float32") * lo_scale[1] + lo_scale[0]
+        xp.scale_(g, 1.0 / self.n)
         return sent
 
 
@@ -154,35 +172,29 @@ class PowerSGD(_Lossy):
         for shape, lo, hi in zip(self.shapes, offsets[:-1], offsets[1:], strict=True):
             if len(shape) >= 2 and min(shape[0], int(np.prod(shape[1:]))) > r:
                 rows, cols = shape[0], int(np.prod(shape[1:]))
-                q = rng.standard_normal((cols, r)).astype(np.float32)
+                q = self.xp.from_host(rng.standard_normal((cols, r)).astype(np.float32))
                 self.mats.append((int(lo), rows, cols, q))
             else:
                 self.vecs.append((int(lo), int(hi)))
 
-    def _exchange(self, g: np.ndarray, step: int) -> np.ndarray:
-        r = int(self.opts["rank"])
+    def _exchange(self, g, step: int):
+        xp, r, none = self.xp, int(self.opts["rank"]), self.xp.zeros(0)
         local = [
-            g[lo : lo + rows * cols].reshape(rows, cols).copy() for lo, rows, cols, _ in self.mats
+            xp.copy(g[lo : lo + rows * cols].reshape(rows, cols)) for lo, rows, cols, _ in self.mats
         ]
-        vec = np.concatenate([g[lo:hi] for lo, hi in self.vecs] or [np.zeros(0, np.float32)])
-        first = np.concatenate(
-            [(m @ q).reshape(-1) for m, (_, _, _, q) in zip(local, self.mats, strict=True)] + [vec]
-        )
+        vec = xp.concat([g[lo:hi] for lo, hi in self.vecs] + [none])
+        first = xp.concat([m @ q for m, (*_, q) in zip(local, self.mats, strict=True)] + [vec])
         self._mean(first, "P and vectors")
         ps, at = [], 0
         for _, rows, _, _ in self.mats:
-            p, _ = np.linalg.qr(first[at : at + rows * r].reshape(rows, r))  # orthonormal
-            ps.append(p.astype(np.float32))
+            ps.append(xp.qr(first[at : at + rows * r].reshape(rows, r)))  # orthonormal
             at += rows * r
-        second = np.concatenate(
-            [(m.T @ p).reshape(-1) for m, p in zip(local, ps, strict=True)]
-            or [np.zeros(0, np.float32)]
-        )
+        second = xp.concat([m.T @ p for m, p in zip(local, ps, strict=True)] + [none])
         self._mean(second, "Q")
-        sent = g.copy()  # vectors count exactly (no residual); matrices as approximated
+        sent = xp.copy(g)  # vectors count exactly (no residual); matrices as approximated
         at_q = 0
         for i, (lo, rows, cols, _) in enumerate(self.mats):
-            q_new = second[at_q : at_q + cols * r].reshape(cols, r).copy()
+            q_new = xp.copy(second[at_q : at_q + cols * r].reshape(cols, r))
             at_q += cols * r
             approx = (ps[i] @ q_new.T).reshape(-1)
             g[lo : lo + rows * cols] = approx
@@ -199,7 +211,7 @@ class PowerSGD(_Lossy):
         """The residual and the warm-start factors Q (equal on every rank)."""
         out = super().state()
         if self.mats:
-            out["powersgd.q"] = np.concatenate([q.reshape(-1) for *_, q in self.mats])
+            out["powersgd.q"] = self.xp.to_host(self.xp.concat([q for *_, q in self.mats]))
         return out
 
     def load_state(self, state: dict[str, np.ndarray]) -> None:
@@ -210,10 +222,11 @@ class PowerSGD(_Lossy):
             return
         at = 0
         for i, (lo, rows, cols, old) in enumerate(self.mats):
-            self.mats[i] = (lo, rows, cols, q[at : at + cols * old.shape[1]].reshape(old.shape))
+            piece = q[at : at + cols * old.shape[1]].reshape(tuple(old.shape))
+            self.mats[i] = (lo, rows, cols, self.xp.from_host(piece.astype(np.float32)))
             at += cols * old.shape[1]
 
-    def _mean(self, buf: np.ndarray, part: str) -> None:
+    def _mean(self, buf, part: str) -> None:
         self.world.allreduce_inplace(buf, "sum", f"{self.what} (PowerSGD {part})")
-        buf *= np.float32(1.0 / self.n)
-        self._sent += 2 * (self.n - 1) * buf.nbytes // self.n
+        self.xp.scale_(buf, 1.0 / self.n)
+        self._sent += 2 * (self.n - 1) * int(buf.shape[0]) * 4 // self.n
