@@ -59,12 +59,12 @@ def test_the_process_group_engine_is_accepted_for_dense_data_parallel():
     assert cfg.train["allreduce"] == "gloo"
 
 
-@pytest.mark.parametrize("method", ["topk", "randomk", "int8", "powersgd"])
-def test_the_process_group_engine_runs_the_lossy_compressors_not_the_16_bit_ring(method):
+@pytest.mark.parametrize("method", ["fp16", "bf16", "topk", "randomk", "int8", "powersgd"])
+def test_the_process_group_engine_compresses_but_leaves_hierarchy_to_mpi(method):
     cfg = Config.load("configs/demo.yaml", ["train.allreduce=gloo", f"train.compression={method}"])
     assert cfg.train["compression"] == method
-    with pytest.raises(ConfigError, match="gloo: .* not with train.compression=bf16"):
-        Config.load("configs/demo.yaml", ["train.allreduce=gloo", "train.compression=bf16"])
+    with pytest.raises(ConfigError, match="gloo: .* not with train.hierarchical"):
+        Config.load("configs/demo.yaml", ["train.allreduce=gloo", "train.hierarchical=true"])
 
 
 def test_the_process_group_engine_runs_tensor_parallelism_with_zero_but_not_moe():

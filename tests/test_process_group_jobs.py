@@ -127,10 +127,12 @@ def test_gloo_compressors_equal_the_mpi_engines_and_resume_with_their_residuals(
     torch tensors) the weights and losses equal the MPI engine's (numpy) within 1e-6
     (PowerSGD: 1e-5, numpy's QR runs in float64, torch's in float32); the top-k and
     PowerSGD runs over Gloo resumed from their step-6 checkpoints (residuals, PowerSGD's
-    factors, the step count) end where the uninterrupted runs end."""
+    factors, the step count) end where the uninterrupted runs end. fp16 and bf16 over
+    Gloo (the library's 16-bit allreduce, not the MPI engine's ring: other roundings)
+    stay within 16-bit rounding of the ring's runs."""
     runs = {
         f"{m}-{e}": [*COMPRESSED, f"train.compression={m}", f"train.allreduce={e}"]
-        for m in LOSSY
+        for m in [*LOSSY, "fp16", "bf16"]
         for e in ("mpi", "gloo")
     }
     for m in ("topk", "powersgd"):
@@ -144,6 +146,12 @@ def test_gloo_compressors_equal_the_mpi_engines_and_resume_with_their_residuals(
         assert len(gloo_losses) == 9 and gloo_losses == pytest.approx(mpi_losses, abs=tol)
         steps = [x for x in _metrics(tmp_path / f"{m}-gloo.npz.run") if x["event"] == "step"]
         assert steps[-1]["compression_ratio"] > 1.5, m
+    for m, tol in (("fp16", 2e-3), ("bf16", 1e-2)):
+        (gloo, gloo_losses), (ring, ring_losses) = got[f"{m}-gloo"], got[f"{m}-mpi"]
+        _assert_same_weights(gloo, ring, tol)
+        assert gloo_losses == pytest.approx(ring_losses, abs=tol)
+        steps = [x for x in _metrics(tmp_path / f"{m}-gloo.npz.run") if x["event"] == "step"]
+        assert steps[-1]["compression_ratio"] == pytest.approx(2.0), m
     for m in ("topk", "powersgd"):
         resumed, losses = got[f"{m}-gloo-resumed"]
         _assert_same_weights(resumed, got[f"{m}-gloo"][0], 1e-7)

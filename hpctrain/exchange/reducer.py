@@ -90,9 +90,10 @@ def make_reducer(
     """The reducer `cfg` asks for, over `comm`, for gradients of `shapes`.
 
     `cfg` is the validated Config (train.compression and the `compression` section).
-    Shapes, not only sizes: PowerSGD works on matrices. The lossy compressors run on the
-    `mpi` engine (host numpy) and on the process-group engines (`gloo`, `nccl`: `comm`
-    is then the process group's transport and every buffer lives on its device). Other
+    Shapes, not only sizes: PowerSGD works on matrices. Compression runs on the `mpi`
+    engine (host numpy) and on the process-group engines (`gloo`, `nccl`: `comm` is then
+    the process group's transport and every buffer lives on its device; 16-bit there is
+    the library's own allreduce, not the MPI ring). Other
     engines (Horovod compresses on its own; the overlapped engine sends dense buckets)
     get the dense mean.
     """
@@ -101,7 +102,8 @@ def make_reducer(
     if engine in ("gloo", "nccl") and method != "none":
         from .compression import build
 
-        return build(method, comm, shapes, {**cfg["compression"], "seed": cfg.train["seed"]}, what)
+        opts = {**cfg["compression"], "seed": cfg.train["seed"]}
+        return build(method, comm, shapes, opts, what, ring=False)
     if engine != "mpi":
         return DenseMean(comm, sizes, what)
     if cfg.train["hierarchical"]:

@@ -194,24 +194,22 @@ def compression_rules(v: dict) -> list[str]:
 
 
 def process_group_rules(v: dict) -> list[str]:
-    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients,
-    run ZeRO-1/2 and sum tensor-parallel activations over their process groups
-    (backends/torch_transport.py); the features that run on the MPI exchange layer only
-    are refused with them."""
+    """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients
+    (compressed or not), run ZeRO-1/2 and sum tensor-parallel activations over their
+    process groups (backends/torch_transport.py); the features that run on the MPI
+    exchange layer only are refused with them."""
     engine, train = v["train"]["allreduce"], v["train"]
     if engine not in ("nccl", "gloo"):
         return []
     # what runs on the process groups' transports is not a clash
-    from ..exchange.compression import LOSSY
     from ..runtime.devices import mpi_only_features
 
-    lossy = train["compression"] in LOSSY
     on_groups = {
         **v,
         "train": {
             **train,
             "zero": 0 if train["zero"] in (1, 2) else train["zero"],
-            "compression": "none" if lossy else train["compression"],
+            "compression": "none",  # every method runs on the process groups too
         },
         "parallel": {**v["parallel"], "tensor": 1},
     }
@@ -225,9 +223,8 @@ def process_group_rules(v: dict) -> list[str]:
         return []
     return [
         f"train.allreduce={engine}: the process-group engine runs the torch backend's "
-        "data parallelism, ZeRO-1/2, tensor parallelism and the lossy compressors (topk, "
-        f"randomk, int8, powersgd); not with {', '.join(clash)} (those run on "
-        "train.allreduce=mpi or auto)"
+        "data parallelism, ZeRO-1/2, tensor parallelism and gradient compression; not "
+        f"with {', '.join(clash)} (those run on train.allreduce=mpi or auto)"
     ]
 
 

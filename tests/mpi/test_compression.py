@@ -197,3 +197,34 @@ def test_a_compressor_on_torch_tensors_over_gloo_equals_it_on_numpy_over_mpi(
     device.load_state(host.state())
     for k, v in device.state().items():
         np.testing.assert_array_equal(v, host.state()[k])
+
+
+@pytest.mark.parametrize("kind, tol", [("fp16", 1e-3), ("bf16", 8e-3)])
+def test_16_bit_mean_on_a_process_group_equals_the_average_and_cannot_overflow(gloo, kind, tol):
+    """fp16/bf16 on the process-group engine: the library's 16-bit allreduce of the
+    gradients divided by N first (as DDP's fp16 hook); within half precision of the
+    mean, the same bits on every rank, half the float32 bytes. The division matters: a
+    gradient of 40,000 on every rank overflows fp16 when summed undivided."""
+    import torch
+
+    from hpctrain.exchange.compression import HalfMean
+
+    w = world()
+    g = _grads(w.rank)
+    mean = HalfMean(gloo, [g.size], kind)
+    mean.buffer[:] = torch.from_numpy(g)
+    mean.reduce(0)
+    got = mean.buffer.numpy()
+    np.testing.assert_allclose(got, _dense_mean(g), rtol=tol, atol=tol)
+    everyone = np.empty((w.size, g.size), np.float32)
+    MPI.COMM_WORLD.Allgather(got, everyone)
+    assert (everyone == everyone[0]).all()
+    if w.size > 1:
+        assert mean.stats()["compression_ratio"] == pytest.approx(2.0)
+    if kind == "fp16" and w.size > 1:
+        mean.buffer[:] = 40_000.0
+        mean.reduce(1)
+        assert torch.isfinite(mean.buffer).all() and float(mean.buffer[0]) == 40_000.0
+        undivided = torch.full((4,), 40_000.0, dtype=torch.float16)
+        gloo.allreduce_inplace(undivided, "sum", "undivided fp16")
+        assert torch.isinf(undivided).all()
