@@ -39,6 +39,7 @@ QUICK_MODULES = frozenset(
         "test_code_shape",
         "test_config",
         "test_data",
+        "test_device_exchange",
         "test_devices",
         "test_doctor",
         "test_docs",

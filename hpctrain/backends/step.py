@@ -116,5 +116,6 @@ def tensor_split_mask(b: StepPrimitives):
     mask = getattr(b, "_split_mask", None)
     if mask is None:
         split = {i for i, n in enumerate(b.dense_names()) if split_kind(n) is not None}
-        mask = b._split_mask = b.zero.part.shard_mask(split)
+        part = b.zero.part  # the mask where the shard lives (a device's, on GPU ranks)
+        mask = b._split_mask = part.arrays.from_host(part.shard_mask(split))
     return mask, group
