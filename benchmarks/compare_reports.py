@@ -59,12 +59,15 @@ def exchange_ratios(sections: dict) -> dict:
 
 def main(reference: str, new: str) -> None:
     ref, cur = _sections(reference), _sections(new)
-    print("scaling: hpctrain / contender, per-rank samples/s (reference -> new)")
-    old, now = scaling_ratios(ref), scaling_ratios(cur)
-    for key in sorted(set(old) & set(now)):
-        (a, spread), (b, _) = old[key], now[key]
-        verdict = "ok" if abs(b - a) <= spread * a else "OUTSIDE"
-        print(f"  {key}: {a:.2f} -> {b:.2f} (+-{spread * a:.2f}) {verdict}")
+    if "scaling" in ref and "scaling" in cur:  # a report may hold some sections only
+        print("scaling: hpctrain / contender, per-rank samples/s (reference -> new)")
+        old, now = scaling_ratios(ref), scaling_ratios(cur)
+        for key in sorted(set(old) & set(now)):
+            (a, spread), (b, _) = old[key], now[key]
+            verdict = "ok" if abs(b - a) <= spread * a else "OUTSIDE"
+            print(f"  {key}: {a:.2f} -> {b:.2f} (+-{spread * a:.2f}) {verdict}")
+    if "exchange" not in ref or "exchange" not in cur:
+        return
     print("exchange: dense step / method step (reference -> new), step in ms")
     old, now = exchange_ratios(ref), exchange_ratios(cur)
     for key in sorted(set(old) & set(now)):

@@ -69,8 +69,9 @@ class _Lossy:
         self._sent = 0
         # `g` becomes the average; `sent` is what this rank's gradient counted as.
         sent = self._exchange(g, step)
-        if self.feedback:
-            self.residual[:] = local - sent
+        if self.feedback:  # in place: no temporary of the whole gradient
+            local -= sent
+            self.residual = local
 
     def stats(self) -> dict[str, float]:
         dense = 2 * (self.n - 1) * self.length * 4 / max(self.n, 1)
