@@ -101,3 +101,12 @@ def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
     r.push(1, StepStats(torch.tensor(float("nan")), 0, 4, 0.0), 0.1, 0.01)
     (report,) = r.drain()
     assert report.nonfinite and report.step == 1  # NaN on the device still stops the run
+
+
+def test_the_pipeline_runs_on_the_process_group_engine_but_not_its_zero():
+    cfg = Config.load("configs/pipeline.yaml", ["train.allreduce=gloo"])
+    assert cfg.strategy == "pipeline"
+    with pytest.raises(ConfigError, match="gloo: .* not with train.zero=1"):
+        Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "train.zero=1"])
+    with pytest.raises(ConfigError, match="not with backend tensorflow"):
+        Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "backend=tensorflow"])

@@ -225,6 +225,13 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
         # torch.distributed over Gloo: the default group's store crosses the link, the
         # tensor pairs' groups stay in a node, the replicas' group spans both
         ["train.zero=2", "train.batch_size=8", "train.allreduce=gloo"],
+        # and the pipeline's links: the stages' activations and gradients cross the link
+        [
+            "strategy=pipeline",
+            "pipeline.microbatches=2",
+            "train.batch_size=8",
+            "train.allreduce=gloo",
+        ],
     ],
     ids=[
         "pipe2-tensor2",
@@ -232,6 +239,7 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
         "zero3-data2-tensor2",
         "experts-data2-tensor2",
         "gloo-zero2-data2-tensor2",
+        "gloo-pipe2-tensor2",
     ],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(

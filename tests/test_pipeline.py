@@ -166,6 +166,41 @@ def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_holds_m(runs):
     assert s["bubble_theory"] == pytest.approx(3 / 11)
 
 
+def test_the_pipeline_over_gloo_process_groups_equals_it_over_mpi(tmp_path):
+    """train.allreduce=gloo (torch): activations and gradients between stages travel as
+    tensors over the pipe axis's process group, each stage's gradients average over its
+    replicas' group; the weights, losses and validation equal the MPI engine's runs
+    within 1e-6 (one SGD step at 2 and 4 stages, 3 momentum steps at 2 stages x 2
+    replicas, GPipe and 1F1B), and the one-step runs equal one process's step."""
+    common = [*MODEL, "backend=torch"]
+    pipe = [*common, *PIPE, *ONE_SGD_STEP]
+    replicated = [*common, "strategy=pipeline", "train.batch_size=4", "pipeline.microbatches=4"]
+    layouts = {
+        2: {"P2-1f1b": [*pipe, "pipeline.schedule=1f1b"]},
+        4: {
+            "P4-gpipe": [*pipe, "pipeline.stages=4", "pipeline.schedule=gpipe"],
+            "P2xD2-1f1b": [*replicated, "train.max_steps=3", "pipeline.schedule=1f1b"],
+        },
+    }
+    got = _runs(tmp_path, 1, [("ref1", [*common, "train.batch_size=32", *ONE_SGD_STEP])], 240)
+    for np_, runs in layouts.items():
+        jobs = [
+            (f"{n}-{e}", [*o, f"train.allreduce={e}"])
+            for n, o in runs.items()
+            for e in ("mpi", "gloo")
+        ]
+        got |= _runs(tmp_path, np_, jobs, 300)
+    for runs in layouts.values():
+        for name in runs:
+            (gloo, gs), (mpi, ms) = got[f"{name}-gloo"], got[f"{name}-mpi"]
+            assert (gs["engine"], ms["engine"]) == ("gloo", "mpi")
+            assert _max_diff(gloo, mpi) < 1e-6, name
+            assert gs["loss"] == pytest.approx(ms["loss"], abs=1e-6)
+            assert gs["val_accuracy"] == pytest.approx(ms["val_accuracy"], abs=1e-6)
+            if name != "P2xD2-1f1b":  # one SGD step: the full batch's gradient step
+                assert _max_diff(gloo, got["ref1"][0]) < 1e-5, name
+
+
 BAD = [
     (2, ["pipeline.stages=3"], "world size 2 is not divisible by pipeline.stages=3"),
     (2, ["pipeline.stages=2", "pipeline.partition=[1,1]"], "sums to 2 layers but the model has 3"),

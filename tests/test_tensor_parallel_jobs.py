@@ -126,7 +126,13 @@ def test_tensor_parallel_equals_one_process(tmp_path_factory, backend, layout):
 # shard on the data replicas' group, equal to the MPI engine's run of the same layout.
 GLOO = {
     layout: f"gloo-{layout}"
-    for layout in ("tensor2", "data2-tensor2", "zero2-data2-tensor2", "zero1-data4")
+    for layout in (
+        "tensor2",
+        "data2-tensor2",
+        "zero2-data2-tensor2",
+        "zero1-data4",
+        "pipe2-tensor2",
+    )
 }
 for _layout, _name in GLOO.items():
     share(LAYOUTS[_layout][0], "torch", _name, *LAYOUTS[_layout][1], "train.allreduce=gloo")

@@ -62,3 +62,14 @@ def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int):
     from .torch_plan import plan_before_build as torch_plan
 
     return torch_plan(cfg, inp, groups, n, threads, rank)
+
+
+def process_group_links(cfg, engine: str, grid, axes) -> dict:
+    """{axis: transport} of the process-group engine (`gloo`; `nccl` on GPU ranks) over
+    `grid`'s `axes`, for the strategies that place their own links (the pipeline). The
+    torch backend only (the config refuses these engines with TensorFlow)."""
+    import torch
+
+    from .torch_transport import grid_transports
+
+    return grid_transports(cfg, engine, torch.device("cpu"), grid, axes)

@@ -82,9 +82,12 @@ class TensorFlowStage(StageBase):
         self.opt = self.zero.optimizer
         self.zero.begin_step()
 
-    def attach_mpi(self, replicas) -> None:
+    def attach_mpi(self, replicas, transport=None) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
-        flat MPI_Allreduce per step instead of Horovod."""
+        flat MPI_Allreduce per step instead of Horovod (no process-group `transport`:
+        the config keeps those engines to the torch backend)."""
+        if transport is not None:
+            raise ValueError("the TensorFlow stage averages over MPI only")
         self.mpi = replicas
         sizes = [int(np.prod(self._vars[i].shape)) for i in self._dense]
         self._flat = gradient_engine.FlatMean(replicas, sizes)

@@ -76,11 +76,14 @@ class TorchStage(StageBase):
                 weight_decay=ocfg["weight_decay"],
             )
 
-    def attach_mpi(self, replicas) -> None:
+    def attach_mpi(self, replicas, transport=None) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one
-        flat MPI_Allreduce per step instead of Horovod."""
+        flat MPI_Allreduce per step instead of Horovod; or, given the replicas'
+        process-group `transport` (`gloo`, `nccl`), one allreduce of a flat tensor over it
+        (buffers such as BatchNorm's still average over MPI, once per evaluation)."""
         self.mpi = replicas
-        self._flat = gradient_engine.FlatMean(replicas, [p.numel() for p in self._dense()])
+        on = transport if transport is not None else replicas
+        self._flat = gradient_engine.FlatMean(on, [p.numel() for p in self._dense()], arrays=on)
 
     def attach_zero(self, replicas, bucket_bytes: int) -> None:
         """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
@@ -98,7 +101,7 @@ class TorchStage(StageBase):
     def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
         """Run micro-batch `micro`; returns the activation to send (None on the last stage)."""
         self.net.train()
-        xt = torch.from_numpy(x)
+        xt = torch.as_tensor(x)  # numpy from MPI or the data, a tensor from a process group
         if not self.first:
             xt.requires_grad_(True)
         out = self.net(xt)
@@ -121,9 +124,9 @@ class TorchStage(StageBase):
         if self.last:
             torch.autograd.backward(out)
         elif aux is None:
-            torch.autograd.backward(out, torch.from_numpy(grad))
+            torch.autograd.backward(out, torch.as_tensor(grad))
         else:  # the stage's balancing loss joins the gradient from the next stage
-            torch.autograd.backward([out, aux], [torch.from_numpy(grad), None])
+            torch.autograd.backward([out, aux], [torch.as_tensor(grad), None])
         return None if self.first else xt.grad.numpy()
 
     # --- the step ----------------------------------------------------------------
@@ -172,7 +175,7 @@ class TorchStage(StageBase):
             return 0.0
         t0 = time.perf_counter()
         params = self._dense()
-        flat = torch.from_numpy(self._flat.buffer)
+        flat = torch.as_tensor(self._flat.buffer)
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         torch.cat([g.reshape(-1) for g in grads], out=flat)
         self._flat.reduce()
@@ -216,7 +219,7 @@ class TorchStage(StageBase):
     def infer(self, x: np.ndarray) -> np.ndarray:
         """Eval-mode forward (shape probing, validation); last stage returns logits."""
         self.net.eval()
-        return self.net(torch.from_numpy(x)).numpy()
+        return self.net(torch.as_tensor(x)).numpy()
 
     def average_buffers(self) -> None:
         if self.mpi is not None:

@@ -167,19 +167,19 @@ class ProcessGroupTransport(TorchArrays):
         return self._run(work, recv, what, wait)
 
     # --- point to point (Gloo honours tags; NCCL matches by order) -----------------------
-    def start_send(self, buf, peer: int, tag: int = 0, what: str = "send"):
+    def start_send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""):
         work = dist.isend(buf, group=self.group, tag=tag, group_dst=peer)
-        return TorchPending(buf, work, self, f"{what} (to rank {peer})")
+        return TorchPending(buf, work, self, f"{what} (to {peer_name or f'rank {peer}'})")
 
-    def start_recv(self, buf, peer: int, tag: int = 0, what: str = "recv"):
+    def start_recv(self, buf, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""):
         work = dist.irecv(buf, group=self.group, tag=tag, group_src=peer)
-        return TorchPending(buf, work, self, f"{what} (from rank {peer})")
+        return TorchPending(buf, work, self, f"{what} (from {peer_name or f'rank {peer}'})")
 
-    def send(self, buf, peer: int, tag: int = 0, what: str = "send") -> None:
-        self.start_send(buf, peer, tag, what).wait()
+    def send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = "") -> None:
+        self.start_send(buf, peer, tag, what, peer_name).wait()
 
-    def recv(self, buf, peer: int, tag: int = 0, what: str = "recv"):
-        return self.start_recv(buf, peer, tag, what).wait()
+    def recv(self, buf, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""):
+        return self.start_recv(buf, peer, tag, what, peer_name).wait()
 
 
 def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict | None:
@@ -193,8 +193,14 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
     timeout = cfg.runtime["collective_timeout"]
     if not groups.tensor_parallel:
         return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}
-    grid = groups.grid
-    groups = grid_groups(grid, engine, timeout, device, ("replicas", "tensor"))
+    return grid_transports(cfg, engine, device, groups.grid, ("replicas", "tensor"))
+
+
+def grid_transports(cfg, engine: str, device, grid, axes) -> dict:
+    """{axis: a ProcessGroupTransport over this rank's `axes` of `grid`}, each on its own
+    group under the job-wide default group (grid_groups: collective over the job)."""
+    timeout = cfg.runtime["collective_timeout"]
+    groups = grid_groups(grid, engine, timeout, device, axes)
     return {
         axis: ProcessGroupTransport(grid.axes[axis], engine, timeout, device, group=group)
         for axis, group in groups.items()

@@ -82,13 +82,22 @@ class Transport(Protocol):
 
     def start_all_to_all(self, send: Array, recv: Array, what: str = "all-to-all") -> Pending: ...
 
-    def send(self, buf: Array, peer: int, tag: int = 0, what: str = "send") -> None: ...
+    def send(
+        self, buf: Array, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""
+    ) -> None: ...
 
-    def recv(self, buf: Array, peer: int, tag: int = 0, what: str = "recv") -> Array: ...
+    def recv(
+        self, buf: Array, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""
+    ) -> Array: ...
 
-    def start_send(self, buf: Array, peer: int, tag: int = 0, what: str = "send") -> Pending: ...
+    def start_send(
+        self, buf: Array, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""
+    ) -> Pending:
+        """`peer_name`: how a missed deadline names the peer (default: its rank here)."""
 
-    def start_recv(self, buf: Array, peer: int, tag: int = 0, what: str = "recv") -> Pending: ...
+    def start_recv(
+        self, buf: Array, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""
+    ) -> Pending: ...
 
     # --- the array seam: what the exchange code computes locally --------------------------
     def zeros(self, n: int, dtype: str = "float32") -> Array:

@@ -1,25 +1,28 @@
 """Point-to-point traffic between neighbouring stages: activations forward, gradients back.
 
 Shapes and dtypes are agreed once when the pipeline is built (a micro-batch always has
-`train.batch_size` samples), so every message is a bare contiguous numpy buffer moved
-with `Isend`/`Irecv`: no pickling, no per-step metadata. A receive is posted one
-micro-batch ahead, so the next input arrives while this one is computed. A received
-buffer is handed to the caller and is not reused until the caller releases it: a stage
-input stays valid until its backward pass (reusing one receive buffer for the next
-micro-batch is exactly the "pipeline overwrites its own inputs" bug). Sent arrays are
-kept alive until MPI reports the send complete.
+`train.batch_size` samples), so every message is a bare contiguous buffer: no pickling,
+no per-step metadata. The buffers and the messages are the pipe axis's transport's
+(exchange/transport.py): numpy over MPI `Isend`/`Irecv` on the `mpi` engine, torch
+tensors over the process group's `isend`/`irecv` on `gloo` (CPU ranks; `nccl` by the
+same code, its tags unused: NCCL matches a pair's messages in order, which is the
+order each side issues them here). A receive is posted one micro-batch ahead, so the
+next input arrives while this one is computed. A received buffer is handed to the
+caller and is not reused until the caller releases it: a stage input stays valid until
+its backward pass (reusing one receive buffer for the next micro-batch is exactly the
+"pipeline overwrites its own inputs" bug). Sent arrays are kept alive until the
+transport reports the send complete.
 
-Every wait has a deadline (`runtime.collective_timeout`, runtime/p2p.py): a neighbour
-that stopped or hangs ends the job with a message naming its stage and world rank.
+Every wait has a deadline (`runtime.collective_timeout`): a neighbour that stopped or
+hangs ends the job with a message naming its stage and world rank.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
-
-from ..runtime import p2p
 
 ACT, GRAD = 0, 1
 
@@ -31,11 +34,9 @@ class StageTransport:
         self, pipe, stage: int, stages: int, in_shape, out_shape, dtype=np.float32,
         peer_rank=lambda s: s,
     ):  # fmt: skip
-        """pipe: the grid's `pipe` axis (a guarded communicator); peer_rank(stage) gives
-        a stage's world rank, for messages."""
-        self.MPI = pipe.MPI
+        """pipe: the transport of the grid's `pipe` axis (a guarded communicator, or a
+        process group's); peer_rank(stage) gives a stage's world rank, for messages."""
         self.pipe = pipe
-        self.comm = pipe.comm
         self.stage = stage
         self.peer_rank = peer_rank
         self.prev = stage - 1 if stage > 0 else None
@@ -43,27 +44,32 @@ class StageTransport:
         self.in_shape = None if in_shape is None else tuple(in_shape)
         self.out_shape = None if out_shape is None else tuple(out_shape)
         self.dtype = np.dtype(dtype)
-        self._free: list[np.ndarray] = []  # activation buffers ready for the next receive
-        self._posted: dict[tuple[int, int], tuple[object, np.ndarray]] = {}
-        self._sends: list[tuple[object, np.ndarray, int]] = []  # (request, buffer, stage)
+        self._free: list = []  # activation buffers ready for the next receive
+        self._posted: dict[tuple[int, int], tuple[object, object]] = {}
+        self._sends: list[tuple[object, object, int]] = []  # (pending, buffer, stage)
         self.wait_seconds = 0.0  # time blocked waiting for a neighbour
         self.bytes_sent = 0
 
+    def _name(self, stage: int) -> str:
+        return f"stage {stage} (rank {self.peer_rank(stage)})"
+
     # --- buffers -------------------------------------------------------------------
-    def _buffer(self, kind: int) -> np.ndarray:
+    def _buffer(self, kind: int):
         if kind == ACT and self._free:
             return self._free.pop()
         # Gradient buffers are never pooled: a framework may keep the upstream gradient
         # (e.g. as the gradient of a residual input) after the backward returns.
-        return np.empty(self.in_shape if kind == ACT else self.out_shape, dtype=self.dtype)
+        shape = self.in_shape if kind == ACT else self.out_shape
+        return self.pipe.zeros(math.prod(shape), self.dtype.name).reshape(shape)
 
-    def release(self, buf: np.ndarray | None) -> None:
+    def release(self, buf) -> None:
         """Give a received activation buffer back after its micro-batch's backward.
 
         A buffer an unfinished send still reads (a stage that only reshapes sends a view
-        of its input) is dropped instead of pooled.
+        of its input) is dropped instead of pooled; so is every device buffer (a
+        framework may hold it in its graph; the device's allocator reuses the memory).
         """
-        if buf is None or buf.shape != self.in_shape:
+        if not isinstance(buf, np.ndarray) or buf.shape != self.in_shape:
             return
         if any(np.shares_memory(buf, arr) for _, arr, _ in self._sends):
             return
@@ -75,22 +81,21 @@ class StageTransport:
             return
         src = self.prev if kind == ACT else self.next
         buf = self._buffer(kind)
-        req = self.comm.Irecv([buf, self.MPI.FLOAT], source=src, tag=2 * micro + kind)
-        self._posted[(kind, micro)] = (req, buf)
-
-    def _take(self, kind: int, micro: int) -> np.ndarray:
-        self._post(kind, micro)
-        req, buf = self._posted.pop((kind, micro))
-        t0 = time.perf_counter()
-        peer = self.prev if kind == ACT else self.next
         what = "activation" if kind == ACT else "gradient"
-        p2p.wait_or_abort(
-            self.pipe,
-            [req],
-            f"pipeline stage {self.stage} (rank {self.peer_rank(self.stage)}) waiting for the "
-            f"{what} of micro-batch {micro}",
-            f"stage {peer} (rank {self.peer_rank(peer)})",
+        pending = self.pipe.start_recv(
+            buf.reshape(-1),
+            src,
+            2 * micro + kind,
+            f"pipeline {self._name(self.stage)} waiting for the {what} of micro-batch {micro}",
+            self._name(src),
         )
+        self._posted[(kind, micro)] = (pending, buf)
+
+    def _take(self, kind: int, micro: int):
+        self._post(kind, micro)
+        pending, buf = self._posted.pop((kind, micro))
+        t0 = time.perf_counter()
+        pending.wait()
         self.wait_seconds += time.perf_counter() - t0
         return buf
 
@@ -102,51 +107,46 @@ class StageTransport:
         if self.next is not None:
             self._post(GRAD, micro)
 
-    def activation(self, micro: int) -> np.ndarray:
+    def activation(self, micro: int):
         """Micro-batch `micro`'s input from the previous stage (caller releases it)."""
         return self._take(ACT, micro)
 
-    def gradient(self, micro: int) -> np.ndarray:
+    def gradient(self, micro: int):
         """Loss gradient w.r.t. this stage's output for `micro` (caller releases it)."""
         return self._take(GRAD, micro)
 
     # --- sends ---------------------------------------------------------------------
-    def _send(self, arr: np.ndarray, dest: int, tag: int, shape: tuple) -> None:
-        if arr.shape != shape or arr.dtype != self.dtype:
+    def _send(self, arr, dest: int, tag: int, shape: tuple) -> None:
+        if isinstance(arr, np.ndarray):  # a host array from the stage: the transport's
+            arr = self.pipe.from_host(np.ascontiguousarray(arr))  # (no copy on CPUs)
+        dtype = str(arr.dtype).removeprefix("torch.")
+        if tuple(arr.shape) != shape or dtype != self.dtype.name:
             raise RuntimeError(
-                f"pipeline message {arr.dtype}{arr.shape} differs from the agreed "
-                f"{self.dtype}{shape}"
+                f"pipeline message {dtype}{tuple(arr.shape)} differs from the agreed "
+                f"{self.dtype.name}{shape}"
             )
-        arr = np.ascontiguousarray(arr)
-        request = self.comm.Isend([arr, self.MPI.FLOAT], dest=dest, tag=tag)
-        self._sends.append((request, arr, dest))
-        self.bytes_sent += arr.nbytes
+        what = f"pipeline {self._name(self.stage)} sending to {self._name(dest)}"
+        pending = self.pipe.start_send(arr.reshape(-1), dest, tag, what, self._name(dest))
+        self._sends.append((pending, arr, dest))
+        self.bytes_sent += math.prod(shape) * self.dtype.itemsize
         self.progress()
 
-    def send_activation(self, micro: int, arr: np.ndarray) -> None:
+    def send_activation(self, micro: int, arr) -> None:
         self._send(arr, self.next, 2 * micro + ACT, self.out_shape)
 
-    def send_gradient(self, micro: int, arr: np.ndarray) -> None:
+    def send_gradient(self, micro: int, arr) -> None:
         self._send(arr, self.prev, 2 * micro + GRAD, self.in_shape)
 
     def progress(self) -> None:
-        """Let MPI advance outstanding sends and forget the finished ones."""
+        """Let the transport advance outstanding sends and forget the finished ones."""
         if self._sends:
-            done = self.MPI.Request.Testsome([r for r, _, _ in self._sends])
-            if done:
-                keep = set(range(len(self._sends))) - set(done)
-                self._sends = [self._sends[i] for i in sorted(keep)]
+            self._sends = [s for s in self._sends if not s[0].test()]
 
     def flush(self) -> None:
         """Wait until every send of this step has left (end of step)."""
         if self._sends:
             t0 = time.perf_counter()
-            to = sorted({dest for _, _, dest in self._sends})  # the stages not yet taking
-            p2p.wait_or_abort(
-                self.pipe,
-                [r for r, _, _ in self._sends],
-                f"pipeline stage {self.stage} (rank {self.peer_rank(self.stage)}) sending",
-                " or ".join(f"stage {s} (rank {self.peer_rank(s)})" for s in to),
-            )
+            for pending, _, _ in self._sends:
+                pending.wait()
             self.wait_seconds += time.perf_counter() - t0
             self._sends = []

@@ -231,22 +231,32 @@ class GuardedComm(HostArrays):
             return PendingArray(recv)
         return PendingArray(recv, self.comm.Ialltoall(send, recv), self.watchdog, what)
 
-    def start_send(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send"):
+    def start_send(
+        self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""
+    ):
         """Begin sending `buf` to `peer`; `.wait()` polls with the collective timeout and
-        ends the job naming the peer if it never receives."""
+        ends the job naming the peer (`peer_name`, or its rank here) if it never receives."""
         request = self.comm.Isend(buf, dest=peer, tag=tag)
-        return PendingArray(buf, request, None, what, (self, f"rank {peer} of {self.name}"))
+        who = peer_name or f"rank {peer} of {self.name}"
+        return PendingArray(buf, request, None, what, (self, who))
 
-    def start_recv(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv"):
+    def start_recv(
+        self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""
+    ):
         """Begin receiving `peer`'s message into `buf` (deadline as `start_send`)."""
         request = self.comm.Irecv(buf, source=peer, tag=tag)
-        return PendingArray(buf, request, None, what, (self, f"rank {peer} of {self.name}"))
+        who = peer_name or f"rank {peer} of {self.name}"
+        return PendingArray(buf, request, None, what, (self, who))
 
-    def send(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send") -> None:
-        self.start_send(buf, peer, tag, what).wait()
+    def send(
+        self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""
+    ) -> None:
+        self.start_send(buf, peer, tag, what, peer_name).wait()
 
-    def recv(self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv"):
-        return self.start_recv(buf, peer, tag, what).wait()
+    def recv(
+        self, buf: np.ndarray, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""
+    ):
+        return self.start_recv(buf, peer, tag, what, peer_name).wait()
 
     def allgather_array(self, send: np.ndarray, what: str = "allgather") -> np.ndarray:
         """Every rank's equally sized array, stacked in rank order (guarded). Each rank

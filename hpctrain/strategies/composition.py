@@ -204,27 +204,29 @@ def process_group_rules(v: dict) -> list[str]:
     # what runs on the process groups' transports is not a clash
     from ..runtime.devices import mpi_only_features
 
+    dp = v["strategy"] == "data_parallel"  # the pipeline: its links and replicas only
     on_groups = {
         **v,
         "train": {
             **train,
-            "zero": 0 if train["zero"] in (1, 2) else train["zero"],
-            "compression": "none",  # every method runs on the process groups too
+            "zero": 0 if train["zero"] in (1, 2) and dp else train["zero"],
+            "compression": "none" if dp else train["compression"],
         },
         "parallel": {**v["parallel"], "tensor": 1},
     }
     clash = _clash(
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
-            (f"strategy {v['strategy']}", v["strategy"] != "data_parallel"),
+            (f"strategy {v['strategy']}", v["strategy"] not in ("data_parallel", "pipeline")),
         )
     ) + mpi_only_features(on_groups)
     if not clash:
         return []
     return [
         f"train.allreduce={engine}: the process-group engine runs the torch backend's "
-        "data parallelism, ZeRO-1/2, tensor parallelism and gradient compression; not "
-        f"with {', '.join(clash)} (those run on train.allreduce=mpi or auto)"
+        "data parallelism (with ZeRO-1/2 and gradient compression), the pipeline and "
+        f"tensor parallelism; not with {', '.join(clash)} (those run on "
+        "train.allreduce=mpi or auto)"
     ]
 
 

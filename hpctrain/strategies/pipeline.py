@@ -26,8 +26,9 @@ import math
 
 import numpy as np
 
-from ..backends import stage_class, stage_module, versions
+from ..backends import process_group_links, stage_class, stage_module, versions
 from ..backends.base import StepStats, cross_entropy_np
+from ..backends.gradient_engine import PROCESS_GROUP_ENGINES
 from ..backends.gradient_engine import choose as choose_engine
 from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
@@ -140,17 +141,18 @@ class Pipeline(StrategyBase):
         if self.moe:  # this rank's experts only
             layers = moe_parallel.local_layers(layers, cfg.train["seed"], self.groups.experts)
         layers = tensor_parallel.local_layers(layers, self.tensor)
-        self.stage = stage_class(cfg.backend)(
-            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups
-        )
         self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
         if self.moe and self.engine != "mpi":  # experts are averaged over their copies
             self.engine, self.engine_reason = "mpi", "mixture-of-experts runs on the MPI engine"
+        links = self._process_group_links()  # {} unless train.allreduce is gloo or nccl
+        self.stage = stage_class(cfg.backend)(
+            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups
+        )
         self.zero = cfg.train["zero"]
         if self.zero:  # ZeRO-1 over each stage's replicas (config: MPI engine, stage 1)
             self.stage.attach_zero(g.replicas, int(cfg.train["bucket_mb"] * 2**20))
-        elif self.engine == "mpi":
-            self.stage.attach_mpi(g.replicas)
+        elif self.engine == "mpi" or links:
+            self.stage.attach_mpi(g.replicas, links.get("replicas"))
         elif g.num_replicas > 1:
             mod = stage_module(cfg.backend)
             groups = [
@@ -160,7 +162,7 @@ class Pipeline(StrategyBase):
             self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage))
         in_shape, out_shape = self._agree_shapes(inp)
         self.link = StageTransport(
-            g.pipe,
+            links.get("pipe", g.pipe),
             g.stage,
             self.stages,
             None if g.first else in_shape,
@@ -194,6 +196,19 @@ class Pipeline(StrategyBase):
         return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, per_replica)
 
     # --- set-up helpers -----------------------------------------------------------
+    def _process_group_links(self) -> dict:
+        """The process-group engine's transports over the pipe axis (activations and
+        gradients between stages), the stage's replicas (its gradients) and, with
+        tensor parallelism, the tensor axis (the blocks' activation sums, given to the
+        model's groups); {} on the other engines (collective over the job)."""
+        if self.engine not in PROCESS_GROUP_ENGINES:
+            return {}
+        axes = ("pipe", "replicas", "tensor") if self.tensor > 1 else ("pipe", "replicas")
+        links = process_group_links(self.cfg, self.engine, self.grid, axes)
+        if self.tensor > 1:
+            self.groups = self.groups.with_tensor_transport(links["tensor"])
+        return links
+
     def _shard(self, state: dict) -> dict:
         """This rank's tensor-parallel piece of every split array of a canonical dict."""
         return tensor_parallel.shard_state(state, self.grid.tensor.size, self.grid.tensor.rank)
