@@ -67,10 +67,11 @@ def test_the_process_group_engine_compresses_but_leaves_hierarchy_to_mpi(method)
         Config.load("configs/demo.yaml", ["train.allreduce=gloo", "train.hierarchical=true"])
 
 
-def test_the_process_group_engine_runs_tensor_parallelism_with_zero_but_not_moe():
+def test_the_process_group_engine_runs_tensor_parallelism_and_experts_but_not_both():
     tp = Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo"])
     assert tp.parallel["tensor"] == 2 and tp.train["zero"] == 1
-    with pytest.raises(ConfigError, match="gloo: .* not with mixture-of-experts layers"):
+    assert Config.load("configs/moe.yaml", ["train.allreduce=gloo"]).train["allreduce"] == "gloo"
+    with pytest.raises(ConfigError, match="gloo: .* not with mixture-of-experts layers with"):
         Config.load("configs/moe.yaml", ["train.allreduce=gloo", "parallel.tensor=2"])
     with pytest.raises(ConfigError, match="not with train.zero=3"):
         Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo", "train.zero=3"])

@@ -102,6 +102,7 @@ LAYOUTS = [(2, ["train.batch_size=8"]), (4, ["train.batch_size=4", "parallel.exp
 share(1, "torch", "equal-np1", *EQUAL, "train.batch_size=16")
 for _np, _overrides in LAYOUTS:
     share(_np, "torch", "equal", *EQUAL, *_overrides)
+    share(_np, "torch", "equal-gloo", *EQUAL, *_overrides, "train.allreduce=gloo")
 
 
 @pytest.mark.parametrize("np_,overrides", LAYOUTS, ids=["one-group-of-2", "two-groups-of-2"])
@@ -120,6 +121,25 @@ def test_expert_parallel_ranks_equal_one_rank_when_nothing_is_dropped(
     np.testing.assert_allclose(
         [s["loss"] for s in got_steps], [s["loss"] for s in ref_steps], atol=1e-5
     )
+
+
+@pytest.mark.parametrize("np_,overrides", LAYOUTS, ids=["one-group-of-2", "two-groups-of-2"])
+def test_experts_over_gloo_process_groups_equal_them_over_mpi(tmp_path_factory, np_, overrides):
+    """train.allreduce=gloo: the token rows travel as tensors over the expert axis's
+    process group (all_to_all_single with the routed counts), the experts' gradients
+    average over the data axis's group, the dense ones over the job's; the weights and
+    losses equal the MPI engine's run of the same layout within 1e-6."""
+    mpi, mpi_steps = shared_run(tmp_path_factory, np_, "torch", "equal")
+    got, got_steps = shared_run(tmp_path_factory, np_, "torch", "equal-gloo")
+    run_dir = shared_run(tmp_path_factory, np_, "torch", "equal-gloo", run_dir=True)
+    assert "allreduce: gloo" in (run_dir / "config.yaml").read_text()
+    assert mpi.keys() == got.keys()
+    for k in mpi:
+        np.testing.assert_allclose(got[k], mpi[k], rtol=0, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(
+        [s["loss"] for s in got_steps], [s["loss"] for s in mpi_steps], rtol=0, atol=1e-6
+    )
+    assert got_steps[-1]["moe_load"] == mpi_steps[-1]["moe_load"]  # the same routing
 
 
 def test_experts_not_divisible_by_ranks_stops_every_rank(tmp_path):

@@ -41,6 +41,13 @@ class ModelGroups:
         experts = ExpertGroup(grid.experts_x_tensor(), grid.data, ranks_per_batch=t)
         return cls(tensor, experts, grid)
 
+    def with_expert_transports(self, transport, data_transport) -> ModelGroups:
+        """These groups with the experts' token rows over `transport` (the expert axis)
+        and their gradients over `data_transport` (the data axis)."""
+        if self.experts is None:
+            return self
+        return replace(self, experts=self.experts.with_transports(transport, data_transport))
+
     def with_tensor_transport(self, transport) -> ModelGroups:
         """These groups with the tensor axis's activations summed over `transport` (a
         device-side transport over the same ranks) instead of the MPI communicator."""

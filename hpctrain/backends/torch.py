@@ -72,8 +72,10 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.scaler = make_loss_scaler(self.precision, self.device.type)
         # the process-group engines' transports (None on the MPI and Horovod engines)
         self._pg = process_group_transports(cfg, self.engine, self.device, world, groups)
-        if self._pg is not None and "tensor" in self._pg:
-            self.groups = groups = groups.with_tensor_transport(self._pg["tensor"])
+        if self._pg is not None and len(self._pg) > 1:  # the model's axes on the groups
+            groups = groups.with_tensor_transport(self._pg.get("tensor"))
+            pg = self._pg
+            self.groups = groups = groups.with_expert_transports(pg.get("expert"), pg.get("data"))
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)

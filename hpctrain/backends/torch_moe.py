@@ -29,13 +29,22 @@ class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, moe, send_rows, recv_rows, record):
         ctx.moe, ctx.rows, ctx.record = moe, (send_rows, recv_rows), record
-        return torch.from_numpy(moe.exchange(x.detach().numpy(), send_rows, recv_rows, record))
+        return _exchange(moe, x.detach(), send_rows, recv_rows, record)
 
     @staticmethod
     def backward(ctx, grad):
         send_rows, recv_rows = ctx.rows
-        back = ctx.moe.exchange(grad.contiguous().numpy(), recv_rows, send_rows, ctx.record)
-        return torch.from_numpy(back), None, None, None, None
+        back = _exchange(ctx.moe, grad, recv_rows, send_rows, ctx.record)
+        return back, None, None, None, None
+
+
+def _exchange(moe, x: torch.Tensor, send_rows, recv_rows, record) -> torch.Tensor:
+    """The rows as tensors over the expert group's process group (`gloo`, `nccl`), or as
+    numpy over MPI."""
+    x = x.contiguous()
+    if moe.group.transport is not None:
+        return moe.exchange(x, send_rows, recv_rows, record)
+    return torch.from_numpy(moe.exchange(x.numpy(), send_rows, recv_rows, record))
 
 
 def _runtime(layer) -> MoELayer:
@@ -126,7 +135,8 @@ def scale_expert_grads(model, group) -> list:
 @torch.no_grad()
 def average_expert_grads(model, group) -> None:
     """Average the local experts' gradients over their data-parallel replicas (one
-    flat MPI allreduce on the grid's `data` axis; nothing when there is one replica)."""
+    flat allreduce on the grid's `data` axis: MPI, or its process group on `gloo` and
+    `nccl`; nothing when there is one replica)."""
     if group is None or group.data is None or group.data.size == 1:
         return
     grads = [
@@ -134,9 +144,9 @@ def average_expert_grads(model, group) -> None:
     ]
     if not grads:
         return
-    flat = torch.cat([g.reshape(-1) for g in grads]).numpy()
-    group.average_over_replicas(flat)
-    for g, view in zip(grads, torch.from_numpy(flat).split([g.numel() for g in grads])):
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    group.average_over_replicas(flat if group.data_transport is not None else flat.numpy())
+    for g, view in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
         g.copy_(view.view_as(g))
 
 

@@ -166,6 +166,21 @@ class ProcessGroupTransport(TorchArrays):
         work = dist.all_to_all_single(recv, send, group=self.group, async_op=True)
         return self._run(work, recv, what, wait)
 
+    def all_to_all_v(self, send, recv, send_counts: list, recv_counts: list, what: str):
+        if self.size == 1:
+            n = int(send_counts[0])
+            recv[:n] = send[:n]
+            return recv
+        work = dist.all_to_all_single(
+            recv,
+            send,
+            output_split_sizes=[int(c) for c in recv_counts],
+            input_split_sizes=[int(c) for c in send_counts],
+            group=self.group,
+            async_op=True,
+        )
+        return self._run(work, recv, what, True)
+
     # --- point to point (Gloo honours tags; NCCL matches by order) -----------------------
     def start_send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""):
         work = dist.isend(buf, group=self.group, tag=tag, group_dst=peer)
@@ -186,14 +201,17 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
     """The process-group engine's transports, or None on other engines (or without a
     communicator): {"replicas": over the ranks that average dense gradients (`replicas`,
     a guarded MPI communicator)}, and with tensor parallelism (the model's `groups`, a
-    ModelGroups made from the grid) {"tensor": over this rank's tensor axis} too, each
-    on its own group under the job-wide default group (grid_groups)."""
+    ModelGroups made from the grid) {"tensor": over this rank's tensor axis}, with
+    experts {"expert": their token exchange's axis, "data": their copies'} too, each on
+    its own group under the job-wide default group (grid_groups)."""
     if engine not in PROCESS_GROUP_ENGINES or replicas is None:
         return None
     timeout = cfg.runtime["collective_timeout"]
-    if not groups.tensor_parallel:
+    experts = groups.experts is not None
+    if not groups.tensor_parallel and not experts:
         return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}
-    return grid_transports(cfg, engine, device, groups.grid, ("replicas", "tensor"))
+    axes = ["replicas"] + ["tensor"] * groups.tensor_parallel + ["expert", "data"] * experts
+    return grid_transports(cfg, engine, device, groups.grid, tuple(axes))
 
 
 def grid_transports(cfg, engine: str, device, grid, axes) -> dict:

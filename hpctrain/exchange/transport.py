@@ -26,9 +26,10 @@ ranks are stated (Open MPI and NCCL pick ring, tree or recursive algorithms by s
   8,190: only for buffers large enough that bandwidth dominates);
 - reduce-scatter and allgather: (N-1)/N x B each (reduce-scatter + allgather = one
   allreduce's bytes, ZeRO's step); latency log2 N (10 / 12) to N-1 (1,023 / 4,095);
-- all-to-all (equal splits): (N-1)/N x B, but as N-1 messages of B/N (1,023 / 4,095
-  messages, each 1/1,024 / 1/4,096 of the buffer): latency-bound at scale, so it belongs
-  on small groups (the expert axis), not on the whole job;
+- all-to-all (equal splits, or `_v` with counts per rank): (N-1)/N x B, but as N-1
+  messages of B/N (1,023 / 4,095 messages, each 1/1,024 / 1/4,096 of the buffer):
+  latency-bound at scale, so it belongs on small groups (the expert axis), not on the
+  whole job;
 - send / recv: B to one peer, one message, independent of N;
 - the array seam: local, no communication.
 """
@@ -81,6 +82,12 @@ class Transport(Protocol):
         `recv` comes from rank r."""
 
     def start_all_to_all(self, send: Array, recv: Array, what: str = "all-to-all") -> Pending: ...
+
+    def all_to_all_v(
+        self, send: Array, recv: Array, send_counts: list, recv_counts: list, what: str
+    ) -> Array:
+        """Uneven splits: send_counts[r] elements of `send` (in rank order) go to rank r,
+        recv_counts[r] elements of `recv` come from rank r (mixture-of-experts rows)."""
 
     def send(
         self, buf: Array, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""

@@ -13,6 +13,7 @@ the job instead of hanging it. Framework code (backends/*_moe.py) calls `MoELaye
 from __future__ import annotations
 
 import copy
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -53,6 +54,22 @@ class ExpertGroup:
         self.size = axis.size
         self.MPI = axis.MPI
         self.ranks_per_batch = int(ranks_per_batch)
+        # where a backend's own arrays travel (the process-group engines): token rows
+        # over `transport`, expert gradients over `data_transport`; None: numpy over MPI
+        self.transport = self.data_transport = None
+
+    def with_transports(self, transport, data_transport) -> ExpertGroup:
+        """This group with token rows and expert gradients on a backend's transports
+        over the same ranks (checked), for arrays of their type."""
+        for t, axis in ((transport, self.axis), (data_transport, self.data)):
+            if axis is not None and t is not None and (t.rank, t.size) != (axis.rank, axis.size):
+                raise ValueError(
+                    f"expert group transport is rank {t.rank} of {t.size}, the axis rank "
+                    f"{axis.rank} of {axis.size}"
+                )
+        group = copy.copy(self)
+        group.transport, group.data_transport = transport, data_transport
+        return group
 
     @property
     def grad_scale(self) -> float:
@@ -68,8 +85,20 @@ class ExpertGroup:
             self.comm.Alltoall(send, recv)
         return recv
 
-    def alltoallv(self, x: np.ndarray, send_rows: np.ndarray, recv_rows: np.ndarray):
-        """Rows of x (packed by destination) to their ranks; returns the received rows."""
+    def alltoallv(self, x, send_rows: np.ndarray, recv_rows: np.ndarray):
+        """Rows of x (packed by destination) to their ranks; returns the received rows
+        (numpy over MPI, or the transport's arrays over it)."""
+        if self.transport is not None and not isinstance(x, np.ndarray):
+            width = math.prod(tuple(x.shape[1:]))
+            out = self.transport.zeros(int(recv_rows.sum()) * width)
+            self.transport.all_to_all_v(
+                x.reshape(-1),
+                out,
+                [int(r) * width for r in send_rows],
+                [int(r) * width for r in recv_rows],
+                "MoE all-to-all of token rows",
+            )
+            return out.reshape(int(recv_rows.sum()), *x.shape[1:])
         x = np.ascontiguousarray(x, dtype=np.float32)
         width = int(np.prod(x.shape[1:]))
         out = np.empty((int(recv_rows.sum()), *x.shape[1:]), dtype=np.float32)
@@ -85,11 +114,15 @@ class ExpertGroup:
         buf = np.array([value], dtype=np.float64)
         return float(self.axis.allreduce_inplace(buf, "sum", "MoE allreduce")[0])
 
-    def average_over_replicas(self, flat: np.ndarray) -> np.ndarray:
-        """Average expert gradients (one flat float32 buffer) over the group's replicas."""
-        if self.data is not None and self.data.size > 1:
-            self.data.allreduce_inplace(flat, "sum", "MoE expert gradients over replicas")
-            flat *= np.float32(1.0 / self.data.size)
+    def average_over_replicas(self, flat):
+        """Average expert gradients (one flat float32 buffer: numpy, or the data
+        transport's array) over the group's replicas."""
+        data = self.data
+        if self.data_transport is not None and not isinstance(flat, np.ndarray):
+            data = self.data_transport
+        if data is not None and data.size > 1:
+            data.allreduce_inplace(flat, "sum", "MoE expert gradients over replicas")
+            data.scale_(flat, 1.0 / data.size)
         return flat
 
 
@@ -279,7 +312,7 @@ class MoELayer:
         out = self.group.alltoallv(x, np.asarray(send_rows), np.asarray(recv_rows))
         if record:
             self.stats.alltoall_s += time.perf_counter() - t0
-            self.stats.sent_bytes += int(np.asarray(x).nbytes)
+            self.stats.sent_bytes += int(x.nbytes)
         return out
 
 

@@ -222,6 +222,18 @@ class GuardedComm(HostArrays):
             self.comm.Alltoall(send, recv)
         return recv
 
+    def all_to_all_v(self, send, recv, send_counts: list, recv_counts: list, what: str):
+        """Uneven splits (`MPI_Alltoallv`, counts in elements per rank), guarded."""
+        if self.size == 1:
+            recv[: int(send_counts[0])] = send[: int(send_counts[0])]
+            return recv
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(int).tolist()
+        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(int).tolist()
+        with self.watchdog.guard(what):
+            self.comm.Alltoallv([send, (sc, sd)], [recv, (rc, rd)])
+        return recv
+
     def start_all_to_all(
         self, send: np.ndarray, recv: np.ndarray, what: str = "all-to-all"
     ) -> PendingArray:

@@ -205,8 +205,11 @@ def process_group_rules(v: dict) -> list[str]:
     from ..runtime.devices import mpi_only_features
 
     dp = v["strategy"] == "data_parallel"  # the pipeline: its links and replicas only
+    moe = bool(_model(v).get("moe"))
     on_groups = {
         **v,
+        # experts of data parallelism exchange tokens over the expert axis's group
+        "model": {**_model(v), "moe": None} if dp and moe else v["model"],
         "train": {
             **train,
             "zero": 0 if train["zero"] in (1, 2) and dp else train["zero"],
@@ -218,6 +221,10 @@ def process_group_rules(v: dict) -> list[str]:
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
             (f"strategy {v['strategy']}", v["strategy"] not in ("data_parallel", "pipeline")),
+            (
+                "mixture-of-experts layers with parallel.tensor > 1",
+                dp and moe and v["parallel"]["tensor"] > 1,
+            ),
         )
     ) + mpi_only_features(on_groups)
     if not clash:

@@ -50,7 +50,7 @@ def test_every_protocol_method_is_implemented_with_its_parameters(impl):
     arrays = {"zeros", "square_sum", "scale_", "copy", "concat", "astype", "bitcast"}
     arrays |= {"top_k_indices", "take", "put_", "index_add_", "round_clip", "qr"}
     arrays |= {"from_host", "to_host"}
-    assert set(methods) == {*collectives, *p2p, *starts, *arrays}
+    assert set(methods) == {*collectives, *p2p, *starts, *arrays, "all_to_all_v"}
     for name in methods:
         member = inspect.getattr_static(impl, name, None)
         assert member is not None, f"{impl.__name__} lacks {name}"
@@ -136,6 +136,30 @@ def test_all_to_all(both, start):
     _same(a, b)
     want = np.concatenate([(np.arange(5 * r, 5 * r + 5) + 100 * q) for q in range(n)])
     _same(want.astype(np.float32), b)
+
+
+def test_all_to_all_with_uneven_counts(both):
+    """Mixture-of-experts rows: rank r sends r + q + 1 values to rank q (none to itself
+    on rank 0 when it routes nothing there), the same on both transports."""
+    mpi, pg = both
+    n, r = mpi.size, mpi.rank
+    send_counts = [(r + q + 1) * (q != r or r != 0) for q in range(n)]
+    recv_counts = [(q + r + 1) * (q != r or r != 0) for q in range(n)]
+    send = (np.arange(sum(send_counts)) + 1000 * r).astype(np.float32)
+    a = mpi.all_to_all_v(
+        send, np.empty(sum(recv_counts), np.float32), send_counts, recv_counts, "t"
+    )
+    b = pg.all_to_all_v(
+        torch.from_numpy(send), torch.empty(sum(recv_counts)), send_counts, recv_counts, "t"
+    )
+    _same(a, b)
+    # from rank q: its slice for this rank (q's sends before this rank are skipped)
+    want = []
+    for q in range(n):
+        q_counts = [(q + k + 1) * (k != q or q != 0) for k in range(n)]
+        start = sum(q_counts[:r])
+        want.append(np.arange(start, start + q_counts[r]) + 1000 * q)
+    _same(np.concatenate(want).astype(np.float32), b)
 
 
 @pytest.mark.parametrize("start", [False, True])
