@@ -71,3 +71,15 @@ def test_state_already_resident_is_not_counted_twice():
     plan = {**PLAN, "optimizer_now": 800 * MIB}
     error, _ = memory_problem(plan, 500 * MIB, 1000 * MIB, "test", "")
     assert error is None
+
+
+def test_a_tight_zero3_plan_names_the_allocator_setting_that_keeps_its_peak_on_the_plan():
+    from hpctrain.runtime import allocator
+    from hpctrain.strategies.memory_check import heap_note
+
+    assert "MALLOC_MMAP_THRESHOLD_=4194304" in heap_note(3, keeps_freed=True)
+    assert heap_note(2, keeps_freed=True) == ""  # ZeRO-0/1/2 met their plan within 10%
+    assert heap_note(3, keeps_freed=False) == ""  # the user's allocator settings
+    applied = allocator.keep_freed_memory()  # glibc on Linux here: the settings apply
+    assert allocator.keeps_freed() == (applied == allocator.KEEPING)
+    assert allocator.keeps_freed() or "left" in applied or "refused" in applied, applied

@@ -21,12 +21,19 @@ M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD = 32 * 1024 * 1024  # glibc's maximum on 64-bit (HEAP_MAX_SIZE / 2)
 TRIM_THRESHOLD = 1024 * 1024 * 1024
 USER_SETTINGS = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+KEEPING = f"malloc keeps freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim 1 GiB)"
 _status = "not configured"
 
 
 def status() -> str:
     """What `keep_freed_memory` did in this process (for logs and `hpctrain doctor`)."""
     return _status
+
+
+def keeps_freed() -> bool:
+    """Whether this process runs with the settings above (not the user's, not glibc's
+    defaults): then the heap's peak can stay above the memory a run holds live."""
+    return _status == KEEPING
 
 
 def keep_freed_memory() -> str:
@@ -55,7 +62,7 @@ def _apply() -> str:
     ok = mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1 and ok
     if not ok:
         return "mallopt refused the settings: allocator left at its defaults"
-    return f"malloc keeps freed memory (mmap threshold {MMAP_THRESHOLD >> 20} MiB, trim 1 GiB)"
+    return KEEPING
 
 
 def give_back_freed() -> int:
