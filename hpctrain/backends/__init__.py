@@ -65,9 +65,9 @@ def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int):
 
 
 def process_group_links(cfg, engine: str, grid, axes) -> dict:
-    """{axis: transport} of the process-group engine (`gloo`; `nccl` on GPU ranks) over
-    `grid`'s `axes`, for the strategies that place their own links (the pipeline). The
-    torch backend only (the config refuses these engines with TensorFlow)."""
+    """{axis: transport} of the process-group engine over `grid`'s `axes`, for the
+    strategies that place their own links (the pipeline, whose stages compute on CPU
+    ranks: `gloo`; the config keeps it off GPUs and these engines off TensorFlow)."""
     import torch
 
     from .torch_transport import grid_transports

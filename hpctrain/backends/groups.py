@@ -41,17 +41,16 @@ class ModelGroups:
         experts = ExpertGroup(grid.experts_x_tensor(), grid.data, ranks_per_batch=t)
         return cls(tensor, experts, grid)
 
-    def with_expert_transports(self, transport, data_transport) -> ModelGroups:
-        """These groups with the experts' token rows over `transport` (the expert axis)
-        and their gradients over `data_transport` (the data axis)."""
-        if self.experts is None:
-            return self
-        return replace(self, experts=self.experts.with_transports(transport, data_transport))
-
-    def with_tensor_transport(self, transport) -> ModelGroups:
-        """These groups with the tensor axis's activations summed over `transport` (a
-        device-side transport over the same ranks) instead of the MPI communicator."""
-        return replace(self, tensor=self.tensor.with_transport(transport))
+    def on_transports(self, transports: dict) -> ModelGroups:
+        """These groups with a backend's device-side transports over the same ranks
+        ({axis: transport}, e.g. the process-group engines'): the tensor axis's
+        activation sums over "tensor", the experts' token rows over "expert" and their
+        gradients over "data"; an axis not given stays on its MPI communicator."""
+        tensor = self.tensor.with_transport(transports.get("tensor"))
+        experts = self.experts
+        if experts is not None and "expert" in transports:
+            experts = experts.with_transports(transports["expert"], transports.get("data"))
+        return replace(self, tensor=tensor, experts=experts)
 
     @property
     def tensor_parallel(self) -> bool:

@@ -72,10 +72,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.scaler = make_loss_scaler(self.precision, self.device.type)
         # the process-group engines' transports (None on the MPI and Horovod engines)
         self._pg = process_group_transports(cfg, self.engine, self.device, world, groups)
-        if self._pg is not None and len(self._pg) > 1:  # the model's axes on the groups
-            groups = groups.with_tensor_transport(self._pg.get("tensor"))
-            pg = self._pg
-            self.groups = groups = groups.with_expert_transports(pg.get("expert"), pg.get("data"))
+        if self._pg is not None:  # the model's axes (tensor, experts) on the groups
+            self.groups = groups = groups.on_transports(self._pg)
         seed = cfg.train["seed"]
         rank = world.rank if world is not None else 0
         prepare_process(threads, cfg.train["deterministic"], seed + rank)
@@ -165,7 +163,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         pg = self._pg is not None and self.zero is None and not compress
         if self.engine == "overlap" or pg:
             transport, poll_s = world, 0.0005  # MPI on host numpy
-            if pg and self._pg is not None:  # the buckets on the device (nccl / gloo)
+            if pg:  # the buckets on the device (nccl / gloo)
                 transport = self._pg["replicas"]
                 poll_s = 0.0  # Gloo and NCCL progress on their own threads and streams
             sizes, bucket = [p.numel() for p in params], int(cfg.train["bucket_mb"] * 2**20)

@@ -18,9 +18,9 @@ The dense average is the overlapped engine (exchange/overlap.py) over this group
 the exchange layer's transport (`torch_transport.py`): buckets of `train.bucket_mb`
 allreduced from backward hooks, on the device, as DDP does; 2(N-1)/N of the gradients per
 rank per step at 1,024 and 4,096 ranks alike. ZeRO-1/2 on these engines use the same
-group and transport. With tensor parallelism the default group spans the job and each
-grid axis that needs one (the data replicas, the tensor axis) gets its own subgroup
-(`grid_groups`).
+group and transport. With tensor parallelism, experts or the pipeline the default group
+spans the job and each grid axis that needs one (the data replicas, the tensor, expert,
+data or pipe axis) gets its own subgroup (`grid_groups`).
 """
 
 from __future__ import annotations
@@ -118,8 +118,9 @@ def grid_groups(grid, backend: str, timeout_s: float, device: torch.device, axes
     job is the default group; an axis of one rank has none (None).
 
     Cost: one TCP store connection per rank and one store barrier per axis among the
-    axis's ranks, once; the groups a rank builds do not grow with the job (2 at 1,024 or
-    4,096 ranks alike). NCCL creates each group's communicator at its first collective."""
+    axis's ranks, once; the groups a rank builds do not grow with the job (one per axis
+    asked for, at most 4, at 1,024 or 4,096 ranks alike). NCCL creates each group's
+    communicator at its first collective."""
     world = init_process_group(grid.world, backend, timeout_s, device)
     timeout, found = timedelta(seconds=float(timeout_s)), {}
     for axis in axes:

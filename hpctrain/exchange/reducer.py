@@ -40,6 +40,14 @@ def flat_buffer(sizes: list[int], arrays=None) -> tuple[np.ndarray, list[np.ndar
     return buffer, [buffer[int(e) - n : int(e)] for n, e in zip(sizes, ends, strict=True)]
 
 
+def compressed_stats(sent: int, n: int, elements: int) -> dict[str, float]:
+    """`stats()` of a reducer that sent `sent` bytes for `elements` float32 values over
+    n ranks: the ratio is against the dense ring's 2(N-1)/N x 4 bytes per value."""
+    dense = 2 * (n - 1) * elements * 4 / max(n, 1)
+    ratio = dense / sent if sent else 1.0
+    return {"comm_bytes": float(sent), "compression_ratio": float(ratio)}
+
+
 class DenseStats:
     """What every reducer without per-rank memory shares: `_sent` bytes of dense
     float32 (ratio 1), nothing to checkpoint."""

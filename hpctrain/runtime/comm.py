@@ -16,6 +16,11 @@ from . import p2p
 from .host_arrays import HostArrays
 
 
+def _offsets(counts) -> list[int]:
+    """Where each rank's piece starts in a buffer of pieces of `counts` (the v forms)."""
+    return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+
+
 class PendingArray:
     """A started collective or point-to-point operation (the exchange layer's `Pending`);
     every rank must `wait()` for it. `peer` (point-to-point: (communicator, who)) waits
@@ -191,7 +196,7 @@ class GuardedComm(HostArrays):
                 # plain collective, whose algorithms Open MPI tunes more than the v form
                 self.comm.Allgather(mine, buf[: counts[0] * self.size])
             else:
-                displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+                displs = _offsets(counts)
                 self.comm.Allgatherv(mine, [buf, (list(counts), displs)])
         return buf
 
@@ -208,7 +213,7 @@ class GuardedComm(HostArrays):
         if len(set(counts)) == 1:
             request = self.comm.Iallgather(mine, buf[: counts[0] * self.size])
         else:
-            displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+            displs = _offsets(counts)
             request = self.comm.Iallgatherv(mine, [buf, (list(counts), displs)])
         return PendingArray(buf, request, self.watchdog, what)
 
@@ -228,8 +233,8 @@ class GuardedComm(HostArrays):
             recv[: int(send_counts[0])] = send[: int(send_counts[0])]
             return recv
         sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]]).astype(int).tolist()
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]]).astype(int).tolist()
+        sd = _offsets(sc)
+        rd = _offsets(rc)
         with self.watchdog.guard(what):
             self.comm.Alltoallv([send, (sc, sd)], [recv, (rc, rd)])
         return recv

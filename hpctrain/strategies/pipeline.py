@@ -206,7 +206,7 @@ class Pipeline(StrategyBase):
         axes = ("pipe", "replicas", "tensor") if self.tensor > 1 else ("pipe", "replicas")
         links = process_group_links(self.cfg, self.engine, self.grid, axes)
         if self.tensor > 1:
-            self.groups = self.groups.with_tensor_transport(links["tensor"])
+            self.groups = self.groups.on_transports(links)
         return links
 
     def _shard(self, state: dict) -> dict:

@@ -15,7 +15,7 @@ with a ring: under S at 1,024 or 4,096 ranks; latency as the dense allreduce's.
 
 from __future__ import annotations
 
-from ..reducer import DenseStats, flat_buffer
+from ..reducer import DenseStats, compressed_stats, flat_buffer
 
 DTYPES = {"fp16": "float16", "bf16": "bfloat16"}
 
@@ -44,6 +44,4 @@ class HalfMean(DenseStats):
 
     def stats(self) -> dict[str, float]:
         n = self.world.size if self.world is not None else 1
-        dense = 2 * (n - 1) * sum(self.sizes) * 4 // max(n, 1)
-        ratio = dense / self._sent if self._sent else 1.0
-        return {"comm_bytes": float(self._sent), "compression_ratio": float(ratio)}
+        return compressed_stats(self._sent, n, sum(self.sizes))

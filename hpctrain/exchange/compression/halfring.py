@@ -22,7 +22,7 @@ import time
 import numpy as np
 
 from ...runtime.p2p import Backoff, poll, wait_or_abort
-from ..reducer import DenseStats, flat_buffer
+from ..reducer import DenseStats, compressed_stats, flat_buffer
 
 TAG = 7_301
 # Elements per message: a chunk travels in pieces of 256 KB (16-bit) so that encoding,
@@ -189,6 +189,4 @@ class HalfRing(DenseStats):
         buf *= np.float32(1.0 / n)
 
     def stats(self) -> dict[str, float]:
-        dense = 2 * (self.world.size - 1) * self.buffer.nbytes / max(self.world.size, 1)
-        ratio = dense / self._sent if self._sent else 1.0
-        return {"comm_bytes": float(self._sent), "compression_ratio": float(ratio)}
+        return compressed_stats(self._sent, self.world.size, self.buffer.size)

@@ -28,7 +28,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...runtime.host_arrays import HostArrays
-from ..reducer import DenseMean
+from ..reducer import DenseMean, compressed_stats
 
 
 class _Lossy:
@@ -74,9 +74,7 @@ class _Lossy:
             self.residual = local
 
     def stats(self) -> dict[str, float]:
-        dense = 2 * (self.n - 1) * self.length * 4 / max(self.n, 1)
-        ratio = dense / self._sent if self._sent else 1.0
-        return {"comm_bytes": float(self._sent), "compression_ratio": float(ratio)}
+        return compressed_stats(self._sent, self.n, self.length)
 
     def state(self) -> dict[str, np.ndarray]:
         return {"residual": self.xp.to_host(self.residual)} if self.feedback else {}
