@@ -214,6 +214,25 @@ def _transformer_sets(*overrides: str) -> list[str]:
 MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
 
 
+def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
+    """The one-process transformer run (global batch 16) of `layout`'s model options and
+    backend, once per pair."""
+    same = [o for o in layout if o.startswith(("model.", "backend="))]
+    key = f"transformer{same}"
+    if key not in _REFERENCE:
+        ref = tmp_path_factory.mktemp("ref-transformer") / "run"
+        job = mpirun(
+            1,
+            HPCTRAIN,
+            *["train", "--run-dir", str(ref)],
+            *_transformer_sets(*same, "train.batch_size=16"),
+            timeout=240,
+        )
+        assert job.returncode == 0, job.output
+        _REFERENCE[key] = ref
+    return _REFERENCE[key]
+
+
 @pytest.mark.parametrize(
     "layout",
     [
@@ -232,6 +251,8 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
             "train.batch_size=8",
             "train.allreduce=gloo",
         ],
+        # TensorFlow's ZeRO-3: the same gathers, each unit run again in backward
+        ["backend=tensorflow", "train.zero=3", "train.zero_unit_mb=0.004", "train.batch_size=8"],
     ],
     ids=[
         "pipe2-tensor2",
@@ -240,6 +261,7 @@ MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
         "experts-data2-tensor2",
         "gloo-zero2-data2-tensor2",
         "gloo-pipe2-tensor2",
+        "tf-zero3-data2-tensor2",
     ],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(
@@ -250,20 +272,7 @@ def test_tensor_parallel_groups_within_a_node_equal_one_process(
     experts' all-to-alls across the link;
     the sharded checkpoint (each rank its tensor slices, and its experts) is written to
     the shared run directory from both nodes and reads back as the one-process model."""
-    model = [o for o in layout if o.startswith("model.")]
-    key = f"transformer{model}"
-    if key not in _REFERENCE:
-        ref = tmp_path_factory.mktemp("ref-transformer") / "run"
-        job = mpirun(
-            1,
-            HPCTRAIN,
-            *["train", "--run-dir", str(ref)],
-            *_transformer_sets(*model, "train.batch_size=16"),
-            timeout=240,
-        )
-        assert job.returncode == 0, job.output
-        _REFERENCE[key] = ref
-    ref = _REFERENCE[key]
+    ref = _transformer_reference(tmp_path_factory, layout)
     run = tmp_path / "run"
     job = launch_across(
         two_nodes,
@@ -281,6 +290,29 @@ def test_tensor_parallel_groups_within_a_node_equal_one_process(
     np.testing.assert_allclose(
         [got[s] for s in sorted(got)], [want[s] for s in sorted(want)], atol=1e-4
     )
+
+
+def test_process_group_experts_and_compression_across_nodes(two_nodes, tmp_path, tmp_path_factory):
+    """torch.distributed over Gloo across the link for what the one-node tiers prove
+    only on one node: the experts' token all-to-alls and their gradients over a
+    4-rank group spanning both nodes (equal to one process), and top-k compression
+    with error feedback (equal to the same compression on the MPI engine across the
+    same nodes within 1e-6: lossy, so not to one process)."""
+    layout = [MOE, "parallel.tensor=1", "train.batch_size=4", "train.allreduce=gloo"]
+    ref = _transformer_reference(tmp_path_factory, layout)
+    runs = {"experts": tmp_path / "experts", "topk-gloo": tmp_path / "gloo"}
+    runs["topk-mpi"] = tmp_path / "mpi"
+    job = launch_across(
+        two_nodes, 2, HPCTRAIN, "train", "--run-dir", str(runs["experts"]),
+        *_transformer_sets(*layout),
+    )  # fmt: skip
+    assert job.returncode == 0 and "gradients by gloo" in job.output, job.output
+    _assert_close(_weights(runs["experts"]), _weights(ref), TOL)
+    topk = ["backend=torch", "train.compression=topk", "compression.ratio=0.1"]
+    for name, engine in (("topk-gloo", "gloo"), ("topk-mpi", "mpi")):
+        job = _train(two_nodes, runs[name], 2, *topk, f"train.allreduce={engine}")
+        assert job.returncode == 0 and f"gradients by {engine}" in job.output, job.output
+    _assert_close(_weights(runs["topk-gloo"]), _weights(runs["topk-mpi"]), 1e-6)
 
 
 def test_auto_engine_agrees_across_uneven_nodes(two_nodes, tmp_path, tmp_path_factory):

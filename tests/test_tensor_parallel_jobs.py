@@ -88,7 +88,14 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
 
 BACKEND_LAYOUTS = [("torch", k) for k in LAYOUTS] + [
     ("tensorflow", k)
-    for k in ("tensor2", "zero2-data2-tensor2", "pipe2-tensor2", "zero1-data2-pipe2")
+    for k in (
+        "tensor2",
+        "zero2-data2-tensor2",
+        "zero3-data2-tensor2",
+        "zero3-data2-recompute",  # a block's recompute_grad must reach ZeRO-3's tensors
+        "pipe2-tensor2",
+        "zero1-data2-pipe2",
+    )
 ]
 for _b in ("torch", "tensorflow"):
     share(1, _b, "ref", "train.batch_size=16")

@@ -37,6 +37,8 @@ CASES = [
     ("tensorflow", 4, "sgd", 1),
     ("torch", 2, "sgd", 3),
     ("torch", 4, "adam", 3),
+    ("tensorflow", 2, "adam", 3),
+    ("tensorflow", 4, "sgd", 3),  # TF runs each unit again in backward, same gathers
 ]
 for _backend, _np, _optimizer, _stage in CASES:  # in the launches other tests' runs share
     _opts = [f"optimizer.name={_optimizer}", *COMMON, *TORTURE]
@@ -344,3 +346,43 @@ def test_zero_refuses_what_it_cannot_shard(tmp_path):
     for clash in ("train.allreduce=horovod", "train.compression=topk", "train.sync_every=4"):
         with pytest.raises(ConfigError, match="train.zero=1"):
             Config.load(None, ["train.zero=1", clash])
+
+
+def test_tensorflow_zero3_resumes_bit_for_bit_and_in_torch(tmp_path):
+    """TensorFlow's ZeRO-3 at np 2 (three units, Adam, 2 micro-batches, clipping): a run
+    stopped at step 5 resumes from its sharded checkpoint, each rank's own parameter
+    ranges, and ends bit for bit where the uninterrupted run ended, every step's loss
+    identical; the same checkpoint continues in torch as one plain process and as
+    ZeRO-3 at np 2, both equal to the TensorFlow run within the backends' 1e-5."""
+    job = [
+        *ZERO3_JOB,
+        *ZERO3,
+        "backend=tensorflow",
+        "train.batch_size=8",
+        "train.grad_accum=2",
+        "train.clip_norm=0.05",
+        "train.max_steps=10",
+    ]
+    first = _train_many(tmp_path, 2, {"ref": job, "part1": [*job, "train.max_steps=5"]})
+    ckpt = tmp_path / "part1.npz.run" / "checkpoints" / "ckpt-00000005.h5"
+    ranges = _model_ranges(ckpt)
+    assert len(ranges) == 2 and all(ranges.values()), ranges
+    _assert_ranges_cover_once(ranges, [f"model/{k}" for k in first["ref"][0]])
+    resume = f"checkpoint.resume={ckpt}"
+    torch = ["backend=torch", "train.allreduce=mpi", resume]
+    again = _train_many(tmp_path, 2, {"resumed": [*job, resume], "torch-zero3": [*job, *torch]})
+    one = _train_many(
+        tmp_path, 1, {"torch-np1": [*job, *torch, "train.zero=0", "train.batch_size=16"]}
+    )
+    ref, ref_losses = first["ref"][0], _step_losses(tmp_path / "ref.npz.run")
+    for k in ref:
+        np.testing.assert_array_equal(again["resumed"][0][k], ref[k], err_msg=k)
+    losses = _step_losses(tmp_path / "resumed.npz.run")
+    assert sorted(losses) == list(range(6, 11))
+    assert all(losses[s] == ref_losses[s] for s in losses)
+    for name, (weights, _) in [
+        ("torch-zero3", again["torch-zero3"]),
+        ("torch-np1", one["torch-np1"]),
+    ]:
+        for k in ref:
+            np.testing.assert_allclose(weights[k], ref[k], atol=1e-5, err_msg=f"{name}: {k}")

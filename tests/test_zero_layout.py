@@ -337,20 +337,28 @@ def test_torch_zero3_refuses_parameters_it_cannot_place_in_a_unit():
         TorchZero3(None, own, list(own.parameters()), 1, make)
 
 
-def test_torch_backend_zero3_state_in_one_process_is_the_plain_backends():
-    """The torch backend with train.zero=3 at one rank, on a ResNet (residual blocks,
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_zero3_state_in_one_process_is_the_plain_backends(backend):
+    """Each backend with train.zero=3 at one rank, on a ResNet (residual blocks,
     BatchNorm buffers, four units): the same initial weights, the same Adam steps and
     the same canonical state as without ZeRO, in the model's order (buffers among the
     parameters); export_owned_state splits it into replicated and owned parts without
-    overlap; a state imported into a fresh ZeRO-3 backend trains on identically."""
-    from hpctrain.backends.torch import TorchBackend
+    overlap; a state imported into a fresh ZeRO-3 backend trains on identically.
+    (TensorFlow runs each unit again in backward: its BatchNorm statistics must still
+    move once per step.)"""
     from hpctrain.runtime import world
+
+    if backend == "torch":
+        from hpctrain.backends.torch import TorchBackend as Backend
+    else:
+        from hpctrain.backends.tensorflow import TensorFlowBackend as Backend
 
     inp = zoo.InputSpec((3, 8, 8), 4)
     base = ["model.name=resnet", "data.task=images", "model.width=4", "optimizer.name=adam"]
+    base.append(f"backend={backend}")
     zero3 = [*base, "train.zero=3", "train.zero_unit_mb=0.001"]
-    plain = TorchBackend(Config.load(None, base), world(), inp, 1)
-    zero = TorchBackend(Config.load(None, zero3), world(), inp, 1)
+    plain = Backend(Config.load(None, base), world(), inp, 1)
+    zero = Backend(Config.load(None, zero3), world(), inp, 1)
     assert len(zero.zero.part.segments) > 2
     rng = np.random.default_rng(0)
     batches = [
@@ -381,7 +389,7 @@ def test_torch_backend_zero3_state_in_one_process_is_the_plain_backends():
     for k, (shape, first, elements) in owned.items():  # one rank owns whole tensors
         assert first == 0 and shape == want[k].shape
         np.testing.assert_array_equal(elements, np.asarray(state[k]).reshape(-1), err_msg=k)
-    again = TorchBackend(Config.load(None, zero3), world(), inp, 1)
+    again = Backend(Config.load(None, zero3), world(), inp, 1)
     again.import_state({k: np.array(v) for k, v in state.items()})
     zero.train_step(batches[3], 0.01)
     again.train_step(batches[3], 0.01)

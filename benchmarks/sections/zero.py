@@ -10,6 +10,10 @@ parameters (Adam, float32) trains under every stage:
   2 cores): memory only;
 - two emulated nodes x 1 rank over a 10 Gbit/s link (`hpctrain cluster`, needs root):
   ZeRO-2 and ZeRO-3 step time;
+- the TensorFlow backend, one node: ZeRO-2 and ZeRO-3 at np=2 (step time and memory)
+  and np=4 (memory). Its ZeRO-3 runs every unit but the last forward twice
+  (backends/tensorflow_zero3.py): up to a third more compute than ZeRO-2's step, whose
+  own cost is copying the tape's whole gradient into segments;
 
 ZeRO-3 runs twice, with `train.zero_prefetch` on and off. Memory per rank comes from
 metrics.jsonl (the last step: parameters incl. the gathered units, gradients held at
@@ -29,6 +33,7 @@ from ..workloads import Workload, gradient_tensors
 TITLE = "ZeRO-0/1/2/3: memory per rank and throughput (transformer, Adam)"
 STAGES = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 ONE, TWO = "one node", "two nodes"
+TF_ONE = "one node, tensorflow"  # the TensorFlow backend's rows (the rest are torch's)
 LINK = "10gbit"
 TARGETS = {ONE: 0.85, TWO: 0.75}  # ZeRO-3 (prefetch on) throughput / ZeRO-2
 MEM_KEYS = (
@@ -62,6 +67,7 @@ def plan(quick: bool) -> dict:
         "one_node": every,
         "memory_sizes": [] if quick else [4],
         "two_nodes": [[2, None], [3, True]] if quick else [[2, None], [3, True], [3, False]],
+        "tensorflow": [[2, None], [3, True]],
     }
 
 
@@ -74,9 +80,9 @@ def workload(p) -> Workload:
     )
 
 
-def _args(p, np_, stage, prefetch, steps, work) -> list[str]:
+def _args(p, np_, stage, prefetch, steps, work, backend) -> list[str]:
     sets = [
-        "backend=torch",
+        f"backend={backend}",
         "data.source=benchmark",
         f"data.train_samples={p['batch'] * np_ * steps}",
         f"train.batch_size={p['batch']}",
@@ -132,10 +138,12 @@ def _row(ctx, p, where, np_, variant, mpi_args=None) -> dict:
     timed = where == TWO or np_ <= ctx.cores
     steps = p["warmup"] + p["iters"] + 1 if timed else p["memory_steps"]
     tag = {None: "", True: "-prefetch", False: "-noprefetch"}[prefetch]
-    work = ctx.scratch(f"zero-{where.replace(' ', '')}-np{np_}-zero{stage}{tag}")
+    place = where.replace(" ", "").replace(",", "-")
+    work = ctx.scratch(f"zero-{place}-np{np_}-zero{stage}{tag}")
     (work / "metrics.jsonl").unlink(missing_ok=True)
     timeout = 180 + 10.0 * steps * max(1.0, np_ / ctx.cores)
-    args = _args(p, np_, stage, prefetch, steps, work)
+    backend = "tensorflow" if where == TF_ONE else "torch"
+    args = _args(p, np_, stage, prefetch, steps, work, backend)
     job = common.mpirun(ctx, np_, args, timeout=timeout, mpi_args=mpi_args)
     records = _steps(work)
     last = records[-1] if records else {}
@@ -188,6 +196,8 @@ def run(ctx) -> dict:
         for v in p["one_node"]
         if v[1] is not False  # prefetch changes no memory figure
     ]
+    tf_sizes = [2, *p["memory_sizes"]]  # np 2 timed, larger ones memory only
+    rows += [_row(ctx, p, TF_ONE, np_, v) for np_ in tf_sizes for v in p.get("tensorflow", [])]
     two = _two_nodes(ctx, p)
     data = {
         "plan": p,
@@ -216,7 +226,7 @@ def ratios(rows) -> dict:
     """Per place: ZeRO-3 throughput / ZeRO-2's with prefetch on and off, and prefetch on
     / off (step-time ratios, so throughput ratios; mean and 1.96 sigma)."""
     out = {}
-    for where in (ONE, TWO):
+    for where in (ONE, TWO, TF_ONE):
         step = {}
         for key, stage, prefetch in (("z2", 2, None), ("on", 3, True), ("off", 3, False)):
             r = find(rows, where, 2, stage, prefetch)
@@ -274,7 +284,7 @@ def _memory_table(data) -> list[str]:
         "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["rows"]:
-        if r["where"] != ONE:
+        if r["where"] == TWO:
             continue
         m = r["memory"]
         measured = [m.get(k) for k in ("mem_param_bytes", "mem_grad_bytes", "mem_optimizer_bytes")]
@@ -285,8 +295,9 @@ def _memory_table(data) -> list[str]:
         total = sum(measured) if all(measured) else None
         total_model = sum(model) if all(model) else None
         failed = "" if r["ok"] else " **failed**"
+        tf = ", tensorflow" if r["where"] == TF_ONE else ""
         out.append(
-            f"| {r['np']} | {method(r)}{failed} | {' | '.join(cells)} | {_mb(total)} "
+            f"| {r['np']} | {method(r)}{tf}{failed} | {' | '.join(cells)} | {_mb(total)} "
             f"| {_mb(total_model)} | {_mb(m.get('zero_gathered_peak_bytes'))} "
             f"| {_mb(m.get('mem_peak_rss_bytes'))} | {_mb(m.get('mem_rss_before_model_bytes'))} |"
         )
@@ -328,6 +339,13 @@ def _verdicts(data) -> list[str]:
             f"- {label}: ZeRO-3 / ZeRO-2 throughput {common.fmt_ratio(on)} with prefetch "
             f"(target ≥ {TARGETS[where]}: {met}), {common.fmt_ratio(off)} without; "
             f"prefetch on / off: {common.fmt_ratio(gain)}"
+        )
+    tf = data["ratios"].get(TF_ONE, {}).get("on_vs_zero2")
+    if tf:
+        out.append(
+            f"- TensorFlow, one node, np=2: ZeRO-3 / ZeRO-2 throughput {common.fmt_ratio(tf)} "
+            "with prefetch (no target of its own: each unit but the last runs forward again "
+            "in backward, up to a third more compute)"
         )
     return out
 
@@ -408,16 +426,17 @@ def _growth(m: dict) -> float | None:
 def _plot_speed(ax, data) -> None:
     variants = [tuple(v) for v in data["plan"]["one_node"]]
     xs = list(range(len(variants)))
-    for i, (where, label) in enumerate(((ONE, ONE), (TWO, "two nodes, 10 Gbit/s"))):
+    places = ((ONE, "torch, one node"), (TWO, "torch, two nodes, 10 Gbit/s"), (TF_ONE, TF_ONE))
+    for i, (where, label) in enumerate(places):
         at, ys, err = [], [], []
         for x, (stage, prefetch) in zip(xs, variants):
             r = find(data["rows"], where, 2, stage, prefetch)
             if r and r["ok"] and r["samples_per_s"]:
-                at.append(x + (i - 0.5) * 0.4)
+                at.append(x + (i - 1) * 0.28)
                 ys.append(r["samples_per_s"])
                 err.append(r["samples_per_s"] * r["step"]["conf"] / r["step"]["mean"])
         if ys:
-            ax.bar(at, ys, 0.4, yerr=err, capsize=3, label=label)
+            ax.bar(at, ys, 0.28, yerr=err, capsize=3, label=label)
     names = {
         (0, None): "plain",
         (3, True): "ZeRO-3\nprefetch on",

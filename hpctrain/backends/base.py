@@ -17,7 +17,9 @@ from typing import Protocol
 import numpy as np
 
 from ..errors import ConfigError, HpctrainError
+from ..models import zoo
 from ..moe.parallel import is_expert_param, require_group
+from ..tensor import parallel as tensor_parallel
 
 OPTIMIZER_SLOTS = {"sgd": ("momentum_buffer",), "adam": ("exp_avg", "exp_avg_sq")}
 
@@ -228,3 +230,14 @@ def cross_entropy_np(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=1, keepdims=True)
     logp = shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True))
     return -logp[np.arange(len(labels)), labels]
+
+
+def init_stream(model_cfg: dict, inp: zoo.InputSpec, seed: int, groups, keys):
+    """(name, this rank's initial value) of a zoo model's tensors in `keys`, one tensor
+    at a time: the initial values of all experts (the same at any world size), of which
+    this rank keeps its own, and its tensor-parallel piece of each split tensor."""
+    tp = groups.tensor
+    for key, value in zoo.iter_init_weights(zoo.build_layers(model_cfg, inp), seed):
+        if key in keys:
+            yield key, tensor_parallel.shard(key, value, tp.size, tp.rank)
+        del value

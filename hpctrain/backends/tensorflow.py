@@ -32,6 +32,7 @@ from .base import (
     EvalStats,
     StepStats,
     build_agreed,
+    init_stream,
 )
 from .groups import ModelGroups
 from .tensorflow_model import (  # noqa: F401 - importable from here (stage, worker, tests)
@@ -52,6 +53,7 @@ from .tensorflow_state import (  # noqa: F401 - importable from here
     set_rng_state,
 )
 from .tensorflow_zero import TensorFlowZero
+from .tensorflow_zero3 import TensorFlowZero3
 
 tf_env.quiet_python_loggers()
 
@@ -96,11 +98,25 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
             fp16 = cfg.train["compression"] == "fp16"
             self.compression = hvd.Compression.fp16 if fp16 else hvd.Compression.none
         bf16 = cfg.train["precision"] == "bf16"
-        self.net = build_agreed(world, lambda: build_model(cfg.model, inp, seed, bf16, groups))
+        lazy = cfg.train["zero"] == 3  # built without its dense parameters: the shard's
+        self.net = build_agreed(
+            world, lambda: build_model(cfg.model, inp, seed, bf16, groups, lazy=lazy)
+        )
         self.clip = cfg.train["clip_norm"]
-        self._dense = [n for n in self.net.vars if not is_expert_param(n)]
+        self._dense = [n for n in self.net.shapes if not is_expert_param(n)]
         self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
-        if cfg.train["zero"]:
+        if lazy:  # ZeRO-3: the parameters too, gathered a unit of layers at a time
+            self.zero = TensorFlowZero3(
+                world,
+                self.net,
+                int(cfg.train["zero_unit_mb"] * 2**20),
+                lambda variables: _Optimizer(cfg.optimizer, variables),
+                init_stream(cfg.model, inp, seed, groups, {*self.net.shapes, *self.net.buffers}),
+                prefetch=cfg.train["zero_prefetch"],
+            )
+            self.optimizer, self._flat = self.zero.optimizer, self.zero.part
+            self.expert_optimizer = None  # experts are refused with ZeRO-3 here
+        elif cfg.train["zero"]:
             self.zero = TensorFlowZero(
                 world,
                 [self.net.vars[n] for n in self._dense],
@@ -240,6 +256,12 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         z = self.zero
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)
+        if isinstance(z, TensorFlowZero3):  # reduced unit by unit during backward
+            loss_sum, correct, comm = 0.0, 0, 0.0
+            for x, y in micro_batches:
+                loss, corr, waited = z.forward_backward(x, y, scale)
+                loss_sum, correct, comm = loss_sum + float(loss), correct + int(corr), comm + waited
+            return (None, None, []), loss_sum, correct, total, comm
         acc, loss_sum, correct, comm = None, 0.0, 0, 0.0
         names = list(self.net.vars)
         dense = [names.index(n) for n in self._dense]
@@ -309,9 +331,16 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         ]
 
     def evaluate(self, x, y) -> EvalStats:
+        if isinstance(self.zero, TensorFlowZero3):  # collective: gathered unit by unit
+            logits = self.zero.logits(x)
+            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), logits)
+            correct = np.sum(np.argmax(logits.numpy(), -1) == y)
+            return EvalStats(float(tf.reduce_sum(loss)), int(correct), int(np.prod(y.shape)))
         return evaluate_with(self._eval_fn, x, y)
 
     def predict(self, x) -> np.ndarray:
+        if isinstance(self.zero, TensorFlowZero3):
+            return self.zero.logits(x).numpy()
         return tf.cast(self.net(tf.constant(x), training=False), tf.float32).numpy()
 
     def average_buffers(self) -> None:

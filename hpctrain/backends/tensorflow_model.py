@@ -14,7 +14,7 @@ from . import tf_env, tf_import  # noqa: F401  (TF imported with its start-up no
 import tensorflow as tf
 
 from ..models import zoo
-from ..moe.parallel import local_layers
+from ..moe.parallel import is_expert_param, local_layers
 from ..tensor import parallel as tensor_parallel
 from . import tensorflow_moe
 from .base import EvalStats
@@ -121,10 +121,32 @@ def _layer_norm(x, w, b):
     return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
 
 
-class ZooNet(tf.Module):
-    """A zoo model: canonical-name variables and a forward pass equal to torch's."""
+# A unit run again inside backward (ZeRO-3, tensorflow_zero3.py): BatchNorm normalises
+# with the batch's statistics, as training does, but leaves the running ones alone (the
+# first forward updated them).
+RECOMPUTE = "recompute"
+_CHANNELS_LAST = ("conv", "conv_bn", "resblock", "gap")  # the kinds that convolve NHWC
 
-    def __init__(self, layers: list[zoo.LayerSpec], weights: dict, bf16=False, groups=None):
+
+def images_first(layers: list[zoo.LayerSpec], image: bool) -> list[bool]:
+    """Whether the activation entering each layer is still NCHW (the canonical image
+    layout), for a run that starts part-way through the model (a ZeRO-3 unit)."""
+    out, nchw = [], image
+    for spec in layers:
+        out.append(nchw)
+        nchw = nchw and spec.kind not in _CHANNELS_LAST
+    return out
+
+
+class ZooNet(tf.Module):
+    """A zoo model: canonical-name variables and a forward pass equal to torch's.
+
+    `sharded` (ZeRO-3): the names of parameters kept elsewhere as shards; they get no
+    variable here, and `run_layers` takes their values from its caller."""
+
+    def __init__(
+        self, layers: list[zoo.LayerSpec], weights: dict, bf16=False, groups=None, sharded=()
+    ):
         super().__init__(name="zoo")
         self.layers = layers
         self.groups = groups or ModelGroups()  # tensor axis and experts, from the grid
@@ -132,90 +154,120 @@ class ZooNet(tf.Module):
         # bf16: the forward pass computes in bfloat16 on casts of the float32 variables
         # (their gradients come back float32); BatchNorm statistics stay float32.
         self.compute_dtype = tf.bfloat16 if bf16 else tf.float32
+        self.shapes = OrderedDict(  # every parameter's (local) shape, in canonical order
+            (f"{spec.name}.{p}", tuple(shape))
+            for spec in layers
+            for p, shape in spec.params.items()
+        )
         self.vars: OrderedDict[str, tf.Variable] = OrderedDict()
         self.buffers: OrderedDict[str, tf.Variable] = OrderedDict()
         for spec in layers:
             for p in spec.params:
                 key = f"{spec.name}.{p}"
-                self.vars[key] = tf.Variable(weights[key], name=key.replace(".", "/"))
-            for bname in spec.buffers:
+                if key not in sharded:
+                    self.vars[key] = tf.Variable(weights[key], name=key.replace(".", "/"))
+            for bname, shape in spec.buffers.items():
                 key = f"{spec.name}.{bname}"
-                self.buffers[key] = tf.Variable(
-                    weights[key], trainable=False, name=key.replace(".", "/")
-                )
+                value = weights[key] if key in weights else np.zeros(shape, np.float32)
+                self.buffers[key] = tf.Variable(value, trainable=False, name=key.replace(".", "/"))
 
-    def _bn(self, x, prefix, training):
+    def _bn(self, x, prefix, training, v):
         if x.dtype != tf.float32:
-            return tf.cast(self._bn(tf.cast(x, tf.float32), prefix, training), x.dtype)
-        w, b = self.vars[f"{prefix}.weight"], self.vars[f"{prefix}.bias"]
+            return tf.cast(self._bn(tf.cast(x, tf.float32), prefix, training, v), x.dtype)
+        w, b = v[f"{prefix}.weight"], v[f"{prefix}.bias"]
         rm, rv = self.buffers[f"{prefix}.running_mean"], self.buffers[f"{prefix}.running_var"]
         if not training:
             return (x - rm) / tf.sqrt(rv + zoo.BN_EPS) * w + b
         mean, var = tf.nn.moments(x, axes=[0, 1, 2])
-        n = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), x.dtype)
-        m = zoo.BN_MOMENTUM
-        rm.assign((1 - m) * rm + m * mean)
-        rv.assign((1 - m) * rv + m * var * n / (n - 1))  # torch keeps the unbiased variance
+        if training is not RECOMPUTE:
+            n = tf.cast(tf.reduce_prod(tf.shape(x)[:3]), x.dtype)
+            m = zoo.BN_MOMENTUM
+            rm.assign((1 - m) * rm + m * mean)
+            rv.assign((1 - m) * rv + m * var * n / (n - 1))  # torch keeps the unbiased variance
         return (x - mean) / tf.sqrt(var + zoo.BN_EPS) * w + b
+
+    def own_values(self, spec) -> dict:
+        """A layer's parameters from this net's variables, by local name."""
+        return {p: self.vars[f"{spec.name}.{p}"] for p in spec.params}
+
+    def cast_in(self, x):
+        low = self.compute_dtype != tf.float32
+        return tf.cast(x, self.compute_dtype) if low and x.dtype.is_floating else x
+
+    def cast_out(self, x):
+        return tf.cast(x, tf.float32) if self.compute_dtype != tf.float32 else x
 
     def __call__(self, x, training=False):
         nchw = len(x.shape) == 4  # images arrive NCHW (canonical); TF convolves NHWC
-        low = self.compute_dtype != tf.float32
-        if low and x.dtype.is_floating:
-            x = tf.cast(x, self.compute_dtype)
-        for spec in self.layers:
-            v = {p: self.vars[f"{spec.name}.{p}"] for p in spec.params}
-            if low:
-                v = {p: tf.cast(w, self.compute_dtype) for p, w in v.items()}
-            kind, a = spec.kind, spec.attrs
-            if kind in ("conv", "conv_bn", "resblock", "gap") and nchw:
-                x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
-            if kind == "flatten":
-                x = tf.reshape(x, [tf.shape(x)[0], -1])
-            elif kind == "dense":
-                x = _dense(x, v["weight"], v["bias"])
-                x = tf.nn.relu(x) if a["relu"] else x
-            elif kind == "conv":
-                x = _conv(x, v["weight"], v.get("bias"), a["stride"], a["padding"])
-                x = tf.nn.relu(x) if a["relu"] else x
-            elif kind == "gap":
-                x = tf.reduce_mean(x, axis=[1, 2])
-            elif kind == "conv_bn":
-                x = tf.nn.relu(
-                    self._bn(
-                        _conv(x, v["conv.weight"], None, a["stride"], 1),
-                        f"{spec.name}.bn",
-                        training,
-                    )
-                )
-            elif kind == "resblock":
-                x = self._resblock(x, spec, v, training)
-            elif kind == "embed":
-                x = tf.gather(v["tok.weight"], x) + v["pos.weight"][: tf.shape(x)[1]]
-            elif kind == "layernorm":
-                x = _layer_norm(x, v["weight"], v["bias"])
-            elif kind == "block" and a.get("recompute") and training:
-                x = self._recomputed_block(x, v, a["n_heads"], spec)
-            elif kind == "block":
-                x = self._block(x, v, a["n_heads"], spec, training)
-            else:
-                raise ValueError(f"unknown layer kind {kind!r}")
-        return tf.cast(x, tf.float32) if low else x
+        x = self.run_layers(self.cast_in(x), self.layers, self.own_values, training, nchw)
+        return self.cast_out(x)
 
-    def _resblock(self, x, spec, v, training):
+    def run_layers(self, x, layers, values, training, nchw: bool):
+        """`layers` in order from activation `x` (NCHW while `nchw`), each layer's
+        parameters from `values(spec)`; training is False, True or RECOMPUTE."""
+        low = self.compute_dtype != tf.float32
+        for spec in layers:
+            raw = values(spec)  # float32: BatchNorm's scales stay float32 under bf16
+            v = {p: tf.cast(w, self.compute_dtype) for p, w in raw.items()} if low else raw
+            if spec.kind in _CHANNELS_LAST and nchw:
+                x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
+            x = self._layer(spec, x, v, training, self._prefixed(spec, raw))
+        return x
+
+    def _layer(self, spec, x, v, training, full):
+        """One layer; `full`: its float32 values under full names (BatchNorm's)."""
+        kind, a = spec.kind, spec.attrs
+        if kind == "flatten":
+            return tf.reshape(x, [tf.shape(x)[0], -1])
+        if kind == "dense":
+            x = _dense(x, v["weight"], v["bias"])
+            return tf.nn.relu(x) if a["relu"] else x
+        if kind == "conv":
+            x = _conv(x, v["weight"], v.get("bias"), a["stride"], a["padding"])
+            return tf.nn.relu(x) if a["relu"] else x
+        if kind == "gap":
+            return tf.reduce_mean(x, axis=[1, 2])
+        if kind == "conv_bn":
+            y = _conv(x, v["conv.weight"], None, a["stride"], 1)
+            return tf.nn.relu(self._bn(y, f"{spec.name}.bn", training, full))
+        if kind == "resblock":
+            return self._resblock(x, spec, v, training, full)
+        if kind == "embed":
+            return tf.gather(v["tok.weight"], x) + v["pos.weight"][: tf.shape(x)[1]]
+        if kind == "layernorm":
+            return _layer_norm(x, v["weight"], v["bias"])
+        if kind == "block" and a.get("recompute") and training:
+            return self._recomputed_block(x, v, a["n_heads"], spec)
+        if kind == "block":
+            return self._block(x, v, a["n_heads"], spec, training)
+        raise ValueError(f"unknown layer kind {kind!r}")
+
+    @staticmethod
+    def _prefixed(spec, v) -> dict:
+        """A layer's values under full names (`<layer>.<param>`), for BatchNorm."""
+        return {f"{spec.name}.{p}": w for p, w in v.items()}
+
+    def _resblock(self, x, spec, v, training, full):
         s, n = spec.attrs["stride"], spec.name
-        out = tf.nn.relu(self._bn(_conv(x, v["conv1.weight"], None, s, 1), f"{n}.bn1", training))
-        out = self._bn(_conv(out, v["conv2.weight"], None, 1, 1), f"{n}.bn2", training)
+        y = _conv(x, v["conv1.weight"], None, s, 1)
+        out = tf.nn.relu(self._bn(y, f"{n}.bn1", training, full))
+        out = self._bn(_conv(out, v["conv2.weight"], None, 1, 1), f"{n}.bn2", training, full)
         if "shortcut.conv.weight" in v:
-            x = self._bn(
-                _conv(x, v["shortcut.conv.weight"], None, s, 0), f"{n}.shortcut.bn", training
-            )
+            y = _conv(x, v["shortcut.conv.weight"], None, s, 0)
+            x = self._bn(y, f"{n}.shortcut.bn", training, full)
         return tf.nn.relu(out + x)
 
     def _recomputed_block(self, x, v, heads, spec):
         """Activation checkpointing: only the block's input is kept for backward; the
-        block runs again inside the gradient (tf.recompute_grad), giving exact gradients."""
-        return tf.recompute_grad(lambda t: self._block(t, v, heads, spec, True))(x)
+        block runs again inside the gradient (tf.recompute_grad), giving exact gradients.
+        The parameters go in as arguments: recompute_grad differentiates its arguments
+        and the variables it sees, not tensors a closure captured (ZeRO-3's)."""
+        names = list(v)
+
+        def block(t, *weights):
+            return self._block(t, dict(zip(names, weights, strict=True)), heads, spec, True)
+
+        return tf.recompute_grad(block)(x, *v.values())
 
     def _block(self, x, v, heads, spec=None, training=False):
         if spec is not None and spec.attrs.get("tensor", 1) > 1:
@@ -258,10 +310,21 @@ class ZooNet(tf.Module):
         return x + g(out) + v["ffn.fc2.bias"]
 
 
-def build_model(model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = False, groups=None):
+def build_model(
+    model_cfg: dict, inp: zoo.InputSpec, seed: int, bf16: bool = False, groups=None, lazy=False
+):
     """A zoo model with the canonical initial weights, or the user's Keras model.
-    `groups`: the tensor axis and expert group from the process grid (none: one rank)."""
+    `groups`: the tensor axis and expert group from the process grid (none: one rank).
+    `lazy` (ZeRO-3): a zoo model without its dense parameters, whose values the caller
+    takes from `init_stream` a unit at a time, and zero buffers, filled the same way."""
     name = model_cfg["name"]
+    if zoo.is_zoo_model(name) and lazy:
+        groups = groups or ModelGroups()
+        mine = local_layers(zoo.build_layers(model_cfg, inp), seed, groups.experts)
+        layers = tensor_parallel.local_layers(mine, groups.tensor.size)
+        names = (f"{s.name}.{p}" for s in layers for p in s.params)
+        dense = {n for n in names if not is_expert_param(n)}
+        return ZooNet(layers, {}, bf16, groups, sharded=dense)
     if zoo.is_zoo_model(name):
         groups = groups or ModelGroups()
         layers = zoo.build_layers(model_cfg, inp)

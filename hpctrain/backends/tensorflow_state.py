@@ -112,6 +112,14 @@ class TensorFlowStateMixin:
         slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
         opt_now = self.memory()["mem_optimizer_bytes"]
         workspace = float(self.optimizer.workspace_bytes())
+        if self._sharded:  # ZeRO-3: a unit's gradient at a time beside the shard's
+            e, part = self.zero.part.expected_bytes(slots), self.zero.part
+            return {
+                "grad": e["zero_model_grad_bytes"] + part.largest_segment_bytes(),
+                "grad_now": 0.0,
+                "optimizer": e["zero_model_optimizer_bytes"] + workspace,
+                "optimizer_now": opt_now,
+            }
         if self.zero is not None:
             e = self.zero.part.expected_bytes(slots)
             return {
@@ -153,28 +161,56 @@ class TensorFlowStateMixin:
         out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
         return out
 
+    @property
+    def _sharded(self) -> bool:
+        """ZeRO-3: the dense parameters exist as this rank's shard only."""
+        return self.zero is not None and self.zero.part.stage == 3
+
     def param_names(self) -> list[str]:
-        return list(self.net.vars)
+        return list(self.net.shapes)
 
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        return net_weights(self.net)
+        if not self._sharded:
+            return net_weights(self.net)
+        return self._with_buffers(self.zero.all_params())  # collective
+
+    def _with_buffers(self, dense: list[np.ndarray]) -> OrderedDict[str, np.ndarray]:
+        """ZeRO-3's whole parameters (in `param_names` order) and the net's buffers."""
+        out = OrderedDict(zip(self.zero.names, dense, strict=True))
+        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+        return out
 
     def weight_shapes(self) -> dict[str, tuple]:
-        shapes = {k: tuple(v.shape) for k, v in self.net.vars.items()}
+        shapes = dict(self.net.shapes)
         shapes.update({k: tuple(v.shape) for k, v in self.net.buffers.items()})
         return shapes
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
+        if self._sharded:
+            for k, v in self.net.buffers.items():
+                v.assign(np.asarray(weights[k], dtype=np.float32))
+            self.zero.load_params([weights[n] for n in self.zero.names])
+            return
         assign_weights(self.net, weights)
         if self.zero is not None:
             self.zero.sync_shard()
+
+    def _root_weights(self) -> OrderedDict[str, np.ndarray]:
+        """The weights for a checkpoint whose result is whole on rank 0: ZeRO-3 gathers
+        its shards to rank 0 only (one Gatherv), never onto every rank."""
+        if not self._sharded:
+            return self.get_weights()
+        dense = self.zero.root_params()
+        if dense is None:  # not rank 0 (of the data ranks): its result is not saved
+            return OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+        return self._with_buffers(dense)
 
     def export_state(self) -> dict[str, np.ndarray]:
         """The canonical state; under ZeRO a collective whose result is whole on rank 0."""
         if self.zero is not None:
             return {
-                **with_model_prefix(self.get_weights()),
+                **with_model_prefix(self._root_weights()),
                 **self._expert_optimizer_state(),
                 **self.zero.export_optimizer(self._dense),
             }
@@ -184,12 +220,20 @@ class TensorFlowStateMixin:
         """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
         this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
         communication."""
+        weights = (  # ZeRO-3: the buffers (its parameters are pieces below)
+            OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+            if self._sharded
+            else self.get_weights()
+        )
         replicated = {  # with experts: each rank its own
-            **with_model_prefix(self.get_weights()),
+            **with_model_prefix(weights),
             **self._expert_optimizer_state(),
             **self.zero.step_state(),
         }
-        return replicated, self.zero.optimizer_pieces(self._dense)
+        pieces = self.zero.optimizer_pieces(self._dense)
+        if self._sharded:  # each rank writes its own parameter ranges
+            pieces.update(self.zero.param_pieces(self._dense))
+        return replicated, pieces
 
     def _expert_optimizer_state(self) -> dict[str, np.ndarray]:
         """ZeRO with MoE: the local experts' slots (`optimizer/<slot>/<name>`)."""

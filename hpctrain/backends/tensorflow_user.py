@@ -68,6 +68,11 @@ class KerasUserNet:
         _SEED_STATES.clear()
         _SEED_STATES.update(self.seed_states)
 
+    @property
+    def shapes(self) -> OrderedDict:
+        """Every trainable variable's shape (as ZooNet.shapes: the backend's names)."""
+        return OrderedDict((k, tuple(v.shape)) for k, v in self.vars.items())
+
     def __call__(self, x, training=False):
         if self.channels_last:
             import tensorflow as tf

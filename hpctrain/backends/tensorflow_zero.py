@@ -28,6 +28,7 @@ class TensorFlowZero:
         sizes = [int(np.prod(v.shape)) for v in variables]
         self.part = part = ZeroPartition(world, sizes, stage, bucket_bytes)
         self.variables = variables
+        self.shapes = [tuple(v.shape) for v in variables]
         self.shard = tf.Variable(np.zeros(part.shard_len, np.float32), name="zero_shard")
         self.optimizer = make_opt(OrderedDict(zero_shard=self.shard))
         self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
@@ -90,8 +91,8 @@ class TensorFlowZero:
             if full is None:
                 continue
             views = self.part.views(full)
-            for name, var, view in zip(names, self.variables, views, strict=True):
-                state[f"optimizer/{slot}/{name}"] = view.reshape(tuple(var.shape)).copy()
+            for name, shape, view in zip(names, self.shapes, views, strict=True):
+                state[f"optimizer/{slot}/{name}"] = view.reshape(shape).copy()
         return {**state, **self.step_state()}
 
     def step_state(self) -> dict[str, np.ndarray]:
@@ -104,12 +105,11 @@ class TensorFlowZero:
     def optimizer_pieces(self, names: list[str]) -> dict:
         """This rank's own part of every `optimizer/<slot>/<name>` (no communication):
         what a sharded checkpoint writes from this rank."""
-        shapes = [tuple(v.shape) for v in self.variables]
         pieces = {}
         for slot, values in self.optimizer.slots.items():
             keys = [f"optimizer/{slot}/{n}" for n in names]
             shard = values["zero_shard"].numpy()
-            pieces.update(self.part.owned_pieces(shard, keys, shapes))
+            pieces.update(self.part.owned_pieces(shard, keys, self.shapes))
         return pieces
 
     def import_optimizer(self, names: list[str], state: dict) -> None:
@@ -129,15 +129,19 @@ class TensorFlowZero:
             and any(np.any(state[f"optimizer/momentum_buffer/{n}"]) for n in names)
         )
 
-    def memory(self, slots: int) -> dict[str, float]:
-        opt = sum(
-            int(np.prod(v.shape)) * 4
-            for values in self.optimizer.slots.values()
-            for v in values.values()
+    def optimizer_bytes(self) -> float:
+        return float(
+            sum(
+                int(np.prod(v.shape)) * 4
+                for values in self.optimizer.slots.values()
+                for v in values.values()
+            )
         )
+
+    def memory(self, slots: int) -> dict[str, float]:
         return {
             "mem_param_bytes": float(sum(int(np.prod(v.shape)) * 4 for v in self.variables)),
             "mem_grad_bytes": float(self.grad_bytes_peak),
-            "mem_optimizer_bytes": float(opt),
+            "mem_optimizer_bytes": self.optimizer_bytes(),
             **self.part.expected_bytes(slots),
         }

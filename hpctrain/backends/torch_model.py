@@ -14,6 +14,7 @@ from ..models import zoo
 from ..moe.parallel import local_layers
 from ..tensor import parallel as tensor_parallel
 from . import torch_moe, torch_tensor
+from .base import init_stream  # noqa: F401 - importable from here
 from .groups import ModelGroups
 
 
@@ -220,14 +221,3 @@ def build_model(
     from .torch_user import build_user_model  # import, call, one checked forward pass
 
     return build_user_model(model_cfg, inp, seed)
-
-
-def init_stream(model_cfg: dict, inp: zoo.InputSpec, seed: int, groups: ModelGroups, keys):
-    """(name, this rank's initial value) of a zoo model's tensors in `keys`, one tensor
-    at a time: the initial values of all experts (the same at any world size), of which
-    this rank keeps its own, and its tensor-parallel piece of each split tensor."""
-    tp = groups.tensor
-    for key, value in zoo.iter_init_weights(zoo.build_layers(model_cfg, inp), seed):
-        if key in keys:
-            yield key, tensor_parallel.shard(key, value, tp.size, tp.rank)
-        del value

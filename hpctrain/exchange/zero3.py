@@ -105,6 +105,12 @@ class UnitGather:
         self.release_all()
         self.holder = [None] * self.slots
 
+    def use_shard(self, shard: np.ndarray) -> None:
+        """Gather from `shard` from now on (a new array holding this rank's pieces: a
+        backend whose optimizer replaces its shard's buffer on each step)."""
+        self.invalidate()
+        self.shard = shard
+
     def is_live(self, u: int) -> bool:
         return u in self.live
 

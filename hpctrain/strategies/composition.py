@@ -119,11 +119,10 @@ def offload_rules(v: dict) -> list[str]:
 
 def zero_rules(v: dict) -> list[str]:
     zero = v["train"]["zero"]
-    if zero == 3 and v["backend"] != "torch":
-        return [
-            "train.zero=3: parameter sharding runs on the torch backend; the tensorflow "
-            "backend shards up to train.zero=2 (optimizer state and gradients)"
-        ]
+    if zero == 3 and v["backend"] == "tensorflow":
+        problem = _tensorflow_zero3(v)
+        if problem:
+            return [problem]
     clash = _clash(_dense_mpi_clash(v)) if zero else []
     if not clash:
         return []
@@ -133,6 +132,26 @@ def zero_rules(v: dict) -> list[str]:
         f"train.allreduce mpi or auto, or gloo/nccl for train.zero 1 and 2 of torch; no "
         f"compression, hierarchical allreduce or local SGD); not with {', '.join(clash)}"
     ]
+
+
+def _tensorflow_zero3(v: dict) -> str | None:
+    """TensorFlow's ZeRO-3 runs a zoo model unit by unit (backends/tensorflow_zero3.py):
+    a Keras model's layers own their variables, and experts have their own placement
+    and a load-balancing loss that the per-unit backward does not carry."""
+    from ..models.zoo import has_moe, is_zoo_model
+
+    model = _model(v)
+    if not is_zoo_model(model.get("name", "")):
+        return (
+            "train.zero=3 with backend tensorflow shards the zoo's models (a Keras "
+            "model's layers own their variables): use backend torch, or train.zero=2"
+        )
+    if has_moe(model):
+        return (
+            "train.zero=3 with backend tensorflow: not with mixture-of-experts layers "
+            "(backend torch runs them, experts unsharded); or use train.zero=2"
+        )
+    return None
 
 
 def tensor_rules(v: dict) -> list[str]:
