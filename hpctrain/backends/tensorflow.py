@@ -256,7 +256,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         z = self.zero
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)
-        if isinstance(z, TensorFlowZero3):  # reduced unit by unit during backward
+        if self._sharded:  # ZeRO-3: reduced unit by unit during backward
             loss_sum, correct, comm = 0.0, 0, 0.0
             for x, y in micro_batches:
                 loss, corr, waited = z.forward_backward(x, y, scale)
@@ -331,7 +331,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         ]
 
     def evaluate(self, x, y) -> EvalStats:
-        if isinstance(self.zero, TensorFlowZero3):  # collective: gathered unit by unit
+        if self._sharded:  # ZeRO-3, collective: gathered unit by unit
             logits = self.zero.logits(x)
             loss = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), logits)
             correct = np.sum(np.argmax(logits.numpy(), -1) == y)
@@ -339,7 +339,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         return evaluate_with(self._eval_fn, x, y)
 
     def predict(self, x) -> np.ndarray:
-        if isinstance(self.zero, TensorFlowZero3):
+        if self._sharded:
             return self.zero.logits(x).numpy()
         return tf.cast(self.net(tf.constant(x), training=False), tf.float32).numpy()
 

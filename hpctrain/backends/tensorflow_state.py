@@ -177,8 +177,11 @@ class TensorFlowStateMixin:
     def _with_buffers(self, dense: list[np.ndarray]) -> OrderedDict[str, np.ndarray]:
         """ZeRO-3's whole parameters (in `param_names` order) and the net's buffers."""
         out = OrderedDict(zip(self.zero.names, dense, strict=True))
-        out.update((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+        out.update(self._buffer_weights())
         return out
+
+    def _buffer_weights(self) -> OrderedDict[str, np.ndarray]:
+        return OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
 
     def weight_shapes(self) -> dict[str, tuple]:
         shapes = dict(self.net.shapes)
@@ -203,7 +206,7 @@ class TensorFlowStateMixin:
             return self.get_weights()
         dense = self.zero.root_params()
         if dense is None:  # not rank 0 (of the data ranks): its result is not saved
-            return OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+            return self._buffer_weights()
         return self._with_buffers(dense)
 
     def export_state(self) -> dict[str, np.ndarray]:
@@ -220,11 +223,8 @@ class TensorFlowStateMixin:
         """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
         this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
         communication."""
-        weights = (  # ZeRO-3: the buffers (its parameters are pieces below)
-            OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
-            if self._sharded
-            else self.get_weights()
-        )
+        # ZeRO-3: the buffers (its parameters are pieces below)
+        weights = self._buffer_weights() if self._sharded else self.get_weights()
         replicated = {  # with experts: each rank its own
             **with_model_prefix(weights),
             **self._expert_optimizer_state(),
