@@ -353,7 +353,9 @@ def test_tensorflow_zero3_resumes_bit_for_bit_and_in_torch(tmp_path):
     stopped at step 5 resumes from its sharded checkpoint, each rank's own parameter
     ranges, and ends bit for bit where the uninterrupted run ended, every step's loss
     identical; the same checkpoint continues in torch as one plain process and as
-    ZeRO-3 at np 2, both equal to the TensorFlow run within the backends' 1e-5."""
+    ZeRO-3 at np 2, both equal to the TensorFlow run within the backends' 1e-5; and the
+    reverse: a plain TensorFlow checkpoint (np 2, ZeRO-0) continues as ZeRO-3 within
+    1e-6 of the ZeRO-3 run."""
     job = [
         *ZERO3_JOB,
         *ZERO3,
@@ -363,14 +365,31 @@ def test_tensorflow_zero3_resumes_bit_for_bit_and_in_torch(tmp_path):
         "train.clip_norm=0.05",
         "train.max_steps=10",
     ]
-    first = _train_many(tmp_path, 2, {"ref": job, "part1": [*job, "train.max_steps=5"]})
+    first = _train_many(
+        tmp_path,
+        2,
+        {
+            "ref": job,
+            "part1": [*job, "train.max_steps=5"],
+            "plain-part1": [*job, "train.max_steps=5", "train.zero=0"],
+        },
+    )
     ckpt = tmp_path / "part1.npz.run" / "checkpoints" / "ckpt-00000005.h5"
     ranges = _model_ranges(ckpt)
     assert len(ranges) == 2 and all(ranges.values()), ranges
     _assert_ranges_cover_once(ranges, [f"model/{k}" for k in first["ref"][0]])
     resume = f"checkpoint.resume={ckpt}"
     torch = ["backend=torch", "train.allreduce=mpi", resume]
-    again = _train_many(tmp_path, 2, {"resumed": [*job, resume], "torch-zero3": [*job, *torch]})
+    plain = tmp_path / "plain-part1.npz.run" / "checkpoints" / "ckpt-00000005.h5"
+    again = _train_many(
+        tmp_path,
+        2,
+        {
+            "resumed": [*job, resume],
+            "torch-zero3": [*job, *torch],
+            "from-plain": [*job, f"checkpoint.resume={plain}"],
+        },
+    )
     one = _train_many(
         tmp_path, 1, {"torch-np1": [*job, *torch, "train.zero=0", "train.batch_size=16"]}
     )
@@ -386,3 +405,4 @@ def test_tensorflow_zero3_resumes_bit_for_bit_and_in_torch(tmp_path):
     ]:
         for k in ref:
             np.testing.assert_allclose(weights[k], ref[k], atol=1e-5, err_msg=f"{name}: {k}")
+    _assert_same_weights(again["from-plain"][0], ref, 1e-6)
