@@ -77,20 +77,20 @@ def _assert_close(a: dict, b: dict, tol: float) -> None:
 _REFERENCE: dict[str, Path] = {}
 
 
+def _reference(tmp_path_factory, key: str, sets: list[str]) -> Path:
+    """A one-process run with the --set arguments `sets`, made once per `key`."""
+    if key not in _REFERENCE:
+        run = tmp_path_factory.mktemp("ref") / "run"
+        job = mpirun(1, HPCTRAIN, "train", "--run-dir", str(run), *sets, timeout=240)
+        assert job.returncode == 0, job.output
+        _REFERENCE[key] = run
+    return _REFERENCE[key]
+
+
 def _single_process(tmp_path_factory, backend: str) -> Path:
     """The single-process run every multi-node run must equal (once per backend)."""
-    if backend not in _REFERENCE:
-        run = tmp_path_factory.mktemp(f"ref-{backend}") / "run"
-        job = mpirun(
-            1,
-            HPCTRAIN,
-            *["train", "--run-dir", str(run)],
-            *_sets(f"backend={backend}", f"train.batch_size={GLOBAL_BATCH}"),
-            timeout=240,
-        )
-        assert job.returncode == 0, job.output
-        _REFERENCE[backend] = run
-    return _REFERENCE[backend]
+    sets = _sets(f"backend={backend}", f"train.batch_size={GLOBAL_BATCH}")
+    return _reference(tmp_path_factory, backend, sets)
 
 
 def _train(cluster, run_dir: Path, per_node: int, *overrides: str, hosts=None, extra=()):
@@ -218,19 +218,8 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
     """The one-process transformer run (global batch 16) of `layout`'s model options and
     backend, once per pair."""
     same = [o for o in layout if o.startswith(("model.", "backend="))]
-    key = f"transformer{same}"
-    if key not in _REFERENCE:
-        ref = tmp_path_factory.mktemp("ref-transformer") / "run"
-        job = mpirun(
-            1,
-            HPCTRAIN,
-            *["train", "--run-dir", str(ref)],
-            *_transformer_sets(*same, "train.batch_size=16"),
-            timeout=240,
-        )
-        assert job.returncode == 0, job.output
-        _REFERENCE[key] = ref
-    return _REFERENCE[key]
+    sets = _transformer_sets(*same, "train.batch_size=16")
+    return _reference(tmp_path_factory, f"transformer{same}", sets)
 
 
 @pytest.mark.parametrize(

@@ -41,7 +41,7 @@ from . import tf_import  # noqa: F401  (TF imported with its start-up noise off)
 import tensorflow as tf
 
 from ..exchange.zero import ZeroPartition, unit_plan
-from ..exchange.zero3 import UnitGather
+from ..exchange.zero3 import UnitGather, memory_figures
 from .tensorflow_model import RECOMPUTE, images_first, traced
 from .tensorflow_zero import TensorFlowZero
 
@@ -284,11 +284,8 @@ class TensorFlowZero3(TensorFlowZero):
 
     def root_params(self) -> list[np.ndarray] | None:
         """Every dense parameter on rank 0 (None elsewhere): one gather of the shards."""
-        full = self.part.gather_full(self._shard_np, "ZeRO-3 checkpoint: gather parameters")
-        if full is None:
-            return None
-        views = self.part.views(full)
-        return [v.reshape(s).copy() for v, s in zip(views, self.shapes, strict=True)]
+        what = "ZeRO-3 checkpoint: gather parameters"
+        return self.part.gather_arrays(self._shard_np, self.shapes, what)
 
     def param_pieces(self, names: list[str]) -> dict:
         """This rank's own part of every `model/<name>` (no communication)."""
@@ -302,11 +299,5 @@ class TensorFlowZero3(TensorFlowZero):
         self._use_new_shard()
 
     def memory(self, slots: int) -> dict[str, float]:
-        return {
-            "mem_param_bytes": float(self.part.shard_len * 4 + self.gathered_peak),
-            "mem_grad_bytes": float(self.grad_bytes_peak),
-            "mem_optimizer_bytes": self.optimizer_bytes(),
-            "zero_gathered_peak_bytes": float(self.gathered_peak),
-            "zero_gather_wait_s": float(self.gather.waited),
-            **self.part.expected_bytes(slots),
-        }
+        opt = self.optimizer_bytes()
+        return memory_figures(self.gather, self.gathered_peak, self.grad_bytes_peak, opt, slots)

@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 
 from ..errors import ConfigError
 from ..exchange.zero import ZeroPartition, unit_plan
-from ..exchange.zero3 import UnitGather
+from ..exchange.zero3 import UnitGather, memory_figures
 from .torch_zero import ShardedOptimizerState
 
 
@@ -306,13 +306,9 @@ class TorchZero3(ShardedOptimizerState):
 
     def root_params(self) -> list[np.ndarray] | None:
         """Every dense parameter on rank 0 (None elsewhere): one gather of the shards."""
-        full = self.part.gather_full(self._shard_np, "ZeRO-3 checkpoint: gather parameters")
-        if full is None:
-            return None
-        return [
-            v.reshape(tuple(p.shape)).copy()
-            for v, p in zip(self.part.views(full), self.params, strict=True)
-        ]
+        shapes = [tuple(p.shape) for p in self.params]
+        what = "ZeRO-3 checkpoint: gather parameters"
+        return self.part.gather_arrays(self._shard_np, shapes, what)
 
     def param_pieces(self, names: list[str]) -> dict:
         """This rank's own part of every `model/<name>` (no communication)."""
@@ -326,11 +322,5 @@ class TorchZero3(ShardedOptimizerState):
 
     # --- memory ----------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:
-        return {
-            "mem_param_bytes": float(self.part.shard_len * 4 + self.gathered_peak),
-            "mem_grad_bytes": float(self.grad_bytes_peak),
-            "mem_optimizer_bytes": self.optimizer_bytes(),
-            "zero_gathered_peak_bytes": float(self.gathered_peak),
-            "zero_gather_wait_s": float(self.gather.waited),
-            **self.part.expected_bytes(slots),
-        }
+        opt = self.optimizer_bytes()
+        return memory_figures(self.gather, self.gathered_peak, self.grad_bytes_peak, opt, slots)

@@ -295,6 +295,14 @@ class ZeroPartition:
         pieces = self.host.gather_array(np.ascontiguousarray(shard, dtype=np.float32), what=what)
         return None if pieces is None else self.unshard(pieces)
 
+    def gather_arrays(self, shard: np.ndarray, shapes: list[tuple], what: str):
+        """Every parameter of a shard-shaped array, whole and shaped, on rank 0 (None
+        elsewhere): one gather of the shards (ZeRO-3's parameters for a checkpoint)."""
+        full = self.gather_full(shard, what)
+        if full is None:
+            return None
+        return [v.reshape(s).copy() for v, s in zip(self.views(full), shapes, strict=True)]
+
     def unshard(self, pieces: np.ndarray) -> np.ndarray:
         """[N, shard_len] rank shards -> the padded flat vector."""
         flat = np.zeros(self.flat_len, dtype=np.float32)

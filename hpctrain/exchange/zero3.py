@@ -160,3 +160,21 @@ class UnitGather:
     def close(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def memory_figures(
+    gather: UnitGather, gathered: int, grad_peak: int, optimizer: float, slots: int
+) -> dict[str, float]:
+    """A ZeRO-3 rank's figures for metrics.jsonl (both backends): parameters are the
+    shard and the `gathered` slot bytes; gradients held at their peak; the optimizer's
+    state; the time blocked on gathers; the ZeRO model's figures (`slots` optimizer
+    states per parameter)."""
+    part = gather.part
+    return {
+        "mem_param_bytes": float(part.shard_len * 4 + gathered),
+        "mem_grad_bytes": float(grad_peak),
+        "mem_optimizer_bytes": float(optimizer),
+        "zero_gathered_peak_bytes": float(gathered),
+        "zero_gather_wait_s": float(gather.waited),
+        **part.expected_bytes(slots),
+    }
