@@ -292,6 +292,13 @@ MOE_LAYOUTS = {  # id: (backend, np, overrides)
     "torch-zero2-data2-tensor2": ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
     "torch-zero3": ("torch", 2, [*ZERO3, "train.batch_size=8"]),
     "torch-zero3-data2-tensor2": ("torch", 4, [*ZERO3, "train.batch_size=8", "parallel.tensor=2"]),
+    # TensorFlow's ZeRO-3 runs each unit again in backward: the experts' all-to-alls too
+    "tensorflow-zero3": ("tensorflow", 2, [*ZERO3, "train.batch_size=8"]),
+    "tensorflow-zero3-data2-tensor2": (
+        "tensorflow",
+        4,
+        [*ZERO3, "train.batch_size=8", "parallel.tensor=2"],
+    ),
     # pipeline stages: each stage's experts over its replicas (x its tensor ranks)
     "torch-data2-pipe2": ("torch", 4, PIPE_MOE),
     "tensorflow-data2-pipe2": ("tensorflow", 4, PIPE_MOE),
@@ -337,6 +344,13 @@ SAME_ROUTING = {  # id: (backend, data-parallel MoE np and overrides, composed n
         (2, ["train.batch_size=4", "train.grad_accum=2"]),
         (4, ["train.batch_size=4", *PIPE2]),
     ),
+    # ZeRO-3 in TensorFlow: each unit's balancing loss backpropagated in its own tape,
+    # the routing recomputed in backward without counting its drops twice
+    "tensorflow-zero3": (
+        "tensorflow",
+        (2, ["train.batch_size=8"]),
+        (2, ["train.batch_size=8", *ZERO3]),
+    ),
 }
 
 
@@ -356,10 +370,17 @@ def test_composed_experts_drop_and_balance_like_data_parallel_moe(tmp_path_facto
     for k in dp:
         np.testing.assert_allclose(got[k], dp[k], rtol=0, atol=1e-5, err_msg=k)
     np.testing.assert_allclose(losses, dp_losses, atol=1e-5)
-    run_dir = shared_run(tmp_path_factory, dp_np, backend, f"routing-dp-{case}", run_dir=True)
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-    drops = [x["moe_drop_rate"] for x in steps if x["event"] == "step"]
+    drops = _moe_drop_rates(tmp_path_factory, dp_np, backend, f"routing-dp-{case}")
     assert min(drops) > 0.05, drops  # capacity really dropped tokens
+    if case == "tensorflow-zero3":  # the recomputed routing is not counted again
+        got = _moe_drop_rates(tmp_path_factory, np_, backend, f"routing-{case}")
+        np.testing.assert_allclose(got, drops, rtol=1e-6)
+
+
+def _moe_drop_rates(tmp_path_factory, np_, backend, name) -> list[float]:
+    run_dir = shared_run(tmp_path_factory, np_, backend, name, run_dir=True)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+    return [x["moe_drop_rate"] for x in steps if x["event"] == "step"]
 
 
 @pytest.mark.parametrize(
@@ -368,14 +389,15 @@ def test_composed_experts_drop_and_balance_like_data_parallel_moe(tmp_path_facto
         ("torch", 4, ["parallel.tensor=2", "train.batch_size=8"]),
         ("tensorflow", 2, ZERO2),
         ("torch", 4, PIPE_MOE),
+        ("tensorflow", 2, [*ZERO3, "train.batch_size=8"]),
     ],
-    ids=["torch-data2-tensor2", "tensorflow-zero2", "torch-data2-pipe2"],
+    ids=["torch-data2-tensor2", "tensorflow-zero2", "torch-data2-pipe2", "tensorflow-zero3"],
 )
 def test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_as_one_process(
     tmp_path, tmp_path_factory, backend, np_, layout
 ):
-    """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, or ZeRO-2 with
-    the experts on 2 ranks, stopped at step 3 (sharded: each rank its experts, its
+    """data 2 x tensor 2 with experts on the 4 expert x tensor ranks, or ZeRO-2 or 3
+    with the experts on 2 ranks, stopped at step 3 (sharded: each rank its experts, its
     tensor slices, its ZeRO ranges), resumes as one process."""
     import shutil
 

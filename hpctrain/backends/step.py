@@ -17,7 +17,8 @@ ZeRO-1/2 step:
 
     zero_begin(lr) -> zero_forward_backward (stage 2 reduce-scatters per micro-batch)
     -> zero_reduce (what is still pending, and the experts' average) -> clip: the shard sums plus the
-    experts' squares summed over their group -> zero_update (shard, experts) -> metrics
+    experts' squares summed over their group -> zero_update (shard, experts) -> step
+    metrics (MoE, traffic, memory)
 
 `grads` is whatever a backend's primitives pass between them: torch keeps gradients
 in `param.grad` (None here), TF hands a list of tensors along.
@@ -86,7 +87,7 @@ def train_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
 
 def zero_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
     """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather."""
-    z = b.zero
+    z, t_step = b.zero, time.perf_counter()
     b.zero_begin(lr)
     pending, loss_sum, correct, total, comm = b.zero_forward_backward(micro_batches)
     t0 = time.perf_counter()
@@ -102,7 +103,8 @@ def zero_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
     b.zero_update(experts, lr)
     comm += time.perf_counter() - t0  # includes the shard's update
     b.exchange_step += 1
-    extra = {"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0}
+    extra = b.moe_metrics(time.perf_counter() - t_step)  # as the replicated step's
+    extra.update({"comm_bytes": float(z.part.take_sent()), "compression_ratio": 1.0})
     extra.update(b.memory())
     return StepStats(loss_sum, correct, total, comm, extra)
 

@@ -115,7 +115,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
                 prefetch=cfg.train["zero_prefetch"],
             )
             self.optimizer, self._flat = self.zero.optimizer, self.zero.part
-            self.expert_optimizer = None  # experts are refused with ZeRO-3 here
+            self.expert_optimizer = self._expert_optimizer(cfg)
         elif cfg.train["zero"]:
             self.zero = TensorFlowZero(
                 world,
@@ -126,9 +126,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
             )
             self.optimizer = self.zero.optimizer
             self._flat = self.zero.part
-            experts = OrderedDict((n, v) for n, v in self.net.vars.items() if is_expert_param(n))
-            # MoE experts are local to a rank: their own optimizer, beside the shard's
-            self.expert_optimizer = _Optimizer(cfg.optimizer, experts) if experts else None
+            self.expert_optimizer = self._expert_optimizer(cfg)
         else:
             self.optimizer = _Optimizer(cfg.optimizer, self.net.vars)
             self._flat = make_reducer(
@@ -144,6 +142,12 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         self.broadcast_from_root()
         self._grad_fn = traced(self._grads, self.net)
         self._eval_fn = traced(lambda x, y: eval_sums(self.net, x, y), self.net)
+
+    def _expert_optimizer(self, cfg):
+        """ZeRO: MoE experts are local to a rank: their own optimizer, beside the
+        shard's (None without experts)."""
+        experts = OrderedDict((n, v) for n, v in self.net.vars.items() if is_expert_param(n))
+        return _Optimizer(cfg.optimizer, experts) if experts else None
 
     def broadcast_from_root(self) -> None:
         """Every replica takes rank 0's variables and optimizer state.
@@ -261,7 +265,8 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
             for x, y in micro_batches:
                 loss, corr, waited = z.forward_backward(x, y, scale)
                 loss_sum, correct, comm = loss_sum + float(loss), correct + int(corr), comm + waited
-            return (None, None, []), loss_sum, correct, total, comm
+            pending = (None, z.take_expert_grads(), z.expert_names)
+            return pending, loss_sum, correct, total, comm
         acc, loss_sum, correct, comm = None, 0.0, 0, 0.0
         names = list(self.net.vars)
         dense = [names.index(n) for n in self._dense]

@@ -162,10 +162,11 @@ class ZooNet(tf.Module):
         self.vars: OrderedDict[str, tf.Variable] = OrderedDict()
         self.buffers: OrderedDict[str, tf.Variable] = OrderedDict()
         for spec in layers:
-            for p in spec.params:
+            for p, shape in spec.params.items():
                 key = f"{spec.name}.{p}"
-                if key not in sharded:
-                    self.vars[key] = tf.Variable(weights[key], name=key.replace(".", "/"))
+                if key not in sharded:  # absent from `weights`: filled by the caller
+                    value = weights[key] if key in weights else np.zeros(shape, np.float32)
+                    self.vars[key] = tf.Variable(value, name=key.replace(".", "/"))
             for bname, shape in spec.buffers.items():
                 key = f"{spec.name}.{bname}"
                 value = weights[key] if key in weights else np.zeros(shape, np.float32)

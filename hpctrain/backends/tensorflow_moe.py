@@ -75,7 +75,7 @@ def moe_ffn(net, spec, v, h, training: bool, router=None):
     the router weight as the caller passes it on (tensor parallelism: through `f`)."""
     moe = _runtime(net, spec)
     router = v["moe.router.weight"] if router is None else router
-    record = bool(training)  # fixed per traced graph: only training calls are counted
+    record = training is True  # per traced graph: training calls counted, not recomputes
     opts = moe.opts
     d = h.shape[-1]
     x = tf.reshape(h, [-1, d])
@@ -128,6 +128,16 @@ def aux_loss(net):
     """Sum of the load-balancing losses of the net's latest call (None without MoE), per
     batch: with tensor parallelism each of a batch's T ranks routed 1/T of it."""
     losses = list(_aux.get(net, {}).values())
+    if not losses:
+        return None
+    return tf.add_n(losses) / float(require_group(net.groups.experts).ranks_per_batch)
+
+
+def unit_aux_loss(net, layer_names: list[str]):
+    """The balancing loss of the named layers' latest calls (ZeRO-3 runs a unit of
+    layers at a time), as `aux_loss` weighs it; None where none is an MoE layer."""
+    latest = _aux.get(net, {})
+    losses = [latest[n] for n in layer_names if n in latest]
     if not losses:
         return None
     return tf.add_n(losses) / float(require_group(net.groups.experts).ranks_per_batch)

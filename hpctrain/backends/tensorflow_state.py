@@ -175,13 +175,18 @@ class TensorFlowStateMixin:
         return self._with_buffers(self.zero.all_params())  # collective
 
     def _with_buffers(self, dense: list[np.ndarray]) -> OrderedDict[str, np.ndarray]:
-        """ZeRO-3's whole parameters (in `param_names` order) and the net's buffers."""
-        out = OrderedDict(zip(self.zero.names, dense, strict=True))
-        out.update(self._buffer_weights())
+        """ZeRO-3's whole dense parameters (in `zero.names` order) among the experts, in
+        `param_names` order, then the net's buffers."""
+        gathered = dict(zip(self.zero.names, dense, strict=True))
+        whole = self._unsharded_weights()
+        out = OrderedDict((n, gathered[n] if n in gathered else whole[n]) for n in self.net.shapes)
+        out.update((k, whole[k]) for k in self.net.buffers)
         return out
 
-    def _buffer_weights(self) -> OrderedDict[str, np.ndarray]:
-        return OrderedDict((k, v.numpy().copy()) for k, v in self.net.buffers.items())
+    def _unsharded_weights(self) -> OrderedDict[str, np.ndarray]:
+        """Copies of what ZeRO-3 keeps whole on this rank: MoE experts and buffers."""
+        held = [*self.net.vars.items(), *self.net.buffers.items()]
+        return OrderedDict((k, v.numpy().copy()) for k, v in held)
 
     def weight_shapes(self) -> dict[str, tuple]:
         shapes = dict(self.net.shapes)
@@ -190,8 +195,8 @@ class TensorFlowStateMixin:
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         self.check_weights(weights, self.weight_shapes())
-        if self._sharded:
-            for k, v in self.net.buffers.items():
+        if self._sharded:  # experts and buffers whole, the dense parameters into the shard
+            for k, v in [*self.net.vars.items(), *self.net.buffers.items()]:
                 v.assign(np.asarray(weights[k], dtype=np.float32))
             self.zero.load_params([weights[n] for n in self.zero.names])
             return
@@ -206,7 +211,7 @@ class TensorFlowStateMixin:
             return self.get_weights()
         dense = self.zero.root_params()
         if dense is None:  # not rank 0 (of the data ranks): its result is not saved
-            return self._buffer_weights()
+            return self._unsharded_weights()
         return self._with_buffers(dense)
 
     def export_state(self) -> dict[str, np.ndarray]:
@@ -223,8 +228,8 @@ class TensorFlowStateMixin:
         """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
         this rank alone holds, its optimizer shard), so a sharded checkpoint needs no
         communication."""
-        # ZeRO-3: the buffers (its parameters are pieces below)
-        weights = self._buffer_weights() if self._sharded else self.get_weights()
+        # ZeRO-3: experts and buffers (its dense parameters are pieces below)
+        weights = self._unsharded_weights() if self._sharded else self.get_weights()
         replicated = {  # with experts: each rank its own
             **with_model_prefix(weights),
             **self._expert_optimizer_state(),

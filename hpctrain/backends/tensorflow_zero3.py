@@ -42,6 +42,8 @@ import tensorflow as tf
 
 from ..exchange.zero import ZeroPartition, unit_plan
 from ..exchange.zero3 import UnitGather, memory_figures
+from ..moe.parallel import is_expert_param
+from . import tensorflow_moe
 from .tensorflow_model import RECOMPUTE, images_first, traced
 from .tensorflow_zero import TensorFlowZero
 
@@ -64,13 +66,20 @@ class TensorFlowZero3(TensorFlowZero):
 
     def __init__(self, world, net, unit_bytes: int, make_opt, init, prefetch: bool = True):
         self.net = net
-        self.names = list(net.shapes)  # the dense parameters (experts are refused)
+        self.names = [n for n in net.shapes if not is_expert_param(n)]  # the dense ones
         self.shapes = [net.shapes[n] for n in self.names]
         sizes = [int(np.prod(s)) for s in self.shapes]
         index = {n: i for i, n in enumerate(self.names)}
-        per_layer = [[index[f"{s.name}.{p}"] for p in s.params] for s in net.layers]
+        names = [[f"{s.name}.{p}" for p in s.params] for s in net.layers]
+        per_layer = [[index[n] for n in layer if n in index] for layer in names]
         self.layer_units = unit_plan(per_layer, sizes, unit_bytes)
         units = [sorted(i for m in g for i in per_layer[m]) for g in self.layer_units]
+        # MoE experts stay whole on their ranks (net.vars): each unit's, in model order
+        self.expert_names = [n for n in net.shapes if is_expert_param(n)]
+        self._unit_experts = [
+            [n for m in g for n in names[m] if is_expert_param(n)] for g in self.layer_units
+        ]
+        self.expert_grads: dict = {}  # name -> this step's summed gradient
         self.part = part = ZeroPartition(world, sizes, 3, 0, units=units)
         largest = max(seg.padded for seg in part.segments)
         self._slots = [_aligned_zeros(largest) for _ in range(SLOTS)]
@@ -98,8 +107,9 @@ class TensorFlowZero3(TensorFlowZero):
         left = [len(seg.params) for seg in part.segments]
         for key, value in init:
             i = index.get(key)
-            if i is None:
-                self.net.buffers[key].assign(np.asarray(value, np.float32))
+            if i is None:  # a buffer or an expert: whole in the net
+                held = self.net.buffers.get(key, self.net.vars.get(key))
+                held.assign(np.asarray(value, np.float32))
                 continue
             u = part.segment_of[i]
             seg, buf = part.segments[u], self._buffer(u)
@@ -134,11 +144,14 @@ class TensorFlowZero3(TensorFlowZero):
             for i, piece in zip(seg.params, pieces, strict=False)
         }
         layers = [self.net.layers[m] for m in self.layer_units[u]]
+        experts = self.net.vars  # MoE experts: the net's own variables
 
         def of(spec):
-            return {p: values[f"{spec.name}.{p}"] for p in spec.params}
+            keys = {p: f"{spec.name}.{p}" for p in spec.params}
+            return {p: values[k] if k in values else experts[k] for p, k in keys.items()}
 
-        return self.net.run_layers(h, layers, of, training, self._nchw[u])
+        out = self.net.run_layers(h, layers, of, training, self._nchw[u])
+        return out, tensorflow_moe.unit_aux_loss(self.net, [s.name for s in layers])
 
     def _fn(self, kind: str, u: int):
         key = (kind, u)
@@ -149,22 +162,31 @@ class TensorFlowZero3(TensorFlowZero):
 
     def _forward(self, u: int):
         def forward(h, flat, training):
-            return self._run(u, h, flat, training)
+            return self._run(u, h, flat, training)[0]
 
         return forward
 
-    def _backward(self, u: int):
-        """The unit again under a tape: gradients of its input (none for the first
-        unit, whose input is the batch) and of its flat parameters."""
+    def _sources(self, u: int, h, flat) -> list:
+        """What a unit's tape differentiates: its flat parameters, its input (not the
+        first unit's: the batch) and its experts' variables."""
+        experts = [self.net.vars[n] for n in self._unit_experts[u]]
+        return [flat, *([h] if u > 0 else []), *experts]
 
-        def backward(h, flat, dy):
+    def _backward(self, u: int):
+        """The unit again under a tape, differentiated with the gradient from above and
+        its balancing loss (MoE; `weight`: tokens x scale, as the one-tape step's)."""
+
+        def backward(h, flat, dy, weight):
             with tf.GradientTape() as tape:
                 tape.watch(flat)
                 if u > 0:
                     tape.watch(h)
-                out = self._run(u, h, flat, RECOMPUTE)
-            sources = [flat, h] if u > 0 else [flat]
-            return tape.gradient(out, sources, output_gradients=dy)
+                out, aux = self._run(u, h, flat, RECOMPUTE)
+                balance = None if aux is None else aux * weight
+            sources = self._sources(u, h, flat)
+            if balance is None:
+                return tape.gradient(out, sources, output_gradients=dy)
+            return tape.gradient([out, balance], sources, [dy, tf.ones_like(balance)])
 
         return backward
 
@@ -176,11 +198,13 @@ class TensorFlowZero3(TensorFlowZero):
                 tape.watch(flat)
                 if u > 0:
                     tape.watch(h)
-                logits = tf.cast(self.net.cast_out(self._run(u, h, flat, True)), tf.float32)
+                out, aux = self._run(u, h, flat, True)
+                logits = tf.cast(self.net.cast_out(out), tf.float32)
                 loss_sum = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
                 scaled = loss_sum * scale  # on the tape: what is differentiated
-            sources = [flat, h] if u > 0 else [flat]
-            grads = tape.gradient(scaled, sources)
+                if aux is not None:
+                    scaled += aux * tf.cast(tf.size(y), tf.float32) * scale
+            grads = tape.gradient(scaled, self._sources(u, h, flat))
             correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
             return loss_sum, correct, grads
 
@@ -215,16 +239,26 @@ class TensorFlowZero3(TensorFlowZero):
             self.gather.release(u)
         flat = self._unit(last, last - 1 if last > 0 else None)
         loss, correct, grads = self._fn("loss", last)(h, flat, tf.constant(y), scale)
-        self._reduce(last, grads[0])
-        dh = grads[1] if last > 0 else None
+        dh = self._take(last, grads)
+        weight = tf.cast(tf.size(y), tf.float32) * scale  # the balancing losses' weight
         for u in reversed(range(last)):
             flat = self._unit(u, u - 1 if u > 0 else None)
-            grads = self._fn("backward", u)(inputs[u], flat, dh)
+            grads = self._fn("backward", u)(inputs[u], flat, dh, weight)
             inputs[u] = None  # only the inputs still ahead are kept
-            self._reduce(u, grads[0])
-            dh = grads[1] if u > 0 else None
+            dh = self._take(u, grads)
         self.gather.release_all()
         return loss, correct, self._comm + self.gather.waited - waited
+
+    def _take(self, u: int, grads: list):
+        """A unit's gradients: the flat one reduce-scattered, the experts' summed over
+        the step; returns its input's (None for the first unit)."""
+        self._reduce(u, grads[0])
+        at = 2 if u > 0 else 1
+        for name, g in zip(self._unit_experts[u], grads[at:], strict=True):
+            g = tf.convert_to_tensor(g)
+            held = self.expert_grads.get(name)
+            self.expert_grads[name] = g if held is None else held + g
+        return grads[1] if u > 0 else None
 
     def _reduce(self, u: int, grad) -> None:
         self.gather.release(u)
@@ -239,6 +273,13 @@ class TensorFlowZero3(TensorFlowZero):
         self.part.reduce_segment(u, buf, self.shard_grad)
         self._comm += time.perf_counter() - t0
 
+    def take_expert_grads(self) -> list | None:
+        """This step's expert gradients in `expert_names` order (None without experts)."""
+        if not self.expert_names:
+            return None
+        grads, self.expert_grads = self.expert_grads, {}
+        return [grads[n] for n in self.expert_names]
+
     def logits(self, x) -> tf.Tensor:
         """The model's float32 output for `x` (inference: collective, unit by unit)."""
         last = len(self.part.segments) - 1
@@ -251,6 +292,7 @@ class TensorFlowZero3(TensorFlowZero):
 
     # --- a step ----------------------------------------------------------------------
     def begin_step(self) -> None:
+        self.expert_grads = {}
         self.shard_grad[:] = 0.0
         self.grad_bytes_peak = self.shard_grad.nbytes
         self.part.take_sent()  # an evaluation's gathers since the last step: not its traffic

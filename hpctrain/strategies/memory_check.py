@@ -12,7 +12,7 @@ are not counted: a run within 15% of its limit gets a warning instead of a refus
 from __future__ import annotations
 
 from ..exchange.memory_plan import TERMS
-from ..models.zoo import has_moe, is_zoo_model
+from ..models.zoo import is_zoo_model
 from ..runtime import allocator
 from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
 
@@ -125,7 +125,7 @@ def _hints(cfg) -> list[str]:
         hints.append(
             "train.zero=2 (gradients and optimizer state split over the data-parallel ranks)"
         )
-    tf_shards = is_zoo_model(cfg.model["name"]) and not has_moe(cfg.model)  # TF's ZeRO-3
+    tf_shards = is_zoo_model(cfg.model["name"])  # TF's ZeRO-3 shards the zoo's models
     if cfg.train["zero"] < 3 and (cfg.backend == "torch" or tf_shards):
         hints.append("train.zero=3 (the parameters too, gathered a unit of layers at a time)")
     if cfg.model["name"] == "transformer":
