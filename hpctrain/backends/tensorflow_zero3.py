@@ -166,6 +166,12 @@ class TensorFlowZero3(TensorFlowZero):
 
         return forward
 
+    @staticmethod
+    def _watch(tape, u: int, h, flat) -> None:
+        tape.watch(flat)  # tensors, not variables: a tape records them when told
+        if u > 0:
+            tape.watch(h)
+
     def _sources(self, u: int, h, flat) -> list:
         """What a unit's tape differentiates: its flat parameters, its input (not the
         first unit's: the batch) and its experts' variables."""
@@ -178,9 +184,7 @@ class TensorFlowZero3(TensorFlowZero):
 
         def backward(h, flat, dy, weight):
             with tf.GradientTape() as tape:
-                tape.watch(flat)
-                if u > 0:
-                    tape.watch(h)
+                self._watch(tape, u, h, flat)
                 out, aux = self._run(u, h, flat, RECOMPUTE)
                 balance = None if aux is None else aux * weight
             sources = self._sources(u, h, flat)
@@ -195,9 +199,7 @@ class TensorFlowZero3(TensorFlowZero):
 
         def loss(h, flat, y, scale):
             with tf.GradientTape() as tape:
-                tape.watch(flat)
-                if u > 0:
-                    tape.watch(h)
+                self._watch(tape, u, h, flat)
                 out, aux = self._run(u, h, flat, True)
                 logits = tf.cast(self.net.cast_out(out), tf.float32)
                 loss_sum = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
