@@ -345,11 +345,12 @@ SAME_ROUTING = {  # id: (backend, data-parallel MoE np and overrides, composed n
         (4, ["train.batch_size=4", *PIPE2]),
     ),
     # ZeRO-3 in TensorFlow: each unit's balancing loss backpropagated in its own tape,
-    # the routing recomputed in backward without counting its drops twice
+    # the routing recomputed in backward with its forward's jitter noise, its drops
+    # not counted twice
     "tensorflow-zero3": (
         "tensorflow",
-        (2, ["train.batch_size=8"]),
-        (2, ["train.batch_size=8", *ZERO3]),
+        (2, ["train.batch_size=8", "model.moe.jitter=0.1"]),
+        (2, ["train.batch_size=8", "model.moe.jitter=0.1", *ZERO3]),
     ),
 }
 

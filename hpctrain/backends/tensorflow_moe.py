@@ -80,8 +80,9 @@ def moe_ffn(net, spec, v, h, training: bool, router=None):
     d = h.shape[-1]
     x = tf.reshape(h, [-1, d])
     xr = x
-    if training and opts["jitter"] > 0:
-        noise = tf.numpy_function(moe.jitter_noise, [tf.shape(x)], tf.float32)
+    if training and opts["jitter"] > 0:  # a recompute (not True) takes its forward's noise
+        draw = moe.jitter_noise if training is True else moe.repeat_jitter_noise
+        noise = tf.numpy_function(draw, [tf.shape(x)], tf.float32)
         xr = x * tf.reshape(noise, tf.shape(x))
     probs = tf.nn.softmax(tf.linalg.matmul(xr, router, transpose_b=True), -1)
     out_types = [tf.int64] * 8 + [tf.float32]

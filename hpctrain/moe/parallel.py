@@ -250,9 +250,17 @@ class MoELayer:
     def jitter_noise(self, shape) -> np.ndarray:
         """Multiplicative router-input noise U(1-eps, 1+eps) (Switch), from this rank's rng."""
         eps = self.opts["jitter"]
-        return self.rng.uniform(1.0 - eps, 1.0 + eps, size=tuple(int(s) for s in shape)).astype(
-            np.float32
-        )
+        size = tuple(int(s) for s in shape)
+        self._last_noise = self.rng.uniform(1.0 - eps, 1.0 + eps, size=size).astype(np.float32)
+        return self._last_noise
+
+    def repeat_jitter_noise(self, shape) -> np.ndarray:
+        """The latest call's noise again, for the same tokens run again in backward
+        (TensorFlow's ZeRO-3 recomputes each unit before the next micro-batch's forward)."""
+        noise = getattr(self, "_last_noise", None)
+        if noise is None or noise.shape != tuple(int(s) for s in shape):
+            raise RuntimeError("a recomputed MoE layer found no noise of its forward's shape")
+        return noise
 
     def plan(self, probs: np.ndarray, record: bool = False) -> Plan:
         """Route this rank's tokens and exchange row counts with every rank (collective)."""

@@ -135,23 +135,14 @@ def zero_rules(v: dict) -> list[str]:
 
 
 def _tensorflow_zero3(v: dict) -> str | None:
-    """TensorFlow's ZeRO-3 runs a zoo model unit by unit and each unit again in backward
-    (backends/tensorflow_zero3.py): a Keras model's layers own their variables, and the
-    router's jitter would draw other noise when a unit runs again."""
-    from ..models.zoo import has_moe, is_zoo_model
+    """TensorFlow's ZeRO-3 runs a zoo model unit by unit (backends/tensorflow_zero3.py):
+    a Keras model's layers own their variables."""
+    from ..models.zoo import is_zoo_model
 
-    model = _model(v)
-    if not is_zoo_model(model.get("name", "")):
+    if not is_zoo_model(_model(v).get("name", "")):
         return (
             "train.zero=3 with backend tensorflow shards the zoo's models (a Keras "
             "model's layers own their variables): use backend torch, or train.zero=2"
-        )
-    moe = model.get("moe") if has_moe(model) else None
-    if isinstance(moe, dict) and moe.get("jitter", 0) > 0:
-        return (
-            "train.zero=3 with backend tensorflow runs each unit of layers again in "
-            "backward, where the router's jitter would draw other noise: set "
-            "model.moe.jitter=0, or use backend torch or train.zero=2"
         )
     return None
 
