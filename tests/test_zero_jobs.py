@@ -63,7 +63,14 @@ def test_zero_equals_plain_data_parallel(tmp_path_factory, backend, np_, optimiz
     zero, zero_losses = run(f"zero{stage}-{optimizer}")
     _assert_same_weights(zero, plain, 1e-6)
     assert zero_losses == pytest.approx(plain_losses, abs=1e-6)
-    steps = [x for x in _metrics(run(f"zero{stage}-{optimizer}", True)) if x["event"] == "step"]
+    zero_metrics = _metrics(run(f"zero{stage}-{optimizer}", True))
+    # the end-of-run validation (under ZeRO-3 gathered unit by unit) sees the same model
+    plain_val = [
+        x["val_loss"] for x in _metrics(run(f"plain-{optimizer}", True)) if "val_loss" in x
+    ]
+    zero_val = [x["val_loss"] for x in zero_metrics if "val_loss" in x]
+    assert zero_val and zero_val == pytest.approx(plain_val, abs=1e-6)
+    steps = [x for x in zero_metrics if x["event"] == "step"]
     # Reduce-scatter + allgather: what a ring allreduce sends, 2 (N-1)/N of the vector;
     # stage 2 reduce-scatters every micro-batch (grad_accum=2): 3 (N-1)/N.
     if stage == 3:

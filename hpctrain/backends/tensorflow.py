@@ -41,6 +41,7 @@ from .tensorflow_model import (  # noqa: F401 - importable from here (stage, wor
     build_model,
     eval_sums,
     evaluate_with,
+    logit_sums,
     net_weights,
     traced,
 )
@@ -337,10 +338,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
 
     def evaluate(self, x, y) -> EvalStats:
         if self._sharded:  # ZeRO-3, collective: gathered unit by unit
-            logits = self.zero.logits(x)
-            loss = tf.nn.sparse_softmax_cross_entropy_with_logits(tf.constant(y), logits)
-            correct = np.sum(np.argmax(logits.numpy(), -1) == y)
-            return EvalStats(float(tf.reduce_sum(loss)), int(correct), int(np.prod(y.shape)))
+            return evaluate_with(lambda a, b: logit_sums(self.zero.logits(a), b), x, y)
         return evaluate_with(self._eval_fn, x, y)
 
     def predict(self, x) -> np.ndarray:

@@ -34,7 +34,11 @@ def traced(fn, net):
 
 def eval_sums(net, x, y):
     """Summed loss and correct predictions of one batch (traced by tf.function)."""
-    logits = tf.cast(net(x, training=False), tf.float32)  # bf16 models: loss in float32
+    return logit_sums(tf.cast(net(x, training=False), tf.float32), y)  # bf16: loss in f32
+
+
+def logit_sums(logits, y):
+    """Summed cross-entropy and correct predictions of float32 `logits` for labels `y`."""
     losses = tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits)
     correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
     return tf.reduce_sum(losses), correct

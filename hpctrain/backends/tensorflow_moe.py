@@ -125,20 +125,12 @@ def moe_ffn(net, spec, v, h, training: bool, router=None):
     return tf.reshape(y, tf.shape(h))
 
 
-def aux_loss(net):
+def aux_loss(net, layer_names: list[str] | None = None):
     """Sum of the load-balancing losses of the net's latest call (None without MoE), per
-    batch: with tensor parallelism each of a batch's T ranks routed 1/T of it."""
-    losses = list(_aux.get(net, {}).values())
-    if not losses:
-        return None
-    return tf.add_n(losses) / float(require_group(net.groups.experts).ranks_per_batch)
-
-
-def unit_aux_loss(net, layer_names: list[str]):
-    """The balancing loss of the named layers' latest calls (ZeRO-3 runs a unit of
-    layers at a time), as `aux_loss` weighs it; None where none is an MoE layer."""
+    batch: with tensor parallelism each of a batch's T ranks routed 1/T of it.
+    `layer_names`: those layers' only (ZeRO-3 runs a unit of layers at a time)."""
     latest = _aux.get(net, {})
-    losses = [latest[n] for n in layer_names if n in latest]
+    losses = [v for k, v in latest.items() if layer_names is None or k in layer_names]
     if not losses:
         return None
     return tf.add_n(losses) / float(require_group(net.groups.experts).ranks_per_batch)

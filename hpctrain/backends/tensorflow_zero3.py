@@ -8,13 +8,14 @@ recorded until `tape.gradient` returns, so one tape over the forward would hold 
 gathered unit at once, the whole model. So each unit runs twice, as activation
 checkpointing does (`tf.recompute_grad`):
 
-- forward, without a tape: unit by unit, keeping only each unit's input;
-- the last unit once more with the loss, under a tape;
+- forward, without a tape: unit by unit but the last, keeping only each unit's input;
+- the last unit, once, under a tape with the loss;
 - backward, from the last unit but one: the unit is gathered again (the two last are
   still in their slots), run again under its own tape, and differentiated with the
-  gradient that arrives from above (`output_gradients`) for its input and its flat
-  parameters. The flat gradient is already the segment's padded layout: it is
-  reduce-scattered at once, in the same order on every rank (backward's), as stage 2.
+  gradient that arrives from above (`output_gradients`) and its MoE balancing loss,
+  for its input, its flat parameters and its experts' variables. The flat gradient is
+  already the segment's padded layout: it is reduce-scattered at once, in the same
+  order on every rank (backward's), as stage 2.
 
 The price of freeing parameters under a tape is one more forward of every unit but the
 last, as `model.recompute` pays for activations. BatchNorm's running statistics are
@@ -44,7 +45,7 @@ from ..exchange.zero import ZeroPartition, unit_plan
 from ..exchange.zero3 import UnitGather, memory_figures
 from ..moe.parallel import is_expert_param
 from . import tensorflow_moe
-from .tensorflow_model import RECOMPUTE, images_first, traced
+from .tensorflow_model import RECOMPUTE, images_first, logit_sums, traced
 from .tensorflow_zero import TensorFlowZero
 
 SLOTS = 2  # gathered units at once: the running one and the prefetched one
@@ -151,7 +152,7 @@ class TensorFlowZero3(TensorFlowZero):
             return {p: values[k] if k in values else experts[k] for p, k in keys.items()}
 
         out = self.net.run_layers(h, layers, of, training, self._nchw[u])
-        return out, tensorflow_moe.unit_aux_loss(self.net, [s.name for s in layers])
+        return out, tensorflow_moe.aux_loss(self.net, [s.name for s in layers])
 
     def _fn(self, kind: str, u: int):
         key = (kind, u)
@@ -202,13 +203,11 @@ class TensorFlowZero3(TensorFlowZero):
                 self._watch(tape, u, h, flat)
                 out, aux = self._run(u, h, flat, True)
                 logits = tf.cast(self.net.cast_out(out), tf.float32)
-                loss_sum = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
+                loss_sum, correct = logit_sums(logits, y)
                 scaled = loss_sum * scale  # on the tape: what is differentiated
                 if aux is not None:
                     scaled += aux * tf.cast(tf.size(y), tf.float32) * scale
-            grads = tape.gradient(scaled, self._sources(u, h, flat))
-            correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
-            return loss_sum, correct, grads
+            return loss_sum, correct, tape.gradient(scaled, self._sources(u, h, flat))
 
         return loss
 
@@ -304,8 +303,8 @@ class TensorFlowZero3(TensorFlowZero):
         self._use_new_shard()
 
     def _use_new_shard(self) -> None:
-        """The shard changed: every unit is gathered afresh, from the new values."""
-        self._shard_np = None  # the old view: its buffer goes once the gather lets go
+        """The shard changed: every unit is gathered afresh, from the new values (the
+        old view's buffer goes once the gather lets go of it)."""
         self._shard_np = self._shard_view()
         self.gather.use_shard(self._shard_np)
 
@@ -337,8 +336,8 @@ class TensorFlowZero3(TensorFlowZero):
         return self.part.owned_pieces(self._shard_np, keys, self.shapes)
 
     def load_params(self, arrays: list[np.ndarray]) -> None:
-        """The shard from whole parameters (every rank holds them: a load)."""
-        self.gather.invalidate()
+        """The shard from whole parameters (every rank holds them: a load). A gather
+        still on its way reads the old view, which the assignment leaves intact."""
         self.shard.assign(self.part.shard_of(self.part.flatten(arrays)))
         self._use_new_shard()
 
