@@ -211,7 +211,10 @@ class TrainingLoop:
         finally:
             pre.uninstall()
             self.progress.close()
-        return self._summary(time.perf_counter() - t_start)
+        summary = self._summary(time.perf_counter() - t_start)
+        if self.checkpoints.requeue_after_run(pre):  # last: SLURM ends the job now
+            log.info("job requeued: it resumes from this checkpoint (--resume auto)")
+        return summary
 
     def _context(self) -> RunContext:
         """What the strategy may use of this run (strategies/base.py `RunContext`)."""

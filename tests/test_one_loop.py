@@ -340,3 +340,37 @@ def test_the_one_loop_check_finds_a_second_loop(added):
     sources[path] += "\n\nclass SecondLoop:\n" + added
     where = [(p, cls) for p, cls, *_ in _training_loops(sources)]
     assert where == [("hpctrain/loop.py", "TrainingLoop"), (path, "SecondLoop")], where
+
+
+def test_a_preempted_slurm_job_is_requeued_after_its_summary_is_written(tmp_path):
+    # `scontrol requeue` makes SLURM end the running job at once: CI lost a preempted run's
+    # summary to that race. The requeue must be the run's last act, so a stand-in scontrol
+    # (the real one against a running job is in test_slurm.py) copies the metrics as they
+    # are when it is called.
+    run, bin_ = tmp_path / "run", tmp_path / "bin"
+    bin_.mkdir()
+    seen, called = tmp_path / "metrics-at-requeue.jsonl", tmp_path / "scontrol-args"
+    scontrol = bin_ / "scontrol"
+    scontrol.write_text(
+        f'#!/bin/sh\necho "$@" > {called}\ncp {run / "metrics.jsonl"} {seen}\n'
+    )
+    scontrol.chmod(0o755)
+    common = ["train.epochs=40", "data.train_samples=2048", "train.batch_size=16"]
+    tag = f"{os.getpid()}-requeue"
+    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+    env.update(HPCTRAIN_TEST_JOB=tag, PATH=f"{bin_}:{os.environ['PATH']}")
+    # SLURM_JOB_ID for the ranks only: mpirun itself would look for a SLURM allocation.
+    cmd = ["mpirun", "-np", "2", "-x", "HPCTRAIN_TEST_JOB", "-x", "PATH", "-x"]
+    proc = DrainedPopen([*cmd, "SLURM_JOB_ID=4242", *_args(run, common)], env=env, cwd=ROOT)
+    try:
+        _wait_for_steps(run, 3, proc)
+        os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
+        out = proc.finish(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 0, out
+    assert "SIGUSR1 received: stopped at step" in out and "job requeued" in out, out
+    assert called.read_text().split() == ["requeue", "4242"], out
+    summaries = [json.loads(x) for x in seen.open() if '"event": "summary"' in x]
+    assert len(summaries) == 1 and summaries[0]["preempted"] == "SIGUSR1", out

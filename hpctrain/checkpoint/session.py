@@ -50,6 +50,7 @@ class RunCheckpoints:
         self._since: tuple[int, float] | None = None  # (step, time) the last save ended
         self._start_step = 0  # the step training starts from (a resumed run's)
         self._saved_schedule: int | None = None  # the steps a resumed checkpoint's lr spanned
+        self._requeue_after_run = False  # a preemption checkpoint waits for the summary
 
     @property
     def enabled(self) -> bool:
@@ -121,7 +122,8 @@ class RunCheckpoints:
         self.checkpointer.wait()
 
     def preempt(self, pre, progress, metrics: dict | None = None, label: str = "") -> str:
-        """Every rank reached the same step after a signal: checkpoint, then requeue.
+        """Every rank reached the same step after a signal: checkpoint; the job is
+        requeued once the run has ended (`requeue_after_run`).
 
         Returns the signal's name on every rank. `pre` is a runtime Preemption,
         `progress` the rank-0 progress display, `metrics` the checkpoint's evaluation,
@@ -140,12 +142,20 @@ class RunCheckpoints:
                 progress.message(f"{stopped}; interrupted ({why}), not requeued{then}")
             else:
                 progress.message(stopped)
-                if path is not None and pre.requeue():
-                    progress.message(
-                        "job requeued: it resumes from this checkpoint (--resume auto)"
-                    )
+                self._requeue_after_run = path is not None
         w.barrier("preemption checkpoint written")
         return w.bcast_object(signal, what="agree on the preemption signal")
+
+    def requeue_after_run(self, pre) -> bool:
+        """Requeue the job a preemption checkpointed (rank 0; False elsewhere, or when
+        there is nothing to requeue or SLURM refused, which `pre` says on stderr).
+
+        The run's last act: `scontrol requeue` makes SLURM end the running job at once,
+        so whatever is written after it (the run's summary, the metrics' last lines) may
+        be lost. The loop calls it after the summary is on disk.
+        """
+        wanted, self._requeue_after_run = self._requeue_after_run, False
+        return wanted and pre.requeue()
 
     def _collect(self, metrics: dict | None):
         """Everything a checkpoint holds; collective (every rank calls it). Sharded: every

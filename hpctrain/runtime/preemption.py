@@ -4,9 +4,10 @@ SLURM sends SIGUSR1 (`--signal=USR1@90` in the templates) some time before the t
 limit and SIGTERM on preemption or scancel. A signal arrives at an arbitrary point of
 one rank, possibly inside an MPI call, so the handler here only records it. The
 trainer polls `requested` once per step, agrees on it across ranks through its
-per-step allreduce (so every rank stops at the same step), checkpoints, and then rank
-0 calls `requeue()`: `scontrol requeue` puts the job back in the queue under the same
-id, and the new run resumes from the checkpoint in the same run directory.
+per-step allreduce (so every rank stops at the same step), checkpoints, writes the run's
+summary, and then rank 0 calls `requeue()` as its last act (SLURM ends the running job at
+once): `scontrol requeue` puts the job back in the queue under the same id, and the new
+run resumes from the checkpoint in the same run directory.
 
 An interrupt is not a preemption. Ctrl-C reaches a process started without a launcher as
 SIGINT; Open MPI's mpirun passes it on to its ranks as SIGTERM (as it does its own
