@@ -351,9 +351,7 @@ def test_a_preempted_slurm_job_is_requeued_after_its_summary_is_written(tmp_path
     bin_.mkdir()
     seen, called = tmp_path / "metrics-at-requeue.jsonl", tmp_path / "scontrol-args"
     scontrol = bin_ / "scontrol"
-    scontrol.write_text(
-        f'#!/bin/sh\necho "$@" > {called}\ncp {run / "metrics.jsonl"} {seen}\n'
-    )
+    scontrol.write_text(f'#!/bin/sh\necho "$@" > {called}\ncp {run / "metrics.jsonl"} {seen}\n')
     scontrol.chmod(0o755)
     common = ["train.epochs=40", "data.train_samples=2048", "train.batch_size=16"]
     tag = f"{os.getpid()}-requeue"
