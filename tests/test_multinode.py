@@ -233,6 +233,8 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
         # torch.distributed over Gloo: the default group's store crosses the link, the
         # tensor pairs' groups stay in a node, the replicas' group spans both
         ["train.zero=2", "train.batch_size=8", "train.allreduce=gloo"],
+        # ZeRO-3 on the replicas' Gloo group: the units' gathers as tensors across the link
+        ["train.zero=3", "train.zero_unit_mb=0.004", "train.batch_size=8", "train.allreduce=gloo"],
         # and the pipeline's links: the stages' activations and gradients cross the link
         [
             "strategy=pipeline",
@@ -249,6 +251,7 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
         "zero3-data2-tensor2",
         "experts-data2-tensor2",
         "gloo-zero2-data2-tensor2",
+        "gloo-zero3-data2-tensor2",
         "gloo-pipe2-tensor2",
         "tf-zero3-data2-tensor2",
     ],

@@ -1,9 +1,10 @@
 """`train.allreduce=gloo` under real mpirun: torch.distributed bootstrapped over MPI (no
 MASTER_ADDR), the same device-side code GPU ranks run with NCCL, gives the parameters
 and losses of the MPI engine after the steps (SGD with momentum and Adam, clipping,
-accumulation) at np 2 and 4. The runs share the overlap tests' launches. ZeRO-1 and
-ZeRO-2 over Gloo (the partition on torch tensors) equal one process on the MPI engine,
-and their checkpoints resume as plain data parallelism.
+accumulation) at np 2 and 4. The runs share the overlap tests' launches. ZeRO-1, ZeRO-2
+and ZeRO-3 over Gloo (the partition, and ZeRO-3's slots and gathers, on torch tensors)
+equal one process on the MPI engine, and their checkpoints resume as plain data
+parallelism.
 
 Tolerance: 1e-6, except Adam at np=4. There Gloo and Open MPI sum four ranks' gradients
 in different orders, and Adam divides each update by sqrt(v): a last-bit difference in
@@ -85,19 +86,29 @@ def test_gloo_zero_equals_one_process_and_its_checkpoint_resumes_as_plain(tmp_pa
         {
             "zero1": [*six, *gloo, "train.zero=1"],
             "zero2": [*six, *gloo, "train.zero=2"],
+            # ZeRO-3: shard, slots and gradient buffers torch tensors, ~4 KB units
+            "zero3": [*six, *gloo, "train.zero=3", "train.zero_unit_mb=0.004"],
+            "zero3-mpi": [*six, "train.batch_size=8", "train.zero=3", "train.zero_unit_mb=0.004"],
             "zero2-then-plain": then("zero2", "train.batch_size=8", "train.allreduce=mpi"),
+            "zero3-then-plain": then("zero3", "train.batch_size=8", "train.allreduce=mpi"),
             "plain-then-zero1": then("ref", *gloo, "train.zero=1"),
         },
     )
     ref, ref_losses = one["ref"]
-    for stage, times in ((1, 2), (2, 3)):  # stage 2 reduce-scatters each micro-batch
+    # stage 2 reduce-scatters each micro-batch; stage 3 gathers as on the MPI engine
+    for stage, times in ((1, 2), (2, 3), (3, None)):
         weights, losses = two[f"zero{stage}"]
         _assert_same_weights(weights, ref, 1e-6)
         assert len(losses) == 6 and losses == pytest.approx(ref_losses, abs=1e-6)
         steps = [x for x in _metrics(tmp_path / f"zero{stage}.npz.run") if x["event"] == "step"]
         psi = steps[-1]["zero_model_param_bytes"]
-        assert steps[-1]["comm_bytes"] == pytest.approx(times * psi / 2, rel=0.01)
-    for name in ("zero2-then-plain", "plain-then-zero1"):
+        if times is not None:
+            assert steps[-1]["comm_bytes"] == pytest.approx(times * psi / 2, rel=0.01)
+        else:  # the same units gathered (a unit still in its slot is not) and reduced
+            mpi = [x for x in _metrics(tmp_path / "zero3-mpi.npz.run") if x["event"] == "step"]
+            assert [x["comm_bytes"] for x in steps] == [x["comm_bytes"] for x in mpi]
+            assert steps[-1]["comm_bytes"] > 2 * psi / 2  # gathers besides reduce-scatters
+    for name in ("zero2-then-plain", "zero3-then-plain", "plain-then-zero1"):
         cont, cont_losses = two[name]
         _assert_same_weights(cont, one["ref-cont"][0], 1e-6)
         assert len(cont_losses) == 3

@@ -292,6 +292,8 @@ MOE_LAYOUTS = {  # id: (backend, np, overrides)
     "torch-zero2-data2-tensor2": ("torch", 4, [*ZERO2, "parallel.tensor=2"]),
     "torch-zero3": ("torch", 2, [*ZERO3, "train.batch_size=8"]),
     "torch-zero3-data2-tensor2": ("torch", 4, [*ZERO3, "train.batch_size=8", "parallel.tensor=2"]),
+    # torch.distributed over Gloo: ZeRO-3's gathers and the experts' all-to-alls on tensors
+    "torch-gloo-zero3": ("torch", 2, [*ZERO3, "train.batch_size=8", "train.allreduce=gloo"]),
     # TensorFlow's ZeRO-3 runs each unit again in backward: the experts' all-to-alls too
     "tensorflow-zero3": ("tensorflow", 2, [*ZERO3, "train.batch_size=8"]),
     "tensorflow-zero3-data2-tensor2": (

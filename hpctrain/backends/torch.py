@@ -107,6 +107,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         wrapped in Horovod's DistributedOptimizer on the horovod engine."""
         cfg, params = self.cfg, self._dense
         self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only
+        # ZeRO over MPI (host numpy) or the process group's transport (on the device)
+        transport = self._pg["replicas"] if self._pg is not None else None
         if cfg.train["zero"] == 3:  # parameters sharded too, gathered per unit of layers
             self.zero = TorchZero3(
                 self.world,
@@ -116,11 +118,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
                 partial(make_optimizer, cfg.optimizer),
                 prefetch=cfg.train["zero_prefetch"],
                 init=self._init_stream() if self._lazy else None,
+                transport=transport,
+                device=self.device,
             )
             opt = self.zero.optimizer
-        elif cfg.train["zero"]:  # over MPI (host) or the process group (device)
+        elif cfg.train["zero"]:
             make_opt = partial(make_optimizer, cfg.optimizer)
-            transport = self._pg["replicas"] if self._pg is not None else None
             self.zero = make_torch_zero(cfg, self.world, params, transport, make_opt)
             opt = self.zero.optimizer
         else:

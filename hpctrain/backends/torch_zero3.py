@@ -89,36 +89,46 @@ class TorchZero3(ShardedOptimizerState):
         make_opt,
         prefetch: bool = True,
         init=None,
+        transport=None,
+        device: torch.device | None = None,
     ):
         """`init`: (name, initial value) of every tensor of a model built lazily
         (torch_model.init_stream): each unit is filled, sharded and freed in turn, so a
         rank never holds more than one unit of the whole model. Without it the model's
-        own parameters are taken, rank 0's broadcast."""
+        own parameters are taken, rank 0's broadcast. `transport`: the process-group
+        transport of the gloo/nccl engines (shard, slots and gradients are tensors on
+        `device`); None: the MPI engine over `world` (their numpy views, host memory)."""
         modules = unit_modules(model)
         per_layer = module_params(model, params)
         sizes = [p.numel() for p in params]
         groups = unit_plan(per_layer, sizes, unit_bytes)
         units = [sorted(i for m in g for i in per_layer[m]) for g in groups]
-        self.part = part = ZeroPartition(world, sizes, 3, 0, units=units)
+        self.part = part = ZeroPartition(transport or world, sizes, 3, 0, units=units, host=world)
+        # the transport's view of a tensor: its numpy view (MPI, host memory) or itself
+        self._arr = (lambda t: t.numpy()) if transport is None else (lambda t: t)
         self.params = params
-        self.shard = nn.Parameter(torch.zeros(part.shard_len))
-        self._shard_np = self.shard.detach().numpy()
+        self.device = device = torch.device("cpu") if device is None else device
+        self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
+        self._shard_arr = self._arr(self.shard.detach())  # what the gathers send from
         # two persistent slots of the largest unit's size; unit u lives in slot u % 2
-        largest = max(seg.padded for seg in part.segments)
-        self._slots = [torch.zeros(largest) for _ in range(SLOTS)]
+        self._largest = largest = max(seg.padded for seg in part.segments)
+        self._slots = [torch.zeros(largest, device=device) for _ in range(SLOTS)]
         self._full = [self._slots[u % SLOTS][: seg.padded] for u, seg in enumerate(part.segments)]
         with torch.no_grad():
             if init is None:
                 self._take_params(world)
             else:
                 self._fill(model, init)
-        self.gather = UnitGather(part, self._shard_np, self._buffer, SLOTS, prefetch)
-        self._spare: list[np.ndarray] = []  # gradient buffers of the largest unit's size
+        # Gloo and NCCL progress on their own threads and streams: no polling thread
+        poll = {} if transport is None else {"poll_s": 0.0}
+        self.gather = UnitGather(part, self._shard_arr, self._buffer, SLOTS, prefetch, **poll)
+        self._spare: list = []  # gradient buffers of the largest unit's size
         self.optimizer = make_opt([self.shard])
-        self.shard_grad = np.zeros(part.shard_len, dtype=np.float32)
+        self._shard_grad = torch.zeros(part.shard_len, device=device)
+        self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type
         self.grad_bytes_peak = 0
         self.gathered_peak = SLOTS * largest * 4  # the slots hold the gathered units
-        self._open: dict[int, np.ndarray] = {}  # unit -> its gradient, while it fills
+        self._open: dict = {}  # unit -> its gradient buffer (largest-unit sized), filling
         self._order = list(reversed(range(len(part.segments))))  # backward's order
         self._in_backward = False
         self._live = False
@@ -145,7 +155,7 @@ class TorchZero3(ShardedOptimizerState):
         part = self.part
         k = part.segments[u].piece(part.n)
         lo = part.rank * k
-        part.shard_view(self._shard_np, u)[:] = self._full[u].numpy()[lo : lo + k]
+        part.shard_view(self._shard_arr, u)[:] = self._arr(self._full[u])[lo : lo + k]
 
     def _take_params(self, world) -> None:
         for u, seg in enumerate(self.part.segments):
@@ -155,7 +165,9 @@ class TorchZero3(ShardedOptimizerState):
                 view.copy_(self.params[i].detach())
                 self.params[i].data = view
             if world is not None and world.size > 1:  # rank 0's weights everywhere
-                world.bcast_inplace(flat.numpy(), what=f"ZeRO-3 broadcast unit {u}")
+                host = flat.cpu().numpy()  # construction only: through the host
+                world.bcast_inplace(host, what=f"ZeRO-3 broadcast unit {u}")
+                flat.copy_(torch.from_numpy(host))
             self._close_unit(u)
 
     def _fill(self, model: nn.Module, init) -> None:
@@ -170,7 +182,7 @@ class TorchZero3(ShardedOptimizerState):
             if i is None:  # a buffer or an expert: allocated here if it was built lazily
                 t = others.pop(key)
                 if t.untyped_storage().nbytes() == 0:
-                    t.data = torch.zeros(t.shape)
+                    t.data = torch.zeros(t.shape, device=t.device)
                 t.copy_(torch.from_numpy(value))
                 continue
             u = part.segment_of[i]
@@ -190,15 +202,15 @@ class TorchZero3(ShardedOptimizerState):
         return [(names[id(p)], p) for p in self.params]
 
     # --- storage ----------------------------------------------------------------------
-    def _buffer(self, u: int) -> np.ndarray:
-        return self._full[u].numpy()
+    def _buffer(self, u: int):
+        return self._arr(self._full[u])
 
-    def _grad_buffer(self, u: int) -> np.ndarray:
-        """A zeroed gradient buffer for unit u, from the spares (allocated once)."""
-        base = self._spare.pop() if self._spare else np.empty(self._slots[0].numel(), np.float32)
-        view = base[: self.part.segments[u].padded]
-        view[:] = 0.0
-        return view
+    def _grad_buffer(self, u: int):
+        """A gradient buffer of the largest unit's size, zeroed over unit u's length,
+        from the spares (allocated once, on the transport's side)."""
+        base = self._spare.pop() if self._spare else self.part.arrays.zeros(self._largest)
+        base[: self.part.segments[u].padded] = 0.0
+        return base
 
     # --- the hooks -----------------------------------------------------------------------
     def _before_forward(self, u: int, module, args) -> None:
@@ -233,9 +245,9 @@ class TorchZero3(ShardedOptimizerState):
         if u not in self._open:
             self._open[u] = self._grad_buffer(u)
         at = part.offsets[index] - seg.start
-        self._open[u][at : at + part.sizes[index]] = param.grad.detach().reshape(-1).numpy()
-        held = sum(b.nbytes for b in self._open.values()) + param.grad.numel() * 4
-        self.grad_bytes_peak = max(self.grad_bytes_peak, held + self.shard_grad.nbytes)
+        self._open[u][at : at + part.sizes[index]] = self._arr(param.grad.detach().reshape(-1))
+        held = len(self._open) * self._largest * 4 + param.grad.numel() * 4
+        self.grad_bytes_peak = max(self.grad_bytes_peak, held + part.shard_len * 4)
         param.grad = None  # only the shard of the gradient outlives backward
         self._left[u] -= 1
         if self._left[u] == 0:
@@ -248,8 +260,8 @@ class TorchZero3(ShardedOptimizerState):
             buf = self._open.pop(u, None)
             if buf is None:  # no gradient reached this unit: it contributes zeros
                 buf = self._grad_buffer(u)
-            self.part.reduce_segment(u, buf, self.shard_grad)
-            self._spare.append(buf.base if buf.base is not None else buf)
+            self.part.reduce_segment(u, buf[: self.part.segments[u].padded], self.shard_grad)
+            self._spare.append(buf)
             self._next += 1
 
     def _arm(self) -> None:
@@ -258,8 +270,8 @@ class TorchZero3(ShardedOptimizerState):
 
     # --- a step (the same calls as TorchZero) ------------------------------------------
     def begin_step(self) -> None:
-        self.shard_grad[:] = 0.0
-        self.grad_bytes_peak = self.shard_grad.nbytes
+        self._shard_grad.zero_()
+        self.grad_bytes_peak = self.part.shard_len * 4
         self.part.take_sent()  # an evaluation's gathers since the last step: not its traffic
         for p in self.params:
             p.grad = None
@@ -283,7 +295,7 @@ class TorchZero3(ShardedOptimizerState):
         return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
 
     def step(self) -> None:
-        self.shard.grad = torch.from_numpy(self.shard_grad)
+        self.shard.grad = self._shard_grad
         self.optimizer.step()
         self.gather.invalidate()  # the shard changed: every unit is gathered afresh
 
@@ -299,7 +311,7 @@ class TorchZero3(ShardedOptimizerState):
             was_live = self.gather.is_live(u)
             self.gather.need(u)
             for i in seg.params:
-                out[i] = self.params[i].detach().clone().numpy()
+                out[i] = self.params[i].detach().to("cpu", copy=True).numpy()
             if not was_live:
                 self.gather.release(u)
         return out
@@ -308,17 +320,22 @@ class TorchZero3(ShardedOptimizerState):
         """Every dense parameter on rank 0 (None elsewhere): one gather of the shards."""
         shapes = [tuple(p.shape) for p in self.params]
         what = "ZeRO-3 checkpoint: gather parameters"
-        return self.part.gather_arrays(self._shard_np, shapes, what)
+        return self.part.gather_arrays(self._host_shard(), shapes, what)
 
     def param_pieces(self, names: list[str]) -> dict:
         """This rank's own part of every `model/<name>` (no communication)."""
         shapes = [tuple(p.shape) for p in self.params]
-        return self.part.owned_pieces(self._shard_np, [f"model/{n}" for n in names], shapes)
+        return self.part.owned_pieces(self._host_shard(), [f"model/{n}" for n in names], shapes)
+
+    def _host_shard(self) -> np.ndarray:
+        """The shard in host memory (its own memory on CPU, a copy from a GPU: a save)."""
+        return self.shard.detach().cpu().numpy()
 
     def load_params(self, arrays: list[np.ndarray]) -> None:
         """The shard from whole parameters (every rank holds them: a load)."""
         self.gather.invalidate()
-        self._shard_np[:] = self.part.shard_of(self.part.flatten(arrays))
+        with torch.no_grad():
+            self.shard.copy_(torch.from_numpy(self.part.shard_of(self.part.flatten(arrays))))
 
     # --- memory ----------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:

@@ -129,7 +129,7 @@ def zero_rules(v: dict) -> list[str]:
     return [
         f"train.zero={zero}: ZeRO shards dense data-parallel training on the MPI "
         f"engine (strategy data_parallel, or pipeline with train.zero=1; "
-        f"train.allreduce mpi or auto, or gloo/nccl for train.zero 1 and 2 of torch; no "
+        f"train.allreduce mpi or auto, or gloo/nccl with backend torch; no "
         f"compression, hierarchical allreduce or local SGD); not with {', '.join(clash)}"
     ]
 
@@ -207,7 +207,7 @@ def compression_rules(v: dict) -> list[str]:
 
 def process_group_rules(v: dict) -> list[str]:
     """The torch.distributed engines (nccl, gloo) average dense data-parallel gradients
-    (compressed or not), run ZeRO-1/2 and sum tensor-parallel activations over their
+    (compressed or not), run ZeRO-1/2/3 and sum tensor-parallel activations over their
     process groups (backends/torch_transport.py); the features that run on the MPI
     exchange layer only are refused with them."""
     engine, train = v["train"]["allreduce"], v["train"]
@@ -224,7 +224,7 @@ def process_group_rules(v: dict) -> list[str]:
         "model": {**_model(v), "moe": None} if dp and moe else v["model"],
         "train": {
             **train,
-            "zero": 0 if train["zero"] in (1, 2) and dp else train["zero"],
+            "zero": 0 if dp else train["zero"],
             "compression": "none" if dp else train["compression"],
         },
         "parallel": {**v["parallel"], "tensor": 1},
@@ -243,7 +243,7 @@ def process_group_rules(v: dict) -> list[str]:
         return []
     return [
         f"train.allreduce={engine}: the process-group engine runs the torch backend's "
-        "data parallelism (with ZeRO-1/2 and gradient compression), the pipeline and "
+        "data parallelism (with ZeRO-1/2/3 and gradient compression), the pipeline and "
         f"tensor parallelism; not with {', '.join(clash)} (those run on "
         "train.allreduce=mpi or auto)"
     ]
