@@ -1,0 +1,76 @@
+"""ZeRO-3's device path in one process: the shard, the two slots and the gradient buffers
+as tensors on the rank's device (the process-group transport's side), against plain
+torch on the same device. On CPU (Gloo's side) it runs everywhere; on CUDA (NCCL's
+side, marked gpu) it runs where a GPU is, by tools/gpu_check.sh. One rank: no
+collective, but every hook, slot refill, prefetch and optimizer step of the device path;
+the collectives are the Gloo jobs' (tests/test_process_group_jobs.py)."""
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from hpctrain.backends.torch_steps import make_optimizer
+from hpctrain.backends.torch_transport import ProcessGroupTransport
+from hpctrain.backends.torch_zero3 import TorchZero3
+
+ADAM = {"name": "adam", "lr": 1e-2, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # four Linear layers: one unit each (units of 1 byte), sharing two slots
+    layers = [nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 32), nn.Tanh()]
+    return nn.Sequential(*layers, nn.Linear(32, 32), nn.Tanh(), nn.Linear(32, 5))
+
+
+def _batches(steps: int):
+    rng = np.random.default_rng(1)
+    for _ in range(steps):
+        yield (
+            torch.from_numpy(rng.standard_normal((8, 16)).astype(np.float32)),
+            torch.from_numpy(rng.integers(0, 5, 8)),
+        )
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_zero3_on_the_device_equals_plain_training_on_it(device):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    dev = torch.device(device)
+    plain = _model().to(dev)
+    sharded = copy.deepcopy(plain)
+    opt = make_optimizer(ADAM, list(plain.parameters()))
+    engine = "nccl" if device == "cuda" else "gloo"
+    transport = ProcessGroupTransport(None, engine, 60.0, dev)  # one rank: no group
+    params = list(sharded.parameters())
+    zero = TorchZero3(
+        None, sharded, params, 1, lambda p: make_optimizer(ADAM, p), transport=transport,
+        device=dev,
+    )  # fmt: skip
+    assert zero.shard.device.type == device and all(s.device.type == device for s in zero._slots)
+    assert len(zero.part.segments) == 4  # one unit per Linear
+    loss_fn = nn.CrossEntropyLoss()
+    for x, y in _batches(5):
+        x, y = x.to(dev), y.to(dev)
+        opt.zero_grad()
+        loss_fn(plain(x), y).backward()
+        torch.nn.utils.clip_grad_norm_(plain.parameters(), 0.5)
+        opt.step()
+        zero.begin_step()
+        loss_fn(sharded(x), y).backward()
+        zero.end_backward()
+        zero.reduce()
+        zero.clip(0.5)
+        zero.step()
+    assert zero.gather.gathers > 4 * 5  # units gathered again after each step
+    got = zero.all_params()
+    for name, (p, g) in zip(
+        [n for n, _ in plain.named_parameters()], zip(plain.parameters(), got, strict=True),
+        strict=True,
+    ):  # fmt: skip
+        np.testing.assert_allclose(g, p.detach().cpu().numpy(), rtol=0, atol=1e-6, err_msg=name)
+    memory = zero.memory(2)
+    assert memory["zero_gathered_peak_bytes"] == 2 * max(s.padded for s in zero.part.segments) * 4
