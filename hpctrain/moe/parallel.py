@@ -1,4 +1,4 @@
-"""Expert parallelism over mpi4py: which rank owns which expert, and the all-to-alls.
+"""Expert parallelism: which rank owns which expert, and the all-to-alls.
 
 The ranks of the grid's `expert` axis form one expert-parallel group (the whole job
 unless `parallel.expert` says less); E experts are split into equal
@@ -6,8 +6,11 @@ contiguous blocks (rank r owns experts r*E/R ... (r+1)*E/R - 1), so rows packed 
 are also packed by destination rank. One MoE layer's forward is one `Alltoall` of
 per-expert row counts and two `Alltoallv`s of contiguous float32 rows (dispatch, then
 combine in reverse); its backward is the same two `Alltoallv`s with the directions
-swapped. Every call is under the axis's watchdog, so a rank that never arrives ends
-the job instead of hanging it. Framework code (backends/*_moe.py) calls `MoELayer`.
+swapped. They go through the exchange layer's transport methods (exchange/transport.py):
+the axis's guarded MPI communicator for numpy rows, under its watchdog, so a rank that
+never arrives ends the job instead of hanging it; a process group's transport for
+torch tensors (the gloo/nccl engines). Framework code (backends/*_moe.py) calls
+`MoELayer`.
 """
 
 from __future__ import annotations
@@ -49,10 +52,8 @@ class ExpertGroup:
 
     def __init__(self, axis, data=None, ranks_per_batch: int = 1):
         self.axis, self.data = axis, data
-        self.comm = axis.comm
         self.rank = axis.rank
         self.size = axis.size
-        self.MPI = axis.MPI
         self.ranks_per_batch = int(ranks_per_batch)
         # where a backend's own arrays travel (the process-group engines): token rows
         # over `transport`, expert gradients over `data_transport`; None: numpy over MPI
@@ -81,34 +82,28 @@ class ExpertGroup:
         """send [R, n] int64 (row r goes to rank r) -> [R, n] (row s came from rank s)."""
         send = np.ascontiguousarray(send, dtype=np.int64)
         recv = np.empty_like(send)
-        with self.axis.watchdog.guard("MoE Alltoall of row counts"):
-            self.comm.Alltoall(send, recv)
-        return recv
+        return self.axis.all_to_all(
+            send.reshape(-1), recv.reshape(-1), "MoE Alltoall of row counts"
+        ).reshape(send.shape)
 
     def alltoallv(self, x, send_rows: np.ndarray, recv_rows: np.ndarray):
-        """Rows of x (packed by destination) to their ranks; returns the received rows
-        (numpy over MPI, or the transport's arrays over it)."""
+        """Rows of x (packed by destination) to their ranks; returns the received rows:
+        numpy over the axis's MPI communicator, or the transport's arrays over it."""
+        on = self.axis  # a guarded communicator: numpy, under the watchdog
         if self.transport is not None and not isinstance(x, np.ndarray):
-            width = math.prod(tuple(x.shape[1:]))
-            out = self.transport.zeros(int(recv_rows.sum()) * width)
-            self.transport.all_to_all_v(
-                x.reshape(-1),
-                out,
-                [int(r) * width for r in send_rows],
-                [int(r) * width for r in recv_rows],
-                "MoE all-to-all of token rows",
-            )
-            return out.reshape(int(recv_rows.sum()), *x.shape[1:])
-        x = np.ascontiguousarray(x, dtype=np.float32)
-        width = int(np.prod(x.shape[1:]))
-        out = np.empty((int(recv_rows.sum()), *x.shape[1:]), dtype=np.float32)
-        sc, rc = send_rows.astype(np.int64) * width, recv_rows.astype(np.int64) * width
-        sd = np.concatenate([[0], np.cumsum(sc)[:-1]])
-        rd = np.concatenate([[0], np.cumsum(rc)[:-1]])
-        f = self.MPI.FLOAT
-        with self.axis.watchdog.guard("MoE Alltoallv of token rows"):
-            self.comm.Alltoallv([x, (sc, sd), f], [out, (rc, rd), f])
-        return out
+            on = self.transport
+        else:
+            x = np.ascontiguousarray(x, dtype=np.float32)
+        width = math.prod(tuple(x.shape[1:]))
+        out = on.zeros(int(recv_rows.sum()) * width)
+        on.all_to_all_v(
+            x.reshape(-1),
+            out,
+            [int(r) * width for r in send_rows],
+            [int(r) * width for r in recv_rows],
+            "MoE Alltoallv of token rows",
+        )
+        return out.reshape(int(recv_rows.sum()), *x.shape[1:])
 
     def allreduce_sum(self, value: float) -> float:
         buf = np.array([value], dtype=np.float64)
