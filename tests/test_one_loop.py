@@ -99,13 +99,28 @@ def _rank_pids(parent: int) -> dict[int, int]:
     return out
 
 
-def _start(np_, args, tag):
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
+def _start(np_, args, tag, env=None, mpi_args=()):
+    """mpirun of `args` whose ranks carry `tag` (found by _rank_pids); `env` updates the
+    launch's environment, `mpi_args` go to mpirun."""
+    env = dict(
+        os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1", **(env or {})
+    )
     env["HPCTRAIN_TEST_JOB"] = tag
-    cmd = ["mpirun", "-np", str(np_), "-x", "HPCTRAIN_TEST_JOB"]
+    cmd = ["mpirun", "-np", str(np_), "-x", "HPCTRAIN_TEST_JOB", *mpi_args]
     if np_ > 2:
         cmd.append("--oversubscribe")
     return DrainedPopen(cmd + list(args), env=env, cwd=ROOT)
+
+
+def _usr1_after_steps(proc, run, tag, steps=3) -> str:
+    """SIGUSR1 to rank 0 once `steps` steps are in; the job's output once it ends."""
+    try:
+        _wait_for_steps(run, steps, proc)
+        os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
+        return proc.finish(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def test_a_stopped_pipeline_peer_is_named_within_the_timeout(tmp_path):
@@ -161,13 +176,7 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
     common = [*strategy, "train.epochs=40", "data.train_samples=2048", "train.batch_size=16"]
     tag = f"{os.getpid()}-pre-{np_}"
     proc = _start(np_, _args(run, common), tag=tag)
-    try:
-        _wait_for_steps(run, 3, proc)
-        os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
-        out = proc.finish(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    out = _usr1_after_steps(proc, run, tag)
     assert proc.returncode == 0, out
     assert marker in out, out
     ckpts = sorted((run / "checkpoints").glob("ckpt-*.h5"))
@@ -355,18 +364,11 @@ def test_a_preempted_slurm_job_is_requeued_after_its_summary_is_written(tmp_path
     scontrol.chmod(0o755)
     common = ["train.epochs=40", "data.train_samples=2048", "train.batch_size=16"]
     tag = f"{os.getpid()}-requeue"
-    env = dict(os.environ, OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-    env.update(HPCTRAIN_TEST_JOB=tag, PATH=f"{bin_}:{os.environ['PATH']}")
     # SLURM_JOB_ID for the ranks only: mpirun itself would look for a SLURM allocation.
-    cmd = ["mpirun", "-np", "2", "-x", "HPCTRAIN_TEST_JOB", "-x", "PATH", "-x"]
-    proc = DrainedPopen([*cmd, "SLURM_JOB_ID=4242", *_args(run, common)], env=env, cwd=ROOT)
-    try:
-        _wait_for_steps(run, 3, proc)
-        os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
-        out = proc.finish(120)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
+    ranks_env = ["-x", "PATH", "-x", "SLURM_JOB_ID=4242"]
+    path = {"PATH": f"{bin_}:{os.environ['PATH']}"}
+    proc = _start(2, _args(run, common), tag=tag, env=path, mpi_args=ranks_env)
+    out = _usr1_after_steps(proc, run, tag)
     assert proc.returncode == 0, out
     assert "SIGUSR1 received: stopped at step" in out and "job requeued" in out, out
     assert called.read_text().split() == ["requeue", "4242"], out
