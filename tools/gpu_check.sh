@@ -65,11 +65,11 @@ $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])
 
 say "GPU tests"
 timeout 240 $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
-    tests/test_device_exchange.py tests/test_zero3_device.py -p no:cacheprovider \
+    tests/test_device_exchange.py tests/test_zero_device.py -p no:cacheprovider \
     >"$OUT/gpu_tests.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_tests.txt"
-record "pytest tests/test_gpu.py tests/test_devices.py tests/test_device_exchange.py tests/test_zero3_device.py ($(tail -1 "$OUT/gpu_tests.txt" | tr -d '=' | xargs))" $rc
+record "pytest tests/test_gpu.py tests/test_devices.py tests/test_device_exchange.py tests/test_zero_device.py ($(tail -1 "$OUT/gpu_tests.txt" | tr -d '=' | xargs))" $rc
 
 say "demo on one GPU"
 timeout 240 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
