@@ -74,11 +74,24 @@ def _reachable(addresses: list[str], port: int, deadline: float) -> str:
         time.sleep(0.2)
 
 
+# Gloo's own deadline comes after the MPI watchdog's, which guards every wait on a CPU
+# rank (torch_transport.py): at runtime.collective_timeout the watchdog probes every rank
+# and ends the job naming the one that stopped (its probe and grace take under 10 s,
+# runtime/watchdog.py); Gloo's error, later, is the fallback. NCCL keeps the timeout:
+# its own watchdog enforces it, and a GPU rank's wait does not block the host.
+GLOO_AFTER_WATCHDOG_S = 15.0
+
+
+def group_timeout(backend: str, timeout_s: float) -> float:
+    """Seconds a process group of `backend` waits before failing an operation."""
+    return float(timeout_s) + (GLOO_AFTER_WATCHDOG_S if backend == "gloo" else 0.0)
+
+
 def init_process_group(comm, backend: str, timeout_s: float, device: torch.device):
     """torch.distributed's default group over `comm`'s ranks (a guarded MPI
     communicator), bootstrapped over it. A group left by an earlier run in this process
     (tests train several runs per launch) is replaced: each run has its own store."""
-    timeout = timedelta(seconds=float(timeout_s))
+    timeout = timedelta(seconds=group_timeout(backend, timeout_s))
     if comm.is_root:
         store = dist.TCPStore(
             "0.0.0.0", 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False
@@ -122,7 +135,7 @@ def grid_groups(grid, backend: str, timeout_s: float, device: torch.device, axes
     asked for, at most 4, at 1,024 or 4,096 ranks alike). NCCL creates each group's
     communicator at its first collective."""
     world = init_process_group(grid.world, backend, timeout_s, device)
-    timeout, found = timedelta(seconds=float(timeout_s)), {}
+    timeout, found = timedelta(seconds=group_timeout(backend, timeout_s)), {}
     for axis in axes:
         ranks = grid.members(axis)
         if len(ranks) == 1:

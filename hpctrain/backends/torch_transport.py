@@ -6,7 +6,10 @@ gathers never cross to the host. The group is the process-group engine's
 (`torch_pg.init_process_group`, bootstrapped over MPI).
 
 Deadlines: every call is issued with `async_op=True` and waited here. On CPU (Gloo) the
-wait is `work.wait(timeout)` with `runtime.collective_timeout`; on a GPU (NCCL) the
+wait is guarded by the MPI communicator's watchdog with `runtime.collective_timeout`,
+as an MPI collective is: at the deadline it probes every rank and ends the job naming
+the rank that never arrived or does not answer (stopped, hung). Gloo's own deadline is
+set later (torch_pg.group_timeout), its error the fallback. On a GPU (NCCL) the
 wait only orders the device's stream (the host does not block) and the deadline is the
 group's timeout, enforced by NCCL's watchdog, which aborts the communicator and ends the
 process (torch's default). Either failure raises `CollectiveError` naming the
@@ -24,7 +27,7 @@ import torch.distributed as dist
 
 from .gradient_engine import PROCESS_GROUP_ENGINES
 from .torch_arrays import TorchArrays
-from .torch_pg import check_backend, grid_groups, init_process_group
+from .torch_pg import check_backend, grid_groups, group_timeout, init_process_group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed the equal-split collectives (the old names warn)
@@ -68,7 +71,8 @@ class ProcessGroupTransport(TorchArrays):
         self.rank = comm.rank if comm is not None else 0
         self.size = comm.size if comm is not None else 1
         self.name, self.device = engine, device
-        self.timeout = timedelta(seconds=float(timeout_s))
+        self.timeout = timedelta(seconds=group_timeout(engine, timeout_s))
+        self.watchdog = getattr(comm, "watchdog", None)  # the MPI communicator's
         self.group = group
         if group is None and self.size > 1:
             self.group = init_process_group(comm, engine, timeout_s, device)
@@ -78,12 +82,16 @@ class ProcessGroupTransport(TorchArrays):
         try:
             if self.device.type == "cuda":
                 work.wait()  # stream order only; NCCL's watchdog holds the group timeout
+            elif self.watchdog is not None:
+                with self.watchdog.guard(what):
+                    work.wait(self.timeout)
             else:
                 work.wait(self.timeout)
         except Exception as exc:  # RuntimeError, DistBackendError, a timeout
             raise CollectiveError(
                 f"{self.name} '{what}' failed on rank {self.rank} of {self.size} (deadline "
-                f"{self.timeout.total_seconds():g} s, runtime.collective_timeout): {exc}"
+                f"{self.timeout.total_seconds():g} s: runtime.collective_timeout and "
+                f"{self.name}'s margin): {exc}"
             ) from exc
 
     def _run(self, work, result, what: str, wait: bool, finish=None):
