@@ -19,7 +19,10 @@ zeroed: measured, ZeRO-3 at 0.78x ZeRO-2's throughput on one node). Autograd sav
 parameters and views of them during forward; they point into the slot, and the unit is
 in its slot again before its backward reads them (units run in sequence: the unit that
 shares the slot has finished its backward by then). MPI writes through a numpy view,
-which does not bump autograd's version counters.
+which does not bump autograd's version counters; a process group (gloo, nccl) writes
+into the slot tensor, whose counter the parameters do not share (`param.data = view`
+keeps a parameter's own). On a GPU, NCCL's stream waits for the compute queued before a
+gather, so a slot is refilled only after the kernels that read it.
 
 Activation checkpointing composes: a recomputed unit's forward (inside backward) finds
 its parameters gathered and does not free them.
