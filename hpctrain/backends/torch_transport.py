@@ -20,6 +20,7 @@ pieces are equal) pad to the largest piece, as the process groups gather equal p
 
 from __future__ import annotations
 
+import contextlib
 from datetime import timedelta
 
 import torch
@@ -82,10 +83,9 @@ class ProcessGroupTransport(TorchArrays):
         try:
             if self.device.type == "cuda":
                 work.wait()  # stream order only; NCCL's watchdog holds the group timeout
-            elif self.watchdog is not None:
-                with self.watchdog.guard(what):
-                    work.wait(self.timeout)
-            else:
+                return
+            guarded = self.watchdog is not None
+            with self.watchdog.guard(what) if guarded else contextlib.nullcontext():
                 work.wait(self.timeout)
         except Exception as exc:  # RuntimeError, DistBackendError, a timeout
             raise CollectiveError(

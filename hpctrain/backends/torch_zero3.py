@@ -110,7 +110,7 @@ class TorchZero3(ShardedOptimizerState):
         # the transport's view of a tensor: its numpy view (MPI, host memory) or itself
         self._arr = (lambda t: t.numpy()) if transport is None else (lambda t: t)
         self.params = params
-        self.device = device = torch.device("cpu") if device is None else device
+        device = torch.device("cpu") if device is None else device
         self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
         self._shard_arr = self._arr(self.shard.detach())  # what the gathers send from
         # two persistent slots of the largest unit's size; unit u lives in slot u % 2

@@ -89,13 +89,13 @@ class ExpertGroup:
     def alltoallv(self, x, send_rows: np.ndarray, recv_rows: np.ndarray):
         """Rows of x (packed by destination) to their ranks; returns the received rows:
         numpy over the axis's MPI communicator, or the transport's arrays over it."""
-        on = self.axis  # a guarded communicator: numpy, under the watchdog
-        if self.transport is not None and not isinstance(x, np.ndarray):
-            on = self.transport
-        else:
-            x = np.ascontiguousarray(x, dtype=np.float32)
+        rows = int(recv_rows.sum())
         width = math.prod(tuple(x.shape[1:]))
-        out = on.zeros(int(recv_rows.sum()) * width)
+        if self.transport is not None and not isinstance(x, np.ndarray):
+            on, out = self.transport, self.transport.zeros(rows * width)
+        else:  # the axis's guarded communicator, under the watchdog; every row is written
+            on, out = self.axis, np.empty(rows * width, np.float32)
+            x = np.ascontiguousarray(x, dtype=np.float32)
         on.all_to_all_v(
             x.reshape(-1),
             out,
@@ -103,7 +103,7 @@ class ExpertGroup:
             [int(r) * width for r in recv_rows],
             "MoE Alltoallv of token rows",
         )
-        return out.reshape(int(recv_rows.sum()), *x.shape[1:])
+        return out.reshape(rows, *x.shape[1:])
 
     def allreduce_sum(self, value: float) -> float:
         buf = np.array([value], dtype=np.float64)
