@@ -119,6 +119,128 @@ def _loop(model, x, y, steps: int, fused=True):
     return float(np.median(times)), {k: float(np.median(v)) for k, v in phases.items()}
 
 
+def _plain_step(model, x, y):
+    """One step of the hand-written loop (fused Adam, bf16 autocast, clip 1.0)."""
+    import torch
+    import torch.nn.functional as F
+
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+
+    return step
+
+
+def _wall(step, steps: int) -> float:
+    """Seconds per step over `steps` queued back to back (the host runs ahead, as in a
+    real loop; one synchronisation at each end), after 3 warm-up steps."""
+    import torch
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / steps
+
+
+def kernel_profile(step, steps: int = 5) -> dict:
+    """Wall seconds and summed GPU kernel seconds per step under torch's profiler, and
+    each kernel's launches and microseconds per step (where a step's GPU time goes)."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    kernels: dict[str, list] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            k = kernels.setdefault(e.name, [0, 0.0])
+            k[0] += 1
+            k[1] += e.time_range.elapsed_us()
+    per_step = {n: [c / steps, us / steps] for n, (c, us) in kernels.items()}
+    busy = sum(us for _, us in per_step.values()) / 1e6
+    return {"wall_s": wall, "kernel_s": busy, "kernels": per_step}
+
+
+def kernel_diff(a: dict, b: dict, top: int = 12) -> list[tuple[str, float, float, float]]:
+    """(kernel, launches a, launches b, microseconds b - a) per step, largest first."""
+    names = set(a["kernels"]) | set(b["kernels"])
+    rows = []
+    for n in names:
+        ca, ua = a["kernels"].get(n, [0, 0.0])
+        cb, ub = b["kernels"].get(n, [0, 0.0])
+        rows.append((n, ca, cb, ub - ua))
+    rows.sort(key=lambda r: -abs(r[3]))
+    return rows[:top]
+
+
+def _hpctrain_backend(size: str):
+    """hpctrain's torch backend for `size` on this GPU (one rank, no MPI job), and one
+    step's micro-batch as the loop hands it over (host numpy arrays)."""
+    from hpctrain.backends.torch import TorchBackend
+    from hpctrain.config import Config
+    from hpctrain.models import zoo
+
+    d, layers, heads, ff, vocab, seq, batch = SIZES[size]
+    cfg = Config.load(None, transformer_overrides(size) + ["train.allreduce=nccl"])
+    inp = zoo.InputSpec(shape=(seq,), classes=vocab, tokens=True)
+    backend = TorchBackend(cfg, None, inp, threads=4)
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, vocab, (batch, seq)).astype(np.int64)
+    y = rng.integers(0, vocab, (batch, seq)).astype(np.int64)
+    return backend, [(x, y)]
+
+
+def bench_step_gap(size: str, steps: int, profile: bool) -> dict:
+    """hpctrain's step alone (`TorchBackend.train_step`, batches from host numpy, no
+    loop, no data reader, no metrics) against the plain step, both timed by wall clock
+    back to back; with `profile`, the kernels each runs per step and their difference."""
+    import torch
+
+    model, x, y, _, _ = _model_and_batch(size)
+    plain = _plain_step(model, x, y)
+    out = {"plain_wall_step_s": _wall(plain, steps)}
+    if profile:
+        out["plain_profile"] = kernel_profile(plain)
+    del plain, model
+    torch.cuda.empty_cache()
+    out.update(_time_hpctrain_step(size, steps, profile))
+    torch.cuda.empty_cache()  # the backend is gone with the helper's frame
+    if profile:
+        out["kernel_diff"] = kernel_diff(out["plain_profile"], out["hpctrain_step_profile"])
+    return out
+
+
+def _time_hpctrain_step(size: str, steps: int, profile: bool) -> dict:
+    backend, mb = _hpctrain_backend(size)
+
+    def step():
+        backend.train_step(mb, 1e-4)
+
+    out = {"hpctrain_step_wall_s": _wall(step, steps)}
+    if profile:
+        out["hpctrain_step_profile"] = kernel_profile(step)
+    return out
+
+
 def bench_plain_and_ddp(size: str, steps: int) -> dict:
     import torch
     import torch.distributed as dist
@@ -235,6 +357,7 @@ def main() -> None:
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sizes", default="base")
+    ap.add_argument("--profile", action="store_true", help="kernels per step, plain vs hpctrain")
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     import torch
@@ -262,6 +385,10 @@ def main() -> None:
                 r["data_path"] = bench_data_path(size, h["step_s"], args.out)
             except Exception as exc:  # noqa: BLE001 - reported, the figures above kept
                 r["data_path"] = {"error": f"{type(exc).__name__}: {exc}"}
+        try:  # after hpctrain's run, so the plain loop is timed on either side of it
+            r["step_gap"] = bench_step_gap(size, args.steps, args.profile)
+        except Exception as exc:  # noqa: BLE001 - reported, the figures above kept
+            r["step_gap"] = {"error": f"{type(exc).__name__}: {exc}"}
         report["sections"][size] = r
         print(json.dumps({size: r}, indent=1), flush=True)
     report["staging"] = bench_staging()
@@ -282,6 +409,39 @@ def main() -> None:
             f"| {h.get('mfu', float('nan')):.1%} "
             f"| {r.get('data_path', {}).get('ratio', float('nan')):.1f}x |"
         )
+    lines += [
+        "",
+        "Where the gap to the plain loop lies (wall clock, steps queued back to back; the "
+        "plain loop timed again after hpctrain's run; hpctrain's step alone is "
+        "`TorchBackend.train_step` on host batches, no loop, reader or metrics):",
+        "",
+        "| model | plain (events) ms | plain (wall, after) ms | hpctrain step ms | "
+        "hpctrain loop ms | step / plain | loop / step |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for size, r in report["sections"].items():
+        g, h = r.get("step_gap", {}), r["hpctrain"]
+        if "plain_wall_step_s" not in g or "step_s" not in h:
+            lines.append(f"| transformer-{size} | {g.get('error', h.get('error', '?'))[:200]} |")
+            continue
+        pw, hs, hl = g["plain_wall_step_s"], g["hpctrain_step_wall_s"], h["step_s"]
+        lines.append(
+            f"| transformer-{size} | {1e3 * r['plain_step_s']:.2f} | {1e3 * pw:.2f} "
+            f"| {1e3 * hs:.2f} | {1e3 * hl:.2f} | {pw / hs:.3f} | {hs / hl:.3f} |"
+        )
+        if "kernel_diff" in g:
+            a, b = g["plain_profile"], g["hpctrain_step_profile"]
+            lines += [
+                "",
+                f"transformer-{size} under the profiler: plain {1e3 * a['wall_s']:.2f} ms wall, "
+                f"{1e3 * a['kernel_s']:.2f} ms of kernels; hpctrain's step "
+                f"{1e3 * b['wall_s']:.2f} ms wall, {1e3 * b['kernel_s']:.2f} ms of kernels.",
+                "",
+                "| kernel | launches plain | launches hpctrain | hpctrain - plain us/step |",
+                "|---|---|---|---|",
+            ]
+            for name, ca, cb, dus in g["kernel_diff"]:
+                lines.append(f"| {name[:90]} | {ca:g} | {cb:g} | {dus:+.0f} |")
     s = report["staging"]
     lines += [
         "",

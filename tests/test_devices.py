@@ -46,12 +46,29 @@ def test_a_layout_gpus_cannot_run_yet_keeps_auto_on_the_cpu_and_refuses_cuda():
         (["train.allreduce=gloo", "train.sync_every=4"], "train.allreduce=gloo: the process-group"),
         (["train.allreduce=nccl", "backend=tensorflow"], "not with backend tensorflow"),
         (["runtime.device=cuda", "backend=tensorflow"], "tensorflow backend trains on CPU"),
-        (["runtime.device=cuda", "train.zero=2"], "not with train.zero=2"),
+        (["runtime.device=cuda", "train.allreduce=mpi", "train.zero=2"], "nccl \\(or auto\\)"),
+        (["runtime.device=cuda", "train.hierarchical=true"], "do not run train.hierarchical"),
+        (["runtime.device=cuda", "train.allreduce=horovod"], "not with train.allreduce=horovod"),
     ],
 )
 def test_refusals_are_one_line_before_any_work(overrides, says):
     with pytest.raises(ConfigError, match=says):
         Config.load("configs/demo.yaml", overrides)
+
+
+@pytest.mark.parametrize("engine", ["auto", "nccl", "gloo"])
+def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_process_groups(
+    engine,
+):
+    on = ["runtime.device=cuda", f"train.allreduce={engine}"]
+    zero3 = Config.load("configs/transformer-tp-zero.yaml", [*on, "train.zero=3"])
+    assert zero3.train["zero"] == 3 and zero3.parallel["tensor"] == 2
+    assert Config.load("configs/moe.yaml", on).model["moe"]
+    assert Config.load("configs/demo.yaml", [*on, "train.compression=powersgd"])
+    with pytest.raises(ConfigError, match="not with mixture-of-experts layers with"):
+        Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
+    with pytest.raises(ConfigError, match="strategy pipeline runs on CPU ranks only"):
+        Config.load("configs/pipeline.yaml", on)
 
 
 def test_the_process_group_engine_is_accepted_for_dense_data_parallel():

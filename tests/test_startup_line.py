@@ -74,6 +74,9 @@ def test_gpu_ranks_keep_their_own_reasons():
     assert choose(_cfg(), 1, 1, cores=64, device="cuda")[0] == "nccl"
     engine, why = choose(_cfg(), 2, 1, cores=64, device="cuda", gpu_shared=True)
     assert engine == "mpi" and "share a GPU" in why
+    # ZeRO runs on a process group's buffers: Gloo stages them through the host
+    engine, why = choose(_cfg({"zero": 2}), 2, 1, cores=64, device="cuda", gpu_shared=True)
+    assert engine == "gloo" and "share a GPU" in why
 
 
 # --- the settings and the no-op warnings, without MPI -----------------------------------

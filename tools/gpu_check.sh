@@ -26,6 +26,8 @@ mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 REPORT="$OUT/report.md"
 status=0
+# GPU_CHECK_ONLY="tests jobs demo bench": a rerun of some steps only (default: all)
+want() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
 say() { echo "[gpu-check $(date +%T)] $*" | tee -a "$OUT/check.log"; }
 record() { # name rc
     if [ "$2" = 0 ]; then echo "| $1 | pass |" >>"$REPORT"; else
@@ -63,6 +65,7 @@ fi
 $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 |
     tee -a "$OUT/check.log"
 
+if want tests; then
 say "GPU tests"
 timeout 240 $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
     tests/test_device_exchange.py tests/test_zero_device.py -p no:cacheprovider \
@@ -70,7 +73,18 @@ timeout 240 $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
 rc=$?
 tail -3 "$OUT/gpu_tests.txt"
 record "pytest tests/test_gpu.py tests/test_devices.py tests/test_device_exchange.py tests/test_zero_device.py ($(tail -1 "$OUT/gpu_tests.txt" | tr -d '=' | xargs))" $rc
+fi
 
+if want jobs; then
+say "GPU ranks across processes: two ranks sharing the GPU over Gloo"
+HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_jobs.py \
+    -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
+rc=$?
+tail -3 "$OUT/gpu_jobs.txt"
+record "pytest tests/test_gpu_jobs.py: ZeRO-1/2/3, tensor parallelism, experts, compressors on 2 GPU ranks ($(tail -1 "$OUT/gpu_jobs.txt" | tr -d '=' | xargs))" $rc
+fi
+
+if want demo; then
 say "demo on one GPU"
 timeout 240 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
     --set runtime.device=cuda --set metrics.tensorboard=false >"$OUT/demo.log" 2>&1
@@ -102,14 +116,19 @@ rc=$?
 grep -m1 "gradients by" "$OUT/demo2.log" | cut -c1-300 >>"$OUT/check.log"
 record "2 ranks on 1 GPU, train.allreduce=mpi (host-staged)" $rc
 
+fi
+
+if want bench; then
 say "GPU bench"
 timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
-    --steps "${BENCH_STEPS:-30}" --sizes "${BENCH_SIZES:-base}" >"$OUT/bench.log" 2>&1
+    --steps "${BENCH_STEPS:-30}" --sizes "${BENCH_SIZES:-base,large}" --profile \
+    >"$OUT/bench.log" 2>&1
 rc=$?
 record "GPU bench" $rc
 {
     echo
     cat "$OUT/bench/gpu_report.md" 2>/dev/null || tail -20 "$OUT/bench.log"
 } >>"$REPORT"
+fi
 cat "$REPORT"
 exit $status

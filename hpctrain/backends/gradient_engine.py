@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..exchange import DenseMean
+from ..runtime.devices import mpi_only_features
 
 ENGINES = ("auto", "horovod", "mpi", "overlap", "nccl", "gloo")
 PROCESS_GROUP_ENGINES = ("nccl", "gloo")
@@ -39,7 +40,8 @@ def choose(
     Nodes can differ (cores, ranks per node): `auto` picks mpi when any node is full, agreed
     through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
     GPU ranks (device "cuda", the same on every rank): `auto` is NCCL, unless ranks share
-    a GPU (`gpu_shared`, agreed by the caller), which only the host-staged mpi engine allows.
+    a GPU (`gpu_shared`, agreed by the caller), which only the host-staged engines allow
+    (mpi, or gloo for what runs on a process group's buffers).
     """
     wanted = cfg.train["allreduce"]
     compression = cfg.train["compression"]
@@ -56,6 +58,8 @@ def choose(
     if wanted != "auto":
         return wanted, "train.allreduce"
     if device == "cuda":
+        if gpu_shared and mpi_only_features(cfg):  # these run on a process group's buffers
+            return "gloo", "auto: ranks share a GPU, so Gloo stages its buffers through the host"
         if gpu_shared:
             return "mpi", "auto: ranks share a GPU, so gradients are staged through host memory"
         return "nccl", "auto: GPU ranks average on the device with NCCL"

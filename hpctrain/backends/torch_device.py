@@ -15,7 +15,6 @@ import torch
 
 from ..errors import ConfigError, HpctrainError
 from ..runtime.devices import DeviceChoice, choose_device, gpu_unsupported
-from . import gradient_engine
 
 
 def visible_gpus() -> int:
@@ -80,11 +79,11 @@ def agreed_device(cfg, world):
     if device.type == "cuda":
         prepare_cuda(cfg.train["deterministic"])
         torch.cuda.reset_peak_memory_stats(device)
-    if shared and cfg.train["allreduce"] in gradient_engine.PROCESS_GROUP_ENGINES:
+    if shared and cfg.train["allreduce"] == "nccl":
         raise ConfigError(
             f"train.allreduce={cfg.train['allreduce']}: ranks share a GPU on "
             f"{layout.hostname if layout else 'this node'}; NCCL needs one GPU per rank "
-            "(fewer ranks per node, or train.allreduce=mpi to stage through host memory)"
+            "(fewer ranks per node, or train.allreduce=mpi or gloo to stage through host memory)"
         )
     return device, why, shared
 

@@ -103,7 +103,7 @@ def init_process_group(comm, backend: str, timeout_s: float, device: torch.devic
     if not comm.is_root:
         addr = _reachable(where[0], where[1], time.monotonic() + float(timeout_s))
         store = dist.TCPStore(addr, where[1], comm.size, is_master=False, timeout=timeout)
-    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    kwargs = {"device_id": device} if backend == "nccl" else {}  # NCCL binds its GPU
     dist.init_process_group(
         backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout, **kwargs
     )

@@ -5,8 +5,8 @@ The buffers stay on the rank's device: ZeRO's gradient pieces, shard and paramet
 gathers never cross to the host. The group is the process-group engine's
 (`torch_pg.init_process_group`, bootstrapped over MPI).
 
-Deadlines: every call is issued with `async_op=True` and waited here. On CPU (Gloo) the
-wait is guarded by the MPI communicator's watchdog with `runtime.collective_timeout`,
+Deadlines: every call is issued with `async_op=True` and waited here. With Gloo (CPU ranks, or
+CUDA tensors it stages through the host) the wait is guarded by the MPI communicator's watchdog with `runtime.collective_timeout`,
 as an MPI collective is: at the deadline it probes every rank and ends the job naming
 the rank that never arrived or does not answer (stopped, hung). Gloo's own deadline is
 set later (torch_pg.group_timeout), its error the fallback. On a GPU (NCCL) the
@@ -81,7 +81,7 @@ class ProcessGroupTransport(TorchArrays):
     def wait_work(self, work, what: str) -> None:
         """Wait for `work` under the deadline; a failure names `what` and this rank."""
         try:
-            if self.device.type == "cuda":
+            if self.name == "nccl":
                 work.wait()  # stream order only; NCCL's watchdog holds the group timeout
                 return
             guarded = self.watchdog is not None

@@ -5,7 +5,7 @@ first collective). A rank picks its GPU from its node-local rank among the GPUs 
 see, so `CUDA_VISIBLE_DEVICES`, SLURM's `--gpus-per-task` and `--gpu-bind` all work: a
 rank that sees exactly one GPU uses it whatever its local rank. More ranks than visible
 GPUs on a node is refused before any work, naming the node and the counts, unless the
-gradient engine stages through host memory (the `mpi` engine), which tolerates sharing
+gradient engine stages through host memory (the `mpi` and `gloo` engines), which tolerate sharing
 (tests, or a node with fewer GPUs than cores).
 
 Cost: a rule evaluated locally; the only collective is the caller's one agreement on
@@ -19,8 +19,9 @@ from dataclasses import dataclass
 from ..errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
-# Engines that move gradients through host memory: they tolerate ranks sharing a GPU.
-HOST_STAGED_ENGINES = ("mpi", "auto")
+# Engines that move gradients through host memory (Gloo copies CUDA tensors to the host
+# itself): they tolerate ranks sharing a GPU.
+HOST_STAGED_ENGINES = ("mpi", "gloo", "auto")
 
 
 @dataclass(frozen=True)
@@ -93,15 +94,31 @@ def mpi_only_features(cfg) -> list[str]:
 
 
 def gpu_unsupported(cfg) -> str | None:
-    """Why this configuration (a Config or its dict) cannot run on GPU ranks yet (None:
-    it can). One rule for the config check and the device choice."""
+    """Why this configuration (a Config or its dict) cannot run on GPU ranks (None: it
+    can). One rule for the config check and the device choice.
+
+    On GPU ranks the torch backend's data parallelism runs dense, ZeRO-1/2/3, tensor
+    parallelism, experts and compression on the process-group engines (their buffers on
+    the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
+    the host-staged `mpi` engine averages dense gradients only. The pipeline's stages,
+    the parameter server, hierarchical allreduce and local SGD exchange host arrays."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] != "data_parallel":
         return f"strategy {cfg['strategy']} runs on CPU ranks only so far"
     engine = cfg["train"]["allreduce"]
-    engines = [f"train.allreduce={engine}"] if engine in ("horovod", "gloo", "overlap") else []
-    why = mpi_only_features(cfg) + engines
-    if why:
-        return f"GPU ranks train dense data parallel so far, not with {', '.join(why)}"
+    if engine in ("horovod", "overlap"):
+        return (
+            f"GPU ranks average on train.allreduce=nccl (or gloo, mpi), not with "
+            f"train.allreduce={engine}"
+        )
+    features = mpi_only_features(cfg)
+    host_only = [f for f in features if f.startswith(("train.hierarchical", "train.sync_every"))]
+    if host_only:
+        return f"GPU ranks do not run {', '.join(host_only)} (host arrays only)"
+    if engine == "mpi" and features:
+        return (
+            f"train.allreduce=mpi stages dense gradients through the host; "
+            f"{', '.join(features)} run on GPU ranks with train.allreduce=nccl (or auto)"
+        )
     return None

@@ -254,8 +254,11 @@ def device_rules(v: dict) -> list[str]:
     layout cannot run on them (auto then stays on the CPU)."""
     from ..runtime.devices import gpu_unsupported
 
-    why = gpu_unsupported(v) if v["runtime"]["device"] == "cuda" else None
+    cuda = v["runtime"]["device"] == "cuda"
+    why = gpu_unsupported(v) if cuda else None
     problems = [f"runtime.device=cuda: {why}"] if why else []
+    if cuda and not why and v["train"]["allreduce"] == "auto":  # auto is nccl on GPU ranks
+        problems += process_group_rules({**v, "train": {**v["train"], "allreduce": "nccl"}})
     if v["train"]["allreduce"] == "nccl" and v["runtime"]["device"] == "cpu":
         problems.append(
             "train.allreduce=nccl: NCCL needs GPU ranks, not runtime.device=cpu; on CPU ranks "

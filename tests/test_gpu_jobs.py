@@ -1,0 +1,100 @@
+"""GPU ranks across processes on the check machine's one GPU (marked gpu; run by
+tools/gpu_check.sh): two ranks share it over `train.allreduce=gloo`, which stages the
+CUDA buffers through the host itself. So ZeRO-1/2/3's shards, slots and gathers, the
+tensor-parallel activation sums, the experts' all-to-alls and the compressors' residuals
+live on the GPU and cross ranks through the same transport code as under NCCL; only
+the library that moves the bytes differs (NCCL cannot put two ranks on one GPU). Each
+layout equals one process on the same GPU (the CPU suite's tolerances: 1e-5 on the
+weights, 1e-4 on the losses), and the compressors equal their CPU runs."""
+
+import re
+
+import numpy as np
+import pytest
+from dump_runs import TINY_TRANSFORMER, train_many
+from mpirun import ROOT
+
+pytestmark = pytest.mark.gpu
+
+SCRIPT = str(ROOT / "tests" / "scripts" / "tp_train_dump.py")
+BASE = [
+    *TINY_TRANSFORMER,
+    "data.train_samples=1024",
+    "data.val_samples=128",
+    "train.log_every=1",
+    "optimizer.lr_scaling=none",
+    "metrics.tensorboard=false",
+    "train.max_steps=6",
+    "optimizer.name=sgd",
+    "optimizer.lr=0.1",
+    "optimizer.momentum=0.9",
+    "train.clip_norm=0.5",
+    "train.deterministic=true",
+    "runtime.device=cuda",
+]
+MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
+ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
+GLOO = ["train.allreduce=gloo", "train.batch_size=8"]
+LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
+    "zero1": [*GLOO, "train.zero=1"],
+    "zero2": [*GLOO, "train.zero=2", "train.bucket_mb=0.004"],
+    "zero3": [*GLOO, *ZERO3],
+    "tensor2": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2"],
+    "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
+    "moe-zero2": [MOE, *GLOO, "train.zero=2", "train.bucket_mb=0.004"],
+}
+COMPRESSED = ["compression.ratio=0.05", "compression.rank=2", "compression.warmup_steps=1"]
+LOSSY = ["topk", "powersgd"]
+
+
+def _train(where, np_, runs):
+    results = train_many(
+        SCRIPT, where, np_, runs, base=BASE, timeout=240,
+        said=lambda out: re.escape(f"TP DUMP {out} over") + r" \d+ rank\(s\): .* sums by (\w+)",
+        keep=lambda x: x["loss"],
+    )  # fmt: skip
+    return {n: (w, losses, m.group(1)) for n, (w, losses, m) in results.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("torch sees no CUDA GPU")
+    where = tmp_path_factory.mktemp("gpu-jobs")
+    one = _train(
+        where,
+        1,
+        {"ref": ["train.batch_size=16"], "ref-moe": [MOE, "train.batch_size=16"]},
+    )
+    lossy = {
+        f"{m}-{dev}": [*GLOO, *COMPRESSED, f"train.compression={m}", f"runtime.device={dev}"]
+        for m in LOSSY
+        for dev in ("cuda", "cpu")
+    }
+    two = _train(where, 2, {**LAYOUTS, **lossy})
+    return one, two
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(runs, layout):
+    one, two = runs
+    ref, ref_losses, _ = one["ref-moe" if layout.startswith("moe") else "ref"]
+    got, losses, sums = two[layout]
+    assert ref.keys() == got.keys()
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
+    assert len(losses) == 6
+    np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
+    if "parallel.tensor=2" in LAYOUTS[layout]:
+        assert sums == "gloo"  # the activations were summed over the process group
+
+
+@pytest.mark.parametrize("method", LOSSY)
+def test_compressors_on_gpu_ranks_equal_their_cpu_runs(runs, method):
+    _, two = runs
+    (gpu, gpu_losses, _), (cpu, cpu_losses, _) = two[f"{method}-cuda"], two[f"{method}-cpu"]
+    for k in cpu:
+        np.testing.assert_allclose(gpu[k], cpu[k], rtol=0, atol=1e-4, err_msg=k)
+    np.testing.assert_allclose(gpu_losses, cpu_losses, atol=1e-4)
