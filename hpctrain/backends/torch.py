@@ -30,11 +30,7 @@ from .base import (
     build_agreed,
 )
 from .groups import ModelGroups
-from .torch_device import (
-    DeviceFeeder,
-    agreed_device,
-    to_host,
-)
+from .torch_device import DeviceFeeder, agreed_device, read_later, to_host
 from .torch_model import ZooNet, _Layer, build_model, init_stream  # noqa: F401
 from .torch_probe import gpu_of_rank, probe  # noqa: F401 - doctor asks the backend module
 from .torch_state import TorchStateMixin
@@ -242,7 +238,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             fence()
 
     def train_step(self, micro_batches, lr: float) -> StepStats:
-        return step.train_step(self, micro_batches, lr)  # the sequence, with these:
+        return read_later(step.train_step(self, micro_batches, lr))  # with these below:
 
     # --- the step's primitives (step.StepPrimitives) ---------------------------
     def begin(self, lr: float) -> None:

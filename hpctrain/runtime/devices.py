@@ -98,10 +98,11 @@ def gpu_unsupported(cfg) -> str | None:
     can). One rule for the config check and the device choice.
 
     On GPU ranks the torch backend's data parallelism runs dense, ZeRO-1/2/3, tensor
-    parallelism, experts and compression on the process-group engines (their buffers on
+    parallelism and compression on the process-group engines (their buffers on
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages,
-    the parameter server, hierarchical allreduce and local SGD exchange host arrays."""
+    the parameter server, hierarchical allreduce and local SGD exchange host arrays, and
+    the experts' router plans its dispatch on the host (a copy per layer and step)."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] != "data_parallel":
@@ -113,9 +114,10 @@ def gpu_unsupported(cfg) -> str | None:
             f"train.allreduce={engine}"
         )
     features = mpi_only_features(cfg)
-    host_only = [f for f in features if f.startswith(("train.hierarchical", "train.sync_every"))]
+    host = ("train.hierarchical", "train.sync_every", "mixture-of-experts")
+    host_only = [f for f in features if f.startswith(host)]
     if host_only:
-        return f"GPU ranks do not run {', '.join(host_only)} (host arrays only)"
+        return f"GPU ranks do not run {', '.join(host_only)} yet (host-side code)"
     if engine == "mpi" and features:
         return (
             f"train.allreduce=mpi stages dense gradients through the host; "
