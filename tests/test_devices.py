@@ -58,9 +58,12 @@ def test_refusals_are_one_line_before_any_work(overrides, says):
 
 @pytest.mark.parametrize("engine", ["auto", "nccl", "gloo"])
 def test_gpu_ranks_run_zero_tensor_parallelism_and_compression_on_process_groups(
-    engine,
+    engine, monkeypatch
 ):
     on = ["runtime.device=cuda", f"train.allreduce={engine}"]
+    with pytest.raises(ConfigError, match="not yet run across ranks on a GPU"):
+        Config.load("configs/transformer-tp-zero.yaml", on)
+    monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # as the GPU check runs them
     zero3 = Config.load("configs/transformer-tp-zero.yaml", [*on, "train.zero=3"])
     assert zero3.train["zero"] == 3 and zero3.parallel["tensor"] == 2
     assert Config.load("configs/demo.yaml", [*on, "train.compression=powersgd"])

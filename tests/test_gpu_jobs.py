@@ -4,7 +4,9 @@ CUDA buffers through the host itself. So ZeRO-1/2/3's shards, slots and gathers,
 tensor-parallel activation sums and the compressors' residuals live on the GPU and cross ranks through the same transport code as under NCCL; only
 the library that moves the bytes differs (NCCL cannot put two ranks on one GPU). Each
 layout equals one process on the same GPU (the CPU suite's tolerances: 1e-5 on the
-weights, 1e-4 on the losses), and the compressors equal their CPU runs."""
+weights, 1e-4 on the losses), and the compressors equal their CPU runs. Until these
+pass on a GPU, GPU ranks refuse the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here).
+(2026-11-28, H100: the first run found ZeRO's micro-batches left on the host, fixed.)"""
 
 import re
 
@@ -60,17 +62,15 @@ def runs(tmp_path_factory):
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA GPU")
     where = tmp_path_factory.mktemp("gpu-jobs")
-    one = _train(
-        where,
-        1,
-        {"ref": ["train.batch_size=16"]},
-    )
+    one = _train(where, 1, {"ref": ["train.batch_size=16"]})
     lossy = {
         f"{m}-{dev}": [*GLOO, *COMPRESSED, f"train.compression={m}", f"runtime.device={dev}"]
         for m in LOSSY
         for dev in ("cuda", "cpu")
     }
-    two = _train(where, 2, {**LAYOUTS, **lossy})
+    with pytest.MonkeyPatch.context() as env:  # the layouts this check verifies
+        env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
+        two = _train(where, 2, {**LAYOUTS, **lossy})
     return one, two
 
 

@@ -85,3 +85,27 @@ def test_zero_on_the_device_equals_plain_training_on_it(device, stage):
         assert zero.gather.gathers > 4 * 5  # units gathered again after each step
         largest = max(s.padded for s in zero.part.segments)
         assert zero.memory(2)["zero_gathered_peak_bytes"] == 2 * largest * 4
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_every_step_path_feeds_its_micro_batches_through_the_device_feeder(stage):
+    """The replicated and the ZeRO steps both hand each micro-batch to the rank's
+    DeviceFeeder (on a GPU rank the only way onto the device; found on an H100 when the
+    ZeRO step bypassed it and the batches stayed on the host)."""
+    from hpctrain.backends.torch import TorchBackend
+    from hpctrain.config import Config
+    from hpctrain.models import zoo
+
+    cfg = Config.load(
+        "configs/demo.yaml",
+        ["runtime.device=cpu", "train.allreduce=mpi", f"train.zero={stage}", "train.grad_accum=2"],
+    )
+    backend = TorchBackend(cfg, None, zoo.InputSpec(shape=(32,), classes=10), threads=1)
+    fed, put = [], backend._feed.put
+    backend._feed.put = lambda array: fed.append(array) or put(array)
+    rng = np.random.default_rng(0)
+    micro = [
+        (rng.standard_normal((8, 32)).astype(np.float32), rng.integers(0, 10, 8)) for _ in range(2)
+    ]
+    backend.train_step(micro, 1e-3)
+    assert [id(a) for a in fed] == [id(a) for pair in micro for a in pair]

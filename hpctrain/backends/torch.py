@@ -336,6 +336,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             torch_moe.aux_loss,
             after_each=after_backward,
             bf16=self.precision,
+            feed=self._feed.put,
         )
         return self._expert_params(), loss_sum, correct, total, t_comm[0]
 

@@ -5,12 +5,12 @@ The buffers stay on the rank's device: ZeRO's gradient pieces, shard and paramet
 gathers never cross to the host. The group is the process-group engine's
 (`torch_pg.init_process_group`, bootstrapped over MPI).
 
-Deadlines: every call is issued with `async_op=True` and waited here. With Gloo (CPU ranks, or
-CUDA tensors it stages through the host) the wait is guarded by the MPI communicator's watchdog with `runtime.collective_timeout`,
-as an MPI collective is: at the deadline it probes every rank and ends the job naming
-the rank that never arrived or does not answer (stopped, hung). Gloo's own deadline is
-set later (torch_pg.group_timeout), its error the fallback. On a GPU (NCCL) the
-wait only orders the device's stream (the host does not block) and the deadline is the
+Deadlines: every call is issued with `async_op=True` and waited here. With Gloo (CPU
+ranks, or CUDA tensors it stages through the host) the wait is guarded by the MPI
+communicator's watchdog with `runtime.collective_timeout`, as an MPI collective is: at
+the deadline it probes every rank and ends the job naming the rank that never arrived
+or does not answer (stopped, hung). Gloo's own deadline is set later
+(torch_pg.group_timeout), its error the fallback. With NCCL the wait only orders the device's stream (the host does not block) and the deadline is the
 group's timeout, enforced by NCCL's watchdog, which aborts the communicator and ends the
 process (torch's default). Either failure raises `CollectiveError` naming the
 collective (`what`), the rank and the group, which fail-together turns into the job's

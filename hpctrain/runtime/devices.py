@@ -14,11 +14,16 @@ errors, so it stays O(log N) at 1,024 and 4,096 ranks.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from ..errors import ConfigError
 
 DEVICES = ("auto", "cpu", "cuda")
+# The layouts whose device code runs on CPU ranks (Gloo) and in one GPU process, but has
+# not run across ranks on a GPU yet, start on GPU ranks only with this set to 1 (the GPU
+# check sets it for tests/test_gpu_jobs.py, which verifies them).
+GPU_UNTESTED = "HPCTRAIN_GPU_UNTESTED"
 # Engines that move gradients through host memory (Gloo copies CUDA tensors to the host
 # itself): they tolerate ranks sharing a GPU.
 HOST_STAGED_ENGINES = ("mpi", "gloo", "auto")
@@ -102,7 +107,8 @@ def gpu_unsupported(cfg) -> str | None:
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages,
     the parameter server, hierarchical allreduce and local SGD exchange host arrays, and
-    the experts' router plans its dispatch on the host (a copy per layer and step)."""
+    the experts' router plans its dispatch on the host (a copy per layer and step).
+    What has not run across ranks on a GPU yet waits for GPU_UNTESTED."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] != "data_parallel":
@@ -122,5 +128,11 @@ def gpu_unsupported(cfg) -> str | None:
         return (
             f"train.allreduce=mpi stages dense gradients through the host; "
             f"{', '.join(features)} run on GPU ranks with train.allreduce=nccl (or auto)"
+        )
+    untested = features + (["train.allreduce=gloo"] if engine == "gloo" else [])
+    if untested and os.environ.get(GPU_UNTESTED) != "1":
+        return (
+            f"{', '.join(untested)} on GPU ranks: not yet run across ranks on a GPU "
+            f"(tools/gpu_check.sh runs them; {GPU_UNTESTED}=1 on every rank runs them anyway)"
         )
     return None
