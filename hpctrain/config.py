@@ -207,9 +207,9 @@ SCHEMA: dict[str, Any] = {
         "offload": _f(
             "none",
             str,
-            "ZeRO: keep the optimizer state (optimizer) and the float32 master parameters "
-            "(optimizer+params) in host memory, updated by the CPU; for GPU ranks, so on "
-            "CPU ranks only none (their state is in host memory already)",
+            "ZeRO on GPU ranks: keep the shard's float32 master copy and optimizer state "
+            "in host memory, updated by the CPU (optimizer); optimizer+params is not built; "
+            "on CPU ranks only none (their state is in host memory already)",
             choices=("none", "optimizer", "optimizer+params"),
         ),
         "zero_prefetch": _f(

@@ -1,12 +1,14 @@
 """GPU ranks across processes on the check machine's one GPU (marked gpu; run by
 tools/gpu_check.sh): two ranks share it over `train.allreduce=gloo`, which stages the
-CUDA buffers through the host itself. So ZeRO-1/2/3's shards, slots and gathers, the
-tensor-parallel activation sums and the compressors' residuals live on the GPU and cross ranks through the same transport code as under NCCL; only
-the library that moves the bytes differs (NCCL cannot put two ranks on one GPU). Each
-layout equals one process on the same GPU (the CPU suite's tolerances: 1e-5 on the
-weights, 1e-4 on the losses), and the compressors equal their CPU runs. Until these
-pass on a GPU, GPU ranks refuse the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here).
-(2026-11-28, H100: the first run found ZeRO's micro-batches left on the host, fixed.)"""
+CUDA buffers through the host itself. So ZeRO-1/2/3's shards, slots and gathers (with
+train.offload=optimizer, its master shard and optimizer in host memory), the
+tensor-parallel activation sums and the compressors' residuals live on the GPU and
+cross ranks through the same transport code as under NCCL; only the library that moves
+the bytes differs (NCCL cannot put two ranks on one GPU). Each layout equals one process
+on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses),
+and the compressors equal their CPU runs. Until these pass on a GPU, GPU ranks refuse
+the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (2026-11-28, H100: the first run
+found ZeRO's micro-batches left on the host, fixed.)"""
 
 import re
 
@@ -36,9 +38,13 @@ BASE = [
 ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
 GLOO = ["train.allreduce=gloo", "train.batch_size=8"]
 LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
+    "dense": GLOO,
     "zero1": [*GLOO, "train.zero=1"],
     "zero2": [*GLOO, "train.zero=2", "train.bucket_mb=0.004"],
     "zero3": [*GLOO, *ZERO3],
+    # the master shard and the optimizer in host memory, updated by the CPU
+    "zero2-offload": [*GLOO, "train.zero=2", "train.bucket_mb=0.004", "train.offload=optimizer"],
+    "zero3-offload": [*GLOO, *ZERO3, "train.offload=optimizer"],
     "tensor2": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2"],
     "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
 }
@@ -56,32 +62,33 @@ def _train(where, np_, runs):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def where(tmp_path_factory):
     import torch
 
     if not torch.cuda.is_available():
         pytest.skip("torch sees no CUDA GPU")
-    where = tmp_path_factory.mktemp("gpu-jobs")
-    one = _train(where, 1, {"ref": ["train.batch_size=16"]})
-    lossy = {
-        f"{m}-{dev}": [*GLOO, *COMPRESSED, f"train.compression={m}", f"runtime.device={dev}"]
-        for m in LOSSY
-        for dev in ("cuda", "cpu")
-    }
+    return tmp_path_factory.mktemp("gpu-jobs")
+
+
+@pytest.fixture(scope="module")
+def ref(where):
+    return _train(where, 1, {"ref": ["train.batch_size=16"]})["ref"]
+
+
+def _two_ranks(where, runs):
+    """One launch of 2 ranks per test, so that one layout's failure hides no other's."""
     with pytest.MonkeyPatch.context() as env:  # the layouts this check verifies
         env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
-        two = _train(where, 2, {**LAYOUTS, **lossy})
-    return one, two
+        return _train(where, 2, runs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(runs, layout):
-    one, two = runs
-    ref, ref_losses, _ = one["ref"]
-    got, losses, sums = two[layout]
-    assert ref.keys() == got.keys()
-    for k in ref:
-        np.testing.assert_allclose(got[k], ref[k], rtol=0, atol=1e-5, err_msg=k)
+def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(where, ref, layout):
+    ref_weights, ref_losses, _ = ref
+    got, losses, sums = _two_ranks(where, {layout: LAYOUTS[layout]})[layout]
+    assert ref_weights.keys() == got.keys()
+    for k in ref_weights:
+        np.testing.assert_allclose(got[k], ref_weights[k], rtol=0, atol=1e-5, err_msg=k)
     assert len(losses) == 6
     np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
     if "parallel.tensor=2" in LAYOUTS[layout]:
@@ -89,9 +96,11 @@ def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(runs, layout):
 
 
 @pytest.mark.parametrize("method", LOSSY)
-def test_compressors_on_gpu_ranks_equal_their_cpu_runs(runs, method):
-    _, two = runs
-    (gpu, gpu_losses, _), (cpu, cpu_losses, _) = two[f"{method}-cuda"], two[f"{method}-cpu"]
+def test_compressors_on_gpu_ranks_equal_their_cpu_runs(where, method):
+    opts = [*GLOO, *COMPRESSED, f"train.compression={method}"]
+    runs = {f"{method}-{dev}": [*opts, f"runtime.device={dev}"] for dev in ("cuda", "cpu")}
+    got = _two_ranks(where, runs)
+    (gpu, gpu_losses, _), (cpu, cpu_losses, _) = got[f"{method}-cuda"], got[f"{method}-cpu"]
     for k in cpu:
         np.testing.assert_allclose(gpu[k], cpu[k], rtol=0, atol=1e-4, err_msg=k)
     np.testing.assert_allclose(gpu_losses, cpu_losses, atol=1e-4)

@@ -37,17 +37,23 @@ def _batches(steps: int):
         )
 
 
-def _zero(stage: int, model: nn.Module, transport, dev):
+def _zero(stage: int, model: nn.Module, transport, dev, offload="none"):
     params = list(model.parameters())
     make_opt = lambda p: make_optimizer(ADAM, p)  # noqa: E731
     if stage == 3:  # units of 1 byte: one per Linear, four units sharing two slots
-        return TorchZero3(None, model, params, 1, make_opt, transport=transport, device=dev)
-    return TorchZero(None, params, stage, 1024, make_opt, transport)
+        return TorchZero3(
+            None, model, params, 1, make_opt, transport=transport, device=dev, offload=offload
+        )
+    return TorchZero(None, params, stage, 1024, make_opt, transport, offload)
 
 
+@pytest.mark.parametrize("offload", ["none", "optimizer"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
 @pytest.mark.parametrize("device", DEVICES)
-def test_zero_on_the_device_equals_plain_training_on_it(device, stage):
+def test_zero_on_the_device_equals_plain_training_on_it(device, stage, offload):
+    """train.offload=optimizer: the master shard and Adam's slots in (pinned) host
+    memory, updated by the CPU, the device's shard rewritten after each update: the
+    same training (on CUDA against the device's fused Adam, within its rounding)."""
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(device)
     plain = _model().to(dev)
@@ -55,8 +61,12 @@ def test_zero_on_the_device_equals_plain_training_on_it(device, stage):
     opt = make_optimizer(ADAM, list(plain.parameters()))
     engine = "nccl" if device == "cuda" else "gloo"
     transport = ProcessGroupTransport(None, engine, 60.0, dev)  # one rank: no group
-    zero = _zero(stage, sharded, transport, dev)
+    zero = _zero(stage, sharded, transport, dev, offload)
     assert zero.shard.device.type == device
+    host = "cpu" if offload == "optimizer" else device
+    assert zero.opt.param.device.type == host
+    if offload == "optimizer" and device == "cuda":
+        assert zero.opt.param.is_pinned()
     if stage == 3:
         assert all(s.device.type == device for s in zero._slots)
         assert len(zero.part.segments) == 4
@@ -81,6 +91,10 @@ def test_zero_on_the_device_equals_plain_training_on_it(device, stage):
     names = [n for n, _ in plain.named_parameters()]
     for name, p, g in zip(names, plain.parameters(), got, strict=True):
         np.testing.assert_allclose(g, p.detach().cpu().numpy(), rtol=0, atol=1e-6, err_msg=name)
+    slots = zero.optimizer.state[zero.opt.param]
+    assert all(v.device.type == host for v in slots.values() if v.dim() > 0)
+    offloaded = zero.memory(2)["mem_offloaded_bytes"]
+    assert offloaded == (4 * zero.part.shard_len * 4 if offload == "optimizer" else 0)
     if stage == 3:
         assert zero.gather.gathers > 4 * 5  # units gathered again after each step
         largest = max(s.padded for s in zero.part.segments)

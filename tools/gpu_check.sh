@@ -81,7 +81,7 @@ HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_j
     -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_jobs.txt"
-record "pytest tests/test_gpu_jobs.py: ZeRO-1/2/3, tensor parallelism, compressors on 2 GPU ranks ($(tail -1 "$OUT/gpu_jobs.txt" | tr -d '=' | xargs))" $rc
+record "pytest tests/test_gpu_jobs.py: ZeRO-1/2/3 (and offload), tensor parallelism, compressors on 2 GPU ranks ($(tail -1 "$OUT/gpu_jobs.txt" | tr -d '=' | xargs))" $rc
 fi
 
 if want demo; then

@@ -116,6 +116,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
                 init=self._init_stream() if self._lazy else None,
                 transport=transport,
                 device=self.device,
+                offload=cfg.train["offload"],
             )
             opt = self.zero.optimizer
         elif cfg.train["zero"]:

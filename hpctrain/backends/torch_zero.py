@@ -30,11 +30,13 @@ from torch import nn
 
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
+from .torch_offload import shard_optimizer
 
 
 class ShardedOptimizerState:
     """The optimizer state of a ZeRO shard in the canonical layout, for TorchZero and
-    TorchZero3: needs self.part, self.params, self.optimizer and self.shard."""
+    TorchZero3: needs self.part, self.params, self.optimizer and self.opt (a shard
+    optimizer of torch_offload.py, whose parameter keys the state)."""
 
     def export_optimizer(self, names: list[str], kind: str) -> dict[str, np.ndarray]:
         """`optimizer/<slot>/<name>` for every dense parameter, on rank 0 (collective)."""
@@ -50,7 +52,7 @@ class ShardedOptimizerState:
     def _slot_shard(self, slot: str) -> np.ndarray:
         """This rank's shard of an optimizer slot on the host (zeros before the first
         step)."""
-        value = self.optimizer.state.get(self.shard, {}).get(slot)
+        value = self.optimizer.state.get(self.opt.param, {}).get(slot)
         if value is None:
             return np.zeros(self.part.shard_len, np.float32)
         return value.detach().cpu().numpy()
@@ -59,7 +61,7 @@ class ShardedOptimizerState:
         """`optimizer/step` (Adam's step count, the same on every rank), or nothing."""
         if kind != "adam":
             return {}
-        st = self.optimizer.state.get(self.shard, {})
+        st = self.optimizer.state.get(self.opt.param, {})
         return {"optimizer/step": np.array(int(float(st.get("step", 0))), dtype=np.int64)}
 
     def optimizer_pieces(self, names: list[str], kind: str) -> dict:
@@ -73,14 +75,14 @@ class ShardedOptimizerState:
         return pieces
 
     def import_optimizer(self, names: list[str], kind: str, state: dict) -> None:
-        st = self.optimizer.state[self.shard]
+        st = self.optimizer.state[self.opt.param]
         for slot in OPTIMIZER_SLOTS[kind]:
             keys = [f"optimizer/{slot}/{n}" for n in names]
             missing = [k for k in keys if k not in state]
             if missing:
                 raise ValueError(f"optimizer state {missing[0]} missing")
             full = self.part.flatten([state[k] for k in keys])
-            st[slot] = torch.from_numpy(self.part.shard_of(full)).to(self.shard.device)
+            st[slot] = torch.from_numpy(self.part.shard_of(full)).to(self.opt.param.device)
         if kind == "adam":
             st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
 
@@ -88,7 +90,7 @@ class ShardedOptimizerState:
         return float(
             sum(
                 v.numel() * v.element_size()
-                for v in self.optimizer.state.get(self.shard, {}).values()
+                for v in self.optimizer.state.get(self.opt.param, {}).values()
                 if torch.is_tensor(v) and v.dim() > 0
             )
         )
@@ -103,9 +105,11 @@ class TorchZero(ShardedOptimizerState):
         bucket_bytes: int,
         make_opt,
         transport=None,
+        offload: str = "none",
     ):
         """`transport`: the process-group transport of the gloo/nccl engines (torch
-        tensors on the parameters' device); None: the MPI engine over `world` (numpy)."""
+        tensors on the parameters' device); None: the MPI engine over `world` (numpy).
+        `offload`: train.offload (torch_offload.py)."""
         sizes = [p.numel() for p in params]
         self.part = part = ZeroPartition(transport or world, sizes, stage, bucket_bytes, host=world)
         # the transport's view of a tensor: its numpy view (MPI, host memory) or itself
@@ -119,10 +123,11 @@ class TorchZero(ShardedOptimizerState):
                 v.copy_(p.detach())
                 p.data = v
         self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
-        self.optimizer = make_opt([self.shard])
+        self.sync_shard()
+        self.opt = shard_optimizer(offload, self.shard, make_opt)
+        self.optimizer = self.opt.optimizer
         self._shard_grad = torch.zeros(part.shard_len, device=device)
         self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type
-        self.sync_shard()
         self.grad_bytes_peak = 0
         if stage == 1:
             self.grads = torch.zeros(part.flat_len, device=device)
@@ -214,8 +219,7 @@ class TorchZero(ShardedOptimizerState):
         return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
 
     def step(self) -> None:
-        self.shard.grad = self._shard_grad
-        self.optimizer.step()
+        self.opt.step(self._shard_grad)
         with torch.no_grad():
             self.part.gather_params(self._arr(self.shard.detach()), self._arr(self.flat))
         if self.part.stage == 2:
@@ -226,6 +230,8 @@ class TorchZero(ShardedOptimizerState):
         """The shard from the (replicated) parameters: after a broadcast or a load."""
         with torch.no_grad():
             self.part.shard_of(self.flat, out=self.shard.detach())
+        if hasattr(self, "opt"):  # an offloaded master follows
+            self.opt.refresh()
 
     # --- memory -------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:
@@ -233,6 +239,7 @@ class TorchZero(ShardedOptimizerState):
             "mem_param_bytes": float(self.flat.numel() * 4),
             "mem_grad_bytes": float(self.grad_bytes_peak),
             "mem_optimizer_bytes": self.optimizer_bytes(),
+            "mem_offloaded_bytes": self.opt.host_bytes(),
             **self.part.expected_bytes(slots),
         }
 
@@ -242,4 +249,5 @@ def make_torch_zero(cfg, world, params: list, transport, make_opt) -> TorchZero:
     the process-group engine's `transport` on the parameters' device (`gloo` on CPU
     ranks, `nccl` on GPU ranks: backends/torch_transport.py)."""
     bucket_bytes = int(cfg.train["bucket_mb"] * 2**20)
-    return TorchZero(world, params, cfg.train["zero"], bucket_bytes, make_opt, transport)
+    stage, offload = cfg.train["zero"], cfg.train["offload"]
+    return TorchZero(world, params, stage, bucket_bytes, make_opt, transport, offload)

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import ConfigError
 from ..exchange.zero import ZeroPartition, unit_plan
 from ..exchange.zero3 import UnitGather, memory_figures
+from .torch_offload import shard_optimizer
 from .torch_zero import ShardedOptimizerState
 
 
@@ -94,13 +95,15 @@ class TorchZero3(ShardedOptimizerState):
         init=None,
         transport=None,
         device: torch.device | None = None,
+        offload: str = "none",
     ):
         """`init`: (name, initial value) of every tensor of a model built lazily
         (torch_model.init_stream): each unit is filled, sharded and freed in turn, so a
         rank never holds more than one unit of the whole model. Without it the model's
         own parameters are taken, rank 0's broadcast. `transport`: the process-group
         transport of the gloo/nccl engines (shard, slots and gradients are tensors on
-        `device`); None: the MPI engine over `world` (their numpy views, host memory)."""
+        `device`); None: the MPI engine over `world` (their numpy views, host memory).
+        `offload`: train.offload (torch_offload.py: master and optimizer on the host)."""
         modules = unit_modules(model)
         per_layer = module_params(model, params)
         sizes = [p.numel() for p in params]
@@ -126,7 +129,8 @@ class TorchZero3(ShardedOptimizerState):
         poll = {} if transport is None else {"poll_s": 0.0}
         self.gather = UnitGather(part, self._shard_arr, self._buffer, SLOTS, prefetch, **poll)
         self._spare: list = []  # gradient buffers of the largest unit's size
-        self.optimizer = make_opt([self.shard])
+        self.opt = shard_optimizer(offload, self.shard, make_opt)
+        self.optimizer = self.opt.optimizer
         self._shard_grad = torch.zeros(part.shard_len, device=device)
         self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type
         self.grad_bytes_peak = 0
@@ -298,8 +302,7 @@ class TorchZero3(ShardedOptimizerState):
         return self.part.clip(self.shard_grad, max_norm, split, extra_sq)
 
     def step(self) -> None:
-        self.shard.grad = self._shard_grad
-        self.optimizer.step()
+        self.opt.step(self._shard_grad)
         self.gather.invalidate()  # the shard changed: every unit is gathered afresh
 
     def sync_shard(self) -> None:
@@ -339,8 +342,10 @@ class TorchZero3(ShardedOptimizerState):
         self.gather.invalidate()
         with torch.no_grad():
             self.shard.copy_(torch.from_numpy(self.part.shard_of(self.part.flatten(arrays))))
+        self.opt.refresh()
 
     # --- memory ----------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:
         opt = self.optimizer_bytes()
-        return memory_figures(self.gather, self.gathered_peak, self.grad_bytes_peak, opt, slots)
+        figures = memory_figures(self.gather, self.gathered_peak, self.grad_bytes_peak, opt, slots)
+        return {**figures, "mem_offloaded_bytes": self.opt.host_bytes()}

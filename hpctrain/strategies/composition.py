@@ -105,15 +105,37 @@ def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
 
 
 def offload_rules(v: dict) -> list[str]:
-    """Offload moves GPU-resident optimizer state (and master parameters) to the host;
-    ZeRO runs on CPU ranks, whose state is in host memory already."""
-    offload = v["train"]["offload"]
+    """Offload moves a GPU rank's ZeRO shard optimizer (float32 master shard and its
+    state) to host memory (backends/torch_offload.py): torch ZeRO on the process-group
+    engines of GPU ranks. CPU ranks' state is in host memory already."""
+    t = v["train"]
+    offload = t["offload"]
     if offload == "none":
         return []
+    if offload == "optimizer+params":
+        return [
+            "train.offload=optimizer+params: not built (the device keeps each shard's "
+            "working copy for its gathers); train.offload=optimizer moves the float32 "
+            "master shard and the optimizer state to host memory"
+        ]
+    if v["runtime"]["device"] != "cuda":
+        return [
+            f"train.offload={offload}: offloading moves a GPU rank's optimizer state to "
+            "host memory; CPU ranks keep it in host memory already, so there is nothing "
+            "to offload: leave train.offload=none (or set runtime.device=cuda)"
+        ]
+    clash = _clash(
+        (
+            (f"backend {v['backend']}", v["backend"] != "torch"),
+            ("train.zero=0", not t["zero"]),
+            (f"train.allreduce={t['allreduce']}", t["allreduce"] not in ("auto", "nccl", "gloo")),
+        )
+    )
+    if not clash:
+        return []
     return [
-        f"train.offload={offload}: offloading moves a GPU rank's optimizer state to host "
-        "memory; ZeRO runs on CPU ranks (the MPI exchange layer), whose state is in host "
-        "memory already, so there is nothing to offload: leave train.offload=none"
+        f"train.offload={offload}: offloads the torch backend's ZeRO-1/2/3 shard on GPU "
+        f"ranks (train.allreduce nccl, gloo or auto); not with {', '.join(clash)}"
     ]
 
 

@@ -1,0 +1,84 @@
+"""Who updates a ZeRO shard: the device's optimizer, or the host's (`train.offload`).
+
+`train.offload: optimizer` is for GPU ranks whose memory is the limit. The float32
+master copy of the rank's shard and the optimizer's state (Adam: two slots) live in
+pinned host memory, and the CPU updates them. The device keeps the shard's working copy,
+which the gathers send from, and the gradient shard, which the reduce-scatters fill.
+
+Device memory per rank, in bytes, for Psi parameters over N ranks:
+- ZeRO-1/2/3 with Adam: 16 Psi/N of shard state (shard, gradient shard, two slots)
+  becomes 8 Psi/N (the shard's working copy and the gradient shard), beside ZeRO-1/2's
+  whole parameters and ZeRO-3's gathered units.
+The host holds 16 Psi/N: master, gradient copy, two slots.
+
+Per step and rank: one copy of the gradient shard to the host (4 Psi/N bytes), the
+CPU's update, and one copy of the updated shard back (4 Psi/N). This shrinks with N; it
+is the same whether N is 1,024 or 4,096. The host waits for the gradient shard (one
+synchronisation, at the update), so the update is on the step's critical path and is
+not hidden behind the next forward: hiding it would apply each update one step late,
+which is not the single-process math.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class DeviceShardOptimizer:
+    """The optimizer over the shard where it lives (no offload)."""
+
+    def __init__(self, shard: nn.Parameter, make_opt):
+        self.param = shard  # the parameter the optimizer holds (its state's key)
+        self.optimizer = make_opt([shard])
+
+    def step(self, grad: torch.Tensor) -> None:
+        self.param.grad = grad
+        self.optimizer.step()
+
+    def refresh(self) -> None:
+        """Nothing to do: the shard is the master copy."""
+
+    def host_bytes(self) -> float:
+        return 0.0
+
+
+class HostShardOptimizer:
+    """The master shard and the optimizer in (pinned) host memory, updated by the CPU;
+    `shard` on the device is the working copy, rewritten after every update."""
+
+    def __init__(self, shard: torch.Tensor, make_opt):
+        pin = shard.is_cuda  # pinned memory needs a GPU; a CPU shard's copies are plain
+        self.shard = shard
+        self.param = nn.Parameter(torch.empty(shard.shape, pin_memory=pin))
+        self._grad = torch.empty(shard.shape, pin_memory=pin)
+        self.refresh()
+        self.optimizer = make_opt([self.param])  # host tensors: torch's CPU update
+
+    def refresh(self) -> None:
+        """The master from the device's shard (after a load or a broadcast)."""
+        with torch.no_grad():
+            self.param.copy_(self.shard.detach())
+
+    @torch.no_grad()
+    def step(self, grad: torch.Tensor) -> None:
+        self._grad.copy_(grad, non_blocking=True)
+        if grad.is_cuda:  # the CPU reads the gradient: wait for its copy (only this)
+            torch.cuda.current_stream(grad.device).synchronize()
+        self.param.grad = self._grad
+        self.optimizer.step()
+        # stream-ordered: the next step's gradient copy, which the host waits for above,
+        # comes after this one, so the master is not rewritten while it is being read
+        self.shard.copy_(self.param.detach(), non_blocking=True)
+
+    def host_bytes(self) -> float:
+        state = self.optimizer.state.get(self.param, {}).values()
+        slots = sum(v.numel() * v.element_size() for v in state if torch.is_tensor(v) and v.dim())
+        return float(self.param.numel() * 8 + slots)  # master, gradient copy, slots
+
+
+def shard_optimizer(offload: str, shard, make_opt):
+    """The shard's optimizer for `train.offload` (none | optimizer)."""
+    if offload == "optimizer":
+        return HostShardOptimizer(shard, make_opt)
+    return DeviceShardOptimizer(shard, make_opt)
