@@ -26,7 +26,7 @@ mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
 REPORT="$OUT/report.md"
 status=0
-# GPU_CHECK_ONLY="tests jobs demo bench": a rerun of some steps only (default: all)
+# GPU_CHECK_ONLY="tests jobs demo bench cluster": some steps only (default: all)
 want() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
 say() { echo "[gpu-check $(date +%T)] $*" | tee -a "$OUT/check.log"; }
 record() { # name rc
@@ -129,6 +129,17 @@ record "GPU bench" $rc
     echo
     cat "$OUT/bench/gpu_report.md" 2>/dev/null || tail -20 "$OUT/bench.log"
 } >>"$REPORT"
+fi
+if want cluster; then
+say "probe: can this machine run the emulated cluster (2 nodes x 4 ranks, for the hierarchical bench)?"
+{ command -v ip && command -v tc; } >>"$OUT/cluster.log" 2>&1
+timeout 90 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 10gbit &&
+    $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) \
+    $PY -c 'from mpi4py import MPI; import socket; print(MPI.COMM_WORLD.rank, socket.gethostname())'" \
+    >>"$OUT/cluster.log" 2>&1
+rc=$?
+$PY -m hpctrain cluster down >>"$OUT/cluster.log" 2>&1
+echo "| probe: emulated cluster, 2 nodes x 4 ranks (informational) | rc $rc |" >>"$REPORT"
 fi
 cat "$REPORT"
 exit $status
