@@ -134,7 +134,7 @@ if want cluster; then
 say "probe: can this machine run the emulated cluster (2 nodes x 4 ranks, for the hierarchical bench)?"
 { command -v ip && command -v tc; } >>"$OUT/cluster.log" 2>&1
 timeout 90 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 10gbit &&
-    $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) \
+    $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) --oversubscribe \
     $PY -c 'from mpi4py import MPI; import socket; print(MPI.COMM_WORLD.rank, socket.gethostname())'" \
     >>"$OUT/cluster.log" 2>&1
 rc=$?
