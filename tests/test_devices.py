@@ -57,7 +57,7 @@ def test_refusals_are_one_line_before_any_work(overrides, says):
 
 
 @pytest.mark.parametrize("engine", ["auto", "nccl", "gloo"])
-def test_gpu_ranks_run_zero_tensor_parallelism_and_compression_on_process_groups(
+def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_process_groups(
     engine, monkeypatch
 ):
     on = ["runtime.device=cuda", f"train.allreduce={engine}"]
@@ -67,8 +67,9 @@ def test_gpu_ranks_run_zero_tensor_parallelism_and_compression_on_process_groups
     zero3 = Config.load("configs/transformer-tp-zero.yaml", [*on, "train.zero=3"])
     assert zero3.train["zero"] == 3 and zero3.parallel["tensor"] == 2
     assert Config.load("configs/demo.yaml", [*on, "train.compression=powersgd"])
-    with pytest.raises(ConfigError, match="do not run mixture-of-experts layers"):
-        Config.load("configs/moe.yaml", on)  # the router plans on the host
+    assert Config.load("configs/moe.yaml", on).model["moe"]
+    with pytest.raises(ConfigError, match="not with mixture-of-experts layers with"):
+        Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
     with pytest.raises(ConfigError, match="strategy pipeline runs on CPU ranks only"):
         Config.load("configs/pipeline.yaml", on)
 
@@ -132,3 +133,23 @@ def test_the_pipeline_runs_on_the_process_group_engine_but_not_its_zero():
         Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "train.zero=1"])
     with pytest.raises(ConfigError, match="not with backend tensorflow"):
         Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "backend=tensorflow"])
+
+
+def test_a_gpu_rank_started_past_the_untested_gate_says_so(monkeypatch):
+    """HPCTRAIN_GPU_UNTESTED=1 starts ZeRO on a GPU rank, and the device's reason (the
+    startup line) names what has not run across ranks on a GPU yet."""
+    import torch
+
+    from hpctrain.backends import torch_device
+
+    monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")
+    monkeypatch.setattr(torch_device, "visible_gpus", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
+    cfg = Config.load("configs/demo.yaml", ["runtime.device=cuda", "train.zero=2"])
+    device, choice = torch_device.resolve_device(cfg, None)
+    assert device.type == "cuda"
+    assert "train.zero=2 not yet run across ranks on a GPU (HPCTRAIN_GPU_UNTESTED=1)" in (
+        choice.reason
+    )
+    plain = Config.load("configs/demo.yaml", ["runtime.device=cuda"])
+    assert "not yet run" not in torch_device.resolve_device(plain, None)[1].reason

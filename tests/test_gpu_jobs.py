@@ -4,7 +4,8 @@ CUDA buffers through the host itself. So ZeRO-1/2/3's shards, slots and gathers 
 train.offload=optimizer, its master shard and optimizer in host memory), the
 tensor-parallel activation sums and the compressors' residuals live on the GPU and
 cross ranks through the same transport code as under NCCL; only the library that moves
-the bytes differs (NCCL cannot put two ranks on one GPU). Each layout equals one process
+the bytes differs (NCCL cannot put two ranks on one GPU). The experts' all-to-alls move
+CUDA rows too (their router plans on the host). Each layout equals one process
 on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses),
 and the compressors equal their CPU runs. Until these pass on a GPU, GPU ranks refuse
 the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (2026-11-28, H100: the first run
@@ -37,6 +38,7 @@ BASE = [
 ]
 ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
 GLOO = ["train.allreduce=gloo", "train.batch_size=8"]
+MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
 LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     "dense": GLOO,
     "zero1": [*GLOO, "train.zero=1"],
@@ -46,6 +48,9 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     "zero2-offload": [*GLOO, "train.zero=2", "train.bucket_mb=0.004", "train.offload=optimizer"],
     "zero3-offload": [*GLOO, *ZERO3, "train.offload=optimizer"],
     "tensor2": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2"],
+    # experts: the router plans on the host, the all-to-alls move CUDA rows
+    "moe": [MOE, *GLOO],
+    "moe-zero2": [MOE, *GLOO, "train.zero=2", "train.bucket_mb=0.004"],
     "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
 }
 COMPRESSED = ["compression.ratio=0.05", "compression.rank=2", "compression.warmup_steps=1"]
@@ -72,7 +77,9 @@ def where(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref(where):
-    return _train(where, 1, {"ref": ["train.batch_size=16"]})["ref"]
+    return _train(
+        where, 1, {"ref": ["train.batch_size=16"], "ref-moe": [MOE, "train.batch_size=16"]}
+    )
 
 
 def _two_ranks(where, runs):
@@ -84,7 +91,7 @@ def _two_ranks(where, runs):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(where, ref, layout):
-    ref_weights, ref_losses, _ = ref
+    ref_weights, ref_losses, _ = ref["ref-moe" if layout.startswith("moe") else "ref"]
     got, losses, sums = _two_ranks(where, {layout: LAYOUTS[layout]})[layout]
     assert ref_weights.keys() == got.keys()
     for k in ref_weights:

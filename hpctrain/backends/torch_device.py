@@ -14,7 +14,13 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, HpctrainError
-from ..runtime.devices import DeviceChoice, choose_device, gpu_unsupported
+from ..runtime.devices import (
+    GPU_UNTESTED,
+    DeviceChoice,
+    choose_device,
+    gpu_unsupported,
+    gpu_untested,
+)
 
 
 def visible_gpus() -> int:
@@ -43,6 +49,14 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
         return torch.device("cpu"), choice
     device = torch.device("cuda", choice.index)
     torch.cuda.set_device(device)
+    untested = gpu_untested(cfg)
+    if untested:  # only started with GPU_UNTESTED=1 (gpu_unsupported): say so
+        choice = DeviceChoice(
+            choice.kind,
+            choice.index,
+            f"{choice.reason}; {', '.join(untested)} not yet run across ranks on a GPU "
+            f"({GPU_UNTESTED}=1)",
+        )
     return device, choice
 
 

@@ -62,29 +62,35 @@ def moe_ffn(layer, h: torch.Tensor, router: torch.Tensor | None = None) -> torch
     record = layer.training  # only training calls count in the step's metrics
     shape, d = h.shape, h.shape[-1]
     x = h.reshape(-1, d)
+
+    def on(array):  # the plan's host arrays where the tokens are (the same memory on CPU)
+        return torch.from_numpy(array).to(x.device)
+
     xr = x
     if layer.training and opts["jitter"] > 0:
-        xr = x * torch.from_numpy(moe.jitter_noise(x.shape))
+        xr = x * on(moe.jitter_noise(x.shape))
     probs = torch.softmax(F.linear(xr, router), dim=-1)
-    plan = moe.plan(probs.detach().numpy(), record)
-    top = probs.gather(1, torch.from_numpy(plan.experts))
+    # The router plans on the host (hpctrain/moe): on a GPU rank a copy and a wait per
+    # MoE layer and step, the one host synchronisation such a step has.
+    plan = moe.plan(probs.detach().cpu().numpy(), record)
+    top = probs.gather(1, on(plan.experts))
     gates = top if moe.k == 1 else top / top.sum(dim=-1, keepdim=True)
-    token = torch.from_numpy(plan.send_token)
+    token = on(plan.send_token)
     recv = _AllToAll.apply(x[token], moe, plan.send_rows, plan.recv_rows, record)
     t0 = time.perf_counter()
-    grouped = recv[torch.from_numpy(plan.perm)]
+    grouped = recv[on(plan.perm)]
     outs = []
     for j, rows in enumerate(grouped.split(plan.expert_rows.tolist())):
         e = f"moe.experts.{moe.first + j}"
         hidden = F.relu(F.linear(rows, p[f"{e}.fc1.weight"], p[f"{e}.fc1.bias"]))
         outs.append(F.linear(hidden, p[f"{e}.fc2.weight"], p[f"{e}.fc2.bias"]))
-    out = torch.cat(outs)[torch.from_numpy(plan.inv_perm)] if outs else grouped
+    out = torch.cat(outs)[on(plan.inv_perm)] if outs else grouped
     if record:
         moe.stats.expert_s += time.perf_counter() - t0
     back = _AllToAll.apply(out, moe, plan.recv_rows, plan.send_rows, record)
-    coef = gates[token, torch.from_numpy(plan.send_slot)]
+    coef = gates[token, on(plan.send_slot)]
     y = torch.zeros_like(x).index_add(0, token, back * coef[:, None])
-    frac = torch.from_numpy(plan.fractions)
+    frac = on(plan.fractions)
     _aux[layer] = opts["aux_loss"] * moe.E * (frac * probs.mean(dim=0)).sum()
     return y.reshape(shape)
 

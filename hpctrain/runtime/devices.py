@@ -103,11 +103,10 @@ def gpu_unsupported(cfg) -> str | None:
     can). One rule for the config check and the device choice.
 
     On GPU ranks the torch backend's data parallelism runs dense, ZeRO-1/2/3, tensor
-    parallelism and compression on the process-group engines (their buffers on
+    parallelism, experts and compression on the process-group engines (their buffers on
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages,
-    the parameter server, hierarchical allreduce and local SGD exchange host arrays, and
-    the experts' router plans its dispatch on the host (a copy per layer and step).
+    the parameter server, hierarchical allreduce and local SGD exchange host arrays.
     What has not run across ranks on a GPU yet waits for GPU_UNTESTED."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
@@ -120,7 +119,7 @@ def gpu_unsupported(cfg) -> str | None:
             f"train.allreduce={engine}"
         )
     features = mpi_only_features(cfg)
-    host = ("train.hierarchical", "train.sync_every", "mixture-of-experts")
+    host = ("train.hierarchical", "train.sync_every")
     host_only = [f for f in features if f.startswith(host)]
     if host_only:
         return f"GPU ranks do not run {', '.join(host_only)} yet (host-side code)"
@@ -129,10 +128,22 @@ def gpu_unsupported(cfg) -> str | None:
             f"train.allreduce=mpi stages dense gradients through the host; "
             f"{', '.join(features)} run on GPU ranks with train.allreduce=nccl (or auto)"
         )
-    untested = features + (["train.allreduce=gloo"] if engine == "gloo" else [])
+    untested = gpu_untested(cfg)
     if untested and os.environ.get(GPU_UNTESTED) != "1":
         return (
             f"{', '.join(untested)} on GPU ranks: not yet run across ranks on a GPU "
             f"(tools/gpu_check.sh runs them; {GPU_UNTESTED}=1 on every rank runs them anyway)"
         )
     return None
+
+
+def gpu_untested(cfg) -> list[str]:
+    """What `cfg` turns on that GPU ranks run on the process-group code but that has not
+    yet run across ranks on a GPU (it starts there with GPU_UNTESTED=1)."""
+    offload = cfg["train"]["offload"]
+    gloo = cfg["train"]["allreduce"] == "gloo"
+    return (
+        mpi_only_features(cfg)
+        + ([f"train.offload={offload}"] if offload != "none" else [])
+        + (["train.allreduce=gloo"] if gloo else [])
+    )
