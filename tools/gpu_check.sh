@@ -77,8 +77,10 @@ fi
 
 if want jobs; then
 say "GPU ranks across processes: two ranks sharing the GPU over Gloo"
+# one 2-rank launch per layout; four at a time where pytest-xdist is there (16 cores)
+parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4")
 HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_jobs.py \
-    -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
+    $parallel -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_jobs.txt"
 record "pytest tests/test_gpu_jobs.py: ZeRO-1/2/3 (and offload), tensor parallelism, compressors on 2 GPU ranks ($(tail -1 "$OUT/gpu_jobs.txt" | tr -d '=' | xargs))" $rc

@@ -97,7 +97,8 @@ def agreed_device(cfg, world):
         raise ConfigError(
             f"train.allreduce={cfg.train['allreduce']}: ranks share a GPU on "
             f"{layout.hostname if layout else 'this node'}; NCCL needs one GPU per rank "
-            "(fewer ranks per node, or train.allreduce=mpi or gloo to stage through host memory)"
+            "(fewer ranks per node, or train.allreduce=mpi or gloo to stage through host "
+            "memory)"
         )
     return device, why, shared
 

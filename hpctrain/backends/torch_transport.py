@@ -10,9 +10,10 @@ ranks, or CUDA tensors it stages through the host) the wait is guarded by the MP
 communicator's watchdog with `runtime.collective_timeout`, as an MPI collective is: at
 the deadline it probes every rank and ends the job naming the rank that never arrived
 or does not answer (stopped, hung). Gloo's own deadline is set later
-(torch_pg.group_timeout), its error the fallback. With NCCL the wait only orders the device's stream (the host does not block) and the deadline is the
-group's timeout, enforced by NCCL's watchdog, which aborts the communicator and ends the
-process (torch's default). Either failure raises `CollectiveError` naming the
+(torch_pg.group_timeout), its error the fallback. With NCCL the wait only orders the
+device's stream (the host does not block) and the deadline is the group's timeout,
+enforced by NCCL's watchdog, which aborts the communicator and ends the process
+(torch's default). Either failure raises `CollectiveError` naming the
 collective (`what`), the rank and the group, which fail-together turns into the job's
 end. Costs per collective: the Protocol's docstring; uneven counts (never ZeRO's, whose
 pieces are equal) pad to the largest piece, as the process groups gather equal pieces.

@@ -123,7 +123,8 @@ class TorchZero(ShardedOptimizerState):
                 v.copy_(p.detach())
                 p.data = v
         self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
-        self.sync_shard()
+        with torch.no_grad():
+            part.shard_of(self.flat, out=self.shard.detach())
         self.opt = shard_optimizer(offload, self.shard, make_opt)
         self.optimizer = self.opt.optimizer
         self._shard_grad = torch.zeros(part.shard_len, device=device)
@@ -230,8 +231,7 @@ class TorchZero(ShardedOptimizerState):
         """The shard from the (replicated) parameters: after a broadcast or a load."""
         with torch.no_grad():
             self.part.shard_of(self.flat, out=self.shard.detach())
-        if hasattr(self, "opt"):  # an offloaded master follows
-            self.opt.refresh()
+        self.opt.refresh()  # an offloaded master follows
 
     # --- memory -------------------------------------------------------------------------
     def memory(self, slots: int) -> dict[str, float]:

@@ -5,8 +5,8 @@ first collective). A rank picks its GPU from its node-local rank among the GPUs 
 see, so `CUDA_VISIBLE_DEVICES`, SLURM's `--gpus-per-task` and `--gpu-bind` all work: a
 rank that sees exactly one GPU uses it whatever its local rank. More ranks than visible
 GPUs on a node is refused before any work, naming the node and the counts, unless the
-gradient engine stages through host memory (the `mpi` and `gloo` engines), which tolerate sharing
-(tests, or a node with fewer GPUs than cores).
+gradient engine stages through host memory (the `mpi` and `gloo` engines), which
+tolerate sharing (tests, or a node with fewer GPUs than cores).
 
 Cost: a rule evaluated locally; the only collective is the caller's one agreement on
 errors, so it stays O(log N) at 1,024 and 4,096 ranks.
