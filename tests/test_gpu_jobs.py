@@ -15,27 +15,15 @@ import re
 
 import numpy as np
 import pytest
-from dump_runs import TINY_TRANSFORMER, train_many
+from dump_runs import train_many
 from mpirun import ROOT
+from test_tensor_parallel_jobs import TRANSFORMER
 
 pytestmark = pytest.mark.gpu
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "tp_train_dump.py")
-BASE = [
-    *TINY_TRANSFORMER,
-    "data.train_samples=1024",
-    "data.val_samples=128",
-    "train.log_every=1",
-    "optimizer.lr_scaling=none",
-    "metrics.tensorboard=false",
-    "train.max_steps=6",
-    "optimizer.name=sgd",
-    "optimizer.lr=0.1",
-    "optimizer.momentum=0.9",
-    "train.clip_norm=0.5",
-    "train.deterministic=true",
-    "runtime.device=cuda",
-]
+# the tensor-parallel tests' runs (their engine, mpi, is the one-GPU reference's), on CUDA
+BASE = [*TRANSFORMER, "train.deterministic=true", "runtime.device=cuda"]
 ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
 GLOO = ["train.allreduce=gloo", "train.batch_size=8"]
 MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"
