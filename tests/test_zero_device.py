@@ -39,7 +39,7 @@ def _batches(steps: int):
 
 def _zero(stage: int, model: nn.Module, transport, dev, offload="none"):
     params = list(model.parameters())
-    make_opt = lambda p: make_optimizer(ADAM, p)  # noqa: E731
+    make_opt = lambda p, **kw: make_optimizer(ADAM, p, **kw)  # noqa: E731
     if stage == 3:  # units of 1 byte: one per Linear, four units sharing two slots
         return TorchZero3(
             None, model, params, 1, make_opt, transport=transport, device=dev, offload=offload
