@@ -89,42 +89,35 @@ def _model_and_batch(size: str):
 
 
 def _loop(model, x, y, steps: int, fused=True):
-    """Median seconds per step of the hand-written loop (and the phase split)."""
+    """Median seconds per step of the hand-written loop (and the phase split), by CUDA
+    events around each step, synchronised after each timed one."""
     import torch
-    import torch.nn.functional as F
 
-    # the optimizer hpctrain builds on a GPU rank (fused Adam), so only the loop differs
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
+    marks: list = []  # (start, after backward, end) events of the step under way
+    step = _plain_step(model, x, y, fused, between=lambda: marks[-1][1].record())
     times, phases = [], {"forward_backward": [], "optimizer": []}
     for i in range(steps + 3):
-        t0 = torch.cuda.Event(enable_timing=True)
-        t1 = torch.cuda.Event(enable_timing=True)
-        t2 = torch.cuda.Event(enable_timing=True)
+        marks.append([torch.cuda.Event(enable_timing=True) for _ in range(3)])
+        t0, t1, t2 = marks[-1]
         t0.record()
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        t1.record()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        step()
         t2.record()
         if i >= 3:
             torch.cuda.synchronize()
-        if i >= 3:
             times.append(t0.elapsed_time(t2) / 1e3)
             phases["forward_backward"].append(t0.elapsed_time(t1) / 1e3)
             phases["optimizer"].append(t1.elapsed_time(t2) / 1e3)
     return float(np.median(times)), {k: float(np.median(v)) for k, v in phases.items()}
 
 
-def _plain_step(model, x, y):
-    """One step of the hand-written loop (fused Adam, bf16 autocast, clip 1.0)."""
+def _plain_step(model, x, y, fused=True, between=None):
+    """One step of the hand-written loop (bf16 autocast, clip 1.0, Adam: fused, as
+    hpctrain builds it on a GPU rank, so only the loop differs; or torch's default).
+    `between()`: called after backward, before the clip and the update."""
     import torch
     import torch.nn.functional as F
 
-    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=True)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-4, fused=fused)
 
     def step():
         opt.zero_grad(set_to_none=True)
@@ -132,6 +125,8 @@ def _plain_step(model, x, y):
             logits = model(x)
         loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
+        if between is not None:
+            between()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
 

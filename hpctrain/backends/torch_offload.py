@@ -74,9 +74,14 @@ class HostShardOptimizer:
         self.shard.copy_(self.param.detach(), non_blocking=True)
 
     def host_bytes(self) -> float:
-        state = self.optimizer.state.get(self.param, {}).values()
-        slots = sum(v.numel() * v.element_size() for v in state if torch.is_tensor(v) and v.dim())
-        return float(self.param.numel() * 8 + slots)  # master, gradient copy, slots
+        """Master, gradient copy and the optimizer's slots."""
+        return float(self.param.numel() * 8) + slot_bytes(self.optimizer, self.param)
+
+
+def slot_bytes(optimizer, param) -> float:
+    """Bytes of `optimizer`'s per-element state for `param` (Adam's step count aside)."""
+    state = optimizer.state.get(param, {}).values()
+    return float(sum(v.numel() * v.element_size() for v in state if torch.is_tensor(v) and v.dim()))
 
 
 def shard_optimizer(offload: str, shard, make_opt):

@@ -30,7 +30,7 @@ from torch import nn
 
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
-from .torch_offload import shard_optimizer
+from .torch_offload import shard_optimizer, slot_bytes
 
 
 class ShardedOptimizerState:
@@ -87,13 +87,7 @@ class ShardedOptimizerState:
             st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
 
     def optimizer_bytes(self) -> float:
-        return float(
-            sum(
-                v.numel() * v.element_size()
-                for v in self.optimizer.state.get(self.opt.param, {}).values()
-                if torch.is_tensor(v) and v.dim() > 0
-            )
-        )
+        return slot_bytes(self.optimizer, self.opt.param)
 
 
 class TorchZero(ShardedOptimizerState):
