@@ -24,8 +24,10 @@ def data_ranks(cfg, world_size: int) -> int:
     return world_size // tensor
 
 
-def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
-    """The report: the model, the world, and the table of stages (peak per rank)."""
+def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | None = None) -> str:
+    """The report: the model, the world, and the table of stages (peak per rank). GPU
+    ranks (runtime.device=cuda, train.offload, or a GPU memory given) get the GPU's
+    peak and the host's in separate columns."""
     from .backends.groups import ModelGroups
     from .backends.torch_plan import plan_stages
     from .data import benchmark_input_spec
@@ -47,7 +49,8 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
     tensor = cfg.parallel["tensor"]
     groups = ModelGroups(tensor=TensorGroup.planned(tensor)) if tensor > 1 else ModelGroups()
     t = cfg.train
-    planned = plan_stages(cfg, benchmark_input_spec(cfg.data), groups, n, STAGES)
+    gpu = gpu_mb is not None or cfg.runtime["device"] == "cuda" or t["offload"] != "none"
+    planned = plan_stages(cfg, benchmark_input_spec(cfg.data), groups, n, STAGES, gpu=gpu)
     if planned is None:
         raise ConfigError(
             f"model {cfg.model['name']!r}: plan-memory plans zoo models; a user's model "
@@ -63,13 +66,20 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None) -> str:
         f"{cfg.optimizer['name']}, micro-batch {t['batch_size']}; MiB per rank:"
     )
     limit = None if limit_mb is None else limit_mb * MIB
+    where = (
+        "GPU peak = every term (GPU memory); host peak = baseline (this process, before "
+        f"a model) + what train.offload={t['offload']} keeps on the host (ZeRO stages); "
+        if gpu
+        else "peak = baseline (this process, before a model) + every term; "
+    )
     notes = (
-        "peak = baseline (this process, before a model) + every term; ZeRO-3 gathers "
+        where + "ZeRO-3 gathers "
         f"units of train.zero_unit_mb={t['zero_unit_mb']} MB, two at a time; a run's "
         "baseline also holds its training split when it fits data.in_memory_mb "
         f"({cfg.data['in_memory_mb']:g} MiB; one copy per node, on its first rank)"
     )
-    return "\n".join([head, table(plans, baseline, limit), notes])
+    gpu_limit = None if gpu_mb is None else gpu_mb * MIB
+    return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
 
 
 def register(sub, add_config_args) -> dict:
@@ -86,11 +96,20 @@ def register(sub, add_config_args) -> dict:
     p.add_argument(
         "--limit-mb", type=float, default=None, help="mark each stage's fit against MiB per rank"
     )
+    p.add_argument(
+        "--gpu-mb",
+        type=float,
+        default=None,
+        help="GPU ranks: mark each stage's GPU peak against this many MiB per rank "
+        "(--limit-mb then marks the host's); implied columns with runtime.device=cuda "
+        "or train.offload",
+    )
     return {"plan-memory": _cmd_plan_memory}
 
 
 def _cmd_plan_memory(args) -> int:
     from .config import Config
 
-    print(plan_memory(Config.load(args.config, args.overrides), args.np, args.limit_mb))
+    cfg = Config.load(args.config, args.overrides)
+    print(plan_memory(cfg, args.np, args.limit_mb, args.gpu_mb))
     return 0

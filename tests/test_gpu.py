@@ -90,3 +90,65 @@ def test_memory_figures_come_from_the_cuda_allocator():
     assert (
         stats.extra["mem_cuda_peak_reserved_bytes"] >= stats.extra["mem_cuda_peak_allocated_bytes"]
     )
+
+
+# the 50 M-parameter transformer of the CPU memory tests (tests/test_memory_plan_jobs.py)
+BIG = [
+    "model.name=transformer", "data.task=tokens", "model.d_model=1024", "model.n_heads=8",
+    "model.d_ff=4096", "model.n_layers=4", "data.seq_len=16", "data.vocab=64",
+    "train.batch_size=4", "optimizer.name=adam", "runtime.device=cuda",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "stage, offload",
+    [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer")],
+)
+def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypatch):
+    """The plan a GPU rank checks before its model exists (exchange/memory_plan.py with
+    gpu=True, offload subtracted) against the CUDA allocator's peak over three steps of
+    one process: within 10% (the CPU suite's bound for host RSS)."""
+    import gc
+
+    import torch
+
+    from hpctrain.backends.groups import ModelGroups
+    from hpctrain.backends.torch import TorchBackend
+    from hpctrain.backends.torch_plan import plan_stages
+    from hpctrain.data import benchmark_input_spec
+
+    monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # ZeRO on GPU ranks: gated
+    cfg = Config.load(None, [*BIG, f"train.zero={stage}", f"train.offload={offload}"])
+    inp = benchmark_input_spec(cfg.data)
+    _, plans, _ = plan_stages(cfg, inp, ModelGroups(), 1, (stage,), gpu=True)
+    gc.collect()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    b = TorchBackend(cfg, None, inp, threads=2)
+    x = np.zeros((4, *inp.shape), np.int64)
+    for _ in range(3):
+        b.train_step([(x, x)], 1e-3)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    planned = plans[stage]["total"]
+    terms = {k: round(v / 2**20) for k, v in plans[stage].items()}
+    del b
+    gc.collect()
+    assert planned == pytest.approx(peak, rel=0.10), (peak / 2**20, terms)
+
+
+def test_a_model_too_big_for_the_gpu_is_refused_before_it_is_built(tmp_path):
+    """6.4 B parameters at ZeRO-0 (128 GB of model state): refused from the plan, on
+    the meta device, naming the GPU and its free memory, before a byte is allocated."""
+    from mpirun import HPCTRAIN, mpirun
+
+    huge = ["model.d_model=8192", "model.n_heads=64", "model.d_ff=32768", "model.n_layers=8"]
+    args = [HPCTRAIN, "train", "--run-dir", str(tmp_path / "run")]
+    for o in [*BIG, *huge, "train.max_steps=1", "checkpoint.enabled=false"]:
+        args += ["--set", o]
+    job = mpirun(1, *args, timeout=120)
+    assert job.returncode != 0, job.output
+    assert "the model will not fit on the GPU" in job.output, job.output
+    assert "free for this rank on cuda:0" in job.output and "train.zero=3" in job.output
+    assert "Traceback" not in job.output

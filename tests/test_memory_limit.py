@@ -6,8 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from hpctrain.exchange.memory_plan import HOST, TERMS
 from hpctrain.runtime.memory import cgroup_memory_limit, current_rss_bytes, slurm_memory_limit
-from hpctrain.strategies.memory_check import memory_problem
+from hpctrain.strategies.memory_check import memory_problem, plan_problem
 
 MIB = 1 << 20
 
@@ -99,3 +100,82 @@ def test_the_refusal_suggests_zero3_where_the_backend_can_shard_the_model():
     assert "train.zero=3" not in hints("backend=tensorflow", "model.name=my.module:build")
     moe = ["model.name=transformer", "data.task=tokens", "model.moe.experts=2"]
     assert "train.zero=3" in hints("backend=tensorflow", *moe)
+
+
+def _terms(offloaded: float = 0.0) -> dict:
+    terms = dict.fromkeys(TERMS, 0.0)
+    terms.update(parameters=300 * MIB, gradients=300 * MIB, optimizer=400 * MIB)
+    terms["total"] = sum(terms[t] for t in TERMS)  # 1,000 MiB
+    terms[HOST] = offloaded
+    return terms
+
+
+def test_a_gpu_rank_checks_its_terms_against_the_gpu_and_its_host_share_against_the_host():
+    """Before the model exists: every term on the GPU, the baseline and what offload
+    keeps on the host against the host's limit; each refusal says where it fails."""
+    gpu = (900 * MIB, "900 MiB free for this rank on cuda:0 (NVIDIA H100, 80 GiB)")
+    error, _ = plan_problem(_terms(), 500 * MIB, None, "Shard it.", gpu)
+    assert error.startswith("the model will not fit on the GPU: training needs about 1,000")
+    assert "against 900 MiB free for this rank on cuda:0 (NVIDIA H100" in error
+    roomy = (4000 * MIB, "4,000 MiB free")
+    assert plan_problem(_terms(), 500 * MIB, None, "", roomy) == (None, None)
+    # the host holds the baseline and the offloaded 16 Psi/N, not the GPU's terms
+    host = (1000 * MIB, "cgroup")
+    assert plan_problem(_terms(400 * MIB), 500 * MIB, host, "", roomy)[0] is None
+    error, _ = plan_problem(_terms(600 * MIB), 500 * MIB, host, "", roomy)
+    assert "about 1,100 MiB per rank" in error and "offloaded 600 MiB" in error
+    # a CPU rank: baseline + every term against the host
+    error, _ = plan_problem(_terms(), 500 * MIB, host, "", None)
+    assert "about 1,500 MiB per rank" in error and "on the GPU" not in error
+
+
+def test_a_gpu_refusal_suggests_offload_where_zero_can_take_it():
+    from hpctrain import Config
+    from hpctrain.strategies.memory_check import _hint_text
+
+    cfg = Config.load(None, ["model.name=transformer", "data.task=tokens"])
+    assert "train.offload=optimizer" in _hint_text(cfg, gpu=True)
+    assert "train.offload" not in _hint_text(cfg, gpu=False)
+
+
+def test_a_cpu_rank_has_no_gpu_budget_and_asks_its_node_nothing():
+    from hpctrain import Config
+    from hpctrain.backends import gpu_memory_budget
+
+    class NoCollectives:
+        @property
+        def node(self):
+            raise AssertionError("runtime.device=cpu needs no collective")
+
+    cfg = Config.load(None, ["runtime.device=cpu"])
+    assert gpu_memory_budget(cfg, NoCollectives()) is None
+    assert gpu_memory_budget(Config.load(None, ["backend=tensorflow"]), NoCollectives()) is None
+
+
+def test_ranks_sharing_a_gpu_divide_its_free_memory(monkeypatch):
+    """The budget's arithmetic with the CUDA calls stood in for (a GPU run checks the
+    real ones: tests/test_gpu.py): two of the node's three ranks on one GPU."""
+    import torch
+
+    from hpctrain import Config
+    from hpctrain.backends import torch_device
+    from hpctrain.runtime.devices import DeviceChoice
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(
+        torch_device, "resolve_device", lambda cfg, layout: (cuda, DeviceChoice("cuda", 0, ""))
+    )
+    monkeypatch.setattr(torch_device, "gpu_identity", lambda device: "GPU-a")
+    monkeypatch.setattr(torch_device, "describe_gpu", lambda device: "H100, 80 GiB")
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (8 << 30, 80 << 30))
+
+    class Node:
+        def allgather_object(self, obj, what=""):
+            return ["GPU-a", "GPU-b", obj]
+
+    class World:
+        layout, node = None, Node()
+
+    budget, what = torch_device.gpu_memory_budget(Config.load(None, []), World())
+    assert budget == 4 << 30
+    assert what == "4,096 MiB free for this rank on cuda:0 (H100, 80 GiB, shared by 2 ranks)"

@@ -43,6 +43,48 @@ def test_model_state_per_stage_follows_the_zero_accounting(n):
         assert totals == sorted(totals, reverse=True)
 
 
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_offload_moves_the_optimizer_state_and_its_master_to_the_host(stage):
+    """train.offload=optimizer on a GPU rank: Adam's slots and their step's temporaries
+    leave the GPU's terms; the host holds master, gradient copy and two slots, 16 Psi/N."""
+    shape, n, unit = _shape(), 4, 4 * MIB
+    psi = sum(shape.sizes)
+    kept = plan_stage(shape, n, stage, ADAM, unit, unit, gpu=True)
+    moved = plan_stage(shape, n, stage, ADAM, unit, unit, "optimizer", gpu=True)
+    assert kept["offloaded"] == 0 and moved["optimizer"] == 0
+    assert moved["offloaded"] == pytest.approx(16 * psi / n)
+    assert kept["total"] - moved["total"] == pytest.approx(8 * psi / n)
+    for term in ("parameters", "gathered", "gradients", "activations"):
+        assert moved[term] == kept[term]
+    plain = plan_stage(shape, n, 0, ADAM, unit, unit, "optimizer", gpu=True)
+    assert plain["offloaded"] == 0  # not without ZeRO (the config refuses it)
+
+
+def test_a_gpu_rank_plans_no_exchange_scratch_and_no_fused_adam_temporaries():
+    """NCCL's buffers and Gloo's host staging are outside the CUDA allocator, and Adam
+    is fused on GPU ranks; SGD's weight decay still makes a temporary there."""
+    shape, unit = _shape(), 4 * MIB
+    for stage in STAGES:
+        cpu = plan_stage(shape, 4, stage, ADAM, unit, unit)
+        gpu = plan_stage(shape, 4, stage, ADAM, unit, unit, gpu=True)
+        assert cpu["transients"] > 0 and gpu["transients"] == 0
+    decay = {**SGD, "weight_decay": 0.1}
+    gpu = plan_stage(shape, 4, 2, decay, unit, unit, gpu=True)
+    assert gpu["transients"] == pytest.approx(4 * sum(shape.sizes) / 4)
+
+
+def test_a_gpu_table_marks_the_gpu_peak_and_the_host_peak_apart():
+    shape, unit = _shape(), 4 * MIB
+    plans = {s: plan_stage(shape, 4, s, ADAM, unit, unit, "optimizer", True) for s in STAGES}
+    gpu_limit = plans[2]["total"]  # ZeRO-2 fits exactly; plain and ZeRO-1 do not
+    lines = table(plans, 300 * MIB, 310 * MIB, gpu=True, gpu_limit=gpu_limit).splitlines()
+    assert " ".join(lines[0].split()[-6:]) == "GPU peak offloaded baseline host peak"
+    assert "over the limit" in lines[1] and "over the limit" in lines[2]
+    zero2 = lines[3]
+    assert zero2.count("(fits)") == 1 and "over the limit" in zero2  # the host's 16 Psi/N
+    assert lines[1].endswith("300 (fits)")  # nothing offloaded without ZeRO
+
+
 def test_zero3_gathers_whole_layers_merged_up_to_the_unit_size():
     shape = _shape(layers=6, per_layer=1000)
     one = plan_stage(shape, 2, 3, SGD, unit_bytes=1, bucket_bytes=1)

@@ -53,7 +53,7 @@ def versions(name: str) -> dict[str, str]:
     return {"framework": f"{name} {framework.__version__}", "horovod": hvd}
 
 
-def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int):
+def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int, gpu: bool = False):
     """The memory plan of a data-parallel rank before its model exists: (terms,
     baseline bytes), or None where the backend cannot plan it without building it (the
     TensorFlow backend, a user's model): then the check runs after the build."""
@@ -61,7 +61,18 @@ def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int):
         return None
     from .torch_plan import plan_before_build as torch_plan
 
-    return torch_plan(cfg, inp, groups, n, threads, rank)
+    return torch_plan(cfg, inp, groups, n, threads, rank, gpu)
+
+
+def gpu_memory_budget(cfg, world):
+    """(bytes, what) of GPU memory this rank may use before its model is built, None
+    on CPU ranks and for other backends (torch_device.gpu_memory_budget; collective
+    over the node for torch jobs that may use GPUs)."""
+    if cfg.backend != "torch":
+        return None
+    from .torch_device import gpu_memory_budget as torch_budget
+
+    return torch_budget(cfg, world)
 
 
 def process_group_links(cfg, engine: str, grid, axes) -> dict:

@@ -103,6 +103,37 @@ def agreed_device(cfg, world):
     return device, why, shared
 
 
+def gpu_memory_budget(cfg, world) -> tuple[int, str] | None:
+    """(bytes, what they are) of GPU memory this rank may plan for before its model
+    exists: what is free on the GPU it will use, divided among the node's ranks that
+    share that GPU. None on CPU ranks, and where the device choice fails (the backend's
+    `agreed_device` then refuses with the reason, agreed by every rank).
+
+    Collective over the node (every rank of a torch job with runtime.device other than
+    cpu calls it): one allgather of a GPU id, ~50 bytes a rank; its cost grows with the
+    ranks per node, never with the job, so it is the same at 4,096 ranks as at 4."""
+    if cfg.runtime["device"] == "cpu":
+        return None
+    layout = getattr(world, "layout", None)
+    try:
+        device, _ = resolve_device(cfg, layout)
+    except HpctrainError:
+        device = torch.device("cpu")
+    gpu = gpu_identity(device) if device.type == "cuda" else None
+    node = getattr(world, "node", None)
+    ids = node.allgather_object(gpu, what="count the ranks per GPU") if node else [gpu]
+    if gpu is None:
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    sharing = ids.count(gpu)
+    shared = f", shared by {sharing} ranks" if sharing > 1 else ""
+    what = (
+        f"{free // sharing / 2**20:,.0f} MiB free for this rank on {device} "
+        f"({describe_gpu(device)}{shared})"
+    )
+    return free // sharing, what
+
+
 def prepare_cuda(deterministic: bool) -> None:
     """cuBLAS needs a fixed workspace for deterministic kernels (torch refuses without)."""
     if deterministic:

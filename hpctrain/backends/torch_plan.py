@@ -63,7 +63,9 @@ def _saved_bytes(model, inp: zoo.InputSpec, batch: int) -> int:
     return sum(seen.values())
 
 
-def plan_stages(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, stages, threads=1, rank=0):
+def plan_stages(
+    cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, stages, threads=1, rank=0, gpu=False
+):
     """(ModelShape, {stage: the plan's terms}, this process's resident bytes before the
     model) for a zoo model on `n` data-parallel ranks, or None for a user's model.
     Prepares the process first (threads, seeds), as the backend will, so the baseline
@@ -76,14 +78,18 @@ def plan_stages(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, stages, th
         return None
     prepare_process(threads, t["deterministic"], t["seed"] + rank)
     unit, bucket = int(t["zero_unit_mb"] * 2**20), int(t["bucket_mb"] * 2**20)
-    plans = {s: plan_stage(shape, n, s, cfg.optimizer, unit, bucket) for s in stages}
+    plans = {
+        s: plan_stage(shape, n, s, cfg.optimizer, unit, bucket, t["offload"], gpu) for s in stages
+    }
     return shape, plans, resident_baseline(cfg.optimizer)
 
 
-def plan_before_build(cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, threads: int, rank):
+def plan_before_build(
+    cfg, inp: zoo.InputSpec, groups: ModelGroups, n: int, threads: int, rank, gpu=False
+):
     """(the plan's terms for the configured ZeRO stage, the baseline) or None for a
     user's model: what the limit check needs before anything of the model exists."""
-    planned = plan_stages(cfg, inp, groups, n, (cfg.train["zero"],), threads, rank)
+    planned = plan_stages(cfg, inp, groups, n, (cfg.train["zero"],), threads, rank, gpu)
     if planned is None:
         return None
     _, plans, baseline = planned

@@ -24,6 +24,13 @@ state on top):
 - baseline: the process's resident bytes before the model (the interpreter, torch, MPI,
   the data pipeline), measured by the process itself.
 
+On a GPU rank every term is GPU memory (the CUDA allocator's) and the baseline host
+memory; its transients are SGD's weight-decay temporaries only (Adam is fused there,
+and the exchange's buffers are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU ranks, backends/torch_offload.py)
+moves the optimizer state and its step's temporaries off the GPU: they become
+`offloaded`, host memory beside the baseline (the float32 master shard, a host copy of
+the gradient shard, and the slots: 4 (2 + s) Psi/N).
+
 Each term is what the code allocates (exchange/zero.py, backends/torch_zero*.py); the
 test compares the total with the peak RSS a real run reaches (tests/test_memory_plan_jobs.py).
 """
@@ -37,6 +44,7 @@ from .zero import stage2_segments, unit_plan
 SLOTS = {"sgd": 1, "adam": 2}
 STAGES = (0, 1, 2, 3)
 TERMS = ("parameters", "gathered", "gradients", "optimizer", "activations", "transients")
+HOST = "offloaded"  # host bytes a GPU rank's offload holds, outside `total`
 
 
 @dataclass(frozen=True)
@@ -75,8 +83,12 @@ def plan_stage(
     optimizer: dict,
     unit_bytes: int,
     bucket_bytes: int,
+    offload: str = "none",
+    gpu: bool = False,
 ) -> dict[str, float]:
-    """The terms of one stage (bytes per rank) and their sum (`total`, no baseline)."""
+    """The terms of one stage (bytes per rank), their sum (`total`, no baseline) and
+    what `offload` keeps in host memory instead (`offloaded`; ZeRO stages only). `gpu`:
+    the terms of a GPU rank (fused Adam, no exchange scratch in the CUDA allocator)."""
     psi = sum(shape.sizes)
     full, shard = 4.0 * psi, 4.0 * _padded(psi, n) / n
     largest = 4.0 * max(shape.sizes, default=0)
@@ -101,6 +113,12 @@ def plan_stage(
     opt = slots * (full if stage == 0 else shard)
     temps = _step_temporaries(optimizer, full if stage == 0 else shard, largest, stage > 0)
     scratch = {0: full / 2, 1: 2 * full, 2: 2 * segment, 3: 2 * segment}[stage] if n > 1 else 0.0
+    if gpu:  # Adam is fused on GPU ranks; NCCL's buffers and Gloo's staging are not
+        temps = 0.0 if optimizer["name"] == "adam" else temps  # in the CUDA allocator
+        scratch = 0.0
+    offloaded = 0.0
+    if offload != "none" and stage > 0:  # the host's master, gradient copy and slots
+        offloaded, opt, temps = (2 + slots) * shard, 0.0, 0.0
     out = {
         "parameters": params + experts,
         "gathered": gathered,
@@ -110,20 +128,38 @@ def plan_stage(
         "transients": max(temps, scratch),
     }
     out["total"] = sum(out[t] for t in TERMS)
+    out[HOST] = offloaded
     return out
 
 
-def table(plans: dict[int, dict], baseline: float, limit: float | None = None) -> str:
-    """The plans as a text table in MiB, one row per stage (peak = baseline + total)."""
+def table(
+    plans: dict[int, dict],
+    baseline: float,
+    limit: float | None = None,
+    gpu: bool = False,
+    gpu_limit: float | None = None,
+) -> str:
+    """The plans as a text table in MiB, one row per stage. On CPU ranks the peak is the
+    baseline plus every term, marked against `limit`; with `gpu` the terms are the GPU's
+    peak (marked against `gpu_limit`) and the host holds the baseline and what offload
+    moved there (marked against `limit`)."""
     mib = 1 << 20
-    head = ["stage", *TERMS, "baseline", "peak"]
+    tail = ["GPU peak", HOST, "baseline", "host peak"] if gpu else ["baseline", "peak"]
+    head = ["stage", *TERMS, *tail]
     rows = [head]
+
+    def marked(value: float, bound: float | None) -> str:
+        text = f"{value / mib:,.0f}"
+        if bound is None:
+            return text
+        return text + (" (fits)" if value <= bound else " (over the limit)")
+
     for stage, p in plans.items():
-        peak = baseline + p["total"]
         row = [f"ZeRO-{stage}" if stage else "plain", *(f"{p[t] / mib:,.0f}" for t in TERMS)]
-        row += [f"{baseline / mib:,.0f}", f"{peak / mib:,.0f}"]
-        if limit is not None:
-            row[-1] += " (fits)" if peak <= limit else " (over the limit)"
+        host = baseline + p.get(HOST, 0.0)
+        if gpu:
+            row += [marked(p["total"], gpu_limit), f"{p.get(HOST, 0.0) / mib:,.0f}"]
+        row += [f"{baseline / mib:,.0f}", marked(host if gpu else host + p["total"], limit)]
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     return "\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

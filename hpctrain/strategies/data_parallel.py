@@ -13,7 +13,7 @@ import logging
 
 import numpy as np
 
-from ..backends import backend_class, plan_before_build, versions
+from ..backends import backend_class, gpu_memory_budget, plan_before_build, versions
 from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
@@ -65,10 +65,11 @@ class DataParallel(StrategyBase):
         planned = check_memory_plan(
             cfg,
             world,
-            lambda: plan_before_build(
-                cfg, self.input_spec, self.groups, replicas.size, threads, world.rank
+            lambda gpu: plan_before_build(
+                cfg, self.input_spec, self.groups, replicas.size, threads, world.rank, gpu
             ),
             log,
+            lambda: gpu_memory_budget(cfg, world),
         )
         self.backend = backend_class(cfg.backend)(
             cfg, replicas, self.input_spec, threads, groups=self.groups

@@ -7,11 +7,16 @@ tensor-parallel sharding), so the check adds what is still to come to what is re
 now (less the heap malloc keeps free for reuse) and compares it with the limit the
 kernel will enforce. Activations and temporaries
 are not counted: a run within 15% of its limit gets a warning instead of a refusal.
+
+On a GPU rank the torch zoo models' plan is checked twice before the model is built:
+its terms against the GPU memory the rank may use (free on its GPU, divided among the
+node's ranks that share it), and the baseline plus what offload moves to the host
+against the host limit.
 """
 
 from __future__ import annotations
 
-from ..exchange.memory_plan import TERMS
+from ..exchange.memory_plan import HOST, TERMS
 from ..models.zoo import is_zoo_model
 from ..runtime import allocator
 from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
@@ -39,10 +44,11 @@ def memory_problem(plan: dict[str, float], resident: int, limit: int, source: st
     return _verdict(need, limit, figures, hints, "; activations come on top")
 
 
-def _verdict(need: float, limit: int, figures: str, hints: str, caveat: str = ""):
+def _verdict(need: float, limit: int, figures: str, hints: str, caveat: str = "", on: str = ""):
     """(refusal, None) over the limit, (None, warning) within 15% of it, else neither."""
     if need > limit:
-        return f"the model will not fit: training needs {figures}. {hints}", None
+        where = f" {on}" if on else ""
+        return f"the model will not fit{where}: training needs {figures}. {hints}", None
     if need > WARN_FRACTION * limit:
         return None, f"memory is tight: training needs {figures}{caveat}"
     return None, None
@@ -54,34 +60,60 @@ def _limit(cfg, world) -> tuple[int, str] | None:
     return rank_memory_limit(world.node)
 
 
-def plan_problem(terms: dict[str, float], baseline: int, limit: int, source: str, hints: str):
-    """(refusal or None, warning or None) for a memory plan (exchange/memory_plan.py)
-    against a rank's limit: the peak is the baseline plus every term."""
-    need = baseline + terms["total"]
+def plan_problem(terms: dict[str, float], baseline: int, host, hints: str, gpu=None):
+    """(refusal or None, warning or None) for a memory plan (exchange/memory_plan.py).
+
+    host: (bytes, source) of the rank's host limit, or None. gpu: (bytes, what) of the
+    GPU memory this rank may use, or None on a CPU rank. A CPU rank's peak is the
+    baseline plus every term; a GPU rank's terms are on the GPU, and its host holds the
+    baseline and what offload moved there."""
     parts = ", ".join(f"{t} {_mib(terms[t])}" for t in TERMS if terms[t])
-    figures = (
-        f"about {_mib(need)} per rank at its peak ({_mib(baseline)} resident before the "
-        f"model + {parts}) against a limit of {_mib(limit)} ({source})"
-    )
-    return _verdict(need, limit, figures, hints)
+    found = []
+    if gpu is not None:
+        figures = (
+            f"about {_mib(terms['total'])} of GPU memory per rank at its peak ({parts}) "
+            f"against {gpu[1]}"
+        )
+        found.append(_verdict(terms["total"], gpu[0], figures, hints, on="on the GPU"))
+        parts = f"{HOST} {_mib(terms[HOST])}"  # the host's share of a GPU rank
+    if host is not None:
+        need = baseline + (terms["total"] if gpu is None else terms[HOST])
+        figures = (
+            f"about {_mib(need)} per rank at its peak ({_mib(baseline)} resident before the "
+            f"model + {parts}) against a limit of {_mib(host[0])} ({host[1]})"
+        )
+        found.append(_verdict(need, host[0], figures, hints))
+    errors = [e for e, _ in found if e is not None]
+    warnings = [w for _, w in found if w is not None]
+    return (errors[0] if errors else None), ("; ".join(warnings) if warnings else None)
 
 
-def check_memory_plan(cfg, world, plan_of, log) -> bool:
+def check_memory_plan(cfg, world, plan_of, log, gpu_of=lambda: None) -> bool:
     """Before the model is built (collective): the plan of this rank's configured stage
-    against its limit, errors agreed. `plan_of()`: (terms, baseline) or None where the
-    backend cannot plan the model (then `check_memory` checks after the build). Returns
-    whether the plan was checked."""
+    against its limits, errors agreed. `plan_of(on_gpu)`: (terms, baseline) or None
+    where the backend cannot plan the model (then `check_memory` checks after the build).
+    `gpu_of()` (collective over the node): (bytes, what) of the GPU memory this rank
+    may use, None on CPU ranks. Returns whether the plan was checked."""
     if not cfg.runtime["memory_check"]:
         return True
     found = _limit(cfg, world)
-    planned = plan_of() if found is not None else None
-    error = None
+    gpu = gpu_of()
+    planned = error = None
+    if found is not None or gpu is not None:
+        try:
+            planned = plan_of(gpu is not None)
+        except Exception as exc:  # agreed below: no rank waits for one that failed
+            error = (
+                f"the memory plan failed ({exc!r}): runtime.memory_check=false skips it "
+                "(and please report the configuration)"
+            )
     if planned is not None:
-        error, warning = plan_problem(*planned, found[0], found[1], _hint_text(cfg))
+        hints = _hint_text(cfg, gpu is not None)
+        error, warning = plan_problem(*planned, found, hints, gpu)
         if warning is not None:
             log.warning(warning + heap_note(cfg["train"]["zero"], allocator.keeps_freed()))
     world.agree(error)
-    return found is None or planned is not None
+    return (found is None and gpu is None) or planned is not None
 
 
 def heap_note(stage: int, keeps_freed: bool) -> str:
@@ -97,8 +129,8 @@ def heap_note(stage: int, keeps_freed: bool) -> str:
     )
 
 
-def _hint_text(cfg) -> str:
-    return "Shard it: " + ", ".join(_hints(cfg)) + "; or ask for more memory per rank."
+def _hint_text(cfg, gpu: bool = False) -> str:
+    return "Shard it: " + ", ".join(_hints(cfg, gpu)) + "; or ask for more memory per rank."
 
 
 def check_memory(strategy, log) -> None:
@@ -119,7 +151,7 @@ def check_memory(strategy, log) -> None:
     world.agree(error)
 
 
-def _hints(cfg) -> list[str]:
+def _hints(cfg, gpu: bool = False) -> list[str]:
     hints = []
     if cfg.train["zero"] < 2:
         hints.append(
@@ -128,6 +160,8 @@ def _hints(cfg) -> list[str]:
     tf_shards = is_zoo_model(cfg.model["name"])  # TF's ZeRO-3 shards the zoo's models
     if cfg.train["zero"] < 3 and (cfg.backend == "torch" or tf_shards):
         hints.append("train.zero=3 (the parameters too, gathered a unit of layers at a time)")
+    if gpu and cfg.backend == "torch" and cfg.train["offload"] == "none":
+        hints.append("train.offload=optimizer (with ZeRO: optimizer state in host memory)")
     if cfg.model["name"] == "transformer":
         hints.append("parallel.tensor=T (the transformer's layers split over T ranks)")
     hints.append("fewer ranks per node")
