@@ -208,8 +208,9 @@ SCHEMA: dict[str, Any] = {
             "none",
             str,
             "ZeRO on GPU ranks: keep the shard's float32 master copy and optimizer state "
-            "in host memory, updated by the CPU (optimizer); optimizer+params is not built; "
-            "on CPU ranks only none (their state is in host memory already)",
+            "in host memory, updated by the CPU (optimizer); with ZeRO-3 the parameter "
+            "shard too, staged to the GPU for each gather (optimizer+params); on CPU "
+            "ranks only none (their state is in host memory already)",
             choices=("none", "optimizer", "optimizer+params"),
         ),
         "zero_prefetch": _f(

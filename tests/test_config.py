@@ -119,7 +119,9 @@ def test_offload_is_refused_on_cpu_ranks_and_outside_gpu_zero_with_the_reason(mo
     assert Config.load(None, ["train.zero=3"]).train["offload"] == "none"
     with pytest.raises(ConfigError, match=r"train.offload=optimizer: .*host memory al"):
         Config.load(None, ["train.zero=3", "train.offload=optimizer"])
-    with pytest.raises(ConfigError, match=r"optimizer\+params: not built"):
+    with pytest.raises(ConfigError, match=r"optimizer\+params: .*train.zero=2 keeps whole"):
+        Config.load(None, ["runtime.device=cuda", "train.zero=2", "train.offload=optimizer+params"])
+    with pytest.raises(ConfigError, match=r"optimizer\+params: .*host memory al"):
         Config.load(None, ["train.zero=3", "train.offload=optimizer+params"])
     gpu = ["runtime.device=cuda", "train.offload=optimizer"]
     with pytest.raises(ConfigError, match="not with train.zero=0"):
@@ -129,3 +131,5 @@ def test_offload_is_refused_on_cpu_ranks_and_outside_gpu_zero_with_the_reason(mo
     monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # ZeRO on GPU ranks: see test_devices
     for stage in (1, 2, 3):
         assert Config.load(None, [*gpu, f"train.zero={stage}"]).train["offload"] == "optimizer"
+    both = ["runtime.device=cuda", "train.zero=3", "train.offload=optimizer+params"]
+    assert Config.load(None, both).train["offload"] == "optimizer+params"

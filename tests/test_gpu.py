@@ -102,7 +102,15 @@ BIG = [
 
 @pytest.mark.parametrize(
     "stage, offload",
-    [(0, "none"), (1, "none"), (2, "none"), (3, "none"), (2, "optimizer"), (3, "optimizer")],
+    [
+        (0, "none"),
+        (1, "none"),
+        (2, "none"),
+        (3, "none"),
+        (2, "optimizer"),
+        (3, "optimizer"),
+        (3, "optimizer+params"),
+    ],  # fmt: skip
 )
 def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypatch):
     """The plan a GPU rank checks before its model exists (exchange/memory_plan.py with

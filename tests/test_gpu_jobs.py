@@ -35,6 +35,8 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     # the master shard and the optimizer in host memory, updated by the CPU
     "zero2-offload": [*GLOO, "train.zero=2", "train.bucket_mb=0.004", "train.offload=optimizer"],
     "zero3-offload": [*GLOO, *ZERO3, "train.offload=optimizer"],
+    # the parameter shard in host memory too, staged to the GPU for each gather
+    "zero3-offload-params": [*GLOO, *ZERO3, "train.offload=optimizer+params"],
     "tensor2": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2"],
     # experts: the router plans on the host, the all-to-alls move CUDA rows
     "moe": [MOE, *GLOO],

@@ -58,6 +58,11 @@ def test_offload_moves_the_optimizer_state_and_its_master_to_the_host(stage):
         assert moved[term] == kept[term]
     plain = plan_stage(shape, n, 0, ADAM, unit, unit, "optimizer", gpu=True)
     assert plain["offloaded"] == 0  # not without ZeRO (the config refuses it)
+    if stage == 3:  # optimizer+params: the shard leaves too, two staging pieces stay
+        both = plan_stage(shape, n, 3, ADAM, unit, unit, "optimizer+params", gpu=True)
+        assert both["offloaded"] == moved["offloaded"]
+        assert both["parameters"] == pytest.approx(2 * unit / n)
+        assert moved["total"] - both["total"] == pytest.approx(4 * psi / n - 2 * unit / n)
 
 
 def test_a_gpu_rank_plans_no_exchange_scratch_and_no_fused_adam_temporaries():

@@ -47,13 +47,17 @@ def _zero(stage: int, model: nn.Module, transport, dev, offload="none"):
     return TorchZero(None, params, stage, 1024, make_opt, transport, offload)
 
 
-@pytest.mark.parametrize("offload", ["none", "optimizer"])
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize(
+    "stage, offload",
+    [(1, "none"), (2, "none"), (3, "none"), (1, "optimizer"), (2, "optimizer"),
+     (3, "optimizer"), (3, "optimizer+params")],
+)  # fmt: skip
 @pytest.mark.parametrize("device", DEVICES)
 def test_zero_on_the_device_equals_plain_training_on_it(device, stage, offload):
     """train.offload=optimizer: the master shard and Adam's slots in (pinned) host
     memory, updated by the CPU, the device's shard rewritten after each update: the
-    same training (on CUDA against the device's fused Adam, within its rounding)."""
+    same training (on CUDA against the device's fused Adam, within its rounding).
+    optimizer+params (ZeRO-3): the shard itself on the host, staged for each gather."""
     torch.backends.cuda.matmul.allow_tf32 = False
     dev = torch.device(device)
     plain = _model().to(dev)
@@ -62,11 +66,13 @@ def test_zero_on_the_device_equals_plain_training_on_it(device, stage, offload):
     engine = "nccl" if device == "cuda" else "gloo"
     transport = ProcessGroupTransport(None, engine, 60.0, dev)  # one rank: no group
     zero = _zero(stage, sharded, transport, dev, offload)
-    assert zero.shard.device.type == device
-    host = "cpu" if offload == "optimizer" else device
+    host = "cpu" if offload != "none" else device
+    assert zero.shard.device.type == (host if offload == "optimizer+params" else device)
     assert zero.opt.param.device.type == host
-    if offload == "optimizer" and device == "cuda":
+    if offload != "none" and device == "cuda":
         assert zero.opt.param.is_pinned()
+    if offload == "optimizer+params":
+        assert zero.opt.param is zero.shard and zero._staging[0].device.type == device
     if stage == 3:
         assert all(s.device.type == device for s in zero._slots)
         assert len(zero.part.segments) == 4
@@ -94,7 +100,7 @@ def test_zero_on_the_device_equals_plain_training_on_it(device, stage, offload):
     slots = zero.optimizer.state[zero.opt.param]
     assert all(v.device.type == host for v in slots.values() if v.dim() > 0)
     offloaded = zero.memory(2)["mem_offloaded_bytes"]
-    assert offloaded == (4 * zero.part.shard_len * 4 if offload == "optimizer" else 0)
+    assert offloaded == (4 * zero.part.shard_len * 4 if offload != "none" else 0)
     if stage == 3:
         assert zero.gather.gathers > 4 * 5  # units gathered again after each step
         largest = max(s.padded for s in zero.part.segments)

@@ -11,8 +11,18 @@ Device memory per rank, in bytes, for Psi parameters over N ranks:
   whole parameters and ZeRO-3's gathered units.
 The host holds 16 Psi/N: master, gradient copy, two slots.
 
+`train.offload: optimizer+params` (ZeRO-3 only) keeps the shard itself in pinned host
+memory: it is the master, the CPU updates it in place, and each gather copies the
+unit's piece to the device first (Psi/N elements a pass, into one of two staging
+buffers of the largest piece). The device keeps the gradient shard, the staging
+buffers and the two gathered units: 4 Psi/N + 2 units + 2 pieces with Adam, against
+8 Psi/N + 2 units with `optimizer`. ZeRO-1/2 keep whole parameters on the device, so
+there is nothing more to move there.
+
 Per step and rank: one copy of the gradient shard to the host (4 Psi/N bytes), the
-CPU's update, and one copy of the updated shard back (4 Psi/N). This shrinks with N; it
+CPU's update, and one copy of the updated shard back (4 Psi/N; with `optimizer+params`
+none, but every gather's piece crosses to the device: 4 Psi/N per forward and per
+backward). This shrinks with N; it
 is the same whether N is 1,024 or 4,096. The host waits for the gradient shard (one
 synchronisation, at the update), so the update is on the step's critical path and is
 not hidden behind the next forward: hiding it would apply each update one step late,
@@ -69,6 +79,9 @@ class HostShardOptimizer:
             torch.cuda.current_stream(grad.device).synchronize()
         self.param.grad = self._grad
         self.optimizer.step()
+        self._write_back()
+
+    def _write_back(self) -> None:
         # stream-ordered: the next step's gradient copy, which the host waits for above,
         # comes after this one, so the master is not rewritten while it is being read
         self.shard.copy_(self.param.detach(), non_blocking=True)
@@ -78,6 +91,22 @@ class HostShardOptimizer:
         return float(self.param.numel() * 8) + slot_bytes(self.optimizer, self.param)
 
 
+class HostParamsOptimizer(HostShardOptimizer):
+    """`optimizer+params`: the shard is in (pinned) host memory and is the master; the
+    CPU updates it in place and nothing is copied back (the gathers read it)."""
+
+    def __init__(self, shard: torch.Tensor, make_opt):
+        self.shard = self.param = shard
+        self._grad = torch.empty(shard.shape, pin_memory=shard.is_pinned())
+        self.optimizer = make_opt([self.param], fused=True)
+
+    def refresh(self) -> None:
+        """Nothing to do: the shard is the master."""
+
+    def _write_back(self) -> None:
+        """Nothing to do: the gathers read the host shard."""
+
+
 def slot_bytes(optimizer, param) -> float:
     """Bytes of `optimizer`'s per-element state for `param` (Adam's step count aside)."""
     state = optimizer.state.get(param, {}).values()
@@ -85,7 +114,10 @@ def slot_bytes(optimizer, param) -> float:
 
 
 def shard_optimizer(offload: str, shard, make_opt):
-    """The shard's optimizer for `train.offload` (none | optimizer)."""
+    """The shard's optimizer for `train.offload` (none | optimizer | optimizer+params:
+    then `shard` is already in host memory)."""
     if offload == "optimizer":
         return HostShardOptimizer(shard, make_opt)
+    if offload == "optimizer+params":
+        return HostParamsOptimizer(shard, make_opt)
     return DeviceShardOptimizer(shard, make_opt)

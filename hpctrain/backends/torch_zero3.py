@@ -114,10 +114,17 @@ class TorchZero3(ShardedOptimizerState):
         self._arr = (lambda t: t.numpy()) if transport is None else (lambda t: t)
         self.params = params
         device = torch.device("cpu") if device is None else device
-        self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
+        # optimizer+params: the shard in pinned host memory, its pieces staged to gather
+        on_host = offload == "optimizer+params"
+        pin = on_host and device.type == "cuda"
+        where = torch.device("cpu") if on_host else device
+        self.shard = nn.Parameter(torch.zeros(part.shard_len, device=where, pin_memory=pin))
         self._shard_arr = self._arr(self.shard.detach())  # what the gathers send from
         # two persistent slots of the largest unit's size; unit u lives in slot u % 2
         self._largest = largest = max(seg.padded for seg in part.segments)
+        self._staging = [  # a host shard's piece on the device, one per slot
+            torch.empty(largest // part.n, device=device) for _ in range(SLOTS if on_host else 0)
+        ]
         self._slots = [torch.zeros(largest, device=device) for _ in range(SLOTS)]
         self._full = [self._slots[u % SLOTS][: seg.padded] for u, seg in enumerate(part.segments)]
         with torch.no_grad():
@@ -127,7 +134,10 @@ class TorchZero3(ShardedOptimizerState):
                 self._fill(model, init)
         # Gloo and NCCL progress on their own threads and streams: no polling thread
         poll = {} if transport is None else {"poll_s": 0.0}
-        self.gather = UnitGather(part, self._shard_arr, self._buffer, SLOTS, prefetch, **poll)
+        staged = {"source": self._staged} if on_host else {}
+        self.gather = UnitGather(
+            part, self._shard_arr, self._buffer, SLOTS, prefetch, **poll, **staged
+        )
         self._spare: list = []  # gradient buffers of the largest unit's size
         self.opt = shard_optimizer(offload, self.shard, make_opt)
         self.optimizer = self.opt.optimizer
@@ -211,6 +221,14 @@ class TorchZero3(ShardedOptimizerState):
     # --- storage ----------------------------------------------------------------------
     def _buffer(self, u: int):
         return self._arr(self._full[u])
+
+    def _staged(self, u: int, piece: torch.Tensor) -> torch.Tensor:
+        """Unit u's piece of the host shard, copied to the device for its gather (on the
+        current stream, which the collective waits for; the buffer is reused by unit
+        u + 2, whose gather starts after u's has finished: UnitGather._start)."""
+        stage = self._staging[u % SLOTS][: piece.numel()]
+        stage.copy_(piece, non_blocking=True)
+        return stage
 
     def _grad_buffer(self, u: int):
         """A gradient buffer of the largest unit's size, zeroed over unit u's length,
@@ -348,4 +366,7 @@ class TorchZero3(ShardedOptimizerState):
     def memory(self, slots: int) -> dict[str, float]:
         opt = self.optimizer_bytes()
         figures = memory_figures(self.gather, self.gathered_peak, self.grad_bytes_peak, opt, slots)
+        if self._staging:  # optimizer+params: the shard is host memory, its staging not
+            staged = sum(s.numel() for s in self._staging) - self.part.shard_len
+            figures["mem_param_bytes"] += 4.0 * staged
         return {**figures, "mem_offloaded_bytes": self.opt.host_bytes()}

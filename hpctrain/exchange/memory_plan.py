@@ -29,7 +29,9 @@ memory; its transients are SGD's weight-decay temporaries only (Adam is fused th
 and the exchange's buffers are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU ranks, backends/torch_offload.py)
 moves the optimizer state and its step's temporaries off the GPU: they become
 `offloaded`, host memory beside the baseline (the float32 master shard, a host copy of
-the gradient shard, and the slots: 4 (2 + s) Psi/N).
+the gradient shard, and the slots: 4 (2 + s) Psi/N); `optimizer+params` (ZeRO-3) also
+takes the parameter shard off the GPU, which keeps two staging pieces of the largest
+unit instead.
 
 Each term is what the code allocates (exchange/zero.py, backends/torch_zero*.py); the
 test compares the total with the peak RSS a real run reaches (tests/test_memory_plan_jobs.py).
@@ -119,6 +121,8 @@ def plan_stage(
     offloaded = 0.0
     if offload != "none" and stage > 0:  # the host's master, gradient copy and slots
         offloaded, opt, temps = (2 + slots) * shard, 0.0, 0.0
+    if offload == "optimizer+params" and stage == 3:  # the master is the shard: staged
+        params = gathered / n  # two pieces of the largest unit, one per slot
     out = {
         "parameters": params + experts,
         "gathered": gathered,

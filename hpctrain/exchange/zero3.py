@@ -52,8 +52,12 @@ class UnitGather:
         slots: int = 2,
         prefetch: bool = True,
         poll_s: float = 0.0005,
+        source: Callable | None = None,
     ):
+        """`source(u, piece)`: what unit u's gather sends for this rank's `piece` of the
+        shard (a device copy of a host shard's piece); the piece itself by default."""
         self.part, self.shard = part, shard
+        self._source = source or (lambda u, piece: piece)
         self._buffer = buffer
         self.slots = slots
         self.prefetch_on = prefetch
@@ -124,7 +128,7 @@ class UnitGather:
         self.live.discard(held)  # sequential layers: its forward or backward is over
         seg = part.segments[u]
         buf = self._buffer(u)
-        mine = part.shard_view(self.shard, u)
+        mine = self._source(u, part.shard_view(self.shard, u))
         self.holder[slot] = u
         self.gathers += 1
         if part.n == 1:

@@ -107,16 +107,17 @@ def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
 def offload_rules(v: dict) -> list[str]:
     """Offload moves a GPU rank's ZeRO shard optimizer (float32 master shard and its
     state) to host memory (backends/torch_offload.py): torch ZeRO on the process-group
-    engines of GPU ranks. CPU ranks' state is in host memory already."""
+    engines of GPU ranks; `optimizer+params` the ZeRO-3 parameter shard too. CPU ranks'
+    state is in host memory already."""
     t = v["train"]
     offload = t["offload"]
     if offload == "none":
         return []
-    if offload == "optimizer+params":
+    if offload == "optimizer+params" and t["zero"] != 3:
         return [
-            "train.offload=optimizer+params: not built (the device keeps each shard's "
-            "working copy for its gathers); train.offload=optimizer moves the float32 "
-            "master shard and the optimizer state to host memory"
+            f"train.offload=optimizer+params: moves ZeRO-3's parameter shard to host "
+            f"memory; train.zero={t['zero']} keeps whole parameters on the device, so "
+            "use train.offload=optimizer there (the master shard and optimizer state)"
         ]
     if v["runtime"]["device"] != "cuda":
         return [
