@@ -179,3 +179,14 @@ def test_ranks_sharing_a_gpu_divide_its_free_memory(monkeypatch):
     budget, what = torch_device.gpu_memory_budget(Config.load(None, []), World())
     assert budget == 4 << 30
     assert what == "4,096 MiB free for this rank on cuda:0 (H100, 80 GiB, shared by 2 ranks)"
+
+
+def test_a_built_model_on_a_gpu_checks_what_it_will_still_allocate_against_the_free_memory():
+    from hpctrain.strategies.memory_check import gpu_memory_problem
+
+    gpu = (1000 * MIB, "1,000 MiB free for this rank on cuda:0 (H100, 80 GiB)")
+    error, _ = gpu_memory_problem(PLAN, gpu, "Shard it.")  # 400 + 800 MiB to come
+    assert error.startswith("the model will not fit on the GPU: training needs about 1,200 MiB")
+    assert "against 1,000 MiB free for this rank on cuda:0" in error
+    resident = {**PLAN, "optimizer_now": 800 * MIB}  # already allocated: not again
+    assert gpu_memory_problem(resident, gpu, "") == (None, None)

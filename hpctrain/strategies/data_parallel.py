@@ -80,7 +80,7 @@ class DataParallel(StrategyBase):
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
         if not planned:  # a model the backend plans only once it exists
-            check_memory(self, log)
+            check_memory(self, log, lambda: gpu_memory_budget(cfg, world))
 
     def _start_local_sgd(self, tcfg) -> None:
         b = self.backend

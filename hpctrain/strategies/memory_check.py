@@ -29,19 +29,36 @@ def _mib(n: float) -> str:
     return f"{n / MIB:,.0f} MiB"
 
 
+def _to_come(plan: dict[str, float]) -> tuple[float, float]:
+    """(gradients, optimizer state) bytes still to be allocated."""
+    return (
+        max(0.0, plan["grad"] - plan["grad_now"]),
+        max(0.0, plan["optimizer"] - plan["optimizer_now"]),
+    )
+
+
 def memory_problem(plan: dict[str, float], resident: int, limit: int, source: str, hints: str):
     """(refusal or None, warning or None) for one rank's plan against its limit."""
-    to_come = max(0.0, plan["grad"] - plan["grad_now"]) + max(
-        0.0, plan["optimizer"] - plan["optimizer_now"]
-    )
-    need = resident + to_come
+    grads, opt = _to_come(plan)
+    need = resident + grads + opt
     figures = (
         f"about {_mib(need)} per rank ({_mib(resident)} resident now with the parameters, "
-        f"+ {_mib(max(0.0, plan['grad'] - plan['grad_now']))} of gradients and "
-        f"{_mib(max(0.0, plan['optimizer'] - plan['optimizer_now']))} of optimizer state "
+        f"+ {_mib(grads)} of gradients and {_mib(opt)} of optimizer state "
         f"to come; activations not counted) against a limit of {_mib(limit)} ({source})"
     )
     return _verdict(need, limit, figures, hints, "; activations come on top")
+
+
+def gpu_memory_problem(plan: dict[str, float], gpu: tuple[int, str], hints: str):
+    """(refusal or None, warning or None) for a GPU rank whose model is on the GPU: what
+    it will still allocate there against what is free for it now."""
+    grads, opt = _to_come(plan)
+    figures = (
+        f"about {_mib(grads + opt)} more of GPU memory per rank ({_mib(grads)} of "
+        f"gradients and {_mib(opt)} of optimizer state; activations not counted) against "
+        f"{gpu[1]}"
+    )
+    return _verdict(grads + opt, gpu[0], figures, hints, "; activations come on top", "on the GPU")
 
 
 def _verdict(need: float, limit: int, figures: str, hints: str, caveat: str = "", on: str = ""):
@@ -133,21 +150,26 @@ def _hint_text(cfg, gpu: bool = False) -> str:
     return "Shard it: " + ", ".join(_hints(cfg, gpu)) + "; or ask for more memory per rank."
 
 
-def check_memory(strategy, log) -> None:
-    """Collective over the job: every rank checks its own plan, errors are agreed."""
+def check_memory(strategy, log, gpu_of=lambda: None) -> None:
+    """Collective over the job: every rank checks its own plan, errors are agreed. On a
+    GPU rank (`gpu_of()`, collective over the node: what is free for it now) the state
+    still to come is checked against the GPU, otherwise against the host's limit."""
     cfg, world = strategy.cfg, strategy.world
     if not cfg.runtime["memory_check"]:
         return
     found = _limit(cfg, world)
-    error = None
-    if found is not None:
-        hints = _hint_text(cfg)
+    gpu = gpu_of()
+    error = warning = None
+    hints = _hint_text(cfg, gpu is not None)
+    if gpu is not None:
+        error, warning = gpu_memory_problem(strategy.backend.memory_plan(), gpu, hints)
+    elif found is not None:
         resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
         error, warning = memory_problem(
             strategy.backend.memory_plan(), resident, found[0], found[1], hints
         )
-        if warning is not None:
-            log.warning(warning)
+    if warning is not None:
+        log.warning(warning)
     world.agree(error)
 
 
