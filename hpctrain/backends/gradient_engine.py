@@ -20,7 +20,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..exchange import DenseMean
-from ..runtime.devices import mpi_only_features
+from ..runtime.devices import exchange_features, mpi_only_features
 
 ENGINES = ("auto", "horovod", "mpi", "overlap", "nccl", "gloo")
 PROCESS_GROUP_ENGINES = ("nccl", "gloo")
@@ -83,19 +83,9 @@ def choose(
 
 
 def mpi_features(cfg) -> list[str]:
-    """The features that are on in `cfg` and run on the MPI engine only, as a user would
-    name them (the reason `auto` gives for picking mpi names exactly these)."""
-    t, tensor = cfg.train, cfg.parallel["tensor"]
-    return [
-        what
-        for what, on in (
-            ("hierarchical allreduce", t["hierarchical"]),
-            (f"local SGD (train.sync_every={t['sync_every']})", t["sync_every"] > 1),
-            (f"ZeRO-{t['zero']}", t["zero"]),
-            (f"tensor parallelism (parallel.tensor={tensor})", tensor > 1),
-        )
-        if on
-    ]
+    """The features that are on in `cfg` and need the MPI engine on CPU ranks, as a user
+    would name them (the reason `auto` gives for picking mpi names exactly these)."""
+    return [f.words for f in exchange_features(cfg) if f.needs_mpi]
 
 
 def join_words(words: list[str]) -> str:

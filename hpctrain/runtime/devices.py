@@ -79,23 +79,47 @@ def choose_device(
     return DeviceChoice("cuda", index, f"{wanted}: GPU {index} of {visible_gpus} (local rank)")
 
 
-def mpi_only_features(cfg) -> list[str]:
-    """The features `cfg` (a Config or its dict) turns on that run on the MPI exchange
-    layer only: GPU ranks and the process-group engines refuse them with this list."""
+@dataclass(frozen=True)
+class Feature:
+    """A feature beyond dense data parallelism that hpctrain's own exchange layer runs
+    (Horovod's engine does not). `label`: as the config names it; `words`: as a user
+    would (the gradient engine's reasons); `host_only`: its code exchanges host arrays,
+    so it never runs on GPU ranks; `needs_mpi`: `allreduce: auto` picks the MPI engine
+    for it on CPU ranks (experts exchange tokens beside any engine; compression has its
+    own rule, gradient_engine.choose)."""
+
+    label: str
+    words: str
+    host_only: bool = False
+    needs_mpi: bool = True
+
+
+def exchange_features(cfg) -> list[Feature]:
+    """The features `cfg` (a Config or its dict) turns on, from one table: the gradient
+    engine's choice, the process-group and GPU rules all read it."""
     train, model = cfg["train"], cfg["model"]
-    tensor = cfg["parallel"]["tensor"]
-    return [
-        what
-        for what, on in (
-            (f"train.zero={train['zero']}", train["zero"]),
-            (f"parallel.tensor={tensor}", tensor > 1),
-            ("mixture-of-experts layers", isinstance(model, dict) and model.get("moe")),
-            (f"train.compression={train['compression']}", train["compression"] != "none"),
-            ("train.hierarchical", train["hierarchical"]),
-            (f"train.sync_every={train['sync_every']}", train["sync_every"] > 1),
-        )
-        if on
-    ]
+    tensor, zero, compression = cfg["parallel"]["tensor"], train["zero"], train["compression"]
+    sync = train["sync_every"]
+    table = (
+        (Feature(f"train.zero={zero}", f"ZeRO-{zero}"), zero),
+        (Feature(f"parallel.tensor={tensor}", f"tensor parallelism (parallel.tensor={tensor})"),
+         tensor > 1),
+        (Feature("mixture-of-experts layers", "mixture-of-experts layers", needs_mpi=False),
+         isinstance(model, dict) and model.get("moe")),
+        (Feature(f"train.compression={compression}", f"train.compression={compression}",
+                 needs_mpi=False), compression != "none"),
+        (Feature("train.hierarchical", "hierarchical allreduce", host_only=True),
+         train["hierarchical"]),
+        (Feature(f"train.sync_every={sync}", f"local SGD (train.sync_every={sync})",
+                 host_only=True), sync > 1),
+    )  # fmt: skip
+    return [feature for feature, on in table if on]
+
+
+def mpi_only_features(cfg) -> list[str]:
+    """The labels of `exchange_features`: what the process-group engines and GPU ranks
+    check against what they run."""
+    return [f.label for f in exchange_features(cfg)]
 
 
 def gpu_unsupported(cfg) -> str | None:
@@ -119,8 +143,7 @@ def gpu_unsupported(cfg) -> str | None:
             f"train.allreduce={engine}"
         )
     features = mpi_only_features(cfg)
-    host = ("train.hierarchical", "train.sync_every")
-    host_only = [f for f in features if f.startswith(host)]
+    host_only = [f.label for f in exchange_features(cfg) if f.host_only]
     if host_only:
         return f"GPU ranks do not run {', '.join(host_only)} yet (host-side code)"
     if engine == "mpi" and features:
