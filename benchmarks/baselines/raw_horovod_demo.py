@@ -55,7 +55,8 @@ def main():
     hidden = [int(h) for h in args.hidden.split(",")]
     model = build_model({"name": "mlp", "hidden": hidden}, InputSpec((args.features,), 10), seed=0)
     peak = args.lr * math.sqrt(size)
-    optimizer = torch.optim.Adam(model.parameters(), lr=peak)
+    # fused, as hpctrain's (backends/torch_steps.make_optimizer): the same kernel
+    optimizer = torch.optim.Adam(model.parameters(), lr=peak, fused=True)
     compression = hvd.Compression.fp16 if args.fp16 else hvd.Compression.none
     optimizer = hvd.DistributedOptimizer(
         optimizer, named_parameters=model.named_parameters(), compression=compression

@@ -61,20 +61,7 @@ class TorchStage(StageBase):
         # MoE experts in this stage: local to a rank of the stage's expert group; their
         # gradients are scaled (hooks) and averaged over their copies, not the replicas
         self._experts = torch_moe.scale_expert_grads(self.net, self.groups.experts)
-        ocfg = self._ocfg
-        params = list(self.net.parameters())
-        if ocfg["name"] == "sgd":
-            self.opt = torch.optim.SGD(
-                params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
-            )
-        else:
-            self.opt = torch.optim.Adam(
-                params,
-                lr=ocfg["lr"],
-                betas=tuple(ocfg["betas"]),
-                eps=ocfg["eps"],
-                weight_decay=ocfg["weight_decay"],
-            )
+        self.opt = make_optimizer(self._ocfg, list(self.net.parameters()))
 
     def attach_mpi(self, replicas, transport=None) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one

@@ -53,24 +53,25 @@ def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> N
             st["step"] = torch.tensor(float(step))
 
 
-def make_optimizer(ocfg: dict, params: list, fused: bool | None = None) -> torch.optim.Optimizer:
-    """torch's SGD or Adam over `params` as the optimizer section says. `fused`: Adam's
-    one-kernel update (None: on GPU ranks; the offloaded shard asks for it on the host)."""
+def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:
+    """torch's SGD or Adam over `params` as the optimizer section says; Adam is torch's
+    fused implementation (one kernel for every tensor), on every device.
+
+    Measured: on an H100 (472 M parameters) the foreach update took 24% of the step; on
+    one CPU thread of this VM a 25 M-element update takes 13 ms fused against 114 ms
+    for torch's CPU default (one tensor at a time), and the 50 M-parameter transformer's
+    whole step 254 against 350 ms. The same math to float32 rounding."""
     if ocfg["name"] == "sgd":
         return torch.optim.SGD(
             params, lr=ocfg["lr"], momentum=ocfg["momentum"], weight_decay=ocfg["weight_decay"]
         )
-    # On GPU ranks one fused kernel updates every tensor (measured on an H100, 472 M
-    # parameters: the foreach update took 24% of the step).
-    if fused is None:
-        fused = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.Adam(
         params,
         lr=ocfg["lr"],
         betas=tuple(ocfg["betas"]),
         eps=ocfg["eps"],
         weight_decay=ocfg["weight_decay"],
-        **({"fused": True} if fused else {}),
+        fused=True,
     )
 
 

@@ -16,17 +16,16 @@ state on top):
 - optimizer state: 4 s Psi (stage 0) or 4 s Psi/N;
 - activations: what autograd saves for backward in one micro-batch (counted by the
   backend on torch's meta device: no memory, exact shapes);
-- transients, the larger of: the optimizer step's temporaries (torch's foreach Adam
-  makes two shard-sized ones for a flat shard, one model-sized list + one tensor-sized
-  for per-parameter state; SGD one per weight decay) and the exchange's scratch (Open
+- transients, the larger of: the optimizer step's temporaries (torch's fused Adam
+  makes none; SGD one the size of what it steps, with weight decay) and the exchange's scratch (Open
   MPI's reduce-scatter allocates about twice the segment it reduces; an in-place
   allreduce about half the buffer; measured on this machine, Open MPI 4.1);
 - baseline: the process's resident bytes before the model (the interpreter, torch, MPI,
   the data pipeline), measured by the process itself.
 
 On a GPU rank every term is GPU memory (the CUDA allocator's) and the baseline host
-memory; its transients are SGD's weight-decay temporaries only (Adam is fused there,
-and the exchange's buffers are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU ranks, backends/torch_offload.py)
+memory; its transients are SGD's weight-decay temporaries only (the exchange's buffers
+are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU ranks, backends/torch_offload.py)
 moves the optimizer state and its step's temporaries off the GPU: they become
 `offloaded`, host memory beside the baseline (the float32 master shard, a host copy of
 the gradient shard, and the slots: 4 (2 + s) Psi/N); `optimizer+params` (ZeRO-3) also
@@ -71,10 +70,10 @@ def _optimizer_slots(optimizer: dict) -> int:
     return SLOTS[optimizer["name"]]
 
 
-def _step_temporaries(optimizer: dict, stepped: float, largest: float, flat: bool) -> float:
-    """Bytes torch's foreach optimizers allocate during `step()` (see the module doc)."""
+def _step_temporaries(optimizer: dict, stepped: float) -> float:
+    """Bytes torch's optimizers allocate during `step()` (see the module doc)."""
     if optimizer["name"] == "adam":
-        return 2 * stepped if flat else stepped + largest
+        return 0.0  # fused (backends/torch_steps.make_optimizer): in place
     return stepped if optimizer.get("weight_decay") else 0.0
 
 
@@ -90,7 +89,7 @@ def plan_stage(
 ) -> dict[str, float]:
     """The terms of one stage (bytes per rank), their sum (`total`, no baseline) and
     what `offload` keeps in host memory instead (`offloaded`; ZeRO stages only). `gpu`:
-    the terms of a GPU rank (fused Adam, no exchange scratch in the CUDA allocator)."""
+    the terms of a GPU rank (no exchange scratch in the CUDA allocator)."""
     psi = sum(shape.sizes)
     full, shard = 4.0 * psi, 4.0 * _padded(psi, n) / n
     largest = 4.0 * max(shape.sizes, default=0)
@@ -113,10 +112,9 @@ def plan_stage(
     grads = {0: 2 * full, 1: full + shard, 2: shard + segment, 3: shard + segment}[stage]
     grads += largest if stage >= 2 else 0.0  # the gradient being copied into its segment
     opt = slots * (full if stage == 0 else shard)
-    temps = _step_temporaries(optimizer, full if stage == 0 else shard, largest, stage > 0)
+    temps = _step_temporaries(optimizer, full if stage == 0 else shard)
     scratch = {0: full / 2, 1: 2 * full, 2: 2 * segment, 3: 2 * segment}[stage] if n > 1 else 0.0
-    if gpu:  # Adam is fused on GPU ranks; NCCL's buffers and Gloo's staging are not
-        temps = 0.0 if optimizer["name"] == "adam" else temps  # in the CUDA allocator
+    if gpu:  # NCCL's buffers and Gloo's host staging are not in the CUDA allocator
         scratch = 0.0
     offloaded = 0.0
     if offload != "none" and stage > 0:  # the host's master, gradient copy and slots
