@@ -135,14 +135,14 @@ def check_memory_plan(cfg, world, plan_of, log, gpu_of=lambda: None) -> bool:
 
 def heap_note(stage: int, keeps_freed: bool) -> str:
     """What a tight ZeRO-3 run should know: the plan counts live memory, and the heap
-    that keeps freed blocks for speed (runtime/allocator.py) peaked 7-12% above it
+    that keeps freed blocks for speed (runtime/allocator.py) peaked 4-5% above it
     (tests/test_memory_plan_jobs.py); giving them back costs throughput."""
     if stage != 3 or not keeps_freed:
         return ""
     return (
-        ". ZeRO-3's heap keeps freed blocks for speed and peaked 7-12% above this plan "
+        ". ZeRO-3's heap keeps freed blocks for speed and peaked 4-5% above this plan "
         "in tests: export MALLOC_MMAP_THRESHOLD_=4194304 to give them back (the peak then "
-        "met the plan within 1%, at about 0.67x the throughput)"
+        "met the plan within 1%, at about 0.65x the throughput)"
     )
 
 
