@@ -142,8 +142,9 @@ def gpu_unsupported(cfg) -> str | None:
             f"GPU ranks average on train.allreduce=nccl (or gloo, mpi), not with "
             f"train.allreduce={engine}"
         )
-    features = mpi_only_features(cfg)
-    host_only = [f.label for f in exchange_features(cfg) if f.host_only]
+    found = exchange_features(cfg)
+    features = [f.label for f in found]
+    host_only = [f.label for f in found if f.host_only]
     if host_only:
         return f"GPU ranks do not run {', '.join(host_only)} yet (host-side code)"
     if engine == "mpi" and features:
