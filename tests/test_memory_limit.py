@@ -181,6 +181,38 @@ def test_ranks_sharing_a_gpu_divide_its_free_memory(monkeypatch):
     assert what == "4,096 MiB free for this rank on cuda:0 (H100, 80 GiB, shared by 2 ranks)"
 
 
+def test_a_rank_whose_cuda_query_fails_still_joins_the_nodes_count(monkeypatch):
+    """A CUDA error on one rank must not leave the node's other ranks waiting in the
+    allgather: the rank joins it with no GPU and skips the GPU check."""
+    import torch
+
+    from hpctrain import Config
+    from hpctrain.backends import torch_device
+    from hpctrain.runtime.devices import DeviceChoice
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(
+        torch_device, "resolve_device", lambda cfg, layout: (cuda, DeviceChoice("cuda", 0, ""))
+    )
+
+    def broken(device):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", broken)
+    joined = []
+
+    class Node:
+        def allgather_object(self, obj, what=""):
+            joined.append(obj)
+            return [obj, "GPU-b"]
+
+    class World:
+        layout, node = None, Node()
+
+    assert torch_device.gpu_memory_budget(Config.load(None, []), World()) is None
+    assert joined == [None]
+
+
 def test_a_built_model_on_a_gpu_checks_what_it_will_still_allocate_against_the_free_memory():
     from hpctrain.strategies.memory_check import gpu_memory_problem
 

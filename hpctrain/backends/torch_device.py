@@ -106,25 +106,26 @@ def agreed_device(cfg, world):
 def gpu_memory_budget(cfg, world) -> tuple[int, str] | None:
     """(bytes, what they are) of GPU memory this rank may plan for before its model
     exists: what is free on the GPU it will use, divided among the node's ranks that
-    share that GPU. None on CPU ranks, and where the device choice fails (the backend's
-    `agreed_device` then refuses with the reason, agreed by every rank).
+    share that GPU. None on CPU ranks, and where the device choice or a CUDA query fails
+    (the backend's `agreed_device` then refuses with the reason, agreed by every rank).
 
     Collective over the node (every rank of a torch job with runtime.device other than
     cpu calls it): one allgather of a GPU id, ~50 bytes a rank; its cost grows with the
     ranks per node, never with the job, so it is the same at 4,096 ranks as at 4."""
     if cfg.runtime["device"] == "cpu":
         return None
-    layout = getattr(world, "layout", None)
-    try:
-        device, _ = resolve_device(cfg, layout)
-    except HpctrainError:
-        device = torch.device("cpu")
-    gpu = gpu_identity(device) if device.type == "cuda" else None
+    gpu, free, device = None, 0, None
+    try:  # every CUDA call before the allgather: a failing rank still joins it
+        device, _ = resolve_device(cfg, getattr(world, "layout", None))
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            gpu = gpu_identity(device)
+    except (HpctrainError, RuntimeError):
+        gpu = None  # no GPU check here; agreed_device refuses with the reason
     node = getattr(world, "node", None)
     ids = node.allgather_object(gpu, what="count the ranks per GPU") if node else [gpu]
     if gpu is None:
         return None
-    free, _ = torch.cuda.mem_get_info(device)
     sharing = ids.count(gpu)
     shared = f", shared by {sharing} ranks" if sharing > 1 else ""
     what = (
@@ -236,8 +237,12 @@ class HostValue:
 
 def read_later(stats):
     """A GPU step's stats with its device sums as HostValues (CPU stats unchanged)."""
-    if isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.is_cuda:
+    if not (isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.is_cuda):
+        return stats
+    if isinstance(stats.correct, torch.Tensor):
         stats.loss_sum, stats.correct = host_readout(stats.loss_sum, stats.correct)
+    else:  # a step that did not count correct predictions (NaN)
+        (stats.loss_sum,) = host_readout(stats.loss_sum)
     return stats
 
 
