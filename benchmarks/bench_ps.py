@@ -152,10 +152,10 @@ def inner_dp(out_dir: str, slow: float, overrides: list[str]) -> None:
     if trainer.world.rank == 1 and slow != 1.0:
         step, last = trainer.strategy.backend.train_step, [0.0]
 
-        def slowed(micro, lr):
+        def slowed(micro, lr, tally=True):
             time.sleep((slow - 1.0) * last[0])
             t0 = time.perf_counter()
-            stats = step(micro, lr)
+            stats = step(micro, lr, tally)
             last[0] = time.perf_counter() - t0 - stats.comm_seconds  # compute only
             return stats
 

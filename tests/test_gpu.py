@@ -45,11 +45,12 @@ def test_a_training_step_never_synchronises_the_host():
         b.train_step(mb * 2, 1e-3)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
-    try:
-        stats = [b.train_step(mb * 2, 1e-3) for mb in batches[2:]]
+    try:  # the loop's unlogged steps count no correct predictions (tally=False)
+        stats = [b.train_step(mb * 2, 1e-3, tally=i % 2 == 0) for i, mb in enumerate(batches[2:])]
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert all(np.isfinite(float(s.loss_sum)) for s in stats)  # read after the steps
+    assert [np.isnan(float(s.correct)) for s in stats] == [False, True, False, True]
 
 
 def test_gpu_state_resumes_on_a_cpu_rank_and_back_with_the_same_values():

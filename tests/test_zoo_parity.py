@@ -80,6 +80,26 @@ def test_same_weights_same_outputs_and_same_step(world, name):
     np.testing.assert_allclose(bt.predict(x), bf.predict(x), atol=1e-4)
 
 
+@pytest.mark.parametrize("zero", [0, 2])
+def test_a_step_that_counts_no_predictions_trains_the_same(world, zero):
+    """The loop asks for correct predictions on its logged steps only (tally): skipping
+    the argmax changes no weight and no loss; torch then reports NaN, TF counts anyway."""
+    overrides, inp = CASES["transformer"]
+    overrides = [*overrides, f"train.zero={zero}"]
+    (counted, _), (skipped, tf_backend) = (
+        _backends(world, overrides, inp),
+        _backends(world, overrides, inp),
+    )
+    for step in range(2):
+        batch = [_batch(inp, 8, 20 + step)]
+        a, b = counted.train_step(batch, 0.1), skipped.train_step(batch, 0.1, tally=False)
+        assert a.loss_sum == b.loss_sum and 0 <= a.correct <= a.count and np.isnan(b.correct)
+        assert 0 <= tf_backend.train_step(batch, 0.1, tally=False).correct <= a.count
+    wa, wb = counted.get_weights(), skipped.get_weights()
+    for k in wa:
+        np.testing.assert_array_equal(wa[k], wb[k], err_msg=k)
+
+
 def test_weights_from_one_backend_load_into_the_other(world):
     overrides, inp = CASES["cnn"]
     bt, bf = _backends(world, overrides, inp)

@@ -44,7 +44,7 @@ class StepPrimitives(Protocol):
 
     # the replicated step
     def begin(self, lr: float) -> None: ...
-    def forward_backward(self, micro_batches) -> tuple[Any, float, int, int]: ...
+    def forward_backward(self, micro_batches, tally: bool) -> tuple[Any, float, int, int]: ...
     def exchange(self, grads) -> Any: ...
     def true_scale(self) -> None: ...
     def clip_tensor_parallel(self, grads, max_norm: float) -> Any: ...
@@ -56,20 +56,23 @@ class StepPrimitives(Protocol):
     # ZeRO-1/2
     def dense_names(self) -> list[str]: ...
     def zero_begin(self, lr: float) -> None: ...
-    def zero_forward_backward(self, micro_batches) -> tuple[Any, float, int, int, float]: ...
+    def zero_forward_backward(
+        self, micro_batches, tally: bool
+    ) -> tuple[Any, float, int, int, float]: ...
     def zero_reduce(self, pending) -> Any: ...
     def expert_square_sum(self, experts) -> float | None: ...
     def scale_experts(self, experts, coef: float) -> Any: ...
     def zero_update(self, experts, lr: float) -> None: ...
 
 
-def train_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
-    """One optimizer step of backend `b` over its micro-batches (see the module doc)."""
+def train_step(b: StepPrimitives, micro_batches, lr: float, tally: bool = True) -> StepStats:
+    """One optimizer step of backend `b` over its micro-batches (see the module doc).
+    `tally=False`: the step need not count correct predictions (Backend.train_step)."""
     if b.zero is not None:
-        return zero_step(b, micro_batches, lr)
+        return zero_step(b, micro_batches, lr, tally)
     t_step = time.perf_counter()
     b.begin(lr)
-    grads, loss_sum, correct, total = b.forward_backward(micro_batches)
+    grads, loss_sum, correct, total = b.forward_backward(micro_batches, tally)
     t0 = time.perf_counter()
     grads = b.exchange(grads)
     comm = time.perf_counter() - t0
@@ -85,11 +88,11 @@ def train_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
     return StepStats(loss_sum, correct, total, comm, extra)
 
 
-def zero_step(b: StepPrimitives, micro_batches, lr: float) -> StepStats:
+def zero_step(b: StepPrimitives, micro_batches, lr: float, tally: bool = True) -> StepStats:
     """ZeRO-1/2: reduce-scatter, clip by the global norm, update the shard, allgather."""
     z, t_step = b.zero, time.perf_counter()
     b.zero_begin(lr)
-    pending, loss_sum, correct, total, comm = b.zero_forward_backward(micro_batches)
+    pending, loss_sum, correct, total, comm = b.zero_forward_backward(micro_batches, tally)
     t0 = time.perf_counter()
     experts = b.zero_reduce(pending)  # the experts' gradients (averaged), or None
     if b.clip is not None:

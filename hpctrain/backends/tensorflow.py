@@ -202,14 +202,16 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
         return loss_sum, correct, grads
 
-    def train_step(self, micro_batches, lr: float) -> StepStats:
-        return step.train_step(self, micro_batches, lr)  # the sequence, with these:
+    def train_step(self, micro_batches, lr: float, tally: bool = True) -> StepStats:
+        return step.train_step(self, micro_batches, lr, tally)  # the sequence, with these:
 
     # --- the step's primitives (step.StepPrimitives) ---------------------------
     def begin(self, lr: float) -> None:
         """Nothing to prepare: the tape starts empty, the rate goes to `update`."""
 
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, tally: bool):
+        # counts on every step (`tally` aside): inside the traced step the count costs a
+        # CPU rank nothing measurable, and a flag would trace the step twice
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)
         acc, loss_sum, correct = None, 0.0, 0
@@ -257,7 +259,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
     def zero_begin(self, lr: float) -> None:
         self.zero.begin_step()
 
-    def zero_forward_backward(self, micro_batches):
+    def zero_forward_backward(self, micro_batches, tally: bool):  # counts (as above)
         z = self.zero
         total = sum(int(np.prod(y.shape)) for _, y in micro_batches)
         scale = tf.constant(1.0 / total, tf.float32)

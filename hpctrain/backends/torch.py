@@ -23,12 +23,7 @@ from ..models import zoo
 from ..moe.parallel import is_expert_param
 from ..runtime import allocator
 from . import gradient_engine, step, torch_moe, torch_tensor
-from .base import (
-    BackendBase,
-    EvalStats,
-    StepStats,
-    build_agreed,
-)
+from .base import BackendBase, EvalStats, StepStats, build_agreed
 from .groups import ModelGroups
 from .torch_device import DeviceFeeder, agreed_device, read_later, to_host
 from .torch_model import ZooNet, _Layer, build_model, init_stream  # noqa: F401
@@ -238,8 +233,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         if fence is not None:
             fence()
 
-    def train_step(self, micro_batches, lr: float) -> StepStats:
-        return read_later(step.train_step(self, micro_batches, lr))  # with these below:
+    def train_step(self, micro_batches, lr: float, tally: bool = True) -> StepStats:
+        return read_later(step.train_step(self, micro_batches, lr, tally))  # with these below:
 
     # --- the step's primitives (step.StepPrimitives) ---------------------------
     def begin(self, lr: float) -> None:
@@ -255,7 +250,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         for group in self.optimizer.param_groups:
             group["lr"] = lr
 
-    def forward_backward(self, micro_batches):
+    def forward_backward(self, micro_batches, tally: bool):
         before_last = self._open_buckets if self._overlap is not None else None
         loss_sum, correct, total = backward_mean_loss(
             self.model,
@@ -265,6 +260,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             bf16=self.precision,
             feed=self._feed.put,
             scaler=self.scaler,
+            tally=tally,
         )
         return None, loss_sum, correct, total  # the gradients are in param.grad
 
@@ -323,7 +319,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         for p in self._expert_params():
             p.grad = None
 
-    def zero_forward_backward(self, micro_batches):
+    def zero_forward_backward(self, micro_batches, tally: bool):
         z, t_comm = self.zero, [0.0]
 
         def after_backward():  # stage 2 reduces during backward: count it as comm
@@ -338,6 +334,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             after_each=after_backward,
             bf16=self.precision,
             feed=self._feed.put,
+            tally=tally,
         )
         return self._expert_params(), loss_sum, correct, total, t_comm[0]
 

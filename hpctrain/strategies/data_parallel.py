@@ -106,8 +106,8 @@ class DataParallel(StrategyBase):
         return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, tensor)
 
     # --- training -------------------------------------------------------------------
-    def step(self, batch, lr: float):
-        stats = self.backend.train_step(batch, lr)
+    def step(self, batch, lr: float, tally: bool = True):
+        stats = self.backend.train_step(batch, lr, tally)
         if self.tensor > 1 and self.grid.coord["tensor"] != 0:
             # The tensor group computed one batch together: rank 0 of the group reports
             # it, so summed over the job every sample counts once.

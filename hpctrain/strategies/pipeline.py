@@ -255,8 +255,9 @@ class Pipeline(StrategyBase):
             return self.data.iterate(epoch, position)
         return iter([None] * self.data.steps_left(position))
 
-    def step(self, batch, lr: float) -> StepStats:
-        """One optimizer step of this rank's stage; the numbers the loop sums over ranks."""
+    def step(self, batch, lr: float, tally: bool = True) -> StepStats:
+        """One optimizer step of this rank's stage; the numbers the loop sums over ranks
+        (correct predictions on every step: host-side stages, where counting is cheap)."""
         g, P = self.grid, self.stages
         timing = run_step(self.stage, self.link, self.actions, batch, self.micro, 1.0 / self.terms)
         loss_sum, correct = self.stage.take_stats()

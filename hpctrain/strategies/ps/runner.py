@@ -201,7 +201,8 @@ class ParameterServer(StrategyBase):
         )  # fmt: skip
         self.worker.start()
 
-    def step(self, batch, lr: float) -> StepStats:
+    def step(self, batch, lr: float, tally: bool = True) -> StepStats:
+        # counts on every step: an async worker's steps are not the loop's logged ones
         loss_sum, correct, count, wait = self.worker.step(batch)
         return StepStats(loss_sum, correct, count, wait)
 
