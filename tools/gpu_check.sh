@@ -133,15 +133,27 @@ record "GPU bench" $rc
 } >>"$REPORT"
 fi
 if want cluster; then
-say "probe: can this machine run the emulated cluster (2 nodes x 4 ranks, for the hierarchical bench)?"
+say "emulated cluster, 2 nodes x 4 ranks at 1 Gbit/s: flat vs hierarchical allreduce"
+# issue 27's lower-priority target (>= 1.3x at >= 4 MB), which 2 cores cannot measure;
+# informational: a machine without network namespaces for root says so in cluster.log
+HIER="$(cd "$OUT" && pwd)/hier.json"
+rm -f "$HIER"
 { command -v ip && command -v tc; } >>"$OUT/cluster.log" 2>&1
-timeout 90 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 10gbit &&
+timeout 150 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 1gbit &&
     $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) --oversubscribe \
-    $PY -c 'from mpi4py import MPI; import socket; print(MPI.COMM_WORLD.rank, socket.gethostname())'" \
+    $PY benchmarks/workers/hier_allreduce.py --sizes-mb 1,4,16 --json $HIER" \
     >>"$OUT/cluster.log" 2>&1
 rc=$?
 $PY -m hpctrain cluster down >>"$OUT/cluster.log" 2>&1
-echo "| probe: emulated cluster, 2 nodes x 4 ranks (informational) | rc $rc |" >>"$REPORT"
+echo "| emulated cluster, 2 nodes x 4 ranks, hierarchical allreduce (informational) | rc $rc |" >>"$REPORT"
+[ -f "$HIER" ] && $PY - "$HIER" >>"$REPORT" <<'EOF2'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"\nFlat vs hierarchical allreduce, {d['nodes']} nodes, {d['ranks']} ranks, 1 Gbit/s (median s per call; target >= 1.3x at >= 4 MB):\n")
+print("| MB | flat | hierarchical | flat / hierarchical |\n|---:|---:|---:|---:|")
+for r in d["rows"]:
+    print(f"| {r['bytes'] / 2**20:.0f} | {r['flat']:.4f} | {r['hierarchical']:.4f} | {r['flat'] / r['hierarchical']:.2f}x |")
+EOF2
 fi
 cat "$REPORT"
 exit $status
