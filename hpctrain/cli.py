@@ -68,8 +68,9 @@ def _add_config_args(p: argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpctrain",
-        description="MPI-launched training suite: Horovod data parallelism for PyTorch and "
-        "TensorFlow with HDF5 data, metrics and checkpoints.",
+        description="MPI-launched training for PyTorch and TensorFlow on CPU and GPU ranks: "
+        "data parallelism (Horovod, MPI, NCCL/Gloo), ZeRO 1-3, tensor, pipeline and expert "
+        "parallelism, parameter servers; HDF5 data, metrics and checkpoints.",
         epilog=LAUNCH_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -112,7 +113,8 @@ def _add_train_commands(sub) -> None:
     for name, help_text, description in (
         (
             "train",
-            "train a model (strategy: data_parallel, pipeline or parameter_server)",
+            "train a model (strategy: data_parallel, pipeline or parameter_server; "
+            "ZeRO, tensor and expert parallelism inside them)",
             "Train the configured model on every rank of the job with the configured "
             "strategy. Writes config.yaml, metrics.jsonl and TensorBoard scalars into the "
             "run directory.",
