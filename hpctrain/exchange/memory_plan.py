@@ -17,20 +17,20 @@ state on top):
 - activations: what autograd saves for backward in one micro-batch (counted by the
   backend on torch's meta device: no memory, exact shapes);
 - transients, the larger of: the optimizer step's temporaries (torch's fused Adam
-  makes none; SGD one the size of what it steps, with weight decay) and the exchange's scratch (Open
-  MPI's reduce-scatter allocates about twice the segment it reduces; an in-place
-  allreduce about half the buffer; measured on this machine, Open MPI 4.1);
+  makes none; SGD one the size of what it steps, with weight decay) and the exchange's
+  scratch (Open MPI's reduce-scatter allocates about twice the segment it reduces; an
+  in-place allreduce about half the buffer; measured on this machine, Open MPI 4.1);
 - baseline: the process's resident bytes before the model (the interpreter, torch, MPI,
   the data pipeline), measured by the process itself.
 
 On a GPU rank every term is GPU memory (the CUDA allocator's) and the baseline host
 memory; its transients are SGD's weight-decay temporaries only (the exchange's buffers
-are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU ranks, backends/torch_offload.py)
-moves the optimizer state and its step's temporaries off the GPU: they become
-`offloaded`, host memory beside the baseline (the float32 master shard, a host copy of
-the gradient shard, and the slots: 4 (2 + s) Psi/N); `optimizer+params` (ZeRO-3) also
-takes the parameter shard off the GPU, which keeps two staging pieces of the largest
-unit instead.
+are NCCL's own or Gloo's host staging). `train.offload: optimizer` (ZeRO-1/2/3 on GPU
+ranks, backends/torch_offload.py) moves the optimizer state and its step's temporaries
+off the GPU: they become `offloaded`, host memory beside the baseline (the float32
+master shard, a host copy of the gradient shard, and the slots: 4 (2 + s) Psi/N);
+`optimizer+params` (ZeRO-3) also takes the parameter shard off the GPU, which keeps two
+staging pieces of the largest unit instead.
 
 Each term is what the code allocates (exchange/zero.py, backends/torch_zero*.py); the
 test compares the total with the peak RSS a real run reaches (tests/test_memory_plan_jobs.py).
