@@ -153,3 +153,18 @@ def test_a_gpu_rank_started_past_the_untested_gate_says_so(monkeypatch):
     )
     plain = Config.load("configs/demo.yaml", ["runtime.device=cuda"])
     assert "not yet run" not in torch_device.resolve_device(plain, None)[1].reason
+
+
+def test_every_run_of_the_gpu_check_is_a_configuration_gpu_ranks_accept(monkeypatch):
+    """tests/test_gpu_jobs.py's runs (references, layouts, compressors) load as GPU ranks
+    load them, here without a GPU: a refusal would otherwise first show on the loaned GPU
+    machine, failing the whole module there (its experts' reference once asked for the
+    MPI engine, which GPU ranks refuse experts on)."""
+    import test_gpu_jobs
+
+    monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # as the GPU check runs them
+    runs = test_gpu_jobs.every_run()
+    assert len(runs) == 2 + len(test_gpu_jobs.LAYOUTS) + 2 * len(test_gpu_jobs.LOSSY)
+    for name, overrides in runs.items():
+        cfg = Config.load(None, [*test_gpu_jobs.BASE, *overrides])
+        assert cfg.runtime["device"] in ("cuda", "cpu"), name

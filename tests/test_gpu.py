@@ -66,6 +66,11 @@ def test_gpu_state_resumes_on_a_cpu_rank_and_back_with_the_same_values():
     again.import_state(cpu.export_state())
     for key, value in again.export_state().items():
         np.testing.assert_array_equal(value, state[key], err_msg=key)
+    # and trains on: the fused Adam reads its imported step count on the device
+    steps = [again.train_step(mb, 1e-3) for mb in _batches(1, seed=1)]
+    step = again.optimizer.state[again._dense[0]]["step"]
+    assert step.device.type == "cuda" and int(step) == 4, step
+    assert np.isfinite(float(steps[0].loss_sum))
 
 
 def test_gpu_steps_follow_the_cpu_math():

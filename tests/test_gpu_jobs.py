@@ -8,8 +8,10 @@ the bytes differs (NCCL cannot put two ranks on one GPU). The experts' all-to-al
 CUDA rows too (their router plans on the host). Each layout equals one process
 on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses),
 and the compressors equal their CPU runs. Until these pass on a GPU, GPU ranks refuse
-the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (2026-11-28, H100: the first run
-found ZeRO's micro-batches left on the host, fixed.)"""
+the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (H100, 28 Nov 2026: the first run
+found ZeRO's micro-batches left on the host, fixed. Found by reading since: the experts'
+reference asked for the MPI engine, on which GPU ranks refuse experts; it is nccl now,
+and tests/test_devices.py loads every run's configuration without a GPU.)"""
 
 import re
 
@@ -65,11 +67,33 @@ def where(tmp_path_factory):
     return tmp_path_factory.mktemp("gpu-jobs")
 
 
+# the one-GPU references (one launch, one rank): the experts' on the process-group
+# engine, the only one GPU ranks run them on (one rank: no group, no collective)
+REFS = {
+    "ref": ["train.batch_size=16"],
+    "ref-moe": [MOE, "train.batch_size=16", "train.allreduce=nccl"],
+}
+
+
+def compressor_runs(method: str) -> dict:
+    opts = [*GLOO, *COMPRESSED, f"train.compression={method}"]
+    return {f"{method}-{dev}": [*opts, f"runtime.device={dev}"] for dev in ("cuda", "cpu")}
+
+
+def every_run() -> dict:
+    """Every run this module launches (tests/test_devices.py checks, without a GPU, that
+    GPU ranks accept each configuration)."""
+    runs = {**REFS, **LAYOUTS}
+    for method in LOSSY:
+        runs.update(compressor_runs(method))
+    return runs
+
+
 @pytest.fixture(scope="module")
 def ref(where):
-    return _train(
-        where, 1, {"ref": ["train.batch_size=16"], "ref-moe": [MOE, "train.batch_size=16"]}
-    )
+    with pytest.MonkeyPatch.context() as env:  # experts on GPU ranks: gated
+        env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
+        return _train(where, 1, REFS)
 
 
 def _two_ranks(where, runs):
@@ -94,9 +118,7 @@ def test_two_gpu_ranks_over_a_process_group_equal_one_gpu_process(where, ref, la
 
 @pytest.mark.parametrize("method", LOSSY)
 def test_compressors_on_gpu_ranks_equal_their_cpu_runs(where, method):
-    opts = [*GLOO, *COMPRESSED, f"train.compression={method}"]
-    runs = {f"{method}-{dev}": [*opts, f"runtime.device={dev}"] for dev in ("cuda", "cpu")}
-    got = _two_ranks(where, runs)
+    got = _two_ranks(where, compressor_runs(method))
     (gpu, gpu_losses, _), (cpu, cpu_losses, _) = got[f"{method}-cuda"], got[f"{method}-cpu"]
     for k in cpu:
         np.testing.assert_allclose(gpu[k], cpu[k], rtol=0, atol=1e-4, err_msg=k)

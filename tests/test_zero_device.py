@@ -129,3 +129,30 @@ def test_every_step_path_feeds_its_micro_batches_through_the_device_feeder(stage
     ]
     backend.train_step(micro, 1e-3)
     assert [id(a) for a in fed] == [id(a) for pair in micro for a in pair]
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_a_process_group_backend_without_a_communicator_keeps_zero_on_its_device(stage):
+    """One process (no MPI communicator: the GPU memory-plan test, a library user) on the
+    process-group engine still gets a one-rank transport, so ZeRO's buffers are tensors
+    of the device, never numpy views (which a CUDA tensor cannot give: found by reading,
+    before the plan test first ran on a GPU). ZeRO-3's zoo model is built without memory
+    on the backend's device itself, so that moving the model there copies nothing."""
+    from dump_runs import TINY_TRANSFORMER
+
+    from hpctrain.backends.torch import TorchBackend
+    from hpctrain.backends.torch_model import build_model
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+
+    overrides = [*TINY_TRANSFORMER, "runtime.device=cpu", "train.allreduce=gloo"]
+    cfg = Config.load(None, [*overrides, f"train.zero={stage}", "train.zero_unit_mb=0.004"])
+    inp = benchmark_input_spec(cfg.data)
+    backend = TorchBackend(cfg, None, inp, threads=1)
+    assert torch.is_tensor(backend.zero.shard_grad)
+    x = np.zeros((4, *inp.shape), np.int64)
+    backend.train_step([(x, x)], 1e-3)
+    lazy = build_model(cfg.model, inp, 0, lazy_on=torch.device("meta"))
+    params = list(lazy.parameters())
+    assert params and all(p.device.type == "meta" for p in params)
+    assert all(p.untyped_storage().nbytes() == 0 for p in params)

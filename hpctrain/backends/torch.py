@@ -71,9 +71,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.rss_before_model = resident_baseline(cfg.optimizer)  # the memory plan's
         # ZeRO-3 builds a zoo model without memory and fills it a unit at a time
         self._lazy = cfg.train["zero"] == 3 and zoo.is_zoo_model(cfg.model["name"])
-        model = build_agreed(
-            world, lambda: build_model(cfg.model, inp, seed, groups, lazy=self._lazy)
-        )
+        lazy_on = self.device if self._lazy else None
+        model = build_agreed(world, lambda: build_model(cfg.model, inp, seed, groups, lazy_on))
         self.model = model.to(self.device)  # canonical weights built on the host, then moved
         self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())

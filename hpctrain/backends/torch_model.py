@@ -50,23 +50,27 @@ def _causal_attention(qkv, heads: int):
     return (att @ v).transpose(1, 2).reshape(n, t, width)
 
 
-def _unallocated(shape) -> torch.Tensor:
-    """A float32 CPU tensor of `shape` without memory (storage resized to 0): ZeRO-3
-    points it into a unit's buffer before it is used."""
-    t = torch.empty(shape)  # pages never touched: nothing resident
+def _unallocated(shape, device) -> torch.Tensor:
+    """A float32 tensor of `shape` on `device` without memory (storage resized to 0):
+    ZeRO-3 points it into a unit's buffer before it is used. Made on the rank's device,
+    so that moving the model there leaves it alone: a copy to CUDA would read the
+    0-byte storage."""
+    t = torch.empty(shape, device=device)  # host pages never touched; a CUDA block freed
     t.untyped_storage().resize_(0)
     return t
 
 
 class _Layer(nn.Module):
-    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None, lazy=False):
+    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None, lazy_on=None):
         super().__init__()
         self.spec = spec
         self.groups = groups or ModelGroups()  # tensor axis and experts of this model
         self.p: dict[str, torch.Tensor] = {}
         for name, shape in spec.params.items():
             holder, leaf = self._holder(name)
-            param = nn.Parameter(_unallocated(shape) if lazy else torch.zeros(shape))
+            param = nn.Parameter(
+                torch.zeros(shape) if lazy_on is None else _unallocated(shape, lazy_on)
+            )
             holder.register_parameter(leaf, param)
             self.p[name] = param
         for name, shape in spec.buffers.items():
@@ -167,11 +171,13 @@ class _Layer(nn.Module):
 class ZooNet(nn.Module):
     """A zoo model: the layers in order, parameters under their canonical names."""
 
-    def __init__(self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None, lazy=False):
+    def __init__(
+        self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None, lazy_on=None
+    ):
         super().__init__()
         self.seq = []
         for spec in layers:
-            layer = _Layer(spec, groups, lazy)
+            layer = _Layer(spec, groups, lazy_on)
             if "." in spec.name:
                 parent, leaf = spec.name.rsplit(".", 1)
                 _child(self, parent).add_module(leaf, layer)
@@ -195,19 +201,21 @@ def build_model(
     inp: zoo.InputSpec,
     seed: int,
     groups: ModelGroups | None = None,
-    lazy: bool = False,
+    lazy_on: torch.device | None = None,
 ) -> nn.Module:
     """A zoo model with the canonical initial weights, or the user's own nn.Module.
     `groups`: the tensor axis and expert group from the process grid (none: one rank).
-    `lazy` (zoo models, ZeRO-3): parameters without memory and no initial values; the
-    caller fills them from `init_stream`, one unit at a time."""
+    `lazy_on` (zoo models, ZeRO-3): parameters on that device without memory and no
+    initial values; the caller fills them from `init_stream`, one unit at a time."""
     name = model_cfg["name"]
     if zoo.is_zoo_model(name):
         groups = groups or ModelGroups()
         layers = zoo.build_layers(model_cfg, inp)
         mine_layers = local_layers(layers, seed, groups.experts)
-        model = ZooNet(tensor_parallel.local_layers(mine_layers, groups.tensor.size), groups, lazy)
-        if lazy:
+        model = ZooNet(
+            tensor_parallel.local_layers(mine_layers, groups.tensor.size), groups, lazy_on
+        )
+        if lazy_on is not None:
             return model
         mine = model.state_dict(keep_vars=True)
         unset = set(mine)

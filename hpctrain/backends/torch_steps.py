@@ -50,7 +50,16 @@ def import_optimizer_state(optimizer, named_params, kind: str, state: dict) -> N
                 raise ValueError(f"optimizer state {key} missing")
             st[slot] = from_host(state[key], param)
         if kind == "adam":
-            st["step"] = torch.tensor(float(step))
+            st["step"] = adam_step(optimizer, param, step)
+
+
+def adam_step(optimizer, param, step: int) -> torch.Tensor:
+    """Adam's step count as torch keeps it: on the parameter's device for the fused and
+    capturable kernels, which read it there (torch's own load_state_dict moves it so; a
+    host count beside CUDA parameters is not theirs), on the host otherwise."""
+    on_device = optimizer.defaults.get("fused") or optimizer.defaults.get("capturable")
+    device = param.device if on_device else torch.device("cpu")
+    return torch.tensor(float(step), dtype=torch.float32, device=device)
 
 
 def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:

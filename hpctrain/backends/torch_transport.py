@@ -207,15 +207,19 @@ class ProcessGroupTransport(TorchArrays):
 
 
 def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict | None:
-    """The process-group engine's transports, or None on other engines (or without a
-    communicator): {"replicas": over the ranks that average dense gradients (`replicas`,
-    a guarded MPI communicator)}, and with tensor parallelism (the model's `groups`, a
-    ModelGroups made from the grid) {"tensor": over this rank's tensor axis}, with
-    experts {"expert": their token exchange's axis, "data": their copies'} too, each on
-    its own group under the job-wide default group (grid_groups)."""
-    if engine not in PROCESS_GROUP_ENGINES or replicas is None:
+    """The process-group engine's transports, or None on other engines: {"replicas":
+    over the ranks that average dense gradients (`replicas`, a guarded MPI communicator;
+    None, one process: a one-rank transport without a group, so that ZeRO's and the
+    compressors' buffers stay tensors on the device as at any world size)}, and with
+    tensor parallelism (the model's `groups`, a ModelGroups made from the grid)
+    {"tensor": over this rank's tensor axis}, with experts {"expert": their token
+    exchange's axis, "data": their copies'} too, each on its own group under the
+    job-wide default group (grid_groups)."""
+    if engine not in PROCESS_GROUP_ENGINES:
         return None
     timeout = cfg.runtime["collective_timeout"]
+    if replicas is None:
+        return {"replicas": ProcessGroupTransport(None, engine, timeout, device)}
     experts = groups.experts is not None
     if not groups.tensor_parallel and not experts:
         return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}

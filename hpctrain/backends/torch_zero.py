@@ -31,6 +31,7 @@ from torch import nn
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
 from .torch_offload import shard_optimizer, slot_bytes
+from .torch_steps import adam_step
 
 
 class ShardedOptimizerState:
@@ -84,7 +85,9 @@ class ShardedOptimizerState:
             full = self.part.flatten([state[k] for k in keys])
             st[slot] = torch.from_numpy(self.part.shard_of(full)).to(self.opt.param.device)
         if kind == "adam":
-            st["step"] = torch.tensor(float(int(state.get("optimizer/step", 0))))
+            st["step"] = adam_step(
+                self.optimizer, self.opt.param, int(state.get("optimizer/step", 0))
+            )
 
     def optimizer_bytes(self) -> float:
         return slot_bytes(self.optimizer, self.opt.param)
