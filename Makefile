@@ -81,6 +81,6 @@ clean:
 
 ## The prepared GPU check (issue 27) for a GPU machine whose Python has torch with CUDA,
 ## h5py and mpi4py: GPU tests, the demo on one GPU, two ranks sharing it through the
-## host-staged engine, the GPU bench; report in gpu-check/report.md. No install here.
+## host-staged engine, the GPU bench; report in gpu-check/<UTC>/report.md. No install here.
 gpu-check:
 	bash tools/gpu_check.sh

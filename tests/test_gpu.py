@@ -155,10 +155,12 @@ def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypat
 def test_a_model_too_big_for_the_gpu_is_refused_before_it_is_built(tmp_path):
     """6.4 B parameters at ZeRO-0 (128 GB of model state): refused from the plan, on
     the meta device, naming the GPU and its free memory, before a byte is allocated."""
-    from mpirun import HPCTRAIN, mpirun
+    from mpirun import PYTHON, mpirun
 
     huge = ["model.d_model=8192", "model.n_heads=64", "model.d_ff=32768", "model.n_layers=8"]
-    args = [HPCTRAIN, "train", "--run-dir", str(tmp_path / "run")]
+    # the module, not the console script: the check installs with pip --target, whose
+    # scripts are not beside the machine's Python
+    args = [PYTHON, "-m", "hpctrain", "train", "--run-dir", str(tmp_path / "run")]
     for o in [*BIG, *huge, "train.max_steps=1", "checkpoint.enabled=false"]:
         args += ["--set", o]
     job = mpirun(1, *args, timeout=120)

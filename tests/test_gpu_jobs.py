@@ -25,7 +25,13 @@ pytestmark = pytest.mark.gpu
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "tp_train_dump.py")
 # the tensor-parallel tests' runs (their engine, mpi, is the one-GPU reference's), on CUDA
-BASE = [*TRANSFORMER, "train.deterministic=true", "runtime.device=cuda"]
+# a hung launch ends itself in a minute, naming the rank, not at the default 10 minutes
+BASE = [
+    *TRANSFORMER,
+    "train.deterministic=true",
+    "runtime.device=cuda",
+    "runtime.collective_timeout=60",
+]
 ZERO3 = ["train.zero=3", "train.zero_unit_mb=0.004"]
 GLOO = ["train.allreduce=gloo", "train.batch_size=8"]
 MOE = "model.moe={experts: 4, top_k: 2, drop_tokens: false, aux_loss: 0}"

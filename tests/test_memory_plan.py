@@ -35,6 +35,10 @@ def test_model_state_per_stage_follows_the_zero_accounting(n):
     for stage in (1, 2, 3):
         assert p[stage]["optimizer"] == pytest.approx(8 * psi / n)
     assert p[0]["parameters"] == p[1]["parameters"] - 4 * psi / n == 4 * psi
+    # plain data parallelism: param.grad, and the exchange's buffer where there are peers
+    # (one process never writes it: found reading the GPU plan test, whose one process
+    # would have measured 4 Psi fewer than planned)
+    assert p[0]["gradients"] == (8 if n > 1 else 4) * psi
     assert p[3]["parameters"] == pytest.approx(4 * psi / n)
     assert p[3]["gathered"] == 2 * unit
     if n > 1:  # sharding pays off beyond one rank

