@@ -15,6 +15,12 @@ parameters (Adam, float32) trains under every stage:
   (backends/tensorflow_zero3.py): up to a third more compute than ZeRO-2's step, whose
   own cost is copying the tape's whole gradient into segments;
 
+- one node, a deeper transformer of ~58 M parameters in 24 blocks (units of one block,
+  1/24 of the model) at ZeRO-3, np 2 and 4, memory only: the model state against
+  16 Psi/N + the largest unit (issue 28's "within 10%"), which the 4-block model (units
+  of a quarter) cannot meet: ZeRO-3 holds a second unit for the prefetch and a unit's
+  gradient beside the paper's one gathered unit.
+
 ZeRO-3 runs twice, with `train.zero_prefetch` on and off. Memory per rank comes from
 metrics.jsonl (the last step: parameters incl. the gathered units, gradients held at
 the peak, optimizer state, the process's peak RSS) beside the ZeRO paper's model that
@@ -34,6 +40,7 @@ TITLE = "ZeRO-0/1/2/3: memory per rank and throughput (transformer, Adam)"
 STAGES = {0: "plain data parallel", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 ONE, TWO = "one node", "two nodes"
 TF_ONE = "one node, tensorflow"  # the TensorFlow backend's rows (the rest are torch's)
+FINE = "one node, small units"  # the deeper model's ZeRO-3 rows (memory only)
 LINK = "10gbit"
 TARGETS = {ONE: 0.85, TWO: 0.75}  # ZeRO-3 (prefetch on) throughput / ZeRO-2
 MEM_KEYS = (
@@ -50,6 +57,9 @@ MEM_KEYS = (
 )
 FULL_MODEL = {"d_model": 1024, "n_heads": 8, "d_ff": 4096, "n_layers": 4}  # 50.5 M
 QUICK_MODEL = {"d_model": 256, "n_heads": 4, "d_ff": 1024, "n_layers": 4}  # 3.2 M
+# 58 M parameters in 24 blocks of 9.6 MB (float32): units of 1/24 of the model
+FINE_MODEL = {"d_model": 448, "n_heads": 8, "d_ff": 1792, "n_layers": 24}
+STATE_TARGET = 0.10  # ZeRO-3's model state within 10% of 16 Psi/N + the largest unit
 
 
 def plan(quick: bool) -> dict:
@@ -68,6 +78,8 @@ def plan(quick: bool) -> dict:
         "memory_sizes": [] if quick else [4],
         "two_nodes": [[2, None], [3, True]] if quick else [[2, None], [3, True], [3, False]],
         "tensorflow": [[2, None], [3, True]],
+        # ZeRO-3's model state with small units (one block each), memory only
+        "fine": None if quick else {"model": FINE_MODEL, "unit_mb": 1.0, "sizes": [2, 4]},
     }
 
 
@@ -156,7 +168,7 @@ def no_overlap_estimate(rows, where) -> float | None:
 def _row(ctx, p, where, np_, variant, mpi_args=None) -> dict:
     """One run of one stage: memory from its last step, step time where it is timed."""
     stage, prefetch = variant
-    timed = where == TWO or np_ <= ctx.cores
+    timed = where == TWO or (np_ <= ctx.cores and where != FINE)
     steps = p["warmup"] + p["iters"] + 1 if timed else p["memory_steps"]
     tag = {None: "", True: "-prefetch", False: "-noprefetch"}[prefetch]
     place = where.replace(" ", "").replace(",", "-")
@@ -221,6 +233,14 @@ def run(ctx) -> dict:
     tf_sizes = [2, *p["memory_sizes"]]  # np 2 timed, larger ones memory only
     rows += [_row(ctx, p, TF_ONE, np_, v) for np_ in tf_sizes for v in p.get("tensorflow", [])]
     two = _two_nodes(ctx, p)
+    fine = p.get("fine")
+    if fine:
+        pf = {**p, "model": fine["model"], "unit_mb": fine["unit_mb"]}
+        fine = {
+            "workload": f"transformer({_opts(fine['model'])})",
+            "params": sum(gradient_tensors(workload(pf))) // 4,
+            "rows": [_row(ctx, pf, FINE, np_, [3, True]) for np_ in fine["sizes"]],
+        }
     data = {
         "plan": p,
         "workload": f"transformer({_opts(p['model'])}) on tokens (seq_len={p['seq_len']}, "
@@ -228,6 +248,7 @@ def run(ctx) -> dict:
         "params": sum(gradient_tensors(w)) // 4,
         "rows": rows + two["rows"],
         "two_nodes_skipped": two.get("skipped"),
+        "fine": fine,
     }
     data["ratios"] = ratios(data["rows"])
     return data
@@ -291,7 +312,19 @@ def headline(data) -> list[str]:
             parts.append(
                 f"{link} **{common.fmt_ratio(r['on_vs_zero2'])}** (target ≥ {TARGETS[where]})"
             )
-    return [f"- ZeRO-3 / ZeRO-2 throughput: {', '.join(parts)}"] if parts else []
+    out = [f"- ZeRO-3 / ZeRO-2 throughput: {', '.join(parts)}"] if parts else []
+    states = []
+    for name, psi, rows in _state_models(data):
+        overs = [(r["np"], state_over(r, psi)) for r in rows if _state_row(r)]
+        cells = [f"np={n} {got[2]:+.1%}" for n, got in overs if got]
+        if cells:
+            states.append(f"{name}: {', '.join(cells)}")
+    if states:
+        out.append(
+            f"- ZeRO-3 model state over 16 Ψ/N + the largest unit (target ≤ "
+            f"{STATE_TARGET:.0%}): {'; '.join(states)}"
+        )
+    return out
 
 
 def _num(value, spec: str) -> str:
@@ -323,6 +356,55 @@ def _memory_table(data) -> list[str]:
             f"| {_mb(total_model)} | {_mb(m.get('zero_gathered_peak_bytes'))} "
             f"| {_mb(m.get('mem_peak_rss_bytes'))} | {_mb(m.get('mem_rss_before_model_bytes'))} |"
         )
+    return out
+
+
+def state_over(r, psi: int) -> tuple[float, float, float] | None:
+    """(model state, 16 Psi/N + the largest unit, state / that - 1) of a ZeRO-3 row, in
+    bytes: the largest unit is half the gathered peak (two slots of it)."""
+    m = r["memory"]
+    parts = [m.get(k) for k in ("mem_param_bytes", "mem_grad_bytes", "mem_optimizer_bytes")]
+    gathered = m.get("zero_gathered_peak_bytes")
+    if not (r["ok"] and all(parts) and gathered):
+        return None
+    state, paper = sum(parts), 16 * psi / r["np"] + gathered / 2
+    return state, paper, state / paper - 1
+
+
+def _state_models(data) -> list[tuple[str, int, list]]:
+    """(name, Psi, rows) of the models whose ZeRO-3 state is checked."""
+    model = data.get("plan", {}).get("model", {})
+    units = f"{model.get('n_layers', '?')} blocks"
+    models = [(units, data["params"], data["rows"])]
+    if data.get("fine"):
+        fine = data["plan"]["fine"]["model"]
+        models.append((f"{fine['n_layers']} blocks", data["fine"]["params"], data["fine"]["rows"]))
+    return models
+
+
+def _state_row(r) -> bool:
+    return r["stage"] == 3 and r["prefetch"] is True and r["where"] in (ONE, FINE)
+
+
+def _state_table(data) -> list[str]:
+    """ZeRO-3's model state per rank against 16 Psi/N + the largest unit, both models."""
+    out = [
+        "| model | Ψ | largest unit (MB) | np | model state (MB) | 16 Ψ/N + unit (MB) | over |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for name, psi, rows in _state_models(data):
+        for r in (r for r in rows if _state_row(r)):
+            got = state_over(r, psi)
+            if got is None:
+                out.append(f"| {name} | {psi / 1e6:.1f} M | | {r['np']} | **failed** | | |")
+                continue
+            state, paper, over = got
+            unit = r["memory"]["zero_gathered_peak_bytes"] / 2
+            met = "" if over <= STATE_TARGET else " (over 10%)"
+            out.append(
+                f"| {name} | {psi / 1e6:.1f} M | {_mb(unit)} | {r['np']} | {_mb(state)} "
+                f"| {_mb(paper)} | {over:+.1%}{met} |"
+            )
     return out
 
 
@@ -394,6 +476,15 @@ def markdown(data, ctx) -> str:
         "what it held just before building the model (the plot shows the difference).",
         "",
         *_memory_table(data),
+        "",
+        "**ZeRO-3's model state against the ZeRO paper's 16 Ψ/N plus the largest gathered "
+        f"unit** (target: within {STATE_TARGET:.0%}; prefetch on, one node, the last step). "
+        "Beyond the paper's one unit, ZeRO-3 holds the prefetched next unit and one unit's "
+        "gradient being reduce-scattered (with the largest parameter's gradient copied "
+        "into it): about 2 units more, so the target holds where a unit is at most about a "
+        "fifth of a rank's parameter shard (4 Ψ/N bytes).",
+        "",
+        *_state_table(data),
         "",
         "**Throughput** (per-step mean ± 1.96·std after warm-up; samples/s over all ranks; "
         "vs ZeRO-2 = ZeRO-2's step / this step; gather wait = ZeRO-3's time blocked on "
