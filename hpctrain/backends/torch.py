@@ -73,7 +73,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self._lazy = cfg.train["zero"] == 3 and zoo.is_zoo_model(cfg.model["name"])
         lazy_on = self.device if self._lazy else None
         model = build_agreed(world, lambda: build_model(cfg.model, inp, seed, groups, lazy_on))
-        self.model = model.to(self.device)  # canonical weights built on the host, then moved
+        self.model = model.to(self.device)  # built on the host, moved (lazy: made there)
         self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())
         dense = torch_moe.dense_named_parameters(self.model)  # all but MoE experts
