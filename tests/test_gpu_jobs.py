@@ -56,11 +56,13 @@ LOSSY = ["topk", "powersgd"]
 
 
 def _train(where, np_, runs):
-    results = train_many(
-        SCRIPT, where, np_, runs, base=BASE, timeout=240,
-        said=lambda out: re.escape(f"TP DUMP {out} over") + r" \d+ rank\(s\): .* sums by (\w+)",
-        keep=lambda x: x["loss"],
-    )  # fmt: skip
+    with pytest.MonkeyPatch.context() as env:  # the gated layouts this check verifies
+        env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
+        results = train_many(
+            SCRIPT, where, np_, runs, base=BASE, timeout=240,
+            said=lambda out: re.escape(f"TP DUMP {out} over") + r" \d+ rank\(s\): .* sums by (\w+)",
+            keep=lambda x: x["loss"],
+        )  # fmt: skip
     return {n: (w, losses, m.group(1)) for n, (w, losses, m) in results.items()}
 
 
@@ -97,16 +99,12 @@ def every_run() -> dict:
 
 @pytest.fixture(scope="module")
 def ref(where):
-    with pytest.MonkeyPatch.context() as env:  # experts on GPU ranks: gated
-        env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
-        return _train(where, 1, REFS)
+    return _train(where, 1, REFS)
 
 
 def _two_ranks(where, runs):
     """One launch of 2 ranks per test, so that one layout's failure hides no other's."""
-    with pytest.MonkeyPatch.context() as env:  # the layouts this check verifies
-        env.setenv("HPCTRAIN_GPU_UNTESTED", "1")
-        return _train(where, 2, runs)
+    return _train(where, 2, runs)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -137,11 +137,10 @@ def test_a_process_group_backend_without_a_communicator_keeps_zero_on_its_device
     process-group engine still gets a one-rank transport, so ZeRO's buffers are tensors
     of the device, never numpy views (which a CUDA tensor cannot give: found by reading,
     before the plan test first ran on a GPU). ZeRO-3's zoo model is built without memory
-    on the backend's device itself, so that moving the model there copies nothing."""
+    on the backend's device itself (the next test)."""
     from dump_runs import TINY_TRANSFORMER
 
     from hpctrain.backends.torch import TorchBackend
-    from hpctrain.backends.torch_model import build_model
     from hpctrain.config import Config
     from hpctrain.data import benchmark_input_spec
 
@@ -152,6 +151,20 @@ def test_a_process_group_backend_without_a_communicator_keeps_zero_on_its_device
     assert torch.is_tensor(backend.zero.shard_grad)
     x = np.zeros((4, *inp.shape), np.int64)
     backend.train_step([(x, x)], 1e-3)
+
+
+def test_zero3s_memory_less_model_is_made_on_the_device_it_runs_on():
+    """ZeRO-3's zoo model is built without memory on the rank's device, so that moving
+    the model there copies nothing (a copy to CUDA would read a 0-byte storage); the
+    meta device stands in for a GPU here."""
+    from dump_runs import TINY_TRANSFORMER
+
+    from hpctrain.backends.torch_model import build_model
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+
+    cfg = Config.load(None, TINY_TRANSFORMER)
+    inp = benchmark_input_spec(cfg.data)
     lazy = build_model(cfg.model, inp, 0, lazy_on=torch.device("meta"))
     params = list(lazy.parameters())
     assert params and all(p.device.type == "meta" for p in params)

@@ -359,23 +359,23 @@ def _memory_table(data) -> list[str]:
     return out
 
 
-def state_over(r, psi: int) -> tuple[float, float, float] | None:
-    """(model state, 16 Psi/N + the largest unit, state / that - 1) of a ZeRO-3 row, in
-    bytes: the largest unit is half the gathered peak (two slots of it)."""
+def state_over(r, psi: int) -> tuple[float, float, float, float] | None:
+    """(model state, 16 Psi/N + the largest unit, state / that - 1, the largest unit) of
+    a ZeRO-3 row, in bytes: the largest unit is half the gathered peak (two slots)."""
     m = r["memory"]
     parts = [m.get(k) for k in ("mem_param_bytes", "mem_grad_bytes", "mem_optimizer_bytes")]
     gathered = m.get("zero_gathered_peak_bytes")
     if not (r["ok"] and all(parts) and gathered):
         return None
-    state, paper = sum(parts), 16 * psi / r["np"] + gathered / 2
-    return state, paper, state / paper - 1
+    state, unit = sum(parts), gathered / 2
+    paper = 16 * psi / r["np"] + unit
+    return state, paper, state / paper - 1, unit
 
 
 def _state_models(data) -> list[tuple[str, int, list]]:
     """(name, Psi, rows) of the models whose ZeRO-3 state is checked."""
     model = data.get("plan", {}).get("model", {})
-    units = f"{model.get('n_layers', '?')} blocks"
-    models = [(units, data["params"], data["rows"])]
+    models = [(f"{model.get('n_layers', '?')} blocks", data["params"], data["rows"])]
     if data.get("fine"):
         fine = data["plan"]["fine"]["model"]
         models.append((f"{fine['n_layers']} blocks", data["fine"]["params"], data["fine"]["rows"]))
@@ -398,8 +398,7 @@ def _state_table(data) -> list[str]:
             if got is None:
                 out.append(f"| {name} | {psi / 1e6:.1f} M | | {r['np']} | **failed** | | |")
                 continue
-            state, paper, over = got
-            unit = r["memory"]["zero_gathered_peak_bytes"] / 2
+            state, paper, over, unit = got
             met = "" if over <= STATE_TARGET else " (over 10%)"
             out.append(
                 f"| {name} | {psi / 1e6:.1f} M | {_mb(unit)} | {r['np']} | {_mb(state)} "
