@@ -47,6 +47,7 @@ QUICK_MODULES = frozenset(
         "test_gradient_engine",
         "test_grid",
         "test_grid_shape",
+        "test_host_reads",
         "test_launcher",
         "test_loss_scaling",
         "test_memory_limit",

@@ -100,8 +100,8 @@ def zero_step(b: StepPrimitives, micro_batches, lr: float, tally: bool = True) -
         local = b.expert_square_sum(experts)
         if local is not None:  # each expert lives on one rank of its group
             extra_sq = b.groups.experts.allreduce_sum(local)
-        coef = z.clip(float(b.clip), tensor_split_mask(b), extra_sq)
-        if coef < 1.0:
+        coef = z.clip(float(b.clip), tensor_split_mask(b), extra_sq)  # where the shard is
+        if experts:  # by 1 when under the limit (exact): no host `if` on a device's value
             experts = b.scale_experts(experts, coef)
     b.zero_update(experts, lr)
     comm += time.perf_counter() - t0  # includes the shard's update

@@ -306,7 +306,7 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         return sum(float(tf.reduce_sum(tf.cast(g, tf.float64) ** 2)) for g in experts)
 
     def scale_experts(self, experts, coef: float):
-        return None if experts is None else [g * coef for g in experts]
+        return None if experts is None else [g * float(coef) for g in experts]
 
     def zero_update(self, experts, lr: float) -> None:
         self.zero.step(lr)

@@ -134,6 +134,6 @@ def _clip_tensor_parallel(grads, names, max_norm, groups):
     split, whole = split_square_sums(
         names, squares, tensor_parallel.split_kind, experts=groups.experts
     )
-    split = float(groups.tensor.allreduce_sum(np.array([split]), "norm")[0])
+    split = float(groups.tensor.sum_squares(np.array([split], np.float64), "gradient norm")[0])
     coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
     return [g * coef for g in grads] if coef < 1.0 else grads

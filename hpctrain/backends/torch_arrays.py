@@ -26,6 +26,14 @@ class TorchArrays:
         buf.mul_(factor)  # a float32 tensor's scalar is rounded to float32, as numpy's
 
     @staticmethod
+    def clip_coefficient(square_sum, max_norm: float):
+        norm = torch.sqrt(square_sum.to(torch.float64)) + 1e-6
+        # `max_norm / norm` rounds twice (norm's reciprocal first); a tensor made from
+        # the host float would be a synchronous copy to a GPU; a fill is a kernel
+        coef = torch.full_like(norm, float(max_norm)).div_(norm)
+        return torch.clamp(coef, max=1.0)
+
+    @staticmethod
     def copy(buf):
         return buf.clone()
 

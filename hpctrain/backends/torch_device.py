@@ -236,8 +236,13 @@ class HostValue:
 
 
 def read_later(stats):
-    """A GPU step's stats with its device sums as HostValues (CPU stats unchanged)."""
-    if not (isinstance(stats.loss_sum, torch.Tensor) and stats.loss_sum.is_cuda):
+    """A GPU step's stats with its device sums as HostValues; a CPU step's read now (the
+    same step, so a CPU test sees what a GPU step would read inside it)."""
+    if not isinstance(stats.loss_sum, torch.Tensor):
+        return stats
+    if not stats.loss_sum.is_cuda:  # free on the host
+        stats.loss_sum = float(stats.loss_sum)
+        stats.correct = stats.correct.item() if torch.is_tensor(stats.correct) else stats.correct
         return stats
     if isinstance(stats.correct, torch.Tensor):
         stats.loss_sum, stats.correct = host_readout(stats.loss_sum, stats.correct)

@@ -10,11 +10,11 @@ CPU ranks, NCCL on GPU ranks), else as numpy buffers over MPI.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..tensor.parallel import TensorGroup, split_kind
 from .base import split_square_sums
+from .torch_arrays import TorchArrays
 
 
 def _allreduce(x: torch.Tensor, group: TensorGroup, what: str) -> torch.Tensor:
@@ -61,20 +61,29 @@ def reduce_from_tensor_axis(x: torch.Tensor, group: TensorGroup) -> torch.Tensor
 def clip_grad_norm_(named_params, max_norm: float, groups) -> None:
     """torch's clip_grad_norm_ rule on the whole model: the squares of split parameters
     are summed over the tensor axis, those of experts over their group (each expert
-    lives on one of its ranks), replicated ones counted once."""
+    lives on one of its ranks), replicated ones counted once. The norm stays where the
+    gradients are (the tensor axis's sum over its transport), and every gradient is
+    scaled by the coefficient (1 when under the limit: exact), so a GPU rank's host
+    never waits for it; only MoE's expert sum crosses the host (its routing does anyway)."""
     names = [name for name, _ in named_params]
+    device = named_params[0][1].device
+    zero = torch.zeros((), dtype=torch.float64, device=device)
 
     def squares():
         return [
-            0.0 if p.grad is None else float(p.grad.detach().double().pow(2).sum())
+            zero if p.grad is None else p.grad.detach().double().pow(2).sum()
             for _, p in named_params
         ]
 
     # experts in `whole`
     split, whole = split_square_sums(names, squares, split_kind, experts=groups.experts)
-    split = float(groups.tensor.allreduce_sum(np.array([split]), "gradient norm")[0])
-    coef = max_norm / ((whole + split) ** 0.5 + 1e-6)
-    if coef < 1.0:
-        for _, p in named_params:
-            if p.grad is not None:
-                p.grad.mul_(coef)
+    split = (zero + split).reshape(1)  # a tensor where the gradients are (no host copy)
+    if groups.tensor.transport is None:  # the MPI engine: the host's numpy over the axis
+        host = groups.tensor.sum_squares(split.cpu().numpy(), "gradient norm")
+        split = torch.from_numpy(host).to(device)
+    else:
+        split = groups.tensor.sum_squares(split, "gradient norm")
+    coef = TorchArrays.clip_coefficient(whole + split[0], max_norm)
+    grads = [p.grad for _, p in named_params if p.grad is not None]
+    if grads:
+        torch._foreach_mul_(grads, coef.to(torch.float32))  # as mul_ rounds a scalar

@@ -115,7 +115,13 @@ class Transport(Protocol):
         array type (no host synchronisation on a device)."""
 
     def scale_(self, buf: Array, factor: float) -> None:
-        """`buf *= factor` in place, `factor` rounded to float32 first."""
+        """`buf *= factor` in place, `factor` (a float or a 0-d value of the array type)
+        rounded to float32 first."""
+
+    def clip_coefficient(self, square_sum: Array, max_norm: float) -> Array:
+        """torch's clip_grad_norm_ coefficient from a gradient's float64 sum of squares:
+        min(max_norm / (sqrt(square_sum) + 1e-6), 1), a 0-d float64 value of the array
+        type. Scaling by it always (1 is exact) spares a device the host's `if`."""
 
     # what the gradient compressors compute locally (exchange/compression/lossy.py);
     # 0-d reductions stay arrays (`buf.min()`), so a device never waits for the host

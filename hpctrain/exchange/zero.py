@@ -7,7 +7,8 @@ soon as backward has finished it), each padded to a multiple of N. Rank r
 owns piece r of every segment; its shard is those pieces in segment order. Per step:
 
 - gradients: one `MPI_Reduce_scatter` per segment; each rank keeps the mean of its piece;
-- clipping: the global norm is the square root of the allreduced shard sums (one float);
+- clipping: the global norm is the square root of the allreduced shard sums (two
+  numbers, kept where the shard lives);
 - the optimizer updates only the shard (its state exists only for the shard);
 - parameters: one `MPI_Allgatherv` per segment writes every piece into every replica.
 
@@ -223,31 +224,39 @@ class ZeroPartition:
         for s in range(len(self.segments)):
             self.reduce_segment(s, grads, into)
 
-    def global_norm(self, shard_grad: np.ndarray, split=None) -> float:
-        """The L2 norm of the whole (averaged) gradient from the shards (one allreduce).
+    def global_square_sum(self, shard_grad: np.ndarray, split=None):
+        """The sum of squares of the whole (averaged) gradient from the shards (one
+        allreduce of two numbers), a 0-d float64 array where the shard lives.
 
         `split` = (mask over the shard, tensor group): with tensor parallelism the
         masked elements belong to tensor-split parameters, whose squares are also summed
         over the tensor axis (replicated ones are counted once)."""
-        masked, rest = self.square_sums(shard_grad, None if split is None else split[0])
-        if split is not None:
-            masked = float(split[1].allreduce_sum(np.array([masked]), "ZeRO gradient norm")[0])
-        return float(np.sqrt(rest + masked))
+        sums = self._square_sums(shard_grad, None if split is None else split[0])
+        if split is None:
+            return sums[0] + sums[1]
+        masked = split[1].sum_squares(self.arrays.copy(sums[:1]), "ZeRO gradient norm")
+        return sums[1] + masked[0]
 
-    def clip(self, shard_grad: np.ndarray, max_norm: float, split=None, extra_sq=0.0) -> float:
+    def clip(self, shard_grad: np.ndarray, max_norm: float, split=None, extra_sq=0.0):
         """torch's clip_grad_norm_ rule on the whole gradient, from the shards (`split`:
-        see global_norm; `extra_sq`: squares of gradients outside the partition, MoE
-        experts): scales `shard_grad` in place; returns the coefficient."""
-        norm = (self.global_norm(shard_grad, split) ** 2 + extra_sq) ** 0.5
-        coef = max_norm / (norm + 1e-6)
-        if coef < 1.0:
-            self.arrays.scale_(shard_grad, coef)
+        see global_square_sum; `extra_sq`: squares of gradients outside the partition,
+        MoE experts): scales `shard_grad` in place; returns the coefficient (a 0-d
+        array where the shard lives: nothing here waits for a device)."""
+        coef = self.arrays.clip_coefficient(
+            self.global_square_sum(shard_grad, split) + extra_sq, max_norm
+        )
+        self.arrays.scale_(shard_grad, coef)
         return coef
 
     def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None) -> tuple[float, float]:
         """(masked, unmasked) sums of squares of the whole (averaged) gradient, from the
-        shards: one allreduce of two numbers (the pipeline adds them over its stages),
-        accumulated in float64 where the shard lives."""
+        shards, as host floats (the pipeline adds them over its stages)."""
+        sums = self._square_sums(shard_grad, mask)
+        return float(sums[0]), float(sums[1])
+
+    def _square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None):
+        """[masked, unmasked] sums of squares over the data ranks (one allreduce of two
+        numbers), accumulated in float64 where the shard lives."""
         xp = self.arrays
         sums = xp.zeros(2, "float64")
         if mask is None:
@@ -257,7 +266,7 @@ class ZeroPartition:
             sums[1] = xp.square_sum(shard_grad[~mask])
         if self.n > 1:
             self.comm.allreduce_inplace(sums, "sum", "ZeRO gradient norm")
-        return float(sums[0]), float(sums[1])
+        return sums
 
     def shard_mask(self, params: set[int]) -> np.ndarray:
         """True where this rank's shard holds elements of the parameters `params`."""

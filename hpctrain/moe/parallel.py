@@ -106,7 +106,7 @@ class ExpertGroup:
         return out.reshape(rows, *x.shape[1:])
 
     def allreduce_sum(self, value: float) -> float:
-        buf = np.array([value], dtype=np.float64)
+        buf = np.array([float(value)], dtype=np.float64)  # a device's 0-d value: read once
         return float(self.axis.allreduce_inplace(buf, "sum", "MoE allreduce")[0])
 
     def average_over_replicas(self, flat):

@@ -26,6 +26,11 @@ class HostArrays:
         buf *= np.float32(factor)
 
     @staticmethod
+    def clip_coefficient(square_sum, max_norm: float) -> np.ndarray:
+        coef = np.float64(max_norm) / (np.sqrt(np.float64(square_sum)) + 1e-6)
+        return np.minimum(coef, np.float64(1.0))
+
+    @staticmethod
     def copy(buf: np.ndarray) -> np.ndarray:
         return buf.copy()
 

@@ -43,7 +43,8 @@ class TensorGroup:
 
     `transport`: where a backend sums activations on its own arrays (exchange/
     transport.py; the torch backend's process group on the process-group engines), or
-    None (host numpy over `axis`). Host scalars (the gradient norm) always use `axis`."""
+    None (host numpy over `axis`). The gradient norm's squares follow their array: the
+    transport's arrays over it, numpy over `axis` (`sum_squares`)."""
 
     def __init__(self, axis=None, transport=None):
         self.axis, self.transport = axis, transport
@@ -80,6 +81,15 @@ class TensorGroup:
         if self.size > 1:
             self.axis.allreduce_inplace(buf, "sum", f"tensor-parallel {what}")
         return buf
+
+    def sum_squares(self, buf, what: str):
+        """A 1-D float64 buffer of squared norms summed over the axis, in place: a
+        transport's array over the transport (no host wait on a device), numpy over
+        `axis`. Float64 on both, so the two paths round alike."""
+        if self.size == 1:
+            return buf
+        on = self.axis if isinstance(buf, np.ndarray) or self.transport is None else self.transport
+        return on.allreduce_inplace(buf, "sum", f"tensor-parallel {what}")
 
 
 def split_kind(name: str) -> str | None:

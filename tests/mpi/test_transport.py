@@ -19,6 +19,7 @@ from hpctrain.exchange.transport import Pending, Transport, protocol_methods
 from hpctrain.exchange.zero import ZeroPartition
 from hpctrain.runtime import world
 from hpctrain.runtime.comm import GuardedComm
+from hpctrain.tensor.parallel import TensorGroup, split_kind
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +48,8 @@ def test_every_protocol_method_is_implemented_with_its_parameters(impl):
     collectives = ["allreduce_inplace", "reduce_scatter_sum", "allgather_into", "all_to_all"]
     p2p = ["send", "recv"]
     starts = [f"start_{m}" for m in collectives + p2p if m != "reduce_scatter_sum"]
-    arrays = {"zeros", "square_sum", "scale_", "copy", "concat", "astype", "bitcast"}
+    arrays = {"zeros", "square_sum", "scale_", "clip_coefficient", "copy", "concat", "astype"}
+    arrays |= {"bitcast"}
     arrays |= {"top_k_indices", "take", "put_", "index_add_", "round_clip", "qr"}
     arrays |= {"from_host", "to_host"}
     assert set(methods) == {*collectives, *p2p, *starts, *arrays, "all_to_all_v"}
@@ -201,28 +203,92 @@ def test_array_seam(both):
     _same(a, b)
 
 
+@pytest.mark.parametrize("split", [False, True])
 @pytest.mark.parametrize("stage", [1, 2])
-def test_zero_partition_is_the_same_over_both_transports(both, stage):
+def test_zero_partition_is_the_same_over_both_transports(both, stage, split):
     """ZeroPartition written once: numpy over MPI and torch over Gloo give the same
-    shard, norm, clip and gathered parameters."""
+    shard, norm, clip and gathered parameters. `split`: with tensor parallelism's rule
+    (the job's ranks as one tensor axis, parameters 0 and 2 split over it), whose sum
+    over the axis stays on the transport's arrays; the clip's coefficient stays where
+    the shard is (a tensor: no host read), equal to numpy's."""
+    mpi, pg = both
     sizes = [300, 7, 4096, 1, 1000, 33]
     parts = [ZeroPartition(t, sizes, stage, bucket_bytes=4000) for t in both]
     grads = parts[0].flatten([_ints(5 + i, s) for i, s in enumerate(sizes)])
+    mask = parts[0].shard_mask({0, 2})
+    groups = (TensorGroup(mpi), TensorGroup(mpi, pg))
     out = []
-    for part, wrap in zip(parts, (np.asarray, torch.from_numpy), strict=True):
+    for part, wrap, group in zip(parts, (np.asarray, torch.from_numpy), groups, strict=True):
         shard = wrap(np.zeros(part.shard_len, np.float32))
         part.reduce_all(wrap(grads.copy()), shard)
-        norm = part.global_norm(shard)
-        coef = part.clip(shard, 0.5 * norm)
+        on = (wrap(mask.copy()), group) if split else None
+        norm = float(np.sqrt(float(part.global_square_sum(shard, on))))
+        coef = part.clip(shard, 0.5 * norm, on)
         flat = wrap(np.full(part.flat_len, np.nan, np.float32))
         part.gather_params(shard, flat)
-        out.append((shard, norm, coef, flat, part.take_sent()))
+        out.append((shard, norm, float(coef), flat, part.take_sent()))
+    assert torch.is_tensor(coef) and coef.dtype == torch.float64
     (sa, na, ca, fa, ta), (sb, nb, cb, fb, tb) = out
     _same(sa, sb)
     _same(fa, fb)
     assert (na, ca, ta) == (nb, cb, tb)
+    assert ca == pytest.approx(0.5, rel=1e-6)
     mean = world().allgather_array(grads).sum(0) * np.float32(1 / world().size)
-    assert na == pytest.approx(float(np.linalg.norm(mean.astype(np.float64))), rel=1e-6)
+    whole = mean.astype(np.float64)
+    if split:  # the split parameters' slices of the tensor axis's ranks are different
+        full = parts[0].flatten([np.zeros(s, np.float32) for s in sizes]).astype(np.float64)
+        ours = parts[0].views(full)
+        for i in (0, 2):
+            ours[i][:] = parts[0].views(whole)[i]
+        split_sq = world().allgather_array(np.array([ours[0] @ ours[0] + ours[2] @ ours[2]]))
+        rest = whole @ whole - (ours[0] @ ours[0] + ours[2] @ ours[2])
+        want = float(np.sqrt(split_sq.sum() + rest))
+    else:
+        want = float(np.linalg.norm(whole))
+    assert na == pytest.approx(want, rel=1e-6)
+
+
+@pytest.mark.parametrize("experts", [False, True])
+def test_tensor_parallel_clip_stays_on_the_process_groups_arrays(both, experts):
+    """The torch backend's clip under tensor parallelism (the job's ranks as the tensor
+    axis): over Gloo, the split parameters' squares are summed on the transport and
+    every gradient scaled by a tensor coefficient, reading nothing on the host; the
+    same gradients as the MPI engine's numpy sum, which the norm (computed here from
+    every rank's gradients) confirms. `experts`: an expert's squares over its group
+    (the job), the one host read kept (MoE's routing reads the host anyway)."""
+    from host_reads import HostReads
+
+    from hpctrain.backends.groups import ModelGroups
+    from hpctrain.backends.torch_tensor import clip_grad_norm_
+    from hpctrain.moe.parallel import ExpertGroup
+
+    mpi, pg = both
+    names = ["blocks.0.ffn.fc1.weight", "blocks.0.ffn.fc2.weight", "head.weight"]
+    names += ["blocks.0.moe.experts.0.fc1.weight"] if experts else []
+    grads = [torch.from_numpy(_ints(20 + i, 12) / np.float32(7)) for i in range(len(names))]
+    replicated = [g.clone() for g in grads]  # head: the same on every rank
+    replicated[2] = torch.from_numpy(np.arange(12, dtype=np.float32) / 5)
+    out = []
+    for transport in (None, pg):
+        params = [torch.nn.Parameter(torch.zeros(12)) for _ in names]
+        for p, g in zip(params, replicated, strict=True):
+            p.grad = g.clone()
+        group = ExpertGroup(mpi) if experts else None
+        groups = ModelGroups(TensorGroup(mpi, transport), group)
+        with HostReads() as reads:
+            clip_grad_norm_(list(zip(names, params, strict=True)), 0.25, groups)
+        if transport is not None:
+            assert len(reads.where) == int(experts), reads.where
+            assert all("parallel.py" in w for w in reads.where)
+        out.append([p.grad for p in params])
+    for a, b in zip(*out, strict=True):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
+    sq = {n: float((g.double() ** 2).sum()) for n, g in zip(names, replicated, strict=True)}
+    every = world().allgather_array(np.array([sq[n] for n in names]))
+    split = [n for n in names if split_kind(n) is not None or "experts" in n]
+    norm = np.sqrt(sum(every[:, names.index(n)].sum() for n in split) + sq["head.weight"])
+    scaled = float(torch.linalg.vector_norm(out[1][2].double()))
+    assert scaled == pytest.approx(0.25 / (norm + 1e-6) * np.sqrt(sq["head.weight"]), rel=1e-6)
 
 
 def test_a_missing_rank_raises_naming_the_collective_and_the_rank(both):
