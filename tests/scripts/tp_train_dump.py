@@ -13,6 +13,7 @@ the process and sets its own layer groups).
 import sys
 
 import numpy as np
+import step_reads
 from run_list import split_runs
 
 from hpctrain import Config, Trainer
@@ -32,6 +33,7 @@ def run_one(argv: list[str]) -> None:
         Config.load(None, overrides), run_dir=opts["--run-dir"], resume=opts["--resume"]
     )
     trainer.fit()
+    step_reads.check(out)
     w = trainer.world
     holder = getattr(trainer.strategy, "backend", None) or trainer.strategy.stage  # pipeline
     local = sum(int(np.prod(v.shape)) for v in holder.get_weights().values())
@@ -51,6 +53,7 @@ def run_one(argv: list[str]) -> None:
 
 
 def main():
+    step_reads.watch()
     for argv in split_runs(sys.argv[1:]):
         run_one(argv)
 

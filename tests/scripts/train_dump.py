@@ -17,6 +17,7 @@ import argparse
 import sys
 
 import numpy as np
+import step_reads
 from run_list import split_runs
 
 from hpctrain import Config, Trainer
@@ -37,6 +38,7 @@ def run_one(argv: list[str]) -> None:
         faults=Faults.from_env(),  # the tests' HPCTRAIN_FAULT_* (e.g. kill_during_save)
     )
     trainer.fit()
+    step_reads.check(args.out)
     weights = trainer.strategy.backend.get_weights()
     w = trainer.world
     sums = np.array(
@@ -58,6 +60,7 @@ def run_one(argv: list[str]) -> None:
 
 
 def main():
+    step_reads.watch()
     for argv in split_runs(sys.argv[1:]):
         run_one(argv)
 

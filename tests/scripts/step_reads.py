@@ -1,0 +1,44 @@
+"""Every training step of a torch run on a process-group engine (Gloo here: the code
+NCCL runs on GPU ranks) is watched for host reads (tests/host_reads.py); a run with one
+fails, naming the lines. So each such run of the job tests, at np 2 and 4 and across
+emulated nodes, also proves that its layout would not make a GPU rank's host wait
+inside a step. Mixture-of-experts runs are not watched: their all-to-all needs the
+routing's row counts on the host. `watch()` once per process, `check(label)` after
+each run."""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: host_reads
+
+from host_reads import HostReads  # noqa: E402
+
+from hpctrain.backends import step  # noqa: E402
+
+_reads: list[str] = []
+
+
+def watch() -> None:
+    """Wrap the step written once for every backend (backends/step.py)."""
+    inner = step.train_step
+    if getattr(inner, "watched", False):
+        return
+
+    def train_step(b, micro_batches, lr, tally=True):
+        experts = getattr(getattr(b, "groups", None), "experts", None)
+        if getattr(b, "engine", None) not in ("gloo", "nccl") or experts is not None:
+            return inner(b, micro_batches, lr, tally)
+        with HostReads() as reads:
+            stats = inner(b, micro_batches, lr, tally)
+        _reads.extend(reads.where)
+        return stats
+
+    train_step.watched = True
+    step.train_step = train_step
+
+
+def check(label: str) -> None:
+    """Fail this rank's run (the job ends, naming the rank) if a step read on the host."""
+    where, _reads[:] = sorted(set(_reads)), []
+    if where:
+        raise SystemExit(f"{label}: a training step read on the host: {where}")
