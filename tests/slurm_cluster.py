@@ -161,6 +161,10 @@ def _ensure_munge() -> int | None:
     return pid
 
 
+# KillWait: the seconds between a step's SIGTERM and its SIGKILL (30 by default). A rank
+# blocked in a collective with a killed peer only records SIGTERM (a preemption request,
+# hpctrain/runtime/preemption.py) and is ended by the SIGKILL: measured, the elastic srun
+# test waited the whole 30 s ("Waiting up to 32 seconds for job step to finish").
 SLURM_CONF = """\
 ClusterName=hpctrain-test
 SlurmctldHost=localhost
@@ -187,6 +191,7 @@ JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 JobAcctGatherType=jobacct_gather/none
 SlurmdParameters=config_overrides
+KillWait=5
 NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory=16000 State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP OverSubscribe=YES
 """
@@ -232,7 +237,7 @@ class SlurmCluster:
             info = self.job(job_id)
             if info.get("JobState") in TERMINAL_STATES:
                 return info
-            time.sleep(1.0)
+            time.sleep(0.25)
         self.run("scancel", job_id, timeout=20)
         raise TimeoutError(f"job {job_id} still {info.get('JobState')} after {timeout:g} s")
 

@@ -7,6 +7,10 @@ for each backend.
   the job ends naming it.
 - ZeRO-2 x tensor parallelism (data 2 x tensor 2) trains the same model within the limit.
 
+Plain data parallelism holds the whole model on every rank, so its plan per rank is the
+same at any world size: its two jobs run 2 ranks (half the start-up of 4 on 2 cores);
+ZeRO-2 x tensor 2 needs its 4.
+
 The limit is per backend, chosen from what each needs for the same 48M-parameter
 transformer with Adam (4 ranks on 2 busy cores, cgroup v1, MiB per rank):
 
@@ -34,6 +38,7 @@ from mpirun import HPCTRAIN, ROOT, mpirun
 WRAPPER = str(ROOT / "tests" / "scripts" / "in_memory_cgroup.sh")
 MIB = 1 << 20
 LIMIT_MIB = {"torch": 1100, "tensorflow": 1550}  # per rank; the figures: the docstring
+PLAIN_NP = 2  # plain data parallelism: the same model state per rank at any world size
 MODEL = [
     "model.name=transformer",
     "data.task=tokens",
@@ -131,7 +136,7 @@ def _oom_kills(group: Path) -> int:
 
 
 def test_a_model_too_big_for_a_rank_is_refused_before_any_compute(backend, cgroup_dir, tmp_path):
-    job = _train(cgroup_dir, tmp_path / "run", backend)
+    job = _train(cgroup_dir, tmp_path / "run", backend, np_=PLAIN_NP)
     assert job.returncode != 0, job.output
     assert "Traceback" not in job.output and "Killed" not in job.output, job.output
     assert "the model will not fit" in job.output, job.output
@@ -146,7 +151,7 @@ def test_a_model_too_big_for_a_rank_is_refused_before_any_compute(backend, cgrou
 def test_without_the_check_the_kernel_kills_a_rank_and_the_job_names_it(
     backend, cgroup_dir, tmp_path
 ):
-    job = _train(cgroup_dir, tmp_path / "run", backend, "runtime.memory_check=false")
+    job = _train(cgroup_dir, tmp_path / "run", backend, "runtime.memory_check=false", np_=PLAIN_NP)
     assert job.returncode != 0, job.output
     assert sum(_oom_kills(g) for g in cgroup_dir.glob("rank*")) >= 1, job.output
     assert "rank" in job.output and ("signal 9" in job.output or "Killed" in job.output), job.output

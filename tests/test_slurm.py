@@ -12,6 +12,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -794,12 +795,12 @@ def test_requeue_puts_the_running_job_back_in_the_queue(slurm, tmp_path, sbatch_
         job_id = f"{job_id}_3"
     try:
         if requeued:
-            deadline_info = {}
-            for _ in range(60):
+            deadline_info, deadline = {}, time.monotonic() + 60
+            while time.monotonic() < deadline:
                 deadline_info = slurm.job(job_id)
                 if deadline_info.get("Restarts") == "1":
                     break
-                subprocess.run(["sleep", "1"], timeout=5)
+                time.sleep(0.25)
             assert deadline_info.get("Restarts") == "1", (deadline_info, log.read_text())
             # Restarts=1 is the requeue; a loaded node can still be COMPLETING the first
             # run's epilog at that moment (seen once): anything but an ended job
@@ -854,8 +855,6 @@ def _final_model(run_dir: Path) -> dict:
 
 @pytest.mark.timeout(600)
 def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(slurm, tmp_path):
-    import time
-
     import numpy as np
     from mpirun import mpirun
 
@@ -915,7 +914,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
             rerun = "(restart 1)" in out_file.read_text()
             if info.get("JobState") in TERMINAL_STATES or not info:
                 break
-            time.sleep(1.0)
+            time.sleep(0.25)
         diagnosis = slurm.diagnose(job_id)
     finally:
         slurm.run("scancel", job_id, timeout=20)
