@@ -3,7 +3,8 @@ a step keeps its values where they live (tests/test_gpu.py proves it on a GPU wi
 `torch.cuda.set_sync_debug_mode("error")`; CI has no GPU).
 
 On a GPU rank, `float(t)`, `int(t)`, `bool(t)` (an `if` on a tensor), `t.item()`,
-`t.tolist()`, `t.numpy()` and `t.cpu()` wait for the device. On a CPU rank they cost
+`t.tolist()`, `t.numpy()` and `t.cpu()` wait for the device, and so does an op whose
+output size depends on the values (`t[mask]` with a boolean mask, `nonzero`, `unique`). On a CPU rank they cost
 nothing, so a CPU test cannot time them; it can see them. `HostReads` records each one
 whose caller is a module of hpctrain (file:line), through torch's dispatcher (the scalar
 reads) and wrappers of the methods that do not dispatch on CPU. Reads inside torch
@@ -24,7 +25,20 @@ import hpctrain
 PACKAGE = str(Path(hpctrain.__file__).resolve().parent)
 TORCH = str(Path(torch.__file__).resolve().parent)
 HERE = str(Path(__file__).resolve())
-SCALAR_READS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.is_nonzero.default}
+aten = torch.ops.aten
+SCALAR_READS = {aten._local_scalar_dense.default, aten.is_nonzero.default}
+# outputs whose size depends on the values: a GPU must tell the host the size first
+DATA_SIZED = {aten.nonzero.default, aten.masked_select.default}
+DATA_SIZED |= {aten._unique2.default, aten.unique_dim.default, aten.unique_consecutive.default}
+
+
+def _bool_index(func, args) -> bool:
+    """`t[mask]`: indexing by a boolean tensor (its result's size is the mask's count)."""
+    if func is not aten.index.Tensor:
+        return False
+    return any(torch.is_tensor(i) and i.dtype == torch.bool for i in args[1] if i is not None)
+
+
 METHODS = ("tolist", "numpy", "cpu")
 
 
@@ -53,7 +67,7 @@ class HostReads(TorchDispatchMode):
             self.where.append(f"{what} at {site}")
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in SCALAR_READS:
+        if func in SCALAR_READS or func in DATA_SIZED or _bool_index(func, args):
             self._note(str(func))
         return func(*args, **(kwargs or {}))
 

@@ -6,14 +6,15 @@ makes the host wait for the device, and the GPU idles while the host queues the 
 step. tests/test_gpu.py proves the step free of them on a GPU (torch's sync debug
 mode); here, without one, `HostReads` (tests/host_reads.py) sees hpctrain's own reads
 in the same code on CPU, over the process-group engine (Gloo's side, one rank). Found
-by it: ZeRO's clip read its norm and compared the coefficient on the host every step.
+by it: ZeRO's clip read its norm and compared the coefficient on the host every step,
+and with tensor parallelism gathered the shard by a boolean mask.
 Tensor parallelism's clip, which needs two ranks, is tests/mpi/test_transport.py's."""
 
 import numpy as np
 import pytest
 import torch
 from dump_runs import TINY_TRANSFORMER
-from host_reads import HostReads
+from host_reads import PACKAGE, HostReads
 
 from hpctrain.backends import step
 from hpctrain.backends.torch import TorchBackend
@@ -57,13 +58,19 @@ def test_a_step_reads_nothing_back_to_the_host(layout):
 
 def test_the_detector_sees_a_read_in_hpctrain():
     """The check can fail: the host floats the pipeline asks ZeroPartition for are a
-    read (`float()` of the allreduced sums), named with the line that reads."""
+    read (`float()` of the allreduced sums), named with the line that reads; so is a
+    gather by a boolean mask, whose size a GPU would have to tell the host."""
     transport = ProcessGroupTransport(None, "gloo", 60.0, torch.device("cpu"))
     part = ZeroPartition(transport, [10, 6], 1, bucket_bytes=1024)
     shard = torch.ones(part.shard_len)
     with HostReads() as reads:
         part.square_sums(shard, None)
     assert len(reads.where) == 2 and all("zero.py" in w for w in reads.where)
+    # a line as if in hpctrain (none of its step's code does this any more)
+    gather = compile("shard[shard > 0]", f"{PACKAGE}/gather.py", "eval")
+    with HostReads() as reads:
+        eval(gather, {"shard": shard})
+    assert reads.where == ["aten.index.Tensor at gather.py:1"]
     with HostReads() as reads:
         coef = part.clip(shard, 0.5)  # the step's clip: the coefficient stays a tensor
     assert reads.where == [] and torch.is_tensor(coef)

@@ -22,6 +22,11 @@ class TorchArrays:
         return torch.dot(g, g)
 
     @staticmethod
+    def square_sum_where(buf, mask):
+        g = torch.where(mask, buf, 0).double()  # zeros elsewhere: the sum's terms alike
+        return torch.dot(g, g)
+
+    @staticmethod
     def scale_(buf, factor: float) -> None:
         buf.mul_(factor)  # a float32 tensor's scalar is rounded to float32, as numpy's
 

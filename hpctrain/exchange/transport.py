@@ -114,6 +114,10 @@ class Transport(Protocol):
         """The sum of squares of `buf`, accumulated in float64, as a 0-d value of the
         array type (no host synchronisation on a device)."""
 
+    def square_sum_where(self, buf: Array, mask: Array) -> Array:
+        """square_sum of the elements where the boolean `mask` is true (a device keeps
+        the shape: `buf[mask]`'s size would be read on the host first)."""
+
     def scale_(self, buf: Array, factor: float) -> None:
         """`buf *= factor` in place, `factor` (a float or a 0-d value of the array type)
         rounded to float32 first."""

@@ -262,8 +262,8 @@ class ZeroPartition:
         if mask is None:
             sums[1] = xp.square_sum(shard_grad)
         else:
-            sums[0] = xp.square_sum(shard_grad[mask])
-            sums[1] = xp.square_sum(shard_grad[~mask])
+            sums[0] = xp.square_sum_where(shard_grad, mask)
+            sums[1] = xp.square_sum_where(shard_grad, ~mask)
         if self.n > 1:
             self.comm.allreduce_inplace(sums, "sum", "ZeRO gradient norm")
         return sums

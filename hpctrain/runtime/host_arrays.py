@@ -21,6 +21,10 @@ class HostArrays:
         g = buf.astype(np.float64)
         return np.dot(g, g)
 
+    @classmethod
+    def square_sum_where(cls, buf: np.ndarray, mask: np.ndarray):
+        return cls.square_sum(buf[mask])
+
     @staticmethod
     def scale_(buf: np.ndarray, factor: float) -> None:
         buf *= np.float32(factor)

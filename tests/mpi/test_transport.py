@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from host_reads import HostReads
 
 from hpctrain.backends.torch_transport import CollectiveError, ProcessGroupTransport
 from hpctrain.exchange.transport import Pending, Transport, protocol_methods
@@ -49,7 +50,7 @@ def test_every_protocol_method_is_implemented_with_its_parameters(impl):
     p2p = ["send", "recv"]
     starts = [f"start_{m}" for m in collectives + p2p if m != "reduce_scatter_sum"]
     arrays = {"zeros", "square_sum", "scale_", "clip_coefficient", "copy", "concat", "astype"}
-    arrays |= {"bitcast"}
+    arrays |= {"bitcast", "square_sum_where"}
     arrays |= {"top_k_indices", "take", "put_", "index_add_", "round_clip", "qr"}
     arrays |= {"from_host", "to_host"}
     assert set(methods) == {*collectives, *p2p, *starts, *arrays, "all_to_all_v"}
@@ -197,6 +198,14 @@ def test_array_seam(both):
     sa, sb = mpi.square_sum(x), pg.square_sum(torch.from_numpy(x))
     assert sb.dtype == torch.float64 and sb.dim() == 0
     assert float(sa) == pytest.approx(float(sb), rel=1e-14)
+    mask = x > 0.5
+    sa, sb = (
+        mpi.square_sum_where(x, mask),
+        pg.square_sum_where(torch.from_numpy(x), torch.from_numpy(mask)),
+    )
+    assert sb.dtype == torch.float64 and sb.dim() == 0
+    assert float(sa) == pytest.approx(float(sb), rel=1e-14)
+    assert float(sa) == pytest.approx(float(np.sum(x[mask].astype(np.float64) ** 2)), rel=1e-14)
     a, b = x.copy(), torch.from_numpy(x.copy())
     mpi.scale_(a, 1.0 / 3.0)
     pg.scale_(b, 1.0 / 3.0)
@@ -207,7 +216,8 @@ def test_array_seam(both):
 @pytest.mark.parametrize("stage", [1, 2])
 def test_zero_partition_is_the_same_over_both_transports(both, stage, split):
     """ZeroPartition written once: numpy over MPI and torch over Gloo give the same
-    shard, norm, clip and gathered parameters. `split`: with tensor parallelism's rule
+    shard, norm, clip and gathered parameters; the clip over Gloo reads nothing on the
+    host (tests/host_reads.py). `split`: with tensor parallelism's rule
     (the job's ranks as one tensor axis, parameters 0 and 2 split over it), whose sum
     over the axis stays on the transport's arrays; the clip's coefficient stays where
     the shard is (a tensor: no host read), equal to numpy's."""
@@ -223,11 +233,13 @@ def test_zero_partition_is_the_same_over_both_transports(both, stage, split):
         part.reduce_all(wrap(grads.copy()), shard)
         on = (wrap(mask.copy()), group) if split else None
         norm = float(np.sqrt(float(part.global_square_sum(shard, on))))
-        coef = part.clip(shard, 0.5 * norm, on)
+        with HostReads() as reads:
+            coef = part.clip(shard, 0.5 * norm, on)
         flat = wrap(np.full(part.flat_len, np.nan, np.float32))
         part.gather_params(shard, flat)
         out.append((shard, norm, float(coef), flat, part.take_sent()))
     assert torch.is_tensor(coef) and coef.dtype == torch.float64
+    assert reads.where == []  # the torch side's: no read, no boolean-mask gather
     (sa, na, ca, fa, ta), (sb, nb, cb, fb, tb) = out
     _same(sa, sb)
     _same(fa, fb)
@@ -256,8 +268,6 @@ def test_tensor_parallel_clip_stays_on_the_process_groups_arrays(both, experts):
     same gradients as the MPI engine's numpy sum, which the norm (computed here from
     every rank's gradients) confirms. `experts`: an expert's squares over its group
     (the job), the one host read kept (MoE's routing reads the host anyway)."""
-    from host_reads import HostReads
-
     from hpctrain.backends.groups import ModelGroups
     from hpctrain.backends.torch_tensor import clip_grad_norm_
     from hpctrain.moe.parallel import ExpertGroup
