@@ -6,7 +6,7 @@ On a GPU rank, `float(t)`, `int(t)`, `bool(t)` (an `if` on a tensor), `t.item()`
 `t.tolist()`, `t.numpy()` and `t.cpu()` wait for the device, and so does an op whose
 output size depends on the values (`t[mask]` with a boolean mask, `nonzero`, `unique`). On a CPU rank they cost
 nothing, so a CPU test cannot time them; it can see them. `HostReads` records each one
-whose caller is a module of hpctrain (file:line), through torch's dispatcher (the scalar
+whose caller is a module of hpctrain (file:line and function), through torch's dispatcher (the scalar
 reads) and wrappers of the methods that do not dispatch on CPU. Reads inside torch
 itself (its CPU Adam reading the step count, which lives on the host on a GPU rank too)
 are not hpctrain's and are left to the GPU test.
@@ -43,12 +43,15 @@ METHODS = ("tolist", "numpy", "cpu")
 
 
 def _caller() -> str | None:
-    """file:line of the first frame outside torch and this module, if it is hpctrain's."""
+    """ "file:line in function" of the first frame outside torch and this module, if it
+    is hpctrain's."""
     frame = sys._getframe(1)
     while frame is not None:
         name = frame.f_code.co_filename
         if name != HERE and not name.startswith(TORCH):
-            return f"{Path(name).name}:{frame.f_lineno}" if name.startswith(PACKAGE) else None
+            if not name.startswith(PACKAGE):
+                return None
+            return f"{Path(name).name}:{frame.f_lineno} in {frame.f_code.co_name}"
         frame = frame.f_back
     return None
 

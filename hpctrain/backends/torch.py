@@ -348,7 +348,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         if not experts:
             return None
         squares = [p.grad.double().pow(2).sum() for p in experts if p.grad is not None]
-        return float(sum(squares)) if squares else 0.0  # one read: MoE's routing syncs anyway
+        return sum(squares) if squares else 0.0  # where the gradients are
 
     def scale_experts(self, experts, coef: float):
         for p in experts:

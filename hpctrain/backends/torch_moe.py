@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..moe.parallel import MoELayer, is_expert_param, require_group, step_metrics
+from .torch_arrays import TorchArrays
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
 _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
@@ -162,15 +163,15 @@ def clip_grad_norm_(model, max_norm: float, group) -> None:
     if not any(is_expert_param(n) for n, _ in named):
         torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
         return
-    sq = {True: 0.0, False: 0.0}
+    zero = torch.zeros((), dtype=torch.float64, device=named[0][1].device)
+    sq = {True: zero, False: zero}  # summed where the gradients are
     for n, p in named:
         if p.grad is not None:
-            sq[is_expert_param(n)] += float(p.grad.detach().double().pow(2).sum())
-    total = (sq[False] + require_group(group).allreduce_sum(sq[True])) ** 0.5
-    coef = min(max_norm / (total + 1e-6), 1.0)
-    for _, p in named:
-        if p.grad is not None:
-            p.grad.mul_(coef)
+            sq[is_expert_param(n)] = sq[is_expert_param(n)] + p.grad.detach().double().pow(2).sum()
+    experts = require_group(group).allreduce_sum(sq[True])  # on the device over a transport
+    coef = TorchArrays.clip_coefficient(sq[False] + experts, max_norm)
+    grads = [p.grad for _, p in named if p.grad is not None]
+    torch._foreach_mul_(grads, coef.to(torch.float32))  # by 1 under the limit: exact
 
 
 def step_extra(model, step_seconds: float) -> dict:

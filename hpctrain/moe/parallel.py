@@ -106,6 +106,12 @@ class ExpertGroup:
         return out.reshape(rows, *x.shape[1:])
 
     def allreduce_sum(self, value: float) -> float:
+        """`value` summed over the group: a float over MPI; a 0-d array of the group's
+        transport (a squared norm on the device) over the transport, as a 0-d array:
+        no host read."""
+        if self.transport is not None and not isinstance(value, (int, float, np.number)):
+            buf = self.transport.concat([value])  # 1-D, where the value lives
+            return self.transport.allreduce_inplace(buf, "sum", "MoE allreduce")[0]
         buf = np.array([float(value)], dtype=np.float64)  # a device's 0-d value: read once
         return float(self.axis.allreduce_inplace(buf, "sum", "MoE allreduce")[0])
 

@@ -12,6 +12,7 @@ in train_dump.py).
 import sys
 
 import numpy as np
+import step_reads
 from run_list import split_runs
 
 from hpctrain import Config, Trainer
@@ -32,6 +33,7 @@ def run_one(argv: list[str]) -> None:
         Config.load(None, overrides), run_dir=opts["--run-dir"], resume=opts["--resume"]
     )
     trainer.fit()
+    step_reads.check(out)
     weights = trainer.strategy.backend.get_weights()
     w = trainer.world
     dense = [v for k, v in weights.items() if not is_expert_param(k)]
@@ -52,6 +54,7 @@ def run_one(argv: list[str]) -> None:
 
 
 def main():
+    step_reads.watch()
     for argv in split_runs(sys.argv[1:]):
         run_one(argv)
 
