@@ -87,3 +87,12 @@ class TorchArrays:
     @staticmethod
     def to_host(buf):
         return buf.detach().cpu().numpy().copy()
+
+
+def clip_grads_(grads: list, square_sum, max_norm: float) -> None:
+    """torch's clip_grad_norm_ rule given the whole model's float64 sum of squares (a
+    0-d tensor where the gradients are): every gradient scaled by the coefficient, 1
+    under the limit (exact), so no host `if` waits for a device."""
+    coef = TorchArrays.clip_coefficient(square_sum, max_norm)
+    if grads:
+        torch._foreach_mul_(grads, coef.to(torch.float32))  # as mul_ rounds a scalar

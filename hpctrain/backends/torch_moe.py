@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ..moe.parallel import MoELayer, is_expert_param, require_group, step_metrics
-from .torch_arrays import TorchArrays
+from .torch_arrays import clip_grads_
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
 _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
@@ -169,9 +169,7 @@ def clip_grad_norm_(model, max_norm: float, group) -> None:
         if p.grad is not None:
             sq[is_expert_param(n)] = sq[is_expert_param(n)] + p.grad.detach().double().pow(2).sum()
     experts = require_group(group).allreduce_sum(sq[True])  # on the device over a transport
-    coef = TorchArrays.clip_coefficient(sq[False] + experts, max_norm)
-    grads = [p.grad for _, p in named if p.grad is not None]
-    torch._foreach_mul_(grads, coef.to(torch.float32))  # by 1 under the limit: exact
+    clip_grads_([p.grad for _, p in named if p.grad is not None], sq[False] + experts, max_norm)
 
 
 def step_extra(model, step_seconds: float) -> dict:

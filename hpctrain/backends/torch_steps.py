@@ -212,7 +212,7 @@ def backward_mean_loss(
         if before_last is not None and i == len(micro_batches) - 1:
             before_last()
         xt, yt = feed(x), feed(y)
-        on_device = xt.device.type != "cpu" if keep_sums is None else keep_sums
+        keep = xt.device.type != "cpu" if keep_sums is None else keep_sums
         with compute_precision(bf16, xt.device.type):
             raw = model(xt)
         logits = raw.float()  # the loss in float32 (as autocast does)
@@ -227,7 +227,7 @@ def backward_mean_loss(
             after_each()
         # the same index as over the float32 copy (an exact widening), half the bytes read
         hits = (raw.detach().argmax(-1) == yt).sum() if tally else 0
-        if on_device:  # no host synchronisation inside the step
+        if keep:  # no host synchronisation inside the step
             loss_sum = loss_sum + loss.detach().double()
             correct = correct + hits
         else:

@@ -14,7 +14,7 @@ import torch
 
 from ..tensor.parallel import TensorGroup, split_kind
 from .base import split_square_sums
-from .torch_arrays import TorchArrays
+from .torch_arrays import clip_grads_
 
 
 def _allreduce(x: torch.Tensor, group: TensorGroup, what: str) -> torch.Tensor:
@@ -62,9 +62,8 @@ def clip_grad_norm_(named_params, max_norm: float, groups) -> None:
     """torch's clip_grad_norm_ rule on the whole model: the squares of split parameters
     are summed over the tensor axis, those of experts over their group (each expert
     lives on one of its ranks), replicated ones counted once. The norm stays where the
-    gradients are (the tensor axis's sum over its transport), and every gradient is
-    scaled by the coefficient (1 when under the limit: exact), so a GPU rank's host
-    never waits for it; only MoE's expert sum crosses the host (its routing does anyway)."""
+    gradients are (the tensor axis's and the expert group's sums over their transports),
+    so a GPU rank's host never waits for it (torch_arrays.clip_grads_)."""
     names = [name for name, _ in named_params]
     device = named_params[0][1].device
     zero = torch.zeros((), dtype=torch.float64, device=device)
@@ -83,7 +82,4 @@ def clip_grad_norm_(named_params, max_norm: float, groups) -> None:
         split = torch.from_numpy(host).to(device)
     else:
         split = groups.tensor.sum_squares(split, "gradient norm")
-    coef = TorchArrays.clip_coefficient(whole + split[0], max_norm)
-    grads = [p.grad for _, p in named_params if p.grad is not None]
-    if grads:
-        torch._foreach_mul_(grads, coef.to(torch.float32))  # as mul_ rounds a scalar
+    clip_grads_([p.grad for _, p in named_params if p.grad is not None], whole + split[0], max_norm)
