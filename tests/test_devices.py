@@ -70,8 +70,27 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
     assert Config.load("configs/moe.yaml", on).model["moe"]
     with pytest.raises(ConfigError, match="not with mixture-of-experts layers with"):
         Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
-    with pytest.raises(ConfigError, match="strategy pipeline runs on CPU ranks only"):
-        Config.load("configs/pipeline.yaml", on)
+    assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
+    with pytest.raises(ConfigError, match="strategy parameter_server runs on CPU ranks only"):
+        Config.load("configs/ps.yaml", on)
+
+
+@pytest.mark.parametrize(
+    "overrides, says",
+    [
+        ([], "strategy pipeline on GPU ranks: not yet run across ranks on a GPU"),
+        (["train.allreduce=mpi"], "train.allreduce=mpi exchange host arrays"),
+        (["train.allreduce=horovod"], "train.allreduce=horovod exchange host arrays"),
+        (["train.zero=1"], "train.zero=1 exchange host arrays"),
+        (["train.compression=fp16"], "train.compression=fp16 exchange host arrays"),
+    ],
+)
+def test_the_pipeline_runs_dense_stages_on_gpu_ranks_over_a_process_group(overrides, says):
+    """A GPU stage computes on its device and sends tensors over the pipe axis's group
+    (nccl; gloo where ranks share a GPU); what exchanges host arrays is refused in one
+    line, and the layout waits for the GPU check's verdict like every untested one."""
+    with pytest.raises(ConfigError, match=says):
+        Config.load("configs/pipeline.yaml", ["runtime.device=cuda", *overrides])
 
 
 def test_the_process_group_engine_is_accepted_for_dense_data_parallel():

@@ -6,7 +6,8 @@ tensor-parallel activation sums and the compressors' residuals live on the GPU a
 cross ranks through the same transport code as under NCCL; only the library that moves
 the bytes differs (NCCL cannot put two ranks on one GPU). The experts' all-to-alls move
 CUDA rows too (their router plans on the host). Each layout equals one process
-on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses),
+on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses);
+so do two pipeline stages, whose activations and gradients cross as CUDA tensors,
 and the compressors equal their CPU runs. Until these pass on a GPU, GPU ranks refuse
 the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (H100, 28 Nov 2026: the first run
 found ZeRO's micro-batches left on the host, fixed. Found by reading since: the experts'
@@ -50,6 +51,8 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     "moe": [MOE, *GLOO],
     "moe-zero2": [MOE, *GLOO, "train.zero=2", "train.bucket_mb=0.004"],
     "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
+    # two pipeline stages on the GPU: activations and gradients cross as CUDA tensors
+    "pipe2": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2"],
 }
 COMPRESSED = ["compression.ratio=0.05", "compression.rank=2", "compression.warmup_steps=1"]
 LOSSY = ["topk", "powersgd"]

@@ -75,12 +75,23 @@ def gpu_memory_budget(cfg, world):
     return torch_budget(cfg, world)
 
 
-def process_group_links(cfg, engine: str, grid, axes) -> dict:
+def process_group_links(cfg, engine: str, grid, axes, device=None) -> dict:
     """{axis: transport} of the process-group engine over `grid`'s `axes`, for the
-    strategies that place their own links (the pipeline, whose stages compute on CPU
-    ranks: `gloo`; the config keeps it off GPUs and these engines off TensorFlow)."""
+    strategies that place their own links (the pipeline: its stages compute on `device`,
+    a GPU with `nccl` or the CPU with `gloo`; the config keeps these engines off
+    TensorFlow)."""
     import torch
 
     from .torch_transport import grid_transports
 
-    return grid_transports(cfg, engine, torch.device("cpu"), grid, axes)
+    return grid_transports(cfg, engine, device or torch.device("cpu"), grid, axes)
+
+
+def stage_device(cfg, world):
+    """(device, why, ranks share a GPU) of a pipeline stage: torch's agreed device
+    (torch_device.agreed_device, collective), None for TensorFlow's (CPU) stages."""
+    if cfg.backend != "torch":
+        return None, "CPU ranks", False
+    from .torch_device import agreed_device
+
+    return agreed_device(cfg, world)

@@ -12,9 +12,17 @@ class StageBase:
     `build(layers, weights)` (the net and its optimizer; `self._ocfg` is the optimizer's
     config) of their framework."""
 
-    def __init__(self, cfg, layers, weights, first, last, threads: int, rank: int, groups=None):
+    def __init__(
+        self, cfg, layers, weights, first, last, threads: int, rank: int, groups=None,
+        device=None,
+    ):  # fmt: skip
+        """device: where a torch stage computes when its links are a process group's
+        (its messages then stay tensors there); None: host arrays over MPI or Horovod."""
         self.prepare_process(threads, cfg.train["deterministic"], cfg.train["seed"] + rank)
         self.first, self.last = first, last
+        self.device = device
+        self.tally = True  # count correct predictions (the loop's logged steps)
+        self.microbatches = cfg.pipeline["microbatches"]
         self.zero = None  # ZeRO-1: attach_zero
         self.groups = groups or ModelGroups()  # tensor axis and experts, from the grid
         self._ocfg = cfg.optimizer
@@ -29,6 +37,11 @@ class StageBase:
 
     def build(self, layers, weights) -> None:
         raise NotImplementedError
+
+    def read_later(self, stats):
+        """The step's StepStats with its sums readable on the host (torch: without
+        waiting for a GPU inside the step)."""
+        return stats
 
     def attach_replicas(self, hvd, process_set) -> None:
         """The horovod engine: average over this stage's Horovod process set."""

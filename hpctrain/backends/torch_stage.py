@@ -13,6 +13,13 @@ flat tensor sharded over the stage's replicas (torch_zero.py); gradients accumul
 into the flat gradient over the micro-batches and are reduce-scattered once per step,
 each replica updates its shard with its own optimizer state, and the updated shards
 are all-gathered. (ZeRO-2 would reduce-scatter after every micro-batch: refused.)
+
+On a process group's links (`gloo` on CPU ranks, `nccl` on GPU ranks: `device` given)
+the stage computes on its device and its messages stay tensors there: batches arrive
+through a DeviceFeeder (pinned slots and a copy stream on a GPU), the step's loss and
+correct counts stay 0-d tensors until the loop reads them (read_later), and the clip's
+sums of squares are tensors too, so a GPU stage's step never waits on the host. On
+the MPI and Horovod engines (CPU ranks) messages are numpy arrays, as they were.
 """
 
 from __future__ import annotations
@@ -31,6 +38,7 @@ from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .horovod_env import init_process_sets
 from .stage_base import StageBase
+from .torch_device import DeviceFeeder, read_later, to_host
 from .torch_model import ZooNet
 from .torch_steps import (
     export_optimizer_state,
@@ -56,7 +64,11 @@ class TorchStage(StageBase):
     prepare_process = staticmethod(prepare_process)
 
     def build(self, layers, weights) -> None:
-        self.net = ZooNet(layers, self.groups)
+        self.tensors = self.device is not None  # messages stay tensors on the device
+        self.on = self.device if self.tensors else torch.device("cpu")
+        # x and y of every micro-batch of a step may share one ring of pinned slots
+        self._feed = DeviceFeeder(self.on, depth=2 * self.microbatches + 2).put
+        self.net = ZooNet(layers, self.groups).to(self.on)
         self.set_weights(weights)
         # MoE experts in this stage: local to a rank of the stage's expert group; their
         # gradients are scaled (hooks) and averaged over their copies, not the replicas
@@ -85,40 +97,68 @@ class TorchStage(StageBase):
         self.zero.begin_step()
 
     # --- the schedule's two actions --------------------------------------------
-    def forward(self, micro: int, x: np.ndarray, y: np.ndarray | None, scale: float):
+    def forward(self, micro: int, x, y: np.ndarray | None, scale: float):
         """Run micro-batch `micro`; returns the activation to send (None on the last stage)."""
         self.net.train()
-        xt = torch.as_tensor(x)  # numpy from MPI or the data, a tensor from a process group
+        # numpy from MPI or the data (fed to the device), a tensor from a process group
+        xt = x if torch.is_tensor(x) else self._feed(x)
         if not self.first:
             xt.requires_grad_(True)
         out = self.net(xt)
         aux = torch_moe.aux_loss(self.net)  # MoE balancing, weighted per token like the loss
         aux = None if aux is None else aux * (int(np.prod(x.shape[:2])) * scale)
         if self.last:
-            yt = torch.from_numpy(y)
+            yt = self._feed(y)
             loss = _loss(out, yt)
-            self.loss_sum += float(loss.detach())
-            self.correct += int((out.detach().argmax(-1) == yt).sum())
+            # float64 0-d tensors, read after the step (read_later): no host wait here
+            self.loss_sum = self.loss_sum + loss.detach().double()
+            if self.tally:
+                self.correct = self.correct + (out.detach().argmax(-1) == yt).sum()
             out = loss * scale  # this rank's share of the step's mean loss
             out, aux = (out if aux is None else out + aux), None
         self.stash[micro] = (xt, out, aux)
         self.peak_stash = max(self.peak_stash, len(self.stash))
-        return None if self.last else out.detach().numpy()
+        if self.last:
+            return None
+        return out.detach() if self.tensors else out.detach().numpy()
 
-    def backward(self, micro: int, grad: np.ndarray | None):
+    def backward(self, micro: int, grad):
         """Backward of `micro`; returns the gradient for the previous stage (None on the first)."""
         xt, out, aux = self.stash.pop(micro)
+        upstream = None if grad is None else torch.as_tensor(grad)
         if self.last:
             torch.autograd.backward(out)
         elif aux is None:
-            torch.autograd.backward(out, torch.as_tensor(grad))
+            torch.autograd.backward(out, upstream)
         else:  # the stage's balancing loss joins the gradient from the next stage
-            torch.autograd.backward([out, aux], [torch.as_tensor(grad), None])
-        return None if self.first else xt.grad.numpy()
+            torch.autograd.backward([out, aux], [upstream, None])
+        if self.first:
+            return None
+        if not self.tensors:
+            return xt.grad.numpy()  # the engine copies it if it is the upstream buffer
+        back = xt.grad
+        if upstream is not None and _same_storage(back, upstream):
+            back = back.clone()  # a reshape-only stage passes the received buffer through
+        return back
 
     # --- the step ----------------------------------------------------------------
     def grad_square_sum(self) -> float:
         return sum(self.grad_square_sums(lambda name: False))
+
+    def grad_square_sum_tensors(self, is_split):
+        """(split, replicated) float64 0-d tensors of the squared gradient norm where the
+        gradients are (the process-group links' clip: no host read), summed in the order
+        of grad_square_sums, so both give the same float64 values. Dense stages only."""
+        split = whole = torch.zeros((), dtype=torch.float64, device=self.on)
+        for name, p in self.net.named_parameters():
+            if p.grad is None:
+                continue
+            sq = (p.grad.double() ** 2).sum()
+            if is_split(name):
+                split = split + sq
+            else:
+                whole = whole + sq
+        return split, whole
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated) squared gradient norms (base.split_square_sums)."""
@@ -171,8 +211,10 @@ class TorchStage(StageBase):
                 p.grad.copy_(view.view_as(p))
         return time.perf_counter() - t0
 
-    def apply(self, lr: float, clip_coef: float = 1.0) -> None:
-        """One optimizer step with the accumulated (averaged, clipped) gradients."""
+    def apply(self, lr: float, clip_coef=1.0) -> None:
+        """One optimizer step with the accumulated (averaged, clipped) gradients.
+        clip_coef: a float, or a 0-d tensor on the device (every gradient scaled by it:
+        1 under the limit is exact, and no host `if` waits for the device)."""
         if self.zero is not None:
             if clip_coef < 1.0:
                 self.zero.shard_grad *= np.float32(clip_coef)
@@ -181,7 +223,11 @@ class TorchStage(StageBase):
             self.zero.step()  # the shard's update, then every replica's shard gathered
             self.zero.begin_step()  # the next step's gradients accumulate from zero
             return
-        if clip_coef < 1.0:
+        if torch.is_tensor(clip_coef):
+            grads = [p.grad for p in self._grads()]
+            if grads:
+                torch._foreach_mul_(grads, clip_coef.to(torch.float32))  # as mul_ rounds
+        elif clip_coef < 1.0:
             for p in self._grads():
                 p.grad.mul_(clip_coef)
         for group in self.opt.param_groups:
@@ -196,22 +242,31 @@ class TorchStage(StageBase):
         """The parameters every replica of the stage holds (all but MoE experts)."""
         return [p for n, p in self.net.named_parameters() if not is_expert_param(n)]
 
-    def take_stats(self) -> tuple[float, int]:
-        out = (self.loss_sum, self.correct)
+    def take_stats(self):
+        """(loss sum, correct) of the step: 0-d tensors on the last stage (NaN correct
+        on a step that did not count them), read by read_later."""
+        out = (self.loss_sum, self.correct if self.tally else float("nan"))
         self.loss_sum, self.correct = 0.0, 0
         return out
 
+    def read_later(self, stats):
+        return read_later(stats)
+
     # --- forward only ------------------------------------------------------------
     @torch.no_grad()
-    def infer(self, x: np.ndarray) -> np.ndarray:
+    def infer(self, x) -> np.ndarray:
         """Eval-mode forward (shape probing, validation); last stage returns logits."""
         self.net.eval()
-        return self.net(torch.as_tensor(x)).numpy()
+        xt = torch.as_tensor(x).to(self.on)
+        return to_host(self.net(xt), copy=False)
 
     def average_buffers(self) -> None:
         if self.mpi is not None:
             for name, buf in self.net.named_buffers():
-                average_array(self.mpi, buf.numpy(), f"average buffer {name}")
+                host = to_host(buf, copy=False)  # a view on CPU, a copy from a GPU
+                average_array(self.mpi, host, f"average buffer {name}")
+                if buf.device.type != "cpu":
+                    buf.copy_(torch.from_numpy(host))
             return
         if self.hvd is None or self.process_set.size() == 1:
             return
@@ -224,7 +279,7 @@ class TorchStage(StageBase):
 
     # --- canonical state ------------------------------------------------------------
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
-        return OrderedDict((k, v.detach().numpy().copy()) for k, v in self.net.state_dict().items())
+        return OrderedDict((k, to_host(v)) for k, v in self.net.state_dict().items())
 
     def set_weights(self, weights: dict[str, np.ndarray]) -> None:
         with torch.no_grad():
@@ -268,6 +323,10 @@ class TorchStage(StageBase):
 
     rng_state = staticmethod(rng_state)
     set_rng_state = staticmethod(set_rng_state)
+
+
+def _same_storage(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
 
 
 def _loss(logits, y):

@@ -58,8 +58,10 @@ def run_step(stage, link, actions, batch, micro: int, scale: float) -> StepTimin
             grad_in = stage.backward(i, grad)
             busy += time.perf_counter() - t0
             if not first:
-                if grad is not None and np.shares_memory(grad_in, grad):
-                    grad_in = grad_in.copy()  # the upstream buffer passed straight through
+                # the upstream buffer passed straight through (a tensor stage copies it)
+                host = isinstance(grad_in, np.ndarray) and grad is not None
+                if host and np.shares_memory(grad_in, grad):
+                    grad_in = grad_in.copy()
                 link.send_gradient(i, grad_in)
                 link.release(inputs.pop(i))
         link.progress()

@@ -129,15 +129,21 @@ def gpu_unsupported(cfg) -> str | None:
     On GPU ranks the torch backend's data parallelism runs dense, ZeRO-1/2/3, tensor
     parallelism, experts and compression on the process-group engines (their buffers on
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
-    the host-staged `mpi` engine averages dense gradients only. The pipeline's stages,
-    the parameter server, hierarchical allreduce and local SGD exchange host arrays.
-    What has not run across ranks on a GPU yet waits for GPU_UNTESTED."""
+    the host-staged `mpi` engine averages dense gradients only. The pipeline's stages
+    compute on the device and exchange activations over a process group's links (dense,
+    with or without tensor parallelism). The parameter server, hierarchical allreduce,
+    local SGD and the pipeline's ZeRO-1 and experts exchange host arrays. What has not
+    run across ranks on a GPU yet waits for GPU_UNTESTED."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
-    if cfg["strategy"] != "data_parallel":
+    if cfg["strategy"] not in ("data_parallel", "pipeline"):
         return f"strategy {cfg['strategy']} runs on CPU ranks only so far"
     engine = cfg["train"]["allreduce"]
-    if engine in ("horovod", "overlap"):
+    if cfg["strategy"] == "pipeline":
+        why = _pipeline_on_gpu(cfg)
+        if why:
+            return why
+    elif engine in ("horovod", "overlap"):
         return (
             f"GPU ranks average on train.allreduce=nccl (or gloo, mpi), not with "
             f"train.allreduce={engine}"
@@ -161,13 +167,34 @@ def gpu_unsupported(cfg) -> str | None:
     return None
 
 
+def _pipeline_on_gpu(cfg) -> str | None:
+    """Why the pipeline's stages cannot run on GPU ranks with `cfg` (None: they can)."""
+    engine, train = cfg["train"]["allreduce"], cfg["train"]
+    model = cfg["model"] if isinstance(cfg["model"], dict) else {}
+    host = (
+        (f"train.allreduce={engine}", engine in ("mpi", "horovod", "overlap")),
+        (f"train.zero={train['zero']}", train["zero"]),
+        ("mixture-of-experts layers", model.get("moe")),
+        (f"train.compression={train['compression']}", train["compression"] != "none"),
+    )
+    clash = [what for what, on in host if on]
+    if not clash:
+        return None
+    return (
+        f"the pipeline's stages run on GPU ranks over train.allreduce=nccl (or gloo, auto) "
+        f"with dense stages; {', '.join(clash)} exchange host arrays (CPU ranks)"
+    )
+
+
 def gpu_untested(cfg) -> list[str]:
     """What `cfg` turns on that GPU ranks run on the process-group code but that has not
     yet run across ranks on a GPU (it starts there with GPU_UNTESTED=1)."""
     offload = cfg["train"]["offload"]
     gloo = cfg["train"]["allreduce"] == "gloo"
+    pipeline = cfg["strategy"] == "pipeline"
     return (
-        mpi_only_features(cfg)
+        (["strategy pipeline"] if pipeline else [])
+        + mpi_only_features(cfg)
         + ([f"train.offload={offload}"] if offload != "none" else [])
         + (["train.allreduce=gloo"] if gloo else [])
     )

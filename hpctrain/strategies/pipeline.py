@@ -17,6 +17,12 @@ tensor rank of stage s exchanges activations with the same tensor rank of stages
 s+1 (the activations between stages are whole on every tensor rank), and gradients are
 averaged over the data axis of each (stage, tensor) slot. Checkpoints stay canonical:
 each tensor rank writes its slices, rank 0 joins them for a gathered state.
+
+On the process-group engines (`train.allreduce: gloo` on CPU ranks, `nccl` on GPU
+ranks, torch) every link is a process group's and a stage computes on its rank's
+device: activations, gradients, the replicas' average and the clip's norm stay tensors
+there, and nothing in a step reads back to the host (tests/scripts/step_reads.py
+checks every such run over Gloo).
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ import math
 
 import numpy as np
 
-from ..backends import process_group_links, stage_class, stage_module, versions
+from ..backends import process_group_links, stage_class, stage_device, stage_module, versions
 from ..backends.base import StepStats, cross_entropy_np
 from ..backends.gradient_engine import PROCESS_GROUP_ENGINES
 from ..backends.gradient_engine import choose as choose_engine
@@ -141,13 +147,19 @@ class Pipeline(StrategyBase):
         if self.moe:  # this rank's experts only
             layers = moe_parallel.local_layers(layers, cfg.train["seed"], self.groups.experts)
         layers = tensor_parallel.local_layers(layers, self.tensor)
-        self.engine, self.engine_reason = choose_engine(cfg, w.local_size, threads, world=w)
+        device, self.device_reason, shared = stage_device(cfg, w)  # a GPU, or the CPU
+        self.engine, self.engine_reason = choose_engine(
+            cfg, w.local_size, threads, world=w, device=getattr(device, "type", "cpu"),
+            gpu_shared=shared,
+        )  # fmt: skip
         if self.moe and self.engine != "mpi":  # experts are averaged over their copies
             self.engine, self.engine_reason = "mpi", "mixture-of-experts runs on the MPI engine"
-        links = self._process_group_links()  # {} unless train.allreduce is gloo or nccl
+        # {} unless train.allreduce is gloo or nccl; then the stage computes on `device`
+        self.links = links = self._process_group_links(device)
         self.stage = stage_class(cfg.backend)(
-            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups
-        )
+            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups,
+            device=device if links else None,
+        )  # fmt: skip
         self.zero = cfg.train["zero"]
         if self.zero:  # ZeRO-1 over each stage's replicas (config: MPI engine, stage 1)
             self.stage.attach_zero(g.replicas, int(cfg.train["bucket_mb"] * 2**20))
@@ -186,6 +198,7 @@ class Pipeline(StrategyBase):
             "schedule, "
             f"{self.micro} micro-batches of {c.train['batch_size']}, gradients by "
             f"{self.engine} ({self.engine_reason}), "
+            f"{self._device_text()}"
             f"{settings_text(c, replica_axis(g), g.num_replicas)}"
         )
 
@@ -195,8 +208,14 @@ class Pipeline(StrategyBase):
             per_replica += f" x parallel.tensor={self.tensor}"
         return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, per_replica)
 
+    def _device_text(self) -> str:
+        device = getattr(self.stage, "device", None)
+        if device is None:
+            return ""
+        return f"stages on {device} ({self.device_reason}), "
+
     # --- set-up helpers -----------------------------------------------------------
-    def _process_group_links(self) -> dict:
+    def _process_group_links(self, device) -> dict:
         """The process-group engine's transports over the pipe axis (activations and
         gradients between stages), the stage's replicas (its gradients) and, with
         tensor parallelism, the tensor axis (the blocks' activation sums, given to the
@@ -204,7 +223,7 @@ class Pipeline(StrategyBase):
         if self.engine not in PROCESS_GROUP_ENGINES:
             return {}
         axes = ("pipe", "replicas", "tensor") if self.tensor > 1 else ("pipe", "replicas")
-        links = process_group_links(self.cfg, self.engine, self.grid, axes)
+        links = process_group_links(self.cfg, self.engine, self.grid, axes, device)
         if self.tensor > 1:
             self.groups = self.groups.on_transports(links)
         return links
@@ -257,14 +276,21 @@ class Pipeline(StrategyBase):
 
     def step(self, batch, lr: float, tally: bool = True) -> StepStats:
         """One optimizer step of this rank's stage; the numbers the loop sums over ranks
-        (correct predictions on every step: host-side stages, where counting is cheap)."""
+        (correct predictions on the steps it logs: `tally`)."""
+        return self.stage.read_later(self.step_sums(batch, lr, tally))
+
+    def step_sums(self, batch, lr: float, tally: bool = True) -> StepStats:
+        """The step, its loss and correct counts still where the stage computed them."""
         g, P = self.grid, self.stages
+        self.stage.tally = tally
         timing = run_step(self.stage, self.link, self.actions, batch, self.micro, 1.0 / self.terms)
         loss_sum, correct = self.stage.take_stats()
         comm = self.stage.average_grads()
         coef = 1.0
         clip = self.cfg.train["clip_norm"]
-        if clip is not None:  # the global norm spans every stage (and tensor slice)
+        if clip is not None and self.links:  # on the device: no host read
+            coef = self._clip_coefficient(float(clip))
+        elif clip is not None:  # the global norm spans every stage (and tensor slice)
             sq = np.array([self._grad_square_sum()])
             g.pipe.allreduce_inplace(sq, "sum", "pipeline gradient norm")
             coef = min(float(clip) / (math.sqrt(sq[0]) + 1e-6), 1.0)
@@ -279,6 +305,22 @@ class Pipeline(StrategyBase):
         if g.last and g.coord["tensor"] == 0:  # a tensor group counts its batch once
             return StepStats(loss_sum, correct, self.terms, comm, extra)
         return StepStats(0.0, 0, 0, comm, extra)
+
+    def _clip_coefficient(self, clip: float):
+        """The clip's coefficient over the process groups' links, a 0-d tensor where
+        the gradients are: the split parameters' squares summed over the tensor axis,
+        the replicated ones counted once (tensor rank 0), then over the stages; the
+        same float64 sums and rule as the host path. Cost: two one-element allreduces."""
+        split, whole = self.stage.grad_square_sum_tensors(
+            tensor_parallel.split_kind if self.tensor > 1 else (lambda name: False)
+        )
+        t = self.links.get("tensor")
+        sq = (split + (whole if t is None or t.rank == 0 else 0.0)).reshape(1)
+        if t is not None:
+            t.allreduce_inplace(sq, "sum", "tensor-parallel gradient norm")
+        pipe = self.links["pipe"]
+        pipe.allreduce_inplace(sq, "sum", "pipeline gradient norm")
+        return pipe.clip_coefficient(sq[0], clip)
 
     def _grad_square_sum(self) -> float:
         """This stage's squared gradient norm: split parameters' squares summed over

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import step_reads
 
 from hpctrain import Config, TrainingLoop
 from hpctrain.runtime import Faults, run_fail_together
@@ -25,6 +26,7 @@ def run_one(out_dir: Path, spec: str):
     run_dir = out_dir / f"{name}.run"
     trainer = TrainingLoop(cfg, run_dir=run_dir, faults=Faults.from_env())  # a test's faults
     summary = trainer.fit()
+    step_reads.check(name)  # a step over a process group's links read on the host
     w = trainer.world
     if cfg.strategy == "pipeline":
         weights = trainer.strategy.get_weights()
@@ -43,6 +45,7 @@ def run_one(out_dir: Path, spec: str):
 
 
 def main():
+    step_reads.watch()
     out_dir = Path(sys.argv[1])
     for spec in sys.argv[2:]:
         run_one(out_dir, spec)

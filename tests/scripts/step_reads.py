@@ -3,7 +3,9 @@ NCCL runs on GPU ranks) is watched for host reads (tests/host_reads.py); a run w
 fails, naming the lines. So each such run of the job tests, at np 2 and 4 and across
 emulated nodes, also proves that its layout would not make a GPU rank's host wait
 inside a step. A mixture-of-experts layer reads once, by design: its router plans the
-all-to-all's row counts on the host (`moe_ffn`); any other read fails the run.
+all-to-all's row counts on the host (`moe_ffn`); any other read fails the run. The
+pipeline's step on a process group's links is watched the same way
+(`Pipeline.step_sums`: the step before the loop reads its sums).
 `watch()` once per process, `check(label)` after each run."""
 
 import sys
@@ -14,6 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: host_rea
 from host_reads import HostReads  # noqa: E402
 
 from hpctrain.backends import step  # noqa: E402
+from hpctrain.strategies.pipeline import Pipeline  # noqa: E402
 
 _reads: list[str] = []
 ROUTER = "moe_ffn"  # backends/torch_moe.py: the router's plan, the MoE step's one read
@@ -35,10 +38,23 @@ def watch() -> None:
 
     train_step.watched = True
     step.train_step = train_step
+    pipeline_step = Pipeline.step_sums
+
+    def step_sums(self, batch, lr, tally=True):
+        if not self.links:  # host links: numpy over MPI or Horovod
+            return pipeline_step(self, batch, lr, tally)
+        with HostReads() as reads:
+            stats = pipeline_step(self, batch, lr, tally)
+        _reads.extend(reads.where)
+        return stats
+
+    Pipeline.step_sums = step_sums
 
 
 def check(label: str) -> None:
     """Fail this rank's run (the job ends, naming the rank) if a step read on the host."""
     where, _reads[:] = sorted(set(_reads)), []
     if where:
-        raise SystemExit(f"{label}: a training step read on the host: {where}")
+        # not SystemExit: a read on one rank only (a pipeline's last stage) must abort
+        # the whole job at once (run_fail_together), not leave its peers waiting
+        raise AssertionError(f"{label}: a training step read on the host: {where}")
