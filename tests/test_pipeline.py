@@ -156,13 +156,15 @@ def test_two_stages_by_two_replicas_equal_single_process_training_after_k_steps(
     assert summary["val_samples"] == 64  # every validation sample once, over replicas
 
 
-def test_1f1b_holds_at_most_p_micro_batches_and_gpipe_holds_m(runs):
+def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_each_stages_peak_memory_is_said(runs):
     assert runs["P4-1f1b"][1]["stage_peak_microbatches"] == [4, 3, 2, 1]  # m = 8 > P = 4
     assert runs["P4-gpipe"][1]["stage_peak_microbatches"] == [8, 8, 8, 8]
     assert runs["P2-1f1b"][1]["stage_peak_microbatches"] == [2, 1]
     assert runs["P2-gpipe"][1]["stage_peak_microbatches"] == [8, 8]
     s = runs["P4-1f1b"][1]
     assert len(s["stage_busy_sec"]) == len(s["stage_idle_sec"]) == 4
+    assert s["stage_peak_memory_of"] == "peak RSS" and len(s["stage_peak_memory_mib"]) == 4
+    assert all(100 < mib < 4096 for mib in s["stage_peak_memory_mib"])  # a framework process
     assert s["bubble_theory"] == pytest.approx(3 / 11)
 
 

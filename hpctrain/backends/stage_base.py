@@ -4,6 +4,7 @@ way to average over the stage's replicas (attach_mpi / attach_zero / attach_repl
 
 from __future__ import annotations
 
+from ..runtime.memory import peak_rss_bytes
 from .groups import ModelGroups
 
 
@@ -42,6 +43,10 @@ class StageBase:
         """The step's StepStats with its sums readable on the host (torch: without
         waiting for a GPU inside the step)."""
         return stats
+
+    def peak_memory(self) -> tuple[float, str]:
+        """(peak bytes, what they measure) of this rank: its peak RSS on CPU ranks."""
+        return float(peak_rss_bytes()), "peak RSS"
 
     def attach_replicas(self, hvd, process_set) -> None:
         """The horovod engine: average over this stage's Horovod process set."""

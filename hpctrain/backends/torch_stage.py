@@ -252,6 +252,13 @@ class TorchStage(StageBase):
     def read_later(self, stats):
         return read_later(stats)
 
+    def peak_memory(self) -> tuple[float, str]:
+        """The CUDA allocator's peak of a GPU stage (allocated: what its tensors held),
+        else the peak RSS."""
+        if self.on.type != "cuda":
+            return super().peak_memory()
+        return float(torch.cuda.max_memory_allocated(self.on)), "CUDA peak allocated"
+
     # --- forward only ------------------------------------------------------------
     @torch.no_grad()
     def infer(self, x) -> np.ndarray:

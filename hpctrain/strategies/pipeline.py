@@ -470,6 +470,9 @@ class Pipeline(StrategyBase):
         peaks = np.zeros(self.stages, dtype=np.int64)
         peaks[g.stage] = self.stage.peak_stash
         peaks = w.allreduce_array(peaks, "max", "pipeline peak stash")
+        memory = np.zeros(self.stages)  # each stage's largest rank (replicas, tensor ranks)
+        memory[g.stage], measured = self.stage.peak_memory()
+        memory = w.allreduce_array(memory, "max", "pipeline peak memory")
         busy = w.allreduce_array(self.busy, "sum", "pipeline stage times") / g.num_replicas
         wall = w.allreduce_array(self.wall, "sum", "pipeline stage times") / g.num_replicas
         return {
@@ -486,6 +489,8 @@ class Pipeline(StrategyBase):
             "bubble_fraction": float(np.mean(1 - busy / np.maximum(wall, 1e-12))),
             "bubble_theory": bubble_theory(self.stages, self.micro),
             "stage_peak_microbatches": [int(v) for v in peaks],
+            "stage_peak_memory_mib": [round(float(v) / 2**20, 1) for v in memory],
+            "stage_peak_memory_of": measured,  # the same on every rank (one device kind)
         }
 
     def rank_name(self, index: int) -> str:
