@@ -183,7 +183,9 @@ def test_every_run_of_the_gpu_check_is_a_configuration_gpu_ranks_accept(monkeypa
 
     monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # as the GPU check runs them
     runs = test_gpu_jobs.every_run()
-    assert len(runs) == 2 + len(test_gpu_jobs.LAYOUTS) + 2 * len(test_gpu_jobs.LOSSY)
+    assert len(runs) == len(test_gpu_jobs.REFS) + len(test_gpu_jobs.LAYOUTS) + 2 * len(
+        test_gpu_jobs.LOSSY
+    )
     for name, overrides in runs.items():
         cfg = Config.load(None, [*test_gpu_jobs.BASE, *overrides])  # raises if refused
         wanted = "cpu" if "runtime.device=cpu" in overrides else "cuda"

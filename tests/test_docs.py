@@ -358,6 +358,15 @@ LIMITS = [
         lambda: _refused("strategy=pipeline", "train.precision=bf16"),
     ),
     (
+        "bf16 (`train.precision`) runs with the data-parallel strategy and the torch "
+        "backend's pipeline only",
+        lambda: _refused("strategy=pipeline", "backend=tensorflow", "train.precision=bf16"),
+    ),
+    (
+        "fp16 (dynamic loss scaling) runs with data parallelism only",
+        lambda: _refused("strategy=pipeline", "train.precision=fp16"),
+    ),
+    (
         "Tensor parallelism splits the zoo transformer only",
         lambda: _refused("parallel.tensor=2", "model.name=mlp"),
     ),

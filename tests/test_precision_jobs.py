@@ -77,4 +77,9 @@ def test_bf16_refuses_what_it_does_not_cover():
     from hpctrain.errors import ConfigError
 
     with pytest.raises(ConfigError, match="train.precision=bf16: runs with strategy"):
-        Config.load(None, ["train.precision=bf16", "strategy=pipeline"])
+        Config.load(None, ["train.precision=bf16", "strategy=parameter_server"])
+    with pytest.raises(ConfigError, match="not with strategy pipeline on backend tensorflow"):
+        Config.load(None, ["train.precision=bf16", "strategy=pipeline", "backend=tensorflow"])
+    with pytest.raises(ConfigError, match="train.precision=fp16: runs with strategy"):
+        Config.load(None, ["train.precision=fp16", "strategy=pipeline"])
+    assert Config.load(None, ["train.precision=bf16", "strategy=pipeline"]).strategy

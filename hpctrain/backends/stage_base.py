@@ -24,6 +24,7 @@ class StageBase:
         self.device = device
         self.tally = True  # count correct predictions (the loop's logged steps)
         self.microbatches = cfg.pipeline["microbatches"]
+        self.precision = cfg.train["precision"]  # bf16: a torch stage autocasts
         self.zero = None  # ZeRO-1: attach_zero
         self.groups = groups or ModelGroups()  # tensor axis and experts, from the grid
         self._ocfg = cfg.optimizer

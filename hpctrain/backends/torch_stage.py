@@ -41,6 +41,7 @@ from .stage_base import StageBase
 from .torch_device import DeviceFeeder, read_later, to_host
 from .torch_model import ZooNet
 from .torch_steps import (
+    compute_precision,
     export_optimizer_state,
     import_optimizer_state,
     make_optimizer,
@@ -104,18 +105,21 @@ class TorchStage(StageBase):
         xt = x if torch.is_tensor(x) else self._feed(x)
         if not self.first:
             xt.requires_grad_(True)
-        out = self.net(xt)
+        with compute_precision(self.precision, self.on.type):  # bf16: autocast
+            out = self.net(xt)
         aux = torch_moe.aux_loss(self.net)  # MoE balancing, weighted per token like the loss
         aux = None if aux is None else aux * (int(np.prod(x.shape[:2])) * scale)
         if self.last:
             yt = self._feed(y)
-            loss = _loss(out, yt)
+            loss = _loss(out.float(), yt)  # the loss in float32, as autocast does
             # float64 0-d tensors, read after the step (read_later): no host wait here
             self.loss_sum = self.loss_sum + loss.detach().double()
             if self.tally:
                 self.correct = self.correct + (out.detach().argmax(-1) == yt).sum()
             out = loss * scale  # this rank's share of the step's mean loss
             out, aux = (out if aux is None else out + aux), None
+        else:  # messages are float32 (exact from bf16; its backward casts the gradient)
+            out = out.float()
         self.stash[micro] = (xt, out, aux)
         self.peak_stash = max(self.peak_stash, len(self.stash))
         if self.last:
@@ -265,7 +269,9 @@ class TorchStage(StageBase):
         """Eval-mode forward (shape probing, validation); last stage returns logits."""
         self.net.eval()
         xt = torch.as_tensor(x).to(self.on)
-        return to_host(self.net(xt), copy=False)
+        with compute_precision(self.precision, self.on.type):
+            out = self.net(xt)
+        return to_host(out.float(), copy=False)
 
     def average_buffers(self) -> None:
         if self.mpi is not None:

@@ -209,9 +209,15 @@ def precision_rules(v: dict) -> list[str]:
                 "loss scaling"
             )
     if half in ("bf16", "fp16"):
-        if v["strategy"] != "data_parallel":
+        # bf16 needs no loss scaling: the torch pipeline's stages autocast on their own
+        staged = half == "bf16" and v["strategy"] == "pipeline" and v["backend"] == "torch"
+        if v["strategy"] != "data_parallel" and not staged:
+            where = f"strategy {v['strategy']}"
+            if v["strategy"] == "pipeline":
+                where += f" on backend {v['backend']}" if half == "bf16" else ""
             problems.append(
-                f"train.precision={half}: runs with strategy data_parallel, not {v['strategy']}"
+                f"train.precision={half}: runs with strategy data_parallel (bf16 also with "
+                f"the torch backend's pipeline), not with {where}"
             )
         if _model(v).get("moe"):
             problems.append(f"train.precision={half}: not with mixture-of-experts layers yet")
