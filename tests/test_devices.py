@@ -70,7 +70,11 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
     assert Config.load("configs/moe.yaml", on).model["moe"]
     with pytest.raises(ConfigError, match="not with mixture-of-experts layers with"):
         Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
-    assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
+    if engine == "nccl":  # the pipeline's stages exchange over Gloo on GPU ranks
+        with pytest.raises(ConfigError, match="not nccl"):
+            Config.load("configs/pipeline.yaml", on)
+    else:
+        assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
     with pytest.raises(ConfigError, match="strategy parameter_server runs on CPU ranks only"):
         Config.load("configs/ps.yaml", on)
 
@@ -83,12 +87,14 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
         (["train.allreduce=horovod"], "train.allreduce=horovod exchange host arrays"),
         (["train.zero=1"], "train.zero=1 exchange host arrays"),
         (["train.compression=fp16"], "train.compression=fp16 exchange host arrays"),
+        (["train.allreduce=nccl"], "not nccl: NCCL runs a pair of ranks' point-to-point"),
     ],
 )
 def test_the_pipeline_runs_dense_stages_on_gpu_ranks_over_a_process_group(overrides, says):
-    """A GPU stage computes on its device and sends tensors over the pipe axis's group
-    (nccl; gloo where ranks share a GPU); what exchanges host arrays is refused in one
-    line, and the layout waits for the GPU check's verdict like every untested one."""
+    """A GPU stage computes on its device and sends over the pipe axis's Gloo group
+    (staged through the host; NCCL's in-order point-to-point would deadlock on receives
+    posted ahead); what exchanges host arrays is refused in one line, and the layout
+    waits for the GPU check's verdict like every untested one."""
     with pytest.raises(ConfigError, match=says):
         Config.load("configs/pipeline.yaml", ["runtime.device=cuda", *overrides])
 

@@ -7,7 +7,8 @@ cross ranks through the same transport code as under NCCL; only the library that
 the bytes differs (NCCL cannot put two ranks on one GPU). The experts' all-to-alls move
 CUDA rows too (their router plans on the host). Each layout equals one process
 on the same GPU (the CPU suite's tolerances: 1e-5 on the weights, 1e-4 on the losses);
-so do two pipeline stages, whose activations and gradients cross as CUDA tensors
+so do two pipeline stages computing on the GPU, whose CUDA messages the transport
+stages through the host for Gloo's point-to-point calls
 (in float32, and in bf16 against one bf16 process accumulating the same micro-batches),
 and the compressors equal their CPU runs. Until these pass on a GPU, GPU ranks refuse
 the layouts unless HPCTRAIN_GPU_UNTESTED=1 (set here). (H100, 28 Nov 2026: the first run
@@ -53,7 +54,7 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     "moe": [MOE, *GLOO],
     "moe-zero2": [MOE, *GLOO, "train.zero=2", "train.bucket_mb=0.004"],
     "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
-    # two pipeline stages on the GPU: activations and gradients cross as CUDA tensors
+    # two pipeline stages on the GPU: CUDA messages staged through the host for Gloo
     "pipe2": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2"],
     "pipe2-bf16": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2", BF16],
 }

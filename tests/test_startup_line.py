@@ -77,10 +77,10 @@ def test_gpu_ranks_keep_their_own_reasons():
     # ZeRO runs on a process group's buffers: Gloo stages them through the host
     engine, why = choose(_cfg({"zero": 2}), 2, 1, cores=64, device="cuda", gpu_shared=True)
     assert engine == "gloo" and "share a GPU" in why
-    # so do the pipeline's links (activations between stages, the replicas' gradients)
+    # a GPU pipeline's links are Gloo's, shared GPU or not (devices.PIPELINE_NO_NCCL)
     pipeline = Config.load("configs/pipeline.yaml")
     assert choose(pipeline, 2, 1, cores=64, device="cuda", gpu_shared=True)[0] == "gloo"
-    assert choose(pipeline, 2, 1, cores=64, device="cuda")[0] == "nccl"
+    assert choose(pipeline, 2, 1, cores=64, device="cuda")[0] == "gloo"
 
 
 # --- the settings and the no-op warnings, without MPI -----------------------------------

@@ -78,8 +78,7 @@ def gpu_memory_budget(cfg, world):
 def process_group_links(cfg, engine: str, grid, axes, device=None) -> dict:
     """{axis: transport} of the process-group engine over `grid`'s `axes`, for the
     strategies that place their own links (the pipeline: its stages compute on `device`,
-    a GPU with `nccl` or the CPU with `gloo`; the config keeps these engines off
-    TensorFlow)."""
+    a GPU or the CPU; the config keeps these engines off TensorFlow)."""
     import torch
 
     from .torch_transport import grid_transports

@@ -41,7 +41,7 @@ def choose(
     through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
     GPU ranks (device "cuda", the same on every rank): `auto` is NCCL, unless ranks share
     a GPU (`gpu_shared`, agreed by the caller), which only the host-staged engines allow
-    (mpi, or gloo for what runs on a process group's buffers: the pipeline's links too).
+    (mpi, or gloo for what runs on a process group's buffers). A GPU pipeline: gloo.
     """
     wanted = cfg.train["allreduce"]
     compression = cfg.train["compression"]
@@ -57,9 +57,10 @@ def choose(
         )
     if wanted != "auto":
         return wanted, "train.allreduce"
+    if device == "cuda" and cfg["strategy"] == "pipeline":  # see devices.PIPELINE_NO_NCCL
+        return "gloo", "auto: a GPU pipeline's stages exchange over Gloo (host-staged)"
     if device == "cuda":
-        on_groups = mpi_only_features(cfg) or cfg["strategy"] == "pipeline"
-        if gpu_shared and on_groups:  # these run on a process group's buffers
+        if gpu_shared and mpi_only_features(cfg):  # these run on a process group's buffers
             return "gloo", "auto: ranks share a GPU, so Gloo stages its buffers through the host"
         if gpu_shared:
             return "mpi", "auto: ranks share a GPU, so gradients are staged through host memory"

@@ -14,8 +14,8 @@ into the flat gradient over the micro-batches and are reduce-scattered once per 
 each replica updates its shard with its own optimizer state, and the updated shards
 are all-gathered. (ZeRO-2 would reduce-scatter after every micro-batch: refused.)
 
-On a process group's links (`gloo` on CPU ranks, `nccl` on GPU ranks: `device` given)
-the stage computes on its device and its messages stay tensors there: batches arrive
+On a process group's links (`gloo`, on CPU or GPU ranks: `device` given) the stage
+computes on its device and its messages stay tensors there: batches arrive
 through a DeviceFeeder (pinned slots and a copy stream on a GPU), the step's loss and
 correct counts stay 0-d tensors until the loop reads them (read_later), and the clip's
 sums of squares are tensors too, so a GPU stage's step never waits on the host. On

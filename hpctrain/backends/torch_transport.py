@@ -191,13 +191,27 @@ class ProcessGroupTransport(TorchArrays):
         return self._run(work, recv, what, True)
 
     # --- point to point (Gloo honours tags; NCCL matches by order) -----------------------
+    # Gloo's send and recv hand the tensor's memory to its TCP transport as a host pointer
+    # (its collectives stage CUDA tensors themselves, its point-to-point calls do not), so
+    # a CUDA message crosses a host copy here: the send copies it out once it is computed
+    # (a host wait, as every Gloo exchange of CUDA tensors has), a receive lands in host
+    # memory and is copied onto the device when it is waited for.
     def start_send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""):
-        work = dist.isend(buf, group=self.group, tag=tag, group_dst=peer)
+        data = buf.cpu() if self.name == "gloo" and buf.is_cuda else buf  # Gloo keeps it alive
+        work = dist.isend(data, group=self.group, tag=tag, group_dst=peer)
         return TorchPending(buf, work, self, f"{what} (to {peer_name or f'rank {peer}'})")
 
     def start_recv(self, buf, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""):
-        work = dist.irecv(buf, group=self.group, tag=tag, group_src=peer)
-        return TorchPending(buf, work, self, f"{what} (from {peer_name or f'rank {peer}'})")
+        host, finish = buf, None
+        if self.name == "gloo" and buf.is_cuda:
+            host = torch.empty(buf.shape, dtype=buf.dtype)
+
+            def finish():
+                buf.copy_(host)
+
+        work = dist.irecv(host, group=self.group, tag=tag, group_src=peer)
+        what = f"{what} (from {peer_name or f'rank {peer}'})"
+        return TorchPending(buf, work, self, what, finish)
 
     def send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = "") -> None:
         self.start_send(buf, peer, tag, what, peer_name).wait()

@@ -4,10 +4,12 @@ Shapes and dtypes are agreed once when the pipeline is built (a micro-batch alwa
 `train.batch_size` samples), so every message is a bare contiguous buffer: no pickling,
 no per-step metadata. The buffers and the messages are the pipe axis's transport's
 (exchange/transport.py): numpy over MPI `Isend`/`Irecv` on the `mpi` engine, torch
-tensors over the process group's `isend`/`irecv` on `gloo` (CPU ranks; `nccl` by the
-same code, its tags unused: NCCL matches a pair's messages in order, which is the
-order each side issues them here). A receive is posted one micro-batch ahead, so the
-next input arrives while this one is computed. A received buffer is handed to the
+tensors over the process group's `isend`/`irecv` on `gloo` (CPU ranks, and GPU ranks,
+whose messages the transport stages through the host). A receive is posted one
+micro-batch ahead, so the next input arrives while this one is computed. That order is
+why NCCL is refused here (runtime/devices.PIPELINE_NO_NCCL): it runs a pair's calls in
+issue order on one stream, and a receive posted ahead of the peer's first send blocks
+the sends queued behind it. A received buffer is handed to the
 caller and is not reused until the caller releases it: a stage input stays valid until
 its backward pass (reusing one receive buffer for the next micro-batch is exactly the
 "pipeline overwrites its own inputs" bug). Sent arrays are kept alive until the

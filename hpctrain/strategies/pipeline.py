@@ -18,9 +18,10 @@ s+1 (the activations between stages are whole on every tensor rank), and gradien
 averaged over the data axis of each (stage, tensor) slot. Checkpoints stay canonical:
 each tensor rank writes its slices, rank 0 joins them for a gathered state.
 
-On the process-group engines (`train.allreduce: gloo` on CPU ranks, `nccl` on GPU
-ranks, torch) every link is a process group's and a stage computes on its rank's
-device: activations, gradients, the replicas' average and the clip's norm stay tensors
+On the process-group engine (`train.allreduce: gloo`, torch; on CPU ranks, and on GPU
+ranks, where Gloo stages the messages through the host: NCCL is refused there, see
+runtime/devices.PIPELINE_NO_NCCL) every link is a process group's and a stage computes
+on its rank's device: activations, gradients, the replicas' average and the clip's norm stay tensors
 there, and nothing in a step reads back to the host (tests/scripts/step_reads.py
 checks every such run over Gloo).
 """
