@@ -18,7 +18,8 @@ On a process group's links (`gloo`, on CPU or GPU ranks: `device` given) the sta
 computes on its device and its messages stay tensors there: batches arrive
 through a DeviceFeeder (pinned slots and a copy stream on a GPU), the step's loss and
 correct counts stay 0-d tensors until the loop reads them (read_later), and the clip's
-sums of squares are tensors too, so a GPU stage's step never waits on the host. On
+sums of squares are tensors too, so a GPU stage's step reads nothing back to the host
+(its messages do cross the host: Gloo's point-to-point calls take host memory). On
 the MPI and Horovod engines (CPU ranks) messages are numpy arrays, as they were.
 """
 
