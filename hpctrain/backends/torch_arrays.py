@@ -93,6 +93,10 @@ def clip_grads_(grads: list, square_sum, max_norm: float) -> None:
     """torch's clip_grad_norm_ rule given the whole model's float64 sum of squares (a
     0-d tensor where the gradients are): every gradient scaled by the coefficient, 1
     under the limit (exact), so no host `if` waits for a device."""
-    coef = TorchArrays.clip_coefficient(square_sum, max_norm)
+    scale_grads_(grads, TorchArrays.clip_coefficient(square_sum, max_norm))
+
+
+def scale_grads_(grads: list, coef) -> None:
+    """Every gradient times `coef`, a 0-d tensor on their device (no host read)."""
     if grads:
         torch._foreach_mul_(grads, coef.to(torch.float32))  # as mul_ rounds a scalar

@@ -39,6 +39,7 @@ from .base import model_part, split_square_sums, with_model_prefix
 from .gradient_engine import average_array
 from .horovod_env import init_process_sets
 from .stage_base import StageBase
+from .torch_arrays import scale_grads_
 from .torch_device import DeviceFeeder, read_later, to_host
 from .torch_model import ZooNet
 from .torch_steps import (
@@ -229,9 +230,7 @@ class TorchStage(StageBase):
             self.zero.begin_step()  # the next step's gradients accumulate from zero
             return
         if torch.is_tensor(clip_coef):
-            grads = [p.grad for p in self._grads()]
-            if grads:
-                torch._foreach_mul_(grads, clip_coef.to(torch.float32))  # as mul_ rounds
+            scale_grads_([p.grad for p in self._grads()], clip_coef)
         elif clip_coef < 1.0:
             for p in self._grads():
                 p.grad.mul_(clip_coef)

@@ -210,11 +210,10 @@ def precision_rules(v: dict) -> list[str]:
             )
     if half in ("bf16", "fp16"):
         # bf16 needs no loss scaling: the torch pipeline's stages autocast on their own
-        staged = half == "bf16" and v["strategy"] == "pipeline" and v["backend"] == "torch"
-        if v["strategy"] != "data_parallel" and not staged:
+        pipeline_bf16 = half == "bf16" and v["strategy"] == "pipeline"
+        if v["strategy"] != "data_parallel" and not (pipeline_bf16 and v["backend"] == "torch"):
             where = f"strategy {v['strategy']}"
-            if v["strategy"] == "pipeline":
-                where += f" on backend {v['backend']}" if half == "bf16" else ""
+            where += f" on backend {v['backend']}" if pipeline_bf16 else ""
             problems.append(
                 f"train.precision={half}: runs with strategy data_parallel (bf16 also with "
                 f"the torch backend's pipeline), not with {where}"
