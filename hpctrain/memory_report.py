@@ -35,21 +35,24 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
     from .exchange.memory_plan import STAGES, table
     from .tensor.parallel import TensorGroup
 
-    if cfg.backend != "torch" or cfg.strategy != "data_parallel":
+    if cfg.backend != "torch" or cfg.strategy not in ("data_parallel", "pipeline"):
         raise ConfigError(
             "plan-memory plans the torch backend's data-parallel strategy (ZeRO 0-3, "
-            f"tensor parallelism); not backend {cfg.backend} with strategy {cfg.strategy}"
+            "tensor parallelism) and its pipeline (each stage); not backend "
+            f"{cfg.backend} with strategy {cfg.strategy}"
         )
     if cfg.model.get("moe"):
         raise ConfigError(
             "plan-memory: mixture-of-experts models are not planned before launch (their "
             "experts depend on the expert layout); a run checks its plan at start"
         )
-    n = data_ranks(cfg, world_size)
     tensor = cfg.parallel["tensor"]
     groups = ModelGroups(tensor=TensorGroup.planned(tensor)) if tensor > 1 else ModelGroups()
     t = cfg.train
     gpu = gpu_mb is not None or cfg.runtime["device"] == "cuda" or t["offload"] != "none"
+    if cfg.strategy == "pipeline":
+        return _plan_pipeline(cfg, world_size, groups, limit_mb, gpu_mb, gpu)
+    n = data_ranks(cfg, world_size)
     planned = plan_stages(cfg, benchmark_input_spec(cfg.data), groups, n, STAGES, gpu=gpu)
     if planned is None:
         raise ConfigError(
@@ -82,14 +85,76 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
 
 
+def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) -> str:
+    """The report of a pipeline: one row per stage, at the configured ZeRO stage (0 or
+    1), each rank of the stage holding its layers' state and the activations of the
+    micro-batches its schedule keeps at once (backends/torch_plan.plan_pipeline_stage)."""
+    from .backends.torch_plan import plan_pipeline_stage
+    from .data import benchmark_input_spec
+    from .errors import ConfigError
+    from .exchange.memory_plan import table
+    from .models import zoo
+    from .pipeline.partition import balanced_counts, check_partition, stage_bounds
+    from .pipeline.schedule import peak_in_flight, stage_actions
+    from .shape import JobShape
+    from .strategies.pipeline import config_problem
+    from .tensor.parallel import local_layers
+
+    problem = config_problem(cfg, world_size)
+    if problem is None and not zoo.is_zoo_model(cfg.model["name"]):
+        problem = f"model {cfg.model['name']!r}: plan-memory plans zoo models"
+    if problem:
+        raise ConfigError(problem)
+    p, inp = cfg.pipeline, benchmark_input_spec(cfg.data)
+    layers = zoo.build_layers(cfg.model, inp)
+    problem = check_partition(p["partition"], len(layers), p["stages"])
+    if problem:
+        raise ConfigError(problem)
+    counts = p["partition"]  # `time` is measured at launch: planned by parameters here
+    if not isinstance(counts, list):
+        counts = balanced_counts([lay.param_count() for lay in layers], p["stages"])
+    replicas = JobShape.of(cfg, world_size).replicas
+    plans, baseline = {}, 0.0
+    for s, (start, stop) in enumerate(stage_bounds(counts)):
+        held = peak_in_flight(stage_actions(p["schedule"], s, p["stages"], p["microbatches"]))
+        local = local_layers(layers[start:stop], cfg.parallel["tensor"])
+        terms, baseline = plan_pipeline_stage(
+            cfg, inp, layers, start, local, groups, replicas, held, gpu=gpu
+        )
+        held_text = f"{held} micro-batch{'es' if held > 1 else ''}"
+        plans[f"stage {s} (layers {start}-{stop - 1}, holds {held_text})"] = terms
+    t = cfg.train
+    head = (
+        f"model {cfg.model['name']}: pipeline of {p['stages']} stages x "
+        f"{cfg.parallel['tensor']} tensor x {replicas} replicas = {world_size} rank(s), "
+        f"{p['schedule']} schedule, {p['microbatches']} micro-batches of {t['batch_size']}, "
+        f"ZeRO-{t['zero']} over each stage's replicas; optimizer {cfg.optimizer['name']}; "
+        "MiB per rank:"
+    )
+    notes = (
+        "GPU peak = every term (GPU memory); host peak = the baseline. "
+        if gpu
+        else "peak = baseline (this process, before a model) + every term. "
+    ) + (
+        "Stages cut by parameters (pipeline.partition=time is measured at launch). Each "
+        "stage's rank holds its layers' parameters, gradients and optimizer state, and "
+        "the activations of the micro-batches held (1F1B: at most P - s; GPipe: all)."
+    )
+    limit = None if limit_mb is None else limit_mb * MIB
+    gpu_limit = None if gpu_mb is None else gpu_mb * MIB
+    return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
+
+
 def register(sub, add_config_args) -> dict:
     p = sub.add_parser(
         "plan-memory",
-        help="per-rank memory of a configuration at a world size, for each ZeRO stage",
+        help="per-rank memory of a configuration at a world size, for each ZeRO stage "
+        "(a pipeline: for each of its stages)",
         description="Print, for a configuration and a world size, the bytes one rank "
         "will hold at its peak with ZeRO 0, 1, 2 and 3: parameters, gathered units, "
         "gradients, optimizer state, activations, the step's transients and the "
-        "process's baseline. Nothing is launched and no model is allocated.",
+        "process's baseline; for strategy pipeline, one row per pipeline stage. Nothing "
+        "is launched and no model is allocated.",
     )
     add_config_args(p)
     p.add_argument("--np", type=int, required=True, help="the job's world size (ranks)")

@@ -203,3 +203,28 @@ def test_zero2_is_refused_with_the_plan_and_zero3_trains_within_the_limit(cgroup
     assert len(steps) == 3 and all(x["loss"] == x["loss"] for x in steps)
     assert max(x["mem_peak_rss_bytes"] for x in steps) < ZERO3_LIMIT_MIB * MIB
     assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+
+
+# A pipeline: the check plans each stage before it is built (torch). One stage holding
+# the whole model (two replicas: the exchange's buffer too) is refused with the stage's
+# figures (plan 1,424 MiB); cut in two stages, each rank holds half of it and trains
+# within the same limit (plan 750 and 742, peak RSS 815-855 and 785-815; 28 Nov).
+PIPELINE = ["strategy=pipeline", "pipeline.microbatches=4"]
+
+
+def test_a_two_stage_pipeline_trains_it_within_the_limit_one_stage_is_refused(cgroup_dir, tmp_path):
+    refused = _train(cgroup_dir, tmp_path / "one", "torch", *PIPELINE, "pipeline.stages=1", np_=2)
+    assert refused.returncode != 0, refused.output
+    out = refused.output
+    assert "stage 0 of 1 (layers 0-6): the model will not fit" in out, out
+    assert f"against a limit of {LIMIT_MIB['torch']:,} MiB (cgroup " in out, out
+    assert "more stages than pipeline.stages=1" in out and "Traceback" not in out, out
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+    run = tmp_path / "two"
+    job = _train(cgroup_dir, run, "torch", *PIPELINE, "pipeline.stages=2", np_=2)
+    assert job.returncode == 0, job.output
+    events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    summary = next(x for x in events if x["event"] == "summary")
+    assert summary["steps"] == 3 and summary["loss"] == summary["loss"]
+    assert max(summary["stage_peak_memory_mib"]) < LIMIT_MIB["torch"]
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))

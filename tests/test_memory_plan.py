@@ -5,6 +5,7 @@ test_memory_plan_jobs.py."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from hpctrain.exchange.memory_plan import STAGES, ModelShape, plan_stage, table
@@ -154,3 +155,73 @@ def test_plan_memory_refuses_what_it_cannot_plan():
                                        "parallel.tensor=2"]), 3, None)  # fmt: skip
     with pytest.raises(ConfigError, match="torch backend's data-parallel strategy"):
         plan_memory(Config.load(None, ["backend=tensorflow"]), 2, None)
+    with pytest.raises(ConfigError, match="world size 3 is not divisible by pipeline.stages=2"):
+        plan_memory(Config.load(None, ["strategy=pipeline", "pipeline.stages=2"]), 3, None)
+
+
+# --- a pipeline stage's plan ----------------------------------------------------------------
+PIPE_MODEL = ["model.name=transformer", "data.task=tokens", "model.n_layers=4",
+              "model.d_model=512", "model.n_heads=8", "model.d_ff=2048",
+              "strategy=pipeline", "pipeline.stages=2", "pipeline.microbatches=8", "optimizer.name=adam"]  # fmt: skip
+
+
+def test_plan_memory_prints_a_row_per_pipeline_stage_and_the_schedule_sets_activations(capsys):
+    """Each stage holds its own layers' state (the two halves of the model sum to the
+    whole), and its activations are those of the micro-batches its schedule keeps:
+    GPipe all m on every stage, 1F1B P - s (2 on stage 0, 1 on stage 1)."""
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+    from hpctrain.memory_report import plan_memory
+    from hpctrain.models import zoo
+
+    got = {}
+    for schedule in ("gpipe", "1f1b"):
+        out = plan_memory(Config.load(None, [*PIPE_MODEL, f"pipeline.schedule={schedule}"]), 2, 1e5)
+        rows = [
+            line.strip()
+            for line in out.splitlines()
+            if line.strip().startswith("stage ") and "(layers" in line
+        ]
+        assert len(rows) == 2 and out.count("(fits)") == 2, out
+        got[schedule] = [[float(c.replace(",", "")) for c in r.split(")", 1)[1].split()[:6]]
+                         for r in rows]  # fmt: skip
+    assert "holds 2 micro-batches" in out and "holds 1 micro-batch" in out, out  # 1F1B
+    gpipe, f1b = got["gpipe"], got["1f1b"]
+    for s in (0, 1):
+        assert gpipe[s][:4] == f1b[s][:4]  # parameters .. optimizer: the schedule's not
+    assert gpipe[0][4] == pytest.approx(4 * f1b[0][4], rel=0.02)  # 8 held against 2
+    assert gpipe[1][4] == pytest.approx(8 * f1b[1][4], rel=0.02)  # 8 held against 1
+    cfg = Config.load(None, PIPE_MODEL)
+    psi = sum(
+        lay.param_count() for lay in zoo.build_layers(cfg.model, benchmark_input_spec(cfg.data))
+    )
+    assert (f1b[0][0] + f1b[1][0]) * MIB == pytest.approx(4 * psi, rel=0.01)  # MiB, rounded
+
+
+def test_a_pipeline_stage_plan_counts_what_the_stage_holds():
+    """One replica per stage, Adam: parameters 4 Psi_s, gradients 4 Psi_s plus the largest
+    parameter's new gradient (accumulated over micro-batches), optimizer 8 Psi_s; the
+    stage's activations per micro-batch include its input (a leaf that needs a gradient)
+    and, before the last stage, its output."""
+    from hpctrain.backends.groups import ModelGroups
+    from hpctrain.backends.torch_plan import plan_pipeline_stage
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+    from hpctrain.models import zoo
+
+    cfg = Config.load(None, PIPE_MODEL)
+    inp = benchmark_input_spec(cfg.data)
+    layers = zoo.build_layers(cfg.model, inp)
+    middle = [i for i, lay in enumerate(layers) if lay.kind == "block"][1:3]  # two blocks
+    start, stop = middle[0], middle[-1] + 1
+    sizes = [int(np.prod(s)) for lay in layers[start:stop] for s in lay.params.values()]
+    psi = sum(sizes)
+    one, _ = plan_pipeline_stage(cfg, inp, layers, start, layers[start:stop], ModelGroups(), 1, 1)
+    two, _ = plan_pipeline_stage(cfg, inp, layers, start, layers[start:stop], ModelGroups(), 1, 2)
+    assert one["parameters"] == 4 * psi
+    assert one["gradients"] == 4 * psi + 4 * max(sizes)
+    assert one["optimizer"] == 8 * psi
+    assert two["activations"] == 2 * one["activations"]
+    b, d = cfg.train["batch_size"], cfg.model["d_model"]
+    edge = 4 * b * cfg.data["seq_len"] * d  # the stage's input, and its output, float32
+    assert one["activations"] > 2 * edge

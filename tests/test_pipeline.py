@@ -166,6 +166,13 @@ def test_1f1b_holds_at_most_p_micro_batches_gpipe_m_and_each_stages_peak_memory_
     assert s["stage_peak_memory_of"] == "peak RSS" and len(s["stage_peak_memory_mib"]) == 4
     assert all(100 < mib < 4096 for mib in s["stage_peak_memory_mib"])  # a framework process
     assert s["bubble_theory"] == pytest.approx(3 / 11)
+    # each stage's memory plan beside its peak: torch's zoo stages are planned before
+    # they are built (the limit check's plan); TensorFlow's are not
+    plans = s["stage_plan_memory_mib"]
+    if s["backend"] == "torch":
+        assert all(100 < mib < 4096 for mib in plans), plans
+    else:
+        assert plans == [None] * 4
 
 
 def test_the_pipeline_over_gloo_process_groups_equals_it_over_mpi(tmp_path):
@@ -228,6 +235,25 @@ def test_bad_pipeline_input_is_reported_on_every_rank(tmp_path, np_, overrides, 
     # agreed on every rank, said once by rank 0 naming them all
     assert job.output.count(message) == 1, job.output
     assert f"rank(s) 0-{np_ - 1}: " in job.output, job.output
+
+
+@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+def test_a_stage_that_will_not_fit_its_limit_is_refused_before_any_compute(tmp_path, backend):
+    """Each rank checks its own stage: torch's zoo stages are planned before they are
+    built, TensorFlow's once built (what they will still allocate); the refusal names
+    the stage, with its figures, and the ways to shrink a stage."""
+    args = [HPCTRAIN, "train", "--run-dir", str(tmp_path / "run")]
+    for o in [f"backend={backend}", "strategy=pipeline", "data.train_samples=256",
+              "runtime.memory_limit_mb=100"]:  # fmt: skip
+        args += ["--set", o]
+    job = mpirun(2, *args, timeout=120)
+    assert job.returncode == 2, job.output
+    out = job.output
+    assert "rank(s) 0: stage 0 of 2 (layers 0-" in out, out
+    assert "rank(s) 1: stage 1 of 2 (layers " in out, out
+    assert out.count("against a limit of 100 MiB (runtime.memory_limit_mb)") == 2, out
+    assert "more stages than pipeline.stages=2" in out and "Traceback" not in out, out
+    assert "step 1 " not in out  # no compute
 
 
 # --- checkpoints -----------------------------------------------------------------------------

@@ -40,7 +40,9 @@ def test_protocols_list_what_callers_use():
     assert {"memory_plan", "export_owned_state", "wrap_reducer", "reducer_state"} <= set(
         protocol_methods(Backend)
     )
-    assert {"attach_zero", "export_owned", "grad_square_sums"} <= set(protocol_methods(Stage))
+    assert {"attach_zero", "export_owned", "grad_square_sums", "memory_plan", "tally_step"} <= set(
+        protocol_methods(Stage)
+    )
 
 
 @pytest.mark.parametrize(

@@ -137,3 +137,19 @@ def test_torch_and_tensorflow_implement_the_same_declared_interface(kind):
         cls = get(name)
         missing = sorted(n for n in wanted if not callable(getattr(cls, n, None)))
         assert not missing, f"{cls.__name__} lacks {missing}"
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_initial_values_do_not_depend_on_how_they_are_drawn(name, monkeypatch):
+    """Drawn a few elements at a time (no float64 temporary of a whole tensor), the
+    initial values are those of one draw per tensor; tensor_shapes names every tensor
+    in their order, with their shapes (a pipeline stage keeps its own)."""
+    overrides, inp = CASES[name]
+    layers = zoo.build_layers(Config.load(None, overrides).model, inp)
+    whole = zoo.init_weights(layers, 3)  # these models' tensors: one draw each
+    monkeypatch.setattr(zoo, "DRAW_CHUNK", 5)
+    cut = zoo.init_weights(layers, 3)
+    assert all(np.array_equal(whole[k], cut[k]) and cut[k].dtype == np.float32 for k in whole)
+    shapes = zoo.tensor_shapes(layers)
+    assert list(shapes) == list(whole)
+    assert all(shapes[k] == whole[k].shape for k in whole)

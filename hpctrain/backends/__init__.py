@@ -64,6 +64,20 @@ def plan_before_build(cfg, inp, groups, n: int, threads: int, rank: int, gpu: bo
     return torch_plan(cfg, inp, groups, n, threads, rank, gpu)
 
 
+def plan_stage_before_build(cfg, inp, layers, start: int, local, groups, replicas: int,
+                            in_flight: int, threads: int, rank: int, gpu: bool = False):  # fmt: skip
+    """The memory plan of a pipeline stage's rank before the stage exists: (terms,
+    baseline bytes), or None where it cannot be planned without building it (the
+    TensorFlow backend, a user's model, experts): then it is not checked."""
+    if cfg.backend != "torch":
+        return None
+    from .torch_plan import plan_pipeline_stage
+
+    return plan_pipeline_stage(
+        cfg, inp, layers, start, local, groups, replicas, in_flight, threads, rank, gpu
+    )
+
+
 def gpu_memory_budget(cfg, world):
     """(bytes, what) of GPU memory this rank may use before its model is built, None
     on CPU ranks and for other backends (torch_device.gpu_memory_budget; collective

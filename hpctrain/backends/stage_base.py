@@ -11,7 +11,8 @@ from .groups import ModelGroups
 class StageBase:
     """Subclasses give `prepare_process(threads, deterministic, seed)` and
     `build(layers, weights)` (the net and its optimizer; `self._ocfg` is the optimizer's
-    config) of their framework."""
+    config; `weights`: (name, initial value) pairs, drawn as they are taken) of their
+    framework."""
 
     def __init__(
         self, cfg, layers, weights, first, last, threads: int, rank: int, groups=None,
@@ -33,12 +34,18 @@ class StageBase:
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
         self.hvd = self.process_set = self.mpi = self.zero = None
+        self._flat = None  # the mpi engine's flat buffer (attach_mpi)
 
     def prepare_process(self, threads: int, deterministic: bool, seed: int) -> None:
         raise NotImplementedError
 
     def build(self, layers, weights) -> None:
         raise NotImplementedError
+
+    def tally_step(self, tally: bool) -> None:
+        """Whether the coming optimizer step counts its correct predictions (the
+        loop's logged steps; a torch stage skips the argmax on the others)."""
+        self.tally = tally
 
     def read_later(self, stats):
         """The step's StepStats with its sums readable on the host (torch: without

@@ -36,6 +36,7 @@ from .tensorflow import (
     set_rng_state,
     tf,
 )
+from .tensorflow_state import slot_bytes, state_memory_plan
 from .tensorflow_zero import TensorFlowZero
 
 # Kinds at which ZooNet moves images from NCHW to NHWC (see ZooNet.__call__).
@@ -64,7 +65,7 @@ class TensorFlowStage(StageBase):
     prepare_process = staticmethod(prepare_process)
 
     def build(self, layers, weights) -> None:
-        self.net = ZooNet(layers, weights, groups=self.groups)
+        self.net = ZooNet(layers, dict(weights), groups=self.groups)
         self.opt = _Optimizer(self._ocfg, self.net.vars)
         self._vars = list(self.net.vars.values())
         # MoE experts in this stage: local to a rank of the stage's expert group
@@ -81,6 +82,15 @@ class TensorFlowStage(StageBase):
         )
         self.opt = self.zero.optimizer
         self.zero.begin_step()
+
+    def memory_plan(self) -> dict[str, float]:
+        """The gradients and optimizer state this stage's rank will hold, and what of them
+        it holds now (the limit check after the build): tensorflow_state's plan, and
+        the sum the stage accumulates over micro-batches beside the tape's gradients."""
+        plan = state_memory_plan(self.net, self.opt, self.zero, self._flat, slot_bytes(self.opt))
+        if self.microbatches > 1:
+            plan["grad"] += sum(int(np.prod(v.shape)) * 4 for v in self._vars)
+        return plan
 
     def attach_mpi(self, replicas, transport=None) -> None:
         """The `mpi` engine: average over `replicas` (a guarded communicator) with one

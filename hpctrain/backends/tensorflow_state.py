@@ -99,43 +99,60 @@ def set_rng_state(state: dict[str, np.ndarray]) -> None:
         tf_global.reset(np.asarray(state["tf.global_generator"], dtype=np.int64))
 
 
+def state_memory_plan(net, optimizer, zero, flat, opt_now: float) -> dict[str, float]:
+    """Bytes of gradients and optimizer state a rank will hold once training runs
+    (`grad`, `optimizer`) and how much of them is resident now (`*_now`: the slots
+    exist from the start; gradients come from the tape, numpy buffers fill at use), for
+    `net`'s variables under `zero` (ZeRO-1/2/3 or None) with the engine's `flat`
+    buffer. The optimizer's figure includes the temporaries of its update (one
+    variable's at a time, see _Optimizer.apply), which come on top of the slots."""
+    slots = len(OPTIMIZER_SLOTS[optimizer.kind])
+    workspace = float(optimizer.workspace_bytes())
+    if zero is not None and zero.part.stage == 3:  # a unit's gradient beside the shard's
+        e, part = zero.part.expected_bytes(slots), zero.part
+        return {
+            "grad": e["zero_model_grad_bytes"] + part.largest_segment_bytes(),
+            "grad_now": 0.0,
+            "optimizer": e["zero_model_optimizer_bytes"] + workspace,
+            "optimizer_now": opt_now,
+        }
+    if zero is not None:
+        e = zero.part.expected_bytes(slots)
+        return {
+            # the tape returns every local gradient at once, then they are reduced;
+            # the step hands the shard's gradient to TF as a copy (tf.constant)
+            "grad": e["zero_model_param_bytes"]
+            + 2 * e["zero_model_grad_bytes"]
+            + zero.part.largest_segment_bytes(),
+            "grad_now": 0.0,
+            "optimizer": e["zero_model_optimizer_bytes"] + workspace,
+            "optimizer_now": opt_now,
+        }
+    trainable = sum(int(np.prod(v.shape)) * 4 for v in net.vars.values())
+    plan = replicated_memory_plan(trainable, flat, slots, opt_now)
+    plan["optimizer"] += workspace
+    return plan
+
+
+def slot_bytes(optimizer) -> float:
+    """Bytes of an _Optimizer's slot variables (they exist from its construction)."""
+    return float(
+        sum(
+            int(np.prod(v.shape)) * 4
+            for values in optimizer.slots.values()
+            for v in values.values()
+        )
+    )
+
+
 class TensorFlowStateMixin:
     """For TensorFlowBackend: needs self.net, self.optimizer, self.zero, self._dense,
     self._flat and (ZeRO with MoE) self.expert_optimizer."""
 
     def memory_plan(self) -> dict[str, float]:
-        """Bytes of gradients and optimizer state this rank will hold once training runs
-        (`grad`, `optimizer`) and how much of them is resident now (`*_now`: the slots
-        exist from the start; gradients come from the tape, numpy buffers fill at use).
-        The optimizer's figure includes the temporaries of its update (one variable's
-        at a time, see _Optimizer.apply), which come on top of the slots."""
-        slots = len(OPTIMIZER_SLOTS[self.optimizer.kind])
+        """state_memory_plan of this rank's model."""
         opt_now = self.memory()["mem_optimizer_bytes"]
-        workspace = float(self.optimizer.workspace_bytes())
-        if self._sharded:  # ZeRO-3: a unit's gradient at a time beside the shard's
-            e, part = self.zero.part.expected_bytes(slots), self.zero.part
-            return {
-                "grad": e["zero_model_grad_bytes"] + part.largest_segment_bytes(),
-                "grad_now": 0.0,
-                "optimizer": e["zero_model_optimizer_bytes"] + workspace,
-                "optimizer_now": opt_now,
-            }
-        if self.zero is not None:
-            e = self.zero.part.expected_bytes(slots)
-            return {
-                # the tape returns every local gradient at once, then they are reduced;
-                # the step hands the shard's gradient to TF as a copy (tf.constant)
-                "grad": e["zero_model_param_bytes"]
-                + 2 * e["zero_model_grad_bytes"]
-                + self.zero.part.largest_segment_bytes(),
-                "grad_now": 0.0,
-                "optimizer": e["zero_model_optimizer_bytes"] + workspace,
-                "optimizer_now": opt_now,
-            }
-        trainable = sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
-        plan = replicated_memory_plan(trainable, self._flat, slots, opt_now)
-        plan["optimizer"] += workspace
-        return plan
+        return state_memory_plan(self.net, self.optimizer, self.zero, self._flat, opt_now)
 
     def memory(self, grads=None) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS."""
@@ -150,13 +167,7 @@ class TensorFlowStateMixin:
                     sum(int(np.prod(v.shape)) * 4 for v in self.net.vars.values())
                 ),
                 "mem_grad_bytes": float(held + (buffer.nbytes if buffer is not None else 0)),
-                "mem_optimizer_bytes": float(
-                    sum(
-                        int(np.prod(v.shape)) * 4
-                        for values in self.optimizer.slots.values()
-                        for v in values.values()
-                    )
-                ),
+                "mem_optimizer_bytes": slot_bytes(self.optimizer),
             }
         out["mem_peak_rss_bytes"] = float(peak_rss_bytes())
         return out

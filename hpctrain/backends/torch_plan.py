@@ -39,28 +39,90 @@ def plan_shape(model_cfg: dict, inp: zoo.InputSpec, groups: ModelGroups, batch: 
     )
 
 
+def _meta_batch(inp: zoo.InputSpec, batch: int):
+    """(x, y) of `batch` samples on the meta device."""
+    if inp.tokens:
+        x = torch.zeros((batch, *inp.shape), dtype=torch.long, device="meta")
+        return x, torch.zeros_like(x)
+    x = torch.zeros((batch, *inp.shape), device="meta")
+    return x, torch.zeros((batch,), dtype=torch.long, device="meta")
+
+
 def _saved_bytes(model, inp: zoo.InputSpec, batch: int) -> int:
     """Bytes autograd saves for backward in a forward of `batch` samples and the loss."""
+    return _forward_bytes(model, *_meta_batch(inp, batch))
+
+
+def _forward_bytes(model, x, y=None) -> int:
+    """Bytes a forward of `x` on the meta device keeps for backward: what autograd saves
+    (and the loss on `y` saves: a whole model's or a last stage's), and, for a
+    pipeline stage that is not the last (`y` None), its output, held until the next
+    stage's gradient comes back; a stage's input that requires grad is held too."""
     params = {id(p) for p in model.parameters()}
     seen: dict[int, int] = {}
+
+    def keep(t):
+        seen[id(t)] = t.numel() * t.element_size()
 
     def pack(t):
         base = t._base if t._base is not None else t
         if id(t) not in params and id(base) not in params:
-            seen[id(t)] = t.numel() * t.element_size()
+            keep(t)
         return t
 
-    with torch.device("meta"):
-        if inp.tokens:
-            x = torch.zeros((batch, *inp.shape), dtype=torch.long)
-            y = torch.zeros((batch, *inp.shape), dtype=torch.long)
+    with torch.device("meta"), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(x).float()
+        if y is None:
+            keep(out)
         else:
-            x = torch.zeros((batch, *inp.shape))
-            y = torch.zeros((batch,), dtype=torch.long)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            logits = model(x).float()
-            F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    if x.requires_grad:
+        keep(x)
     return sum(seen.values())
+
+
+def plan_pipeline_stage(
+    cfg, inp: zoo.InputSpec, model_layers, start: int, local, groups: ModelGroups,
+    replicas: int, in_flight: int, threads=1, rank=0, gpu=False,
+):  # fmt: skip
+    """(the plan's terms, the baseline) of a rank of a pipeline stage before the stage
+    exists, or None (a user's model; experts, whose routing a meta forward cannot run).
+
+    The stage's layers (`local`: its part of model_layers[start:...], experts and
+    tensor-parallel pieces its own) are a model trained over `replicas` at the
+    configured ZeRO stage (0 or 1), exchange/memory_plan.plan_stage's terms; its
+    activations are those of the `in_flight` micro-batches the schedule holds at once
+    (schedule.peak_in_flight: GPipe m, 1F1B at most P - s), each with the stage's input
+    and output; its gradients, accumulated over the micro-batches, add the largest
+    parameter's (autograd's new gradient, before it is added to `.grad`). The input's
+    shape comes from a meta forward of the layers before it."""
+    from .torch_steps import prepare_process, resident_baseline
+
+    model_cfg, t = cfg.model, cfg.train
+    if not zoo.is_zoo_model(model_cfg["name"]) or zoo.has_moe(model_cfg):
+        return None
+    x, y = _meta_batch(inp, t["batch_size"])
+    with torch.device("meta"):
+        if start:  # activations are whole between stages, on every tensor rank
+            with torch.no_grad():
+                x = ZooNet(model_layers[:start])(x).float()
+            x.requires_grad_(True)
+        net = ZooNet(local, groups)
+    last = start + len(local) == len(model_layers)
+    dense = list(net.parameters())
+    shape = ModelShape(
+        sizes=[p.numel() for p in dense],
+        layers=module_params(net, dense),
+        activation_bytes=in_flight * _forward_bytes(net, x, y if last else None),
+    )
+    prepare_process(threads, t["deterministic"], t["seed"] + rank)
+    unit, bucket = int(t["zero_unit_mb"] * 2**20), int(t["bucket_mb"] * 2**20)
+    terms = plan_stage(shape, replicas, t["zero"], cfg.optimizer, unit, bucket, "none", gpu)
+    if cfg.pipeline["microbatches"] > 1:  # each later micro-batch's gradient, then added
+        accumulating = 4.0 * max(shape.sizes, default=0)
+        terms["gradients"] += accumulating
+        terms["total"] += accumulating
+    return terms, resident_baseline(cfg.optimizer)
 
 
 def plan_stages(

@@ -42,6 +42,7 @@ from .stage_base import StageBase
 from .torch_arrays import scale_grads_
 from .torch_device import DeviceFeeder, read_later, to_host
 from .torch_model import ZooNet
+from .torch_state import optimizer_state_bytes, state_memory_plan
 from .torch_steps import (
     compute_precision,
     export_optimizer_state,
@@ -256,6 +257,13 @@ class TorchStage(StageBase):
     def read_later(self, stats):
         return read_later(stats)
 
+    def memory_plan(self) -> dict[str, float]:
+        """The gradients and optimizer state this stage's rank will hold, and what of them
+        it holds now (the limit check after the build: torch_state.state_memory_plan)."""
+        opt_now = optimizer_state_bytes(self.opt)  # none before the first step
+        name = self._ocfg["name"]
+        return state_memory_plan(self.net.parameters(), self.zero, self._flat, name, opt_now)
+
     def peak_memory(self) -> tuple[float, str]:
         """The CUDA allocator's peak of a GPU stage (allocated: what its tensors held),
         else the peak RSS."""
@@ -294,10 +302,19 @@ class TorchStage(StageBase):
     def get_weights(self) -> OrderedDict[str, np.ndarray]:
         return OrderedDict((k, to_host(v)) for k, v in self.net.state_dict().items())
 
-    def set_weights(self, weights: dict[str, np.ndarray]) -> None:
+    def set_weights(self, weights) -> None:
+        """Every tensor of the stage from `weights`: a dict, or (name, value) pairs, taken
+        one at a time (the initial values, never all held at once)."""
+        pairs = weights.items() if isinstance(weights, dict) else weights
+        tensors = self.net.state_dict(keep_vars=True)
+        missing = set(tensors)
         with torch.no_grad():
-            for key, tensor in self.net.state_dict(keep_vars=True).items():
-                tensor.copy_(torch.from_numpy(np.asarray(weights[key], dtype=np.float32)))
+            for key, value in pairs:
+                if key in tensors:
+                    tensors[key].copy_(torch.from_numpy(np.asarray(value, dtype=np.float32)))
+                    missing.discard(key)
+        if missing:
+            raise KeyError(f"no value for {sorted(missing)[:3]} of the stage's tensors")
         if self.zero is not None:
             self.zero.sync_shard()
 

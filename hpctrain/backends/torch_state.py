@@ -22,26 +22,45 @@ from .torch_steps import (
 )
 
 
+def state_memory_plan(params, zero, flat, optimizer_name: str, opt_now: float) -> dict:
+    """Bytes of gradients and optimizer state a rank will hold once training runs
+    (`grad`, `optimizer`) and how much of them is resident now (`*_now`: torch
+    allocates optimizer state at the first step; numpy buffers fill at first use), for
+    `params` under `zero` (a TorchZero or None) with the engine's `flat` buffer."""
+    slots = len(OPTIMIZER_SLOTS[optimizer_name])
+    if zero is not None:
+        e = zero.part.expected_bytes(slots)
+        return {
+            "grad": e["zero_model_grad_bytes"] + zero.part.largest_segment_bytes(),
+            "grad_now": float(zero.part.flat_len * 4 if zero.part.stage == 1 else 0),
+            "optimizer": e["zero_model_optimizer_bytes"],
+            "optimizer_now": opt_now,
+        }
+    trainable = sum(p.numel() * 4 for p in params if p.requires_grad)
+    return replicated_memory_plan(trainable, flat, slots, opt_now)
+
+
+def optimizer_state_bytes(optimizer) -> float:
+    """Bytes of a torch optimizer's state tensors (none before its first step)."""
+    return float(
+        sum(
+            v.numel() * v.element_size()
+            for st in optimizer.state.values()
+            for v in st.values()
+            if torch.is_tensor(v) and v.dim() > 0
+        )
+    )
+
+
 class TorchStateMixin:
     """For TorchBackend: needs self.model, self.optimizer, self.zero, self._names,
     self._dense, self._flat, self.device, self.scaler, self.cfg and self._release_exported()."""
 
     def memory_plan(self) -> dict[str, float]:
-        """Bytes of gradients and optimizer state this rank will hold once training runs
-        (`grad`, `optimizer`) and how much of them is resident now (`*_now`: torch
-        allocates optimizer state at the first step; numpy buffers fill at first use)."""
-        slots = len(OPTIMIZER_SLOTS[self.cfg.optimizer["name"]])
+        """state_memory_plan of this rank's model."""
         opt_now = self.memory()["mem_optimizer_bytes"]
-        if self.zero is not None:
-            e, z = self.zero.part.expected_bytes(slots), self.zero
-            return {
-                "grad": e["zero_model_grad_bytes"] + z.part.largest_segment_bytes(),
-                "grad_now": float(z.part.flat_len * 4 if z.part.stage == 1 else 0),
-                "optimizer": e["zero_model_optimizer_bytes"],
-                "optimizer_now": opt_now,
-            }
-        trainable = sum(p.numel() * 4 for p in self.model.parameters() if p.requires_grad)
-        return replicated_memory_plan(trainable, self._flat, slots, opt_now)
+        name = self.cfg.optimizer["name"]
+        return state_memory_plan(self.model.parameters(), self.zero, self._flat, name, opt_now)
 
     def memory(self, grads=None) -> dict[str, float]:
         """Per-rank bytes of parameters, gradients and optimizer state, and peak RSS
@@ -52,12 +71,7 @@ class TorchStateMixin:
         else:
             grads = sum(p.grad.numel() * 4 for p in self.model.parameters() if p.grad is not None)
             buffer = getattr(self._flat, "buffer", None)
-            opt = sum(
-                v.numel() * v.element_size()
-                for st in self.optimizer.state.values()
-                for v in st.values()
-                if torch.is_tensor(v) and v.dim() > 0
-            )
+            opt = optimizer_state_bytes(self.optimizer)
             out = {
                 "mem_param_bytes": float(sum(p.numel() * 4 for p in self.model.parameters())),
                 "mem_grad_bytes": float(grads + (buffer.nbytes if buffer is not None else 0)),

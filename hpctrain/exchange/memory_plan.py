@@ -142,13 +142,14 @@ def plan_stage(
 
 
 def table(
-    plans: dict[int, dict],
+    plans: dict[int | str, dict],
     baseline: float,
     limit: float | None = None,
     gpu: bool = False,
     gpu_limit: float | None = None,
 ) -> str:
-    """The plans as a text table in MiB, one row per stage. On CPU ranks the peak is the
+    """The plans as a text table in MiB, one row per stage (a ZeRO stage, or a row's
+    label: a pipeline's stages). On CPU ranks the peak is the
     baseline plus every term, marked against `limit`; with `gpu` the terms are the GPU's
     peak (marked against `gpu_limit`) and the host holds the baseline and what offload
     moved there (marked against `limit`)."""
@@ -164,7 +165,8 @@ def table(
         return text + (" (fits)" if value <= bound else " (over the limit)")
 
     for stage, p in plans.items():
-        row = [f"ZeRO-{stage}" if stage else "plain", *(f"{p[t] / mib:,.0f}" for t in TERMS)]
+        label = stage if isinstance(stage, str) else f"ZeRO-{stage}" if stage else "plain"
+        row = [label, *(f"{p[t] / mib:,.0f}" for t in TERMS)]
         host = baseline + p.get(HOST, 0.0)
         if gpu:
             row += [marked(p["total"], gpu_limit), f"{p.get(HOST, 0.0) / mib:,.0f}"]

@@ -292,30 +292,56 @@ def iter_init_weights(layers: list[LayerSpec], seed: int):
             leaf = pname.rsplit(".", 1)[-1]
             parent = pname.rsplit(".", 1)[0] if "." in pname else ""
             if leaf == "bias":
-                value = np.zeros(shape)
+                value = np.zeros(shape, dtype=np.float32)
             elif (
                 parent.endswith(("bn", "bn1", "bn2"))
                 or parent.startswith("ln")
                 or layer.kind == "layernorm"
             ):
-                value = np.ones(shape)
+                value = np.ones(shape, dtype=np.float32)
             elif layer.kind == "embed":
-                value = rng.normal(0.0, 0.02, size=shape)
+                value = _drawn(rng.normal, 0.0, 0.02, shape)
             else:
                 fan_in = int(np.prod(shape[1:]))
                 relu_after = layer.attrs.get("relu", layer.kind in ("resblock", "conv_bn")) or (
                     layer.kind == "block" and parent.endswith("fc1")
                 )
                 if relu_after:
-                    value = rng.normal(0.0, math.sqrt(2.0 / fan_in), size=shape)
+                    value = _drawn(rng.normal, 0.0, math.sqrt(2.0 / fan_in), shape)
                 else:
                     bound = 1.0 / math.sqrt(fan_in)
-                    value = rng.uniform(-bound, bound, size=shape)
-            yield full, value.astype(np.float32)
+                    value = _drawn(rng.uniform, -bound, bound, shape)
+            yield full, value
             del value
         for bname, shape in layer.buffers.items():
             fill = 1.0 if bname.endswith("running_var") else 0.0
             yield f"{layer.name}.{bname}", np.full(shape, fill, dtype=np.float32)
+
+
+DRAW_CHUNK = 1 << 20  # elements drawn at a time (an 8 MiB float64 temporary)
+
+
+def _drawn(draw, a: float, b: float, shape) -> np.ndarray:
+    """float32 values of `shape` from `draw(a, b, size)` (a Generator's normal or
+    uniform), drawn DRAW_CHUNK elements at a time: the values of one draw of the whole
+    (a Generator's stream does not depend on how it is cut), without its float64
+    temporary of twice the tensor (1.6 GB for a 50k x 4096 embedding)."""
+    out = np.empty(shape, dtype=np.float32)
+    flat = out.reshape(-1)
+    for i in range(0, flat.size, DRAW_CHUNK):
+        flat[i : i + DRAW_CHUNK] = draw(a, b, size=min(DRAW_CHUNK, flat.size - i))
+    return out
+
+
+def tensor_shapes(layers: list[LayerSpec]) -> OrderedDict[str, tuple]:
+    """Every parameter's and buffer's canonical name and shape, in iter_init_weights'
+    order, without a value."""
+    return OrderedDict(
+        (f"{layer.name}.{name}", tuple(shape))
+        for layer in layers
+        for table in (layer.params, layer.buffers)
+        for name, shape in table.items()
+    )
 
 
 def param_names(layers: list[LayerSpec]) -> list[str]:

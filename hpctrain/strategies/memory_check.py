@@ -105,18 +105,23 @@ def plan_problem(terms: dict[str, float], baseline: int, host, hints: str, gpu=N
     return (errors[0] if errors else None), ("; ".join(warnings) if warnings else None)
 
 
-def check_memory_plan(cfg, world, plan_of, log, gpu_of=lambda: None) -> bool:
+def check_memory_plan(
+    cfg, world, plan_of, log, gpu_of=lambda: None, where: str = "", always: bool = False
+) -> bool:
     """Before the model is built (collective): the plan of this rank's configured stage
     against its limits, errors agreed. `plan_of(on_gpu)`: (terms, baseline) or None
     where the backend cannot plan the model (then `check_memory` checks after the build).
     `gpu_of()` (collective over the node): (bytes, what) of the GPU memory this rank
-    may use, None on CPU ranks. Returns whether the plan was checked."""
+    may use, None on CPU ranks. `where`: what part of the model this rank holds (a
+    pipeline stage), put before its error or warning. `always`: plan where no limit is
+    known too (the pipeline reports the plan beside its measured peak). Returns
+    whether the plan was checked."""
     if not cfg.runtime["memory_check"]:
         return True
     found = _limit(cfg, world)
     gpu = gpu_of()
     planned = error = None
-    if found is not None or gpu is not None:
+    if found is not None or gpu is not None or always:
         try:
             planned = plan_of(gpu is not None)
         except Exception as exc:  # agreed below: no rank waits for one that failed
@@ -128,8 +133,8 @@ def check_memory_plan(cfg, world, plan_of, log, gpu_of=lambda: None) -> bool:
         hints = _hint_text(cfg, gpu is not None)
         error, warning = plan_problem(*planned, found, hints, gpu)
         if warning is not None:
-            log.warning(warning + heap_note(cfg["train"]["zero"], allocator.keeps_freed()))
-    world.agree(error)
+            log.warning(where + warning + heap_note(cfg["train"]["zero"], allocator.keeps_freed()))
+    world.agree(None if error is None else where + error)
     return (found is None and gpu is None) or planned is not None
 
 
@@ -151,10 +156,16 @@ def _hint_text(cfg, gpu: bool = False) -> str:
 
 
 def check_memory(strategy, log, gpu_of=lambda: None) -> None:
-    """Collective over the job: every rank checks its own plan, errors are agreed. On a
-    GPU rank (`gpu_of()`, collective over the node: what is free for it now) the state
-    still to come is checked against the GPU, otherwise against the host's limit."""
-    cfg, world = strategy.cfg, strategy.world
+    """A data-parallel rank's check once its model is built (check_built)."""
+    check_built(strategy.cfg, strategy.world, strategy.backend.memory_plan, log, gpu_of)
+
+
+def check_built(cfg, world, memory_plan, log, gpu_of=lambda: None, where: str = "") -> None:
+    """Collective over the job, once the model exists: every rank checks its own plan
+    (`memory_plan()`: a backend's or a pipeline stage's), errors are agreed. On a GPU
+    rank (`gpu_of()`, collective over the node: what is free for it now) the state
+    still to come is checked against the GPU, otherwise against the host's limit.
+    `where`: the part of the model this rank holds, put before its error or warning."""
     if not cfg.runtime["memory_check"]:
         return
     found = _limit(cfg, world)
@@ -162,18 +173,18 @@ def check_memory(strategy, log, gpu_of=lambda: None) -> None:
     error = warning = None
     hints = _hint_text(cfg, gpu is not None)
     if gpu is not None:
-        error, warning = gpu_memory_problem(strategy.backend.memory_plan(), gpu, hints)
+        error, warning = gpu_memory_problem(memory_plan(), gpu, hints)
     elif found is not None:
         resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
-        error, warning = memory_problem(
-            strategy.backend.memory_plan(), resident, found[0], found[1], hints
-        )
+        error, warning = memory_problem(memory_plan(), resident, found[0], found[1], hints)
     if warning is not None:
-        log.warning(warning)
-    world.agree(error)
+        log.warning(where + warning)
+    world.agree(None if error is None else where + error)
 
 
 def _hints(cfg, gpu: bool = False) -> list[str]:
+    if cfg.strategy == "pipeline":
+        return _pipeline_hints(cfg)
     hints = []
     if cfg.train["zero"] < 2:
         hints.append(
@@ -186,5 +197,24 @@ def _hints(cfg, gpu: bool = False) -> list[str]:
         hints.append("train.offload=optimizer (with ZeRO: optimizer state in host memory)")
     if cfg.model["name"] == "transformer":
         hints.append("parallel.tensor=T (the transformer's layers split over T ranks)")
+    hints.append("fewer ranks per node")
+    return hints
+
+
+def _pipeline_hints(cfg) -> list[str]:
+    """What shrinks a pipeline stage: fewer layers each, fewer micro-batches held, its
+    optimizer state split over its replicas, its blocks split over tensor ranks."""
+    p = cfg.pipeline
+    hints = [f"more stages than pipeline.stages={p['stages']} (fewer layers on each)"]
+    if p["schedule"] == "gpipe" and p["microbatches"] > p["stages"]:
+        hints.append(
+            f"pipeline.schedule=1f1b (a stage holds at most {p['stages']} micro-batches' "
+            f"activations, not {p['microbatches']})"
+        )
+    if cfg.train["zero"] == 0:
+        hints.append("train.zero=1 (with replicas: each stage's optimizer state split over them)")
+    if cfg.model["name"] == "transformer":
+        hints.append("parallel.tensor=T (each stage's blocks split over T ranks)")
+    hints.append("smaller micro-batches (train.batch_size)")
     hints.append("fewer ranks per node")
     return hints

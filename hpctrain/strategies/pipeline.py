@@ -29,11 +29,20 @@ norm stay tensors there, and nothing in a step reads back to the host
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 
 import numpy as np
 
-from ..backends import process_group_links, stage_class, stage_device, stage_module, versions
+from ..backends import (
+    gpu_memory_budget,
+    plan_stage_before_build,
+    process_group_links,
+    stage_class,
+    stage_device,
+    stage_module,
+    versions,
+)
 from ..backends.base import StepStats, cross_entropy_np
 from ..backends.gradient_engine import PROCESS_GROUP_ENGINES
 from ..backends.gradient_engine import choose as choose_engine
@@ -45,13 +54,16 @@ from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..pipeline.engine import run_inference, run_step
 from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
-from ..pipeline.schedule import bubble_theory, stage_actions
+from ..pipeline.schedule import bubble_theory, peak_in_flight, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase
+from .memory_check import check_built, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
+
+log = logging.getLogger("hpctrain.memory")
 
 
 def model_layers(model_cfg: dict, inp: zoo.InputSpec) -> list[zoo.LayerSpec]:
@@ -139,10 +151,9 @@ class Pipeline(StrategyBase):
         w.agree(problem)
         w.agree(check_partition(pcfg["partition"], len(self.layers), self.stages))
         apply_horovod_env(cfg.horovod, cfg.runtime["collective_timeout"])
-        weights = zoo.init_weights(self.layers, cfg.train["seed"])
-        self.canonical_names = list(weights)
-        self.canonical_shapes = {k: tuple(v.shape) for k, v in weights.items()}
-        self.counts = self._partition(weights, inp)
+        self.canonical_shapes = zoo.tensor_shapes(self.layers)
+        self.canonical_names = list(self.canonical_shapes)
+        self.counts = self._partition(inp)
         start, stop = stage_bounds(self.counts)[g.stage]
         layers = self.layers[start:stop]
         if self.moe:  # this rank's experts only
@@ -157,8 +168,12 @@ class Pipeline(StrategyBase):
             self.engine, self.engine_reason = "mpi", "mixture-of-experts runs on the MPI engine"
         # {} unless train.allreduce is gloo or nccl; then the stage computes on `device`
         self.links = links = self._process_group_links(device)
+        self.actions = stage_actions(pcfg["schedule"], g.stage, self.stages, self.micro)
+        # before the stage exists: a clear refusal, not an OOM kill (torch's zoo models)
+        self._check_memory(inp, (start, stop), layers, threads)
         self.stage = stage_class(cfg.backend)(
-            cfg, layers, self._shard(weights), g.first, g.last, threads, w.rank, self.groups,
+            cfg, layers, self._initial_weights(layers), g.first, g.last, threads, w.rank,
+            self.groups,
             device=device if links else None,
         )  # fmt: skip
         self.zero = cfg.train["zero"]
@@ -173,6 +188,8 @@ class Pipeline(StrategyBase):
                 for s in range(self.stages)
             ]
             self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage))
+        if self.planned is None:  # TensorFlow, a user's model, experts: once built
+            check_built(cfg, w, self.stage.memory_plan, log, self._gpu_budget, self._memory_where)
         in_shape, out_shape = self._agree_shapes(inp)
         self.link = StageTransport(
             links.get("pipe", g.pipe),
@@ -182,7 +199,6 @@ class Pipeline(StrategyBase):
             None if g.last else out_shape,
             peer_rank=lambda s: g.rank_of(**{**g.coord, "pipe": s}),
         )
-        self.actions = stage_actions(pcfg["schedule"], g.stage, self.stages, self.micro)
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * cfg.train["batch_size"] * (inp.shape[0] if inp.tokens else 1)
         self.report_comm = w
@@ -216,6 +232,29 @@ class Pipeline(StrategyBase):
         return f"stages on {device} ({self.device_reason}), "
 
     # --- set-up helpers -----------------------------------------------------------
+    def _check_memory(self, inp, bounds: tuple[int, int], layers, threads: int) -> None:
+        """Plan this rank's stage (`layers`, its part of the model's [start, stop)) and
+        refuse, on every rank, a stage that will not fit its rank's limit; the plan is
+        kept for the summary (`planned`: (terms, baseline)). Where it cannot be planned
+        (None), the stage is checked once built (check_built, in __init__)."""
+        cfg, w, g = self.cfg, self.world, self.grid
+        start, stop = bounds
+        self.planned = None
+        self._memory_where = f"stage {g.stage} of {self.stages} (layers {start}-{stop - 1}): "
+
+        def plan_of(gpu: bool):
+            self.planned = plan_stage_before_build(
+                cfg, inp, self.layers, start, layers, self.groups, g.num_replicas,
+                peak_in_flight(self.actions), threads, w.rank, gpu,
+            )  # fmt: skip
+            return self.planned
+
+        check_memory_plan(cfg, w, plan_of, log, self._gpu_budget, self._memory_where, always=True)
+
+    def _gpu_budget(self):
+        """The GPU memory a stage on a GPU may use (collective over the node), else None."""
+        return gpu_memory_budget(self.cfg, self.world) if self.links else None
+
     def _process_group_links(self, device) -> dict:
         """The process-group engine's transports over the pipe axis (activations and
         gradients between stages), the stage's replicas (its gradients) and, with
@@ -233,7 +272,23 @@ class Pipeline(StrategyBase):
         """This rank's tensor-parallel piece of every split array of a canonical dict."""
         return tensor_parallel.shard_state(state, self.grid.tensor.size, self.grid.tensor.rank)
 
-    def _partition(self, weights, inp) -> list[int]:
+    def _initial_weights(self, layers):
+        """(name, initial value) of this rank's part of the model (its stage's layers,
+        its experts, its tensor-parallel pieces), drawn one tensor at a time in the
+        whole model's order: the values of a one-process run, without ever holding the
+        model, or even the stage twice (a pipeline is for models that do not fit one
+        rank)."""
+        keys = set(zoo.param_names(layers)) | set(zoo.buffer_names(layers))
+        t = self.grid.tensor
+        for key, value in zoo.iter_init_weights(self.layers, self.cfg.train["seed"]):
+            if key in keys:
+                yield (
+                    key,
+                    value if t.size == 1 else tensor_parallel.shard(key, value, t.size, t.rank),
+                )
+            del value
+
+    def _partition(self, inp) -> list[int]:
         spec = self.cfg.pipeline["partition"]
         if isinstance(spec, list):
             return list(spec)
@@ -242,6 +297,7 @@ class Pipeline(StrategyBase):
         # "time": rank 0 measures, everyone uses its numbers (one partition for all).
         costs = None
         if self.world.is_root:
+            weights = zoo.init_weights(self.layers, self.cfg.train["seed"])
             rng = np.random.default_rng(0)
             shape = (self.cfg.train["batch_size"], *inp.shape)
             x = (
@@ -283,7 +339,7 @@ class Pipeline(StrategyBase):
     def step_sums(self, batch, lr: float, tally: bool = True) -> StepStats:
         """The step, its loss and correct counts still where the stage computed them."""
         g, P = self.grid, self.stages
-        self.stage.tally = tally
+        self.stage.tally_step(tally)
         timing = run_step(self.stage, self.link, self.actions, batch, self.micro, 1.0 / self.terms)
         loss_sum, correct = self.stage.take_stats()
         comm = self.stage.average_grads()
@@ -476,6 +532,9 @@ class Pipeline(StrategyBase):
         memory = np.zeros(self.stages)  # each stage's largest rank (replicas, tensor ranks)
         memory[g.stage], measured = self.stage.peak_memory()
         memory = w.allreduce_array(memory, "max", "pipeline peak memory")
+        plan = np.full(self.stages, -1.0)  # -1: not planned (TensorFlow, a user's model)
+        plan[g.stage] = self._planned_peak()
+        plan = w.allreduce_array(plan, "max", "pipeline planned memory")
         busy = w.allreduce_array(self.busy, "sum", "pipeline stage times") / g.num_replicas
         wall = w.allreduce_array(self.wall, "sum", "pipeline stage times") / g.num_replicas
         return {
@@ -494,7 +553,18 @@ class Pipeline(StrategyBase):
             "stage_peak_microbatches": [int(v) for v in peaks],
             "stage_peak_memory_mib": [round(float(v) / 2**20, 1) for v in memory],
             "stage_peak_memory_of": measured,  # the same on every rank (one device kind)
+            "stage_plan_memory_mib": [round(float(v) / 2**20, 1) if v >= 0 else None for v in plan],
         }
+
+    def _planned_peak(self) -> float:
+        """The memory plan's peak of this rank (the figure stage_peak_memory_mib
+        measures: with the baseline on a CPU rank, the CUDA allocator's terms on a GPU
+        rank), -1 where the stage was not planned."""
+        if self.planned is None:
+            return -1.0
+        terms, baseline = self.planned
+        on_gpu = getattr(self.stage, "on", None) is not None and self.stage.on.type == "cuda"
+        return terms["total"] + (0.0 if on_gpu else baseline)
 
     def rank_name(self, index: int) -> str:
         c = self.grid.shape.coords(index)
