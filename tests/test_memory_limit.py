@@ -81,6 +81,7 @@ def test_a_tight_zero3_plan_names_the_allocator_setting_that_keeps_its_peak_on_t
     assert "MALLOC_MMAP_THRESHOLD_=4194304" in heap_note(3, keeps_freed=True)
     assert heap_note(2, keeps_freed=True) == ""  # ZeRO-0/1/2 met their plan within 10%
     assert heap_note(3, keeps_freed=False) == ""  # the user's allocator settings
+    assert "a pipeline stage's heap" in heap_note(0, keeps_freed=True, pipeline=True)
     applied = allocator.keep_freed_memory()  # glibc on Linux here: the settings apply
     assert allocator.keeps_freed() == (applied == allocator.KEEPING)
     assert allocator.keeps_freed() or "left" in applied or "refused" in applied, applied
