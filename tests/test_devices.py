@@ -85,7 +85,7 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
         ([], "strategy pipeline on GPU ranks: not yet run across ranks on a GPU"),
         (["train.allreduce=mpi"], "train.allreduce=mpi exchange host arrays"),
         (["train.allreduce=horovod"], "train.allreduce=horovod exchange host arrays"),
-        (["train.zero=1"], "train.zero=1 exchange host arrays"),
+        (["train.zero=1"], "strategy pipeline, train.zero=1 on GPU ranks: not yet run"),
         (["train.compression=fp16"], "train.compression=fp16 exchange host arrays"),
         (["train.allreduce=nccl"], "not nccl: NCCL runs a pair of ranks' point-to-point"),
     ],
@@ -151,11 +151,13 @@ def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
     assert report.nonfinite and report.step == 1  # NaN on the device still stops the run
 
 
-def test_the_pipeline_runs_on_the_process_group_engine_but_not_its_zero():
+def test_the_pipeline_runs_on_the_process_group_engine_with_its_zero():
     cfg = Config.load("configs/pipeline.yaml", ["train.allreduce=gloo"])
     assert cfg.strategy == "pipeline"
-    with pytest.raises(ConfigError, match="gloo: .* not with train.zero=1"):
-        Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "train.zero=1"])
+    zero = Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "train.zero=1"])
+    assert zero.train["zero"] == 1
+    with pytest.raises(ConfigError, match="pipeline shards with ZeRO-1"):
+        Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "train.zero=2"])
     with pytest.raises(ConfigError, match="not with backend tensorflow"):
         Config.load("configs/pipeline.yaml", ["train.allreduce=gloo", "backend=tensorflow"])
 

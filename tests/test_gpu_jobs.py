@@ -57,6 +57,8 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     # two pipeline stages on the GPU: CUDA messages staged through the host for Gloo
     "pipe2": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2"],
     "pipe2-bf16": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2", BF16],
+    # each stage's ZeRO-1 shard and its clip on the device (one replica: its own shard)
+    "pipe2-zero1": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2", "train.zero=1"],
 }
 COMPRESSED = ["compression.ratio=0.05", "compression.rank=2", "compression.warmup_steps=1"]
 LOSSY = ["topk", "powersgd"]

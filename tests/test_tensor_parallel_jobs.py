@@ -139,6 +139,8 @@ GLOO = {
         "zero2-data2-tensor2",
         "zero1-data4",
         "pipe2-tensor2",
+        "zero1-data2-pipe2",  # each stage's ZeRO-1 shard on its replicas' group
+        "zero1-data2-pipe2-tensor2",  # ... and its clip's split mask on the device
     )
 }
 for _layout, _name in GLOO.items():
@@ -150,7 +152,7 @@ def test_tensor_parallelism_over_gloo_equals_the_mpi_engine(tmp_path_factory, la
     np_ = LAYOUTS[layout][0]
     mpi, mpi_losses, mpi_counts, mpi_sums = shared_run(tmp_path_factory, np_, "torch", layout)
     got, losses, counts, sums = shared_run(tmp_path_factory, np_, "torch", GLOO[layout])
-    tensor = LAYOUTS[layout][1][0] != "parallel.tensor=1"
+    tensor = "parallel.tensor=1" not in LAYOUTS[layout][1]
     assert (mpi_sums, sums) == ("mpi", "gloo" if tensor else "mpi")  # activations' group
     assert counts == mpi_counts and mpi.keys() == got.keys()
     for k in mpi:

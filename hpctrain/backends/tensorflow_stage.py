@@ -73,9 +73,12 @@ class TensorFlowStage(StageBase):
         self._dense = [i for i, n in enumerate(self.net.vars) if not is_expert_param(n)]
         self.acc: list | None = None
 
-    def attach_zero(self, replicas, bucket_bytes: int) -> None:
+    def attach_zero(self, replicas, bucket_bytes: int, transport=None) -> None:
         """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
-        holds this replica's shard of the stage's state only."""
+        holds this replica's shard of the stage's state only (no process-group
+        `transport`: the config keeps those engines to the torch backend)."""
+        if transport is not None:
+            raise ValueError("the TensorFlow stage shards over MPI only")
         self.mpi = replicas
         self.zero = TensorFlowZero(
             replicas, self._vars, 1, bucket_bytes, lambda v: _Optimizer(self._ocfg, v)

@@ -88,13 +88,15 @@ class TorchStage(StageBase):
         on = transport if transport is not None else replicas
         self._flat = gradient_engine.FlatMean(on, [p.numel() for p in self._dense()], arrays=on)
 
-    def attach_zero(self, replicas, bucket_bytes: int) -> None:
-        """ZeRO-1 over the stage's replicas (a guarded communicator): the optimizer
-        holds this replica's shard of the stage's state only."""
+    def attach_zero(self, replicas, bucket_bytes: int, transport=None) -> None:
+        """ZeRO-1 over the stage's replicas (a guarded communicator; or, given their
+        process group's `transport`, `gloo`, the flat gradient and the shard tensors on
+        the stage's device): the optimizer holds this replica's shard of the stage's
+        state only."""
         self.mpi = replicas
         params = list(self.net.parameters())
         self.zero = TorchZero(
-            replicas, params, 1, bucket_bytes, partial(make_optimizer, self._ocfg)
+            replicas, params, 1, bucket_bytes, partial(make_optimizer, self._ocfg), transport
         )
         self.opt = self.zero.optimizer
         self._names = [n for n, _ in self.net.named_parameters()]
@@ -155,7 +157,11 @@ class TorchStage(StageBase):
     def grad_square_sum_tensors(self, is_split):
         """(split, replicated) float64 0-d tensors of the squared gradient norm where the
         gradients are (the process-group links' clip: no host read), summed in the order
-        of grad_square_sums, so both give the same float64 values. Dense stages only."""
+        of grad_square_sums, so both give the same float64 values. Dense stages only;
+        under ZeRO-1 from the replicas' shards of the averaged gradient."""
+        if self.zero is not None:
+            sums = self.zero.part.square_sum_array(self.zero.shard_grad, self._split_mask(is_split))
+            return sums[0], sums[1]
         split = whole = torch.zeros((), dtype=torch.float64, device=self.on)
         for name, p in self.net.named_parameters():
             if p.grad is None:
@@ -166,6 +172,18 @@ class TorchStage(StageBase):
             else:
                 whole = whole + sq
         return split, whole
+
+    def _split_mask(self, is_split):
+        """ZeRO-1: where this replica's shard holds split parameters (an array on the
+        stage's device, made once per rule), or None where none is split."""
+        cached = getattr(self, "_mask_of", None)
+        if cached is not None and cached[0] is is_split:
+            return cached[1]
+        part, names = self.zero.part, [n for n, _ in self.net.named_parameters()]
+        ids = {i for i, n in enumerate(names) if is_split(n)}
+        mask = part.arrays.from_host(part.shard_mask(ids)) if ids else None
+        self._mask_of = (is_split, mask)
+        return mask
 
     def grad_square_sums(self, is_split) -> tuple[float, float]:
         """(split, replicated) squared gradient norms (base.split_square_sums)."""
@@ -223,7 +241,9 @@ class TorchStage(StageBase):
         clip_coef: a float, or a 0-d tensor on the device (every gradient scaled by it:
         1 under the limit is exact, and no host `if` waits for the device)."""
         if self.zero is not None:
-            if clip_coef < 1.0:
+            if torch.is_tensor(clip_coef):  # the device's coefficient: 1 is exact
+                self.zero.shard_grad.mul_(clip_coef)
+            elif clip_coef < 1.0:
                 self.zero.shard_grad *= np.float32(clip_coef)
             for group in self.opt.param_groups:
                 group["lr"] = lr

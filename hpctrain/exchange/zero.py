@@ -231,7 +231,7 @@ class ZeroPartition:
         `split` = (mask over the shard, tensor group): with tensor parallelism the
         masked elements belong to tensor-split parameters, whose squares are also summed
         over the tensor axis (replicated ones are counted once)."""
-        sums = self._square_sums(shard_grad, None if split is None else split[0])
+        sums = self.square_sum_array(shard_grad, None if split is None else split[0])
         if split is None:
             return sums[0] + sums[1]
         masked = split[1].sum_squares(self.arrays.copy(sums[:1]), "ZeRO gradient norm")
@@ -251,12 +251,13 @@ class ZeroPartition:
     def square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None) -> tuple[float, float]:
         """(masked, unmasked) sums of squares of the whole (averaged) gradient, from the
         shards, as host floats (the pipeline adds them over its stages)."""
-        sums = self._square_sums(shard_grad, mask)
+        sums = self.square_sum_array(shard_grad, mask)
         return float(sums[0]), float(sums[1])
 
-    def _square_sums(self, shard_grad: np.ndarray, mask: np.ndarray | None):
+    def square_sum_array(self, shard_grad: np.ndarray, mask: np.ndarray | None):
         """[masked, unmasked] sums of squares over the data ranks (one allreduce of two
-        numbers), accumulated in float64 where the shard lives."""
+        numbers), accumulated in float64 where the shard lives (`mask`: an array there;
+        a pipeline stage on the device adds them over its stages without a host read)."""
         xp = self.arrays
         sums = xp.zeros(2, "float64")
         if mask is None:

@@ -131,9 +131,10 @@ def gpu_unsupported(cfg) -> str | None:
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages
     compute on the device and exchange over Gloo's process groups (dense, with or
-    without tensor parallelism; not NCCL, see PIPELINE_NO_NCCL). The parameter server, hierarchical allreduce,
-    local SGD and the pipeline's ZeRO-1 and experts exchange host arrays. What has not
-    run across ranks on a GPU yet waits for GPU_UNTESTED."""
+    without tensor parallelism and ZeRO-1; not NCCL, see PIPELINE_NO_NCCL). The
+    parameter server, hierarchical allreduce, local SGD and the pipeline's experts
+    exchange host arrays. What has not run across ranks on a GPU yet waits for
+    GPU_UNTESTED."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] not in ("data_parallel", "pipeline"):
@@ -188,7 +189,6 @@ def _pipeline_on_gpu(cfg) -> str | None:
     model = cfg["model"] if isinstance(cfg["model"], dict) else {}
     host = (
         (f"train.allreduce={engine}", engine in ("mpi", "horovod", "overlap")),
-        (f"train.zero={train['zero']}", train["zero"]),
         ("mixture-of-experts layers", model.get("moe")),
         (f"train.compression={train['compression']}", train["compression"] != "none"),
     )
@@ -197,7 +197,8 @@ def _pipeline_on_gpu(cfg) -> str | None:
         return None
     return (
         f"the pipeline's stages run on GPU ranks over train.allreduce=gloo (or auto) "
-        f"with dense stages; {', '.join(clash)} exchange host arrays (CPU ranks)"
+        f"with dense stages (ZeRO-1 too); {', '.join(clash)} exchange host arrays "
+        "(CPU ranks)"
     )
 
 

@@ -244,7 +244,7 @@ def process_group_rules(v: dict) -> list[str]:
     # what runs on the process groups' transports is not a clash
     from ..runtime.devices import mpi_only_features
 
-    dp = v["strategy"] == "data_parallel"  # the pipeline: its links and replicas only
+    dp = v["strategy"] == "data_parallel"  # the pipeline: its links, replicas, ZeRO-1
     moe = bool(_model(v).get("moe"))
     on_groups = {
         **v,
@@ -252,7 +252,7 @@ def process_group_rules(v: dict) -> list[str]:
         "model": {**_model(v), "moe": None} if dp and moe else v["model"],
         "train": {
             **train,
-            "zero": 0 if dp else train["zero"],
+            "zero": 0 if dp or v["strategy"] == "pipeline" else train["zero"],
             "compression": "none" if dp else train["compression"],
         },
         "parallel": {**v["parallel"], "tensor": 1},

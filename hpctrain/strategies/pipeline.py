@@ -177,17 +177,7 @@ class Pipeline(StrategyBase):
             device=device if links else None,
         )  # fmt: skip
         self.zero = cfg.train["zero"]
-        if self.zero:  # ZeRO-1 over each stage's replicas (config: MPI engine, stage 1)
-            self.stage.attach_zero(g.replicas, int(cfg.train["bucket_mb"] * 2**20))
-        elif self.engine == "mpi" or links:
-            self.stage.attach_mpi(g.replicas, links.get("replicas"))
-        elif g.num_replicas > 1:
-            mod = stage_module(cfg.backend)
-            groups = [
-                [g.rank_of(data=d, pipe=s) for d in range(g.num_replicas)]
-                for s in range(self.stages)
-            ]
-            self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage))
+        self._attach_replicas(links)
         if self.planned is None:  # TensorFlow, a user's model, experts: once built
             check_built(cfg, w, self.stage.memory_plan, log, self._gpu_budget, self._memory_where)
         in_shape, out_shape = self._agree_shapes(inp)
@@ -232,6 +222,23 @@ class Pipeline(StrategyBase):
         return f"stages on {device} ({self.device_reason}), "
 
     # --- set-up helpers -----------------------------------------------------------
+    def _attach_replicas(self, links: dict) -> None:
+        """How the stage averages over its replicas: ZeRO-1 (MPI, or their process
+        group), one flat allreduce (MPI, or the process group), or Horovod process sets."""
+        cfg, w, g = self.cfg, self.world, self.grid
+        if self.zero:  # ZeRO-1 over each stage's replicas (MPI, or their process group)
+            bucket = int(cfg.train["bucket_mb"] * 2**20)
+            self.stage.attach_zero(g.replicas, bucket, links.get("replicas"))
+        elif self.engine == "mpi" or links:
+            self.stage.attach_mpi(g.replicas, links.get("replicas"))
+        elif g.num_replicas > 1:
+            mod = stage_module(cfg.backend)
+            groups = [
+                [g.rank_of(data=d, pipe=s) for d in range(g.num_replicas)]
+                for s in range(self.stages)
+            ]
+            self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage))
+
     def _check_memory(self, inp, bounds: tuple[int, int], layers, threads: int) -> None:
         """Plan this rank's stage (`layers`, its part of the model's [start, stop)) and
         refuse, on every rank, a stage that will not fit its rank's limit; the plan is
