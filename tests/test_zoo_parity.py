@@ -143,7 +143,8 @@ def test_torch_and_tensorflow_implement_the_same_declared_interface(kind):
 def test_initial_values_do_not_depend_on_how_they_are_drawn(name, monkeypatch):
     """Drawn a few elements at a time (no float64 temporary of a whole tensor), the
     initial values are those of one draw per tensor; tensor_shapes names every tensor
-    in their order, with their shapes (a pipeline stage keeps its own)."""
+    in their order, with their shapes (a pipeline stage keeps its own), and
+    iter_layer_weights gives them a layer at a time (the time partition's)."""
     overrides, inp = CASES[name]
     layers = zoo.build_layers(Config.load(None, overrides).model, inp)
     whole = zoo.init_weights(layers, 3)  # these models' tensors: one draw each
@@ -153,3 +154,7 @@ def test_initial_values_do_not_depend_on_how_they_are_drawn(name, monkeypatch):
     shapes = zoo.tensor_shapes(layers)
     assert list(shapes) == list(whole)
     assert all(shapes[k] == whole[k].shape for k in whole)
+    per_layer = list(zoo.iter_layer_weights(layers, 3))  # one layer at a time
+    assert len(per_layer) == len(layers)
+    assert [k for d in per_layer for k in d] == list(whole)
+    assert all(np.array_equal(d[k], whole[k]) for d in per_layer for k in d)

@@ -269,10 +269,12 @@ class TensorFlowStage(StageBase):
     set_rng_state = staticmethod(set_rng_state)
 
 
-def layer_forward_seconds(layers, weights, x: np.ndarray, repeats: int = 3) -> list[float]:
-    """Median forward time of each layer on input `x` (for `partition: time`)."""
+def layer_forward_seconds(layers, layer_weights, x: np.ndarray, repeats: int = 3) -> list[float]:
+    """Median forward time of each layer on input `x` (for `partition: time`), one
+    layer built at a time: `layer_weights` gives each layer's {name: value} in order,
+    so the model is never held whole."""
     out = []
-    for spec in layers:
+    for spec, weights in zip(layers, layer_weights, strict=True):
         net = ZooNet([spec], weights)
         xt = tf.constant(x)
         times = []

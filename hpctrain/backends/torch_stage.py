@@ -383,20 +383,23 @@ def _loss(logits, y):
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), reduction="sum")
 
 
-def layer_forward_seconds(layers, weights, x: np.ndarray, repeats: int = 3) -> list[float]:
-    """Median forward time of each layer on input `x` (for `partition: time`)."""
-    net = ZooNet(layers)
-    with torch.no_grad():
-        for key, tensor in net.state_dict(keep_vars=True).items():
-            tensor.copy_(torch.from_numpy(weights[key]))
-    net.train()
+def layer_forward_seconds(layers, layer_weights, x: np.ndarray, repeats: int = 3) -> list[float]:
+    """Median forward time of each layer on input `x` (for `partition: time`), one
+    layer built at a time: `layer_weights` gives each layer's {name: value} in order,
+    so the model is never held whole."""
     out, xt = [], torch.from_numpy(x)
-    for layer in net.seq:
+    for spec, weights in zip(layers, layer_weights, strict=True):
+        net = ZooNet([spec])
+        with torch.no_grad():
+            for key, tensor in net.state_dict(keep_vars=True).items():
+                tensor.copy_(torch.from_numpy(weights[key]))
+        net.train()
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
-            y = layer(xt)
+            y = net(xt)
             times.append(time.perf_counter() - t0)
         out.append(float(np.median(times)))
         xt = y.detach()
+        del net, weights
     return out

@@ -10,6 +10,7 @@ The sequence is also what pipeline parallelism cuts into stages.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -316,6 +317,14 @@ def iter_init_weights(layers: list[LayerSpec], seed: int):
         for bname, shape in layer.buffers.items():
             fill = 1.0 if bname.endswith("running_var") else 0.0
             yield f"{layer.name}.{bname}", np.full(shape, fill, dtype=np.float32)
+
+
+def iter_layer_weights(layers: list[LayerSpec], seed: int):
+    """Each layer's {name: initial value} in order, one layer at a time (the values of
+    iter_init_weights, which draws a layer's parameters, then its buffers)."""
+    stream = iter_init_weights(layers, seed)
+    for layer in layers:
+        yield dict(itertools.islice(stream, len(layer.params) + len(layer.buffers)))
 
 
 DRAW_CHUNK = 1 << 20  # elements drawn at a time (an 8 MiB float64 temporary)

@@ -304,7 +304,6 @@ class Pipeline(StrategyBase):
         # "time": rank 0 measures, everyone uses its numbers (one partition for all).
         costs = None
         if self.world.is_root:
-            weights = zoo.init_weights(self.layers, self.cfg.train["seed"])
             rng = np.random.default_rng(0)
             shape = (self.cfg.train["batch_size"], *inp.shape)
             x = (
@@ -312,7 +311,10 @@ class Pipeline(StrategyBase):
                 if inp.tokens
                 else rng.standard_normal(shape).astype(np.float32)
             )
-            costs = stage_module(self.cfg.backend).layer_forward_seconds(self.layers, weights, x)
+            layer_weights = zoo.iter_layer_weights(self.layers, self.cfg.train["seed"])
+            costs = stage_module(self.cfg.backend).layer_forward_seconds(
+                self.layers, layer_weights, x
+            )
         costs = self.world.bcast_object(costs, what="share measured layer times")
         return balanced_counts(costs, self.stages)
 
