@@ -94,7 +94,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     from .errors import ConfigError
     from .exchange.memory_plan import table
     from .models import zoo
-    from .pipeline.partition import balanced_counts, check_partition, stage_bounds
+    from .pipeline.partition import check_partition, parameter_partition, stage_bounds
     from .pipeline.schedule import peak_in_flight, stage_actions
     from .shape import JobShape
     from .strategies.pipeline import config_problem
@@ -110,9 +110,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     problem = check_partition(p["partition"], len(layers), p["stages"])
     if problem:
         raise ConfigError(problem)
-    counts = p["partition"]  # `time` is measured at launch: planned by parameters here
-    if not isinstance(counts, list):
-        counts = balanced_counts([lay.param_count() for lay in layers], p["stages"])
+    counts = parameter_partition(p["partition"], layers, p["stages"])
     replicas = JobShape.of(cfg, world_size).replicas
     plans, baseline = {}, 0.0
     for s, (start, stop) in enumerate(stage_bounds(counts)):

@@ -241,10 +241,20 @@ def cross_entropy_np(logits: np.ndarray, labels: np.ndarray) -> np.ndarray:
 
 def init_stream(model_cfg: dict, inp: zoo.InputSpec, seed: int, groups, keys):
     """(name, this rank's initial value) of a zoo model's tensors in `keys`, one tensor
-    at a time: the initial values of all experts (the same at any world size), of which
-    this rank keeps its own, and its tensor-parallel piece of each split tensor."""
-    tp = groups.tensor
-    for key, value in zoo.iter_init_weights(zoo.build_layers(model_cfg, inp), seed):
+    at a time (layers_init_stream of its layers)."""
+    layers = zoo.build_layers(model_cfg, inp)
+    return layers_init_stream(layers, seed, groups.tensor, keys)
+
+
+def layers_init_stream(layers, seed: int, tp, keys):
+    """(name, this rank's initial value) of the tensors in `keys` of a layer sequence,
+    one tensor at a time, drawn in the whole sequence's order: the values of one
+    process (all experts drawn, the same at any world size, of which this rank keeps
+    its own), and this rank's piece (`tp`: its tensor group) of each split tensor."""
+    for key, value in zoo.iter_init_weights(layers, seed):
         if key in keys:
-            yield key, tensor_parallel.shard(key, value, tp.size, tp.rank)
+            yield (
+                key,
+                value if tp.size == 1 else tensor_parallel.shard(key, value, tp.size, tp.rank),
+            )
         del value

@@ -49,6 +49,15 @@ def balanced_counts(costs: Sequence[float], stages: int) -> list[int]:
     return counts[::-1]
 
 
+def parameter_partition(spec, layers, stages: int) -> list[int]:
+    """Layers per stage without measuring: a `pipeline.partition` list as given, else
+    balanced by parameter count (`time` is measured at launch; plan-memory plans it by
+    parameters)."""
+    if isinstance(spec, list):
+        return list(spec)
+    return balanced_counts([layer.param_count() for layer in layers], stages)
+
+
 def check_partition(spec, n_layers: int, stages: int) -> str | None:
     """Why `pipeline.partition` cannot cut `n_layers` into `stages`, or None."""
     if stages > n_layers:

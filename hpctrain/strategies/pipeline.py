@@ -43,7 +43,7 @@ from ..backends import (
     stage_module,
     versions,
 )
-from ..backends.base import StepStats, cross_entropy_np
+from ..backends.base import StepStats, cross_entropy_np, layers_init_stream
 from ..backends.gradient_engine import PROCESS_GROUP_ENGINES
 from ..backends.gradient_engine import choose as choose_engine
 from ..backends.groups import ModelGroups
@@ -53,7 +53,12 @@ from ..data import iterate_val
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..pipeline.engine import run_inference, run_step
-from ..pipeline.partition import balanced_counts, check_partition, stage_bounds
+from ..pipeline.partition import (
+    balanced_counts,
+    check_partition,
+    parameter_partition,
+    stage_bounds,
+)
 from ..pipeline.schedule import bubble_theory, peak_in_flight, stage_actions
 from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
@@ -171,9 +176,12 @@ class Pipeline(StrategyBase):
         self.actions = stage_actions(pcfg["schedule"], g.stage, self.stages, self.micro)
         # before the stage exists: a clear refusal, not an OOM kill (torch's zoo models)
         self._check_memory(inp, (start, stop), layers, threads)
+        # the stage's initial values only, drawn one tensor at a time in the model's order
+        mine = layers_init_stream(
+            self.layers, cfg.train["seed"], g.tensor, zoo.tensor_shapes(layers)
+        )
         self.stage = stage_class(cfg.backend)(
-            cfg, layers, self._initial_weights(layers), g.first, g.last, threads, w.rank,
-            self.groups,
+            cfg, layers, mine, g.first, g.last, threads, w.rank, self.groups,
             device=device if links else None,
         )  # fmt: skip
         self.zero = cfg.train["zero"]
@@ -279,28 +287,10 @@ class Pipeline(StrategyBase):
         """This rank's tensor-parallel piece of every split array of a canonical dict."""
         return tensor_parallel.shard_state(state, self.grid.tensor.size, self.grid.tensor.rank)
 
-    def _initial_weights(self, layers):
-        """(name, initial value) of this rank's part of the model (its stage's layers,
-        its experts, its tensor-parallel pieces), drawn one tensor at a time in the
-        whole model's order: the values of a one-process run, without ever holding the
-        model, or even the stage twice (a pipeline is for models that do not fit one
-        rank)."""
-        keys = set(zoo.param_names(layers)) | set(zoo.buffer_names(layers))
-        t = self.grid.tensor
-        for key, value in zoo.iter_init_weights(self.layers, self.cfg.train["seed"]):
-            if key in keys:
-                yield (
-                    key,
-                    value if t.size == 1 else tensor_parallel.shard(key, value, t.size, t.rank),
-                )
-            del value
-
     def _partition(self, inp) -> list[int]:
         spec = self.cfg.pipeline["partition"]
-        if isinstance(spec, list):
-            return list(spec)
-        if spec == "parameters":
-            return balanced_counts([lay.param_count() for lay in self.layers], self.stages)
+        if spec != "time":
+            return parameter_partition(spec, self.layers, self.stages)
         # "time": rank 0 measures, everyone uses its numbers (one partition for all).
         costs = None
         if self.world.is_root:
@@ -538,12 +528,12 @@ class Pipeline(StrategyBase):
         peaks = np.zeros(self.stages, dtype=np.int64)
         peaks[g.stage] = self.stage.peak_stash
         peaks = w.allreduce_array(peaks, "max", "pipeline peak stash")
-        memory = np.zeros(self.stages)  # each stage's largest rank (replicas, tensor ranks)
-        memory[g.stage], measured = self.stage.peak_memory()
-        memory = w.allreduce_array(memory, "max", "pipeline peak memory")
-        plan = np.full(self.stages, -1.0)  # -1: not planned (TensorFlow, a user's model)
-        plan[g.stage] = self._planned_peak()
-        plan = w.allreduce_array(plan, "max", "pipeline planned memory")
+        # each stage's largest rank (replicas, tensor ranks): its measured peak, and its
+        # plan (-1: not planned: TensorFlow, a user's model), in one allreduce
+        memory = np.full((2, self.stages), -1.0)
+        memory[0, g.stage], measured = self.stage.peak_memory()
+        memory[1, g.stage] = self._planned_peak()
+        memory, plan = w.allreduce_array(memory, "max", "pipeline peak and planned memory")
         busy = w.allreduce_array(self.busy, "sum", "pipeline stage times") / g.num_replicas
         wall = w.allreduce_array(self.wall, "sum", "pipeline stage times") / g.num_replicas
         return {
