@@ -251,7 +251,10 @@ class Pipeline(StrategyBase):
         """Plan this rank's stage (`layers`, its part of the model's [start, stop)) and
         refuse, on every rank, a stage that will not fit its rank's limit; the plan is
         kept for the summary (`planned`: (terms, baseline)). Where it cannot be planned
-        (None), the stage is checked once built (check_built, in __init__)."""
+        (None), the stage is checked once built (check_built, in __init__). Cost: each
+        rank plans its own stage locally (a meta-device forward of the layers up to its
+        stage's end, no memory), then one 4-byte allreduce agrees the errors: the same
+        at 1,024 and 4,096 ranks as at 4."""
         cfg, w, g = self.cfg, self.world, self.grid
         start, stop = bounds
         self.planned = None
