@@ -2,6 +2,7 @@
 """Checkpoint save/load speed: hpctrain's format against plain h5py and torch.save.
 
     .venv/bin/python benchmarks/bench_checkpoint.py                  # 300 MB, 3 repeats
+    .venv/bin/python benchmarks/bench_checkpoint.py --quick          # 20 MB, 1 repeat
     .venv/bin/python benchmarks/bench_checkpoint.py --mb 1000 --dir /scratch/me --json out.json
     .venv/bin/python benchmarks/bench_checkpoint.py --ranks 4   # sharded rows with 4 ranks
 
@@ -360,8 +361,11 @@ def main(argv=None) -> int:
     ap.add_argument(
         "--ranks", type=int, default=2, help="ranks of the sharded rows (mpirun; 1: none)"
     )
+    ap.add_argument("--quick", action="store_true", help="20 MB of state, one run per operation")
     ap.add_argument("--sharded-worker", metavar="DIR", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.quick:
+        args.mb, args.repeat = 20.0, 1
     if args.sharded_worker:  # one rank of run_sharded's mpirun
         rows = sharded_rows(args.mb, max(1, args.repeat), Path(args.sharded_worker))
         if args.json and int(os.environ.get("OMPI_COMM_WORLD_RANK", "0")) == 0:

@@ -57,7 +57,8 @@ SCHEMA: dict[str, Any] = {
             None,
             dict,
             "HDF5 paths {train_x, train_y, val_x, val_y}; null: /train/{x,y} + /val/{x,y} "
-            "or one pair /x+/y, /images+/labels, /inputs+/targets, /features+/labels",
+            "or one pair /x+/y, /images+/labels, /inputs+/targets, /features+/labels, "
+            "/data+/labels",
             nullable=True,
             free_form=True,
         ),

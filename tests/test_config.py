@@ -84,7 +84,7 @@ def test_tensor_parallelism_composes_with_the_pipeline_and_names_what_it_does_no
     with pytest.raises(ConfigError) as err:
         Config.load(None, [*tp, "strategy=parameter_server", "train.allreduce=horovod"])
     text = str(err.value)
-    assert "under strategy data_parallel or pipeline on the MPI engine" in text
+    assert "under strategy data_parallel or pipeline on the mpi, gloo or nccl engine" in text
     assert "strategy parameter_server" in text and "train.allreduce=horovod" in text
     with pytest.raises(ConfigError, match="model.n_heads=3 and model.d_ff=63 must be divisible"):
         Config.load(

@@ -68,13 +68,17 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
     assert zero3.train["zero"] == 3 and zero3.parallel["tensor"] == 2
     assert Config.load("configs/demo.yaml", [*on, "train.compression=powersgd"])
     assert Config.load("configs/moe.yaml", on).model["moe"]
-    with pytest.raises(ConfigError, match="not with mixture-of-experts layers with"):
-        Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
+    moe_tp = Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
+    assert moe_tp.parallel["tensor"] == 2 and moe_tp.model["moe"]
+    moe_pipe = ["strategy=pipeline", "parallel.expert=null"]  # experts in the stages
     if engine == "nccl":  # the pipeline's stages exchange over Gloo on GPU ranks
         with pytest.raises(ConfigError, match="not nccl"):
             Config.load("configs/pipeline.yaml", on)
+        with pytest.raises(ConfigError, match="not nccl"):
+            Config.load("configs/moe.yaml", [*on, *moe_pipe])
     else:
         assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
+        assert Config.load("configs/moe.yaml", [*on, *moe_pipe]).model["moe"]
     with pytest.raises(ConfigError, match="strategy parameter_server runs on CPU ranks only"):
         Config.load("configs/ps.yaml", on)
 
@@ -112,12 +116,18 @@ def test_the_process_group_engine_compresses_but_leaves_hierarchy_to_mpi(method)
         Config.load("configs/demo.yaml", ["train.allreduce=gloo", "train.hierarchical=true"])
 
 
-def test_the_process_group_engine_runs_tensor_parallelism_zero3_and_experts_not_tp_with_experts():
+def test_the_process_group_engine_runs_tensor_parallelism_zero3_and_experts_everywhere():
     tp = Config.load("configs/transformer-tp-zero.yaml", ["train.allreduce=gloo"])
     assert tp.parallel["tensor"] == 2 and tp.train["zero"] == 1
     assert Config.load("configs/moe.yaml", ["train.allreduce=gloo"]).train["allreduce"] == "gloo"
-    with pytest.raises(ConfigError, match="gloo: .* not with mixture-of-experts layers with"):
-        Config.load("configs/moe.yaml", ["train.allreduce=gloo", "parallel.tensor=2"])
+    for experts_with in (["parallel.tensor=2"], ["strategy=pipeline", "parallel.expert=null"]):
+        cfg = Config.load("configs/moe.yaml", ["train.allreduce=gloo", *experts_with])
+        assert cfg.model["moe"] and cfg.train["allreduce"] == "gloo"
+    with pytest.raises(ConfigError, match="blocks inside pipeline stages run without ZeRO"):
+        Config.load(
+            "configs/moe.yaml",
+            ["train.allreduce=gloo", "strategy=pipeline", "parallel.expert=null", "train.zero=1"],
+        )
     zero3 = Config.load(
         "configs/transformer-tp-zero.yaml", ["train.allreduce=gloo", "train.zero=3"]
     )

@@ -53,12 +53,16 @@ LAYOUTS = {  # id: overrides at np 2 (global batch 16, as the reference's)
     # experts: the router plans on the host, the all-to-alls move CUDA rows
     "moe": [MOE, *GLOO],
     "moe-zero2": [MOE, *GLOO, "train.zero=2", "train.bucket_mb=0.004"],
+    # ... over the expert x tensor ranks' group, beside the tensor axis's sums
+    "moe-tensor2": [MOE, "train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2"],
     "tensor2-zero3": ["train.allreduce=gloo", "train.batch_size=16", "parallel.tensor=2", *ZERO3],
     # two pipeline stages on the GPU: CUDA messages staged through the host for Gloo
     "pipe2": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2"],
     "pipe2-bf16": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2", BF16],
     # each stage's ZeRO-1 shard and its clip on the device (one replica: its own shard)
     "pipe2-zero1": [*GLOO, "strategy=pipeline", "pipeline.microbatches=2", "train.zero=1"],
+    # experts inside the stages: their all-to-alls on the device, the clip's expert sums too
+    "pipe2-moe": [MOE, *GLOO, "strategy=pipeline", "pipeline.microbatches=2"],
 }
 COMPRESSED = ["compression.ratio=0.05", "compression.rank=2", "compression.warmup_steps=1"]
 LOSSY = ["topk", "powersgd"]
@@ -92,7 +96,7 @@ REFS = {
     # bf16 products round per micro-batch: the bf16 pipeline's reference accumulates 2
     "ref-bf16": ["train.batch_size=8", "train.grad_accum=2", BF16],
 }
-REF_OF = {"moe": "ref-moe", "moe-zero2": "ref-moe", "pipe2-bf16": "ref-bf16"}
+REF_OF = {"pipe2-bf16": "ref-bf16"} | {k: "ref-moe" for k in LAYOUTS if MOE in LAYOUTS[k]}
 # (weights, losses): bf16 turns last-bit differences (the clip's norm summed in another
 # order) into bfloat16 roundings; on CPU this layout ends 1.2e-4 from its reference
 TOLERANCE = {"pipe2-bf16": (2e-3, 2e-3)}

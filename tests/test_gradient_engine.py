@@ -35,12 +35,12 @@ def test_explicit_choice_wins():
 
 def test_overlap_is_chosen_explicitly_and_refuses_compression():
     assert choose(_cfg(allreduce="overlap"), local_ranks=2, threads=1, cores=2)[0] == "overlap"
-    with pytest.raises(ConfigError, match="train.allreduce=overlap"):
-        choose(_cfg(allreduce="overlap", compression="topk"), local_ranks=1, threads=1, cores=2)
+    with pytest.raises(ConfigError, match="train.allreduce=overlap sends dense float32"):
+        Config.load(None, ["train.allreduce=overlap", "train.compression=topk"])
 
 
 def test_compression_beyond_fp16_needs_an_mpi_engine():
     with pytest.raises(ConfigError, match="Horovod compresses only to fp16"):
-        choose(_cfg(allreduce="horovod", compression="topk"), local_ranks=1, threads=1, cores=8)
+        Config.load(None, ["train.allreduce=horovod", "train.compression=topk"])
     engine, why = choose(_cfg(compression="powersgd"), local_ranks=1, threads=1, cores=8)
     assert engine == "mpi" and "powersgd" in why

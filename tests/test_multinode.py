@@ -244,6 +244,16 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
         ],
         # TensorFlow's ZeRO-3: the same gathers, each unit run again in backward
         ["backend=tensorflow", "train.zero=3", "train.zero_unit_mb=0.004", "train.batch_size=8"],
+        # the experts' token rows over the expert x tensor ranks' Gloo group (both nodes)
+        [MOE, "train.batch_size=8", "train.allreduce=gloo"],
+        # ... and inside pipeline stages, whose links cross the link
+        [
+            MOE,
+            "strategy=pipeline",
+            "pipeline.microbatches=2",
+            "train.batch_size=8",
+            "train.allreduce=gloo",
+        ],
     ],
     ids=[
         "pipe2-tensor2",
@@ -254,6 +264,8 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
         "gloo-zero3-data2-tensor2",
         "gloo-pipe2-tensor2",
         "tf-zero3-data2-tensor2",
+        "gloo-experts-data2-tensor2",
+        "gloo-experts-pipe2-tensor2",
     ],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(

@@ -296,6 +296,12 @@ MOE_LAYOUTS = {  # id: (backend, np, overrides)
     "torch-zero3-data2-tensor2": ("torch", 4, [*ZERO3, "train.batch_size=8", "parallel.tensor=2"]),
     # torch.distributed over Gloo: ZeRO-3's gathers and the experts' all-to-alls on tensors
     "torch-gloo-zero3": ("torch", 2, [*ZERO3, "train.batch_size=8", "train.allreduce=gloo"]),
+    # ... and over the expert x tensor ranks' group, the f/g sums over the tensor axis's
+    "torch-gloo-data2-tensor2": (
+        "torch",
+        4,
+        ["parallel.tensor=2", "train.batch_size=8", "train.allreduce=gloo"],
+    ),
     # TensorFlow's ZeRO-3 runs each unit again in backward: the experts' all-to-alls too
     "tensorflow-zero3": ("tensorflow", 2, [*ZERO3, "train.batch_size=8"]),
     "tensorflow-zero3-data2-tensor2": (
@@ -307,6 +313,13 @@ MOE_LAYOUTS = {  # id: (backend, np, overrides)
     "torch-data2-pipe2": ("torch", 4, PIPE_MOE),
     "tensorflow-data2-pipe2": ("tensorflow", 4, PIPE_MOE),
     "torch-data2-pipe2-tensor2": ("torch", 8, [*PIPE_MOE, "parallel.tensor=2"]),
+    # ... over Gloo: the stages' links, the experts' token rows and copies on groups
+    "torch-gloo-data2-pipe2": ("torch", 4, [*PIPE_MOE, "train.allreduce=gloo"]),
+    "torch-gloo-data2-pipe2-tensor2": (
+        "torch",
+        8,
+        [*PIPE_MOE, "parallel.tensor=2", "train.allreduce=gloo"],
+    ),
 }
 for _name, (_b, _np, _overrides) in MOE_LAYOUTS.items():
     share(_np, _b, f"moe-{_name}", MOE_EXACT, *_overrides)
@@ -325,6 +338,26 @@ def test_experts_with_tensor_parallelism_zero_or_pipeline_equal_one_process(
     np.testing.assert_allclose(losses, ref_losses, atol=1e-4)
     experts = sum(v.size for k, v in ref.items() if ".moe.experts." in k)
     assert all(c < sum(v.size for v in ref.values()) - experts + experts / np_ + 1 for c in counts)
+
+
+# The experts' all-to-alls and copies' averages on process groups (torch.distributed
+# over Gloo, the code NCCL runs on GPU ranks) beside tensor parallelism and inside
+# pipeline stages: the MPI engine's run of the same layout within 1e-6 (and every step
+# of the Gloo runs watched for host reads, the router's one read per layer aside).
+MOE_OVER_GLOO = ("data2-tensor2", "data2-pipe2", "data2-pipe2-tensor2")
+
+
+@pytest.mark.parametrize("layout", MOE_OVER_GLOO)
+def test_experts_over_gloo_equal_the_mpi_engine(tmp_path_factory, layout):
+    np_ = MOE_LAYOUTS[f"torch-{layout}"][1]
+    mpi, mpi_losses, mpi_counts, _ = shared_run(
+        tmp_path_factory, np_, "torch", f"moe-torch-{layout}"
+    )
+    got, losses, counts, _ = shared_run(tmp_path_factory, np_, "torch", f"moe-torch-gloo-{layout}")
+    assert counts == mpi_counts and mpi.keys() == got.keys()
+    for k in mpi:
+        np.testing.assert_allclose(got[k], mpi[k], rtol=0, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(losses, mpi_losses, rtol=0, atol=1e-6)
 
 
 PIPE2 = ["strategy=pipeline", "pipeline.microbatches=2"]

@@ -27,7 +27,7 @@ SCRIPTS = [
         "bench_checkpoint.py",
         ["--repeat", "7"],
         300,
-        ["--mb", "20", "--repeat", "1"],
+        ["--quick"],
         60,
     ),
     ("parameter server", "bench_ps.py", [], 300, None, 0),

@@ -18,7 +18,6 @@ import os
 
 import numpy as np
 
-from ..errors import ConfigError
 from ..exchange import DenseMean
 from ..runtime.devices import exchange_features, mpi_only_features
 
@@ -43,18 +42,8 @@ def choose(
     a GPU (`gpu_shared`, agreed by the caller), which only the host-staged engines allow
     (mpi, or gloo for what runs on a process group's buffers). A GPU pipeline: gloo.
     """
-    wanted = cfg.train["allreduce"]
+    wanted = cfg.train["allreduce"]  # what it cannot carry: strategies/composition
     compression = cfg.train["compression"]
-    if wanted == "overlap" and compression != "none":
-        raise ConfigError(
-            f"train.allreduce=overlap sends dense float32 buckets: train.compression="
-            f"{compression} runs on train.allreduce=mpi (after backward)"
-        )
-    if wanted == "horovod" and compression not in ("none", "fp16"):
-        raise ConfigError(
-            f"train.compression={compression}: Horovod compresses only to fp16; use "
-            "train.allreduce=mpi (or auto) for it"
-        )
     if wanted != "auto":
         return wanted, "train.allreduce"
     if device == "cuda" and cfg["strategy"] == "pipeline":  # see devices.PIPELINE_NO_NCCL

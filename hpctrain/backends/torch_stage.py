@@ -157,20 +157,27 @@ class TorchStage(StageBase):
     def grad_square_sum_tensors(self, is_split):
         """(split, replicated) float64 0-d tensors of the squared gradient norm where the
         gradients are (the process-group links' clip: no host read), summed in the order
-        of grad_square_sums, so both give the same float64 values. Dense stages only;
-        under ZeRO-1 from the replicas' shards of the averaged gradient."""
+        of grad_square_sums, so both give the same float64 values: MoE experts, each on
+        one rank of its group, summed over the group's transport and counted with the
+        replicated ones. Under ZeRO-1 (dense stages) from the replicas' shards of the
+        averaged gradient."""
         if self.zero is not None:
             sums = self.zero.part.square_sum_array(self.zero.shard_grad, self._split_mask(is_split))
             return sums[0], sums[1]
-        split = whole = torch.zeros((), dtype=torch.float64, device=self.on)
+        zero = torch.zeros((), dtype=torch.float64, device=self.on)
+        split = whole = experts = zero
         for name, p in self.net.named_parameters():
             if p.grad is None:
                 continue
             sq = (p.grad.double() ** 2).sum()
-            if is_split(name):
+            if is_expert_param(name):
+                experts = experts + sq
+            elif is_split(name):
                 split = split + sq
             else:
                 whole = whole + sq
+        if self._experts:
+            whole = whole + self.groups.experts.allreduce_sum(experts)
         return split, whole
 
     def _split_mask(self, is_split):

@@ -227,8 +227,9 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
     compressors' buffers stay tensors on the device as at any world size)}, and with
     tensor parallelism (the model's `groups`, a ModelGroups made from the grid)
     {"tensor": over this rank's tensor axis}, with experts {"expert": their token
-    exchange's axis, "data": their copies'} too, each on its own group under the
-    job-wide default group (grid_groups)."""
+    exchange's axis (with tensor parallelism the expert x tensor ranks of the replica,
+    ModelGroups.from_grid), "data": their copies'} too, each on its own group under
+    the job-wide default group (grid_groups)."""
     if engine not in PROCESS_GROUP_ENGINES:
         return None
     timeout = cfg.runtime["collective_timeout"]
@@ -237,8 +238,13 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
     experts = groups.experts is not None
     if not groups.tensor_parallel and not experts:
         return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}
-    axes = ["replicas"] + ["tensor"] * groups.tensor_parallel + ["expert", "data"] * experts
-    return grid_transports(cfg, engine, device, groups.grid, tuple(axes))
+    tensor = groups.tensor_parallel
+    token_axis = "experts-x-tensor" if tensor else "expert"
+    axes = ["replicas"] + ["tensor"] * tensor + [token_axis, "data"] * experts
+    found = grid_transports(cfg, engine, device, groups.grid, tuple(axes))
+    if experts:
+        found["expert"] = found.pop(token_axis)
+    return found
 
 
 def grid_transports(cfg, engine: str, device, grid, axes) -> dict:

@@ -130,11 +130,10 @@ def gpu_unsupported(cfg) -> str | None:
     parallelism, experts and compression on the process-group engines (their buffers on
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages
-    compute on the device and exchange over Gloo's process groups (dense, with or
-    without tensor parallelism and ZeRO-1; not NCCL, see PIPELINE_NO_NCCL). The
-    parameter server, hierarchical allreduce, local SGD and the pipeline's experts
-    exchange host arrays. What has not run across ranks on a GPU yet waits for
-    GPU_UNTESTED."""
+    compute on the device and exchange over Gloo's process groups (with or without
+    tensor parallelism, ZeRO-1 or experts; not NCCL, see PIPELINE_NO_NCCL). The
+    parameter server, hierarchical allreduce and local SGD exchange host arrays. What
+    has not run across ranks on a GPU yet waits for GPU_UNTESTED."""
     if cfg["backend"] != "torch":
         return f"the {cfg['backend']} backend trains on CPU ranks only (no GPU build tested)"
     if cfg["strategy"] not in ("data_parallel", "pipeline"):
@@ -186,10 +185,8 @@ def _pipeline_on_gpu(cfg) -> str | None:
             "the pipeline's stages run on GPU ranks over train.allreduce=gloo (or auto), "
             f"not nccl: {PIPELINE_NO_NCCL}"
         )
-    model = cfg["model"] if isinstance(cfg["model"], dict) else {}
     host = (
         (f"train.allreduce={engine}", engine in ("mpi", "horovod", "overlap")),
-        ("mixture-of-experts layers", model.get("moe")),
         (f"train.compression={train['compression']}", train["compression"] != "none"),
     )
     clash = [what for what, on in host if on]
@@ -197,7 +194,7 @@ def _pipeline_on_gpu(cfg) -> str | None:
         return None
     return (
         f"the pipeline's stages run on GPU ranks over train.allreduce=gloo (or auto) "
-        f"with dense stages (ZeRO-1 too); {', '.join(clash)} exchange host arrays "
+        f"(ZeRO-1 and experts too); {', '.join(clash)} exchange host arrays "
         "(CPU ranks)"
     )
 

@@ -158,13 +158,20 @@ class ProcessGrid:
     def members(self, axis: str) -> list[int]:
         """The world ranks of this rank's `axis` (or `replicas`), in the axis's rank
         order: what another library's groups over the same axis are built from
-        (arithmetic only; O(axis size))."""
+        (arithmetic only; O(axis size)). Also "experts-x-tensor" (`experts_x_tensor`'s
+        ranks, key expert * T + tensor)."""
         c, s = self.coord, self.shape
         if axis == "replicas":
             return [
                 s.rank_of(**{**c, "data": d, "expert": e})
                 for d in range(s.data)
                 for e in range(s.expert)
+            ]
+        if axis == "experts-x-tensor":
+            return [
+                s.rank_of(**{**c, "expert": e, "tensor": t})
+                for e in range(s.expert)
+                for t in range(s.tensor)
             ]
         return [s.rank_of(**{**c, axis: i}) for i in range(getattr(s, axis))]
 

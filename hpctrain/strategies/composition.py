@@ -45,6 +45,12 @@ def pipeline(v: dict) -> list[str]:
             f"micro-batch's, pipeline.microbatches={v['pipeline']['microbatches']} times a "
             "step's traffic (DeepSpeed refuses ZeRO-2/3 with its pipeline engine too)"
         )
+    if _model(v).get("moe") and (t["zero"] or t["allreduce"] in ("horovod", "overlap")):
+        problems.append(
+            "model.moe: mixture-of-experts blocks inside pipeline stages run without ZeRO "
+            "on the mpi engine or the process groups' (train.allreduce mpi, auto, gloo or "
+            "nccl; train.zero 0)"
+        )
     return problems
 
 
@@ -61,8 +67,20 @@ BY_STRATEGY = {
 
 # --- features shared between strategies ---------------------------------------------------
 def engine_rules(v: dict) -> list[str]:
-    """Horovod's flags and the MPI engine's hierarchical allreduce."""
+    """Horovod's flags, what the horovod and overlap engines cannot carry, and the MPI
+    engine's hierarchical allreduce."""
     t, problems = v["train"], []
+    engine, compression = t["allreduce"], t["compression"]
+    if engine == "overlap" and compression != "none":
+        problems.append(
+            f"train.allreduce=overlap sends dense float32 buckets: train.compression="
+            f"{compression} runs on train.allreduce=mpi (after backward), gloo or nccl"
+        )
+    if engine == "horovod" and compression not in DENSE_COMPRESSION:
+        problems.append(
+            f"train.compression={compression}: Horovod compresses only to fp16; use "
+            "train.allreduce=mpi (or auto, gloo, nccl) for it"
+        )
     if v["horovod"]["hierarchical_allreduce"]:
         problems.append(
             "horovod.hierarchical_allreduce: Horovod implements hierarchical allreduce only "
@@ -92,8 +110,8 @@ def local_sgd_rules(v: dict) -> list[str]:
 
 
 def _dense_mpi_clash(v: dict) -> list[tuple[str, bool]]:
-    """What ZeRO and tensor parallelism both refuse: another strategy, a non-MPI engine,
-    compression, hierarchical allreduce, local SGD."""
+    """What ZeRO and tensor parallelism both refuse: another strategy, the horovod and
+    overlap engines, compression, hierarchical allreduce, local SGD."""
     t, engine = v["train"], v["train"]["allreduce"]
     return [
         (f"strategy {v['strategy']}", v["strategy"] not in DENSE),
@@ -180,7 +198,8 @@ def tensor_rules(v: dict) -> list[str]:
     if clash:
         return [
             f"parallel.tensor={tensor}: tensor parallelism splits the zoo transformer "
-            f"under strategy data_parallel or pipeline on the MPI engine; not with "
+            f"under strategy data_parallel or pipeline on the mpi, gloo or nccl engine; "
+            f"not with "
             f"{', '.join(clash)}"
         ]
     from ..models.zoo import model_options
@@ -248,8 +267,9 @@ def process_group_rules(v: dict) -> list[str]:
     moe = bool(_model(v).get("moe"))
     on_groups = {
         **v,
-        # experts of data parallelism exchange tokens over the expert axis's group
-        "model": {**_model(v), "moe": None} if dp and moe else v["model"],
+        # experts (of data parallelism and of pipeline stages) exchange tokens over the
+        # expert axis's group (the expert x tensor ranks' with tensor parallelism)
+        "model": {**_model(v), "moe": None} if moe else v["model"],
         "train": {
             **train,
             "zero": 0 if dp or v["strategy"] == "pipeline" else train["zero"],
@@ -261,18 +281,14 @@ def process_group_rules(v: dict) -> list[str]:
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
             (f"strategy {v['strategy']}", v["strategy"] not in ("data_parallel", "pipeline")),
-            (
-                "mixture-of-experts layers with parallel.tensor > 1",
-                dp and moe and v["parallel"]["tensor"] > 1,
-            ),
         )
     ) + mpi_only_features(on_groups)
     if not clash:
         return []
     return [
         f"train.allreduce={engine}: the process-group engine runs the torch backend's "
-        "data parallelism (with ZeRO-1/2/3 and gradient compression), the pipeline and "
-        f"tensor parallelism; not with {', '.join(clash)} (those run on "
+        "data parallelism (with ZeRO-1/2/3 and gradient compression), the pipeline, "
+        f"tensor parallelism and experts; not with {', '.join(clash)} (those run on "
         "train.allreduce=mpi or auto)"
     ]
 

@@ -107,11 +107,6 @@ def config_problem(cfg, world_size: int) -> str | None:
             "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
             "leave train.grad_accum at 1"
         )
-    if zoo.has_moe(cfg.model) and (cfg.train["zero"] or cfg.train["allreduce"] == "horovod"):
-        return (
-            "model.moe: mixture-of-experts blocks inside pipeline stages run on the MPI "
-            "engine without ZeRO (train.allreduce mpi or auto, train.zero 0)"
-        )
     if zoo.has_moe(cfg.model) and shape.replicas % expert_degree(cfg, world_size):
         return (
             f"parallel.expert={cfg.parallel['expert']}: each stage's replicas "
@@ -169,7 +164,8 @@ class Pipeline(StrategyBase):
             cfg, w.local_size, threads, world=w, device=getattr(device, "type", "cpu"),
             gpu_shared=shared,
         )  # fmt: skip
-        if self.moe and self.engine != "mpi":  # experts are averaged over their copies
+        if self.moe and self.engine not in ("mpi", *PROCESS_GROUP_ENGINES):  # not Horovod's:
+            # experts are averaged over their copies beside the stage's dense gradients
             self.engine, self.engine_reason = "mpi", "mixture-of-experts runs on the MPI engine"
         # {} unless train.allreduce is gloo or nccl; then the stage computes on `device`
         self.links = links = self._process_group_links(device)
@@ -275,14 +271,20 @@ class Pipeline(StrategyBase):
 
     def _process_group_links(self, device) -> dict:
         """The process-group engine's transports over the pipe axis (activations and
-        gradients between stages), the stage's replicas (its gradients) and, with
-        tensor parallelism, the tensor axis (the blocks' activation sums, given to the
-        model's groups); {} on the other engines (collective over the job)."""
+        gradients between stages), the stage's replicas (its gradients) and, given to
+        the model's groups, the tensor axis (the blocks' activation sums) and the
+        experts' axes (their token rows: "expert", the expert x tensor ranks with tensor
+        parallelism; their copies' gradients: "data"); {} on the other engines
+        (collective over the job)."""
         if self.engine not in PROCESS_GROUP_ENGINES:
             return {}
-        axes = ("pipe", "replicas", "tensor") if self.tensor > 1 else ("pipe", "replicas")
+        tokens = "experts-x-tensor" if self.tensor > 1 else "expert"
+        axes = ("pipe", "replicas") + ("tensor",) * (self.tensor > 1)
+        axes += (tokens, "data") * self.moe
         links = process_group_links(self.cfg, self.engine, self.grid, axes, device)
-        if self.tensor > 1:
+        if self.moe:
+            links["expert"] = links.pop(tokens)
+        if self.tensor > 1 or self.moe:
             self.groups = self.groups.on_transports(links)
         return links
 

@@ -34,6 +34,15 @@ def test_axes_group_exactly_the_ranks_that_share_the_other_coordinates():
             assert gathered == g.members(name), name
 
 
+def test_the_expert_x_tensor_ranks_are_listed_in_their_communicator_order():
+    """What the experts' process group is built from with tensor parallelism."""
+    w = world()
+    g = ProcessGrid(w, tensor=2, expert=w.size // 2)
+    axis = g.experts_x_tensor()
+    gathered = axis.allgather_object(w.rank, "grid experts-x-tensor members")
+    assert gathered == g.members("experts-x-tensor") and len(gathered) == w.size
+
+
 def test_an_expert_axis_smaller_than_the_world():
     w = world()
     if w.size < 4:
