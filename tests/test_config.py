@@ -133,3 +133,9 @@ def test_offload_is_refused_on_cpu_ranks_and_outside_gpu_zero_with_the_reason(mo
         assert Config.load(None, [*gpu, f"train.zero={stage}"]).train["offload"] == "optimizer"
     both = ["runtime.device=cuda", "train.zero=3", "train.offload=optimizer+params"]
     assert Config.load(None, both).train["offload"] == "optimizer+params"
+
+
+def test_the_pipeline_refuses_grad_accum_at_config_load():
+    """It accumulates over its micro-batches; train.grad_accum would do nothing."""
+    with pytest.raises(ConfigError, match="accumulates over pipeline.microbatches"):
+        Config.load(None, ["strategy=pipeline", "train.grad_accum=2"])

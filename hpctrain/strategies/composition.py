@@ -33,6 +33,11 @@ def data_parallel(v: dict) -> list[str]:
 
 def pipeline(v: dict) -> list[str]:
     t, problems = v["train"], []
+    if t["grad_accum"] != 1:
+        problems.append(
+            "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
+            "leave train.grad_accum at 1"
+        )
     if t["compression"] == "fp16" and t["allreduce"] in ("mpi", "overlap"):
         problems.append(
             "train.compression=fp16: the pipeline strategy compresses only through Horovod "

@@ -102,11 +102,6 @@ def config_problem(cfg, world_size: int) -> str | None:
             f"parallel.tensor={tensor}: launch a multiple of {shape.ranks_per_replica} ranks "
             "(stages x tensor x data-parallel replicas)"
         )
-    if cfg.train["grad_accum"] != 1:
-        return (
-            "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
-            "leave train.grad_accum at 1"
-        )
     if zoo.has_moe(cfg.model) and shape.replicas % expert_degree(cfg, world_size):
         return (
             f"parallel.expert={cfg.parallel['expert']}: each stage's replicas "
