@@ -92,3 +92,36 @@ def test_moe_blocks_have_global_expert_names():
     assert "blocks.1.moe.router.weight" in names
     assert "blocks.0.ffn.fc1.weight" in names and "blocks.0.moe.router.weight" not in names
     assert "blocks.3.moe.experts.0.fc2.bias" in names
+
+
+def test_a_pipelines_moe_metrics_have_every_key_on_every_rank_and_average_to_its_layers():
+    """The loop averages the extras of every rank in one allreduce: a stage without MoE
+    layers gives the same keys and sizes as one with them (zeros), and over the job the
+    rates average over the MoE stages' ranks while the counts add up over the layers."""
+    from hpctrain.moe.parallel import (
+        METRIC_KEYS,
+        LayerStats,
+        MoELayer,
+        pipeline_metrics,
+        step_metrics,
+    )
+
+    class _Group:
+        rank, size = 0, 1
+
+    layer = MoELayer({"experts": 4, "top_k": 2}, _Group())
+    layer.stats = LayerStats(
+        calls=1, tokens=8, choices=16, dropped=2, routed=np.array([4, 4, 4, 4]),
+        kept=np.array([4, 4, 3, 3]), capacity_sum=5, aux_loss=0.5,
+    )  # fmt: skip
+    found = step_metrics([layer], 1.0, 1)
+    assert tuple(sorted(found)) == tuple(sorted(METRIC_KEYS))
+    empty = pipeline_metrics({}, 4, stages=4, moe_stages=2)
+    assert empty.keys() == found.keys() and empty["moe_load"] == [0.0] * 4
+    mine = pipeline_metrics(found, 4, stages=4, moe_stages=2)
+    # 2 of 4 stages with MoE: the job's mean of 2 such ranks and 2 without
+    mean = {k: (mine[k] if k != "moe_load" else mine[k][0]) / 2 for k in ("moe_drop_rate",
+            "moe_dropped", "moe_load")}  # fmt: skip
+    assert mean["moe_drop_rate"] == pytest.approx(found["moe_drop_rate"])  # averaged
+    assert mean["moe_load"] == pytest.approx(found["moe_load"][0])
+    assert mean["moe_dropped"] == pytest.approx(2 * found["moe_dropped"])  # both stages'

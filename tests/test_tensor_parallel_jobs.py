@@ -413,12 +413,21 @@ def test_composed_experts_drop_and_balance_like_data_parallel_moe(tmp_path_facto
     if case == "tensorflow-zero3":  # the recomputed routing is not counted again
         got = _moe_drop_rates(tmp_path_factory, np_, backend, f"routing-{case}")
         np.testing.assert_allclose(got, drops, rtol=1e-6)
+    if "pipe2" in case:  # the stages' metrics, combined over the job, are data parallel's
+        for key in ("moe_drop_rate", "moe_dropped", "moe_load", "moe_aux_loss"):
+            want = _moe_metric(tmp_path_factory, dp_np, backend, f"routing-dp-{case}", key)
+            got = _moe_metric(tmp_path_factory, np_, backend, f"routing-{case}", key)
+            np.testing.assert_allclose(got, want, rtol=1e-6, err_msg=key)
+
+
+def _moe_metric(tmp_path_factory, np_, backend, name, key) -> list:
+    run_dir = shared_run(tmp_path_factory, np_, backend, name, run_dir=True)
+    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+    return [x[key] for x in steps if x["event"] == "step"]
 
 
 def _moe_drop_rates(tmp_path_factory, np_, backend, name) -> list[float]:
-    run_dir = shared_run(tmp_path_factory, np_, backend, name, run_dir=True)
-    steps = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
-    return [x["moe_drop_rate"] for x in steps if x["event"] == "step"]
+    return _moe_metric(tmp_path_factory, np_, backend, name, "moe_drop_rate")
 
 
 @pytest.mark.parametrize(

@@ -111,6 +111,7 @@ class Stage(Protocol):
     def average_buffers(self) -> None: ...
     def tally_step(self, tally: bool) -> None: ...  # count the next step's correct ones?
     def read_later(self, stats): ...  # the step's sums, readable on the host
+    def moe_metrics(self, step_seconds: float) -> dict: ...  # its MoE layers' ({}: none)
     def memory_plan(self) -> dict[str, float]: ...  # once built: state still to come
     def peak_memory(self) -> tuple[float, str]: ...  # (bytes, what measures them)
     def get_weights(self) -> dict[str, np.ndarray]: ...

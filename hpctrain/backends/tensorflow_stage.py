@@ -212,6 +212,10 @@ class TensorFlowStage(StageBase):
         self.loss_sum, self.correct = 0.0, 0
         return out
 
+    def moe_metrics(self, step_seconds: float) -> dict:
+        """This step's MoE metrics of the stage's layers ({} without them); resets."""
+        return tensorflow_moe.step_extra(self.net, step_seconds)
+
     # --- forward only ------------------------------------------------------------
     def infer(self, x: np.ndarray) -> np.ndarray:
         """Eval-mode forward (shape probing, validation); last stage returns logits."""

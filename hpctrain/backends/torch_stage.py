@@ -284,6 +284,10 @@ class TorchStage(StageBase):
     def read_later(self, stats):
         return read_later(stats)
 
+    def moe_metrics(self, step_seconds: float) -> dict:
+        """This step's MoE metrics of the stage's layers ({} without them); resets."""
+        return torch_moe.step_extra(self.net, step_seconds)
+
     def memory_plan(self) -> dict[str, float]:
         """The gradients and optimizer state this stage's rank will hold, and what of them
         it holds now (the limit check after the build: torch_state.state_memory_plan)."""

@@ -361,6 +361,33 @@ def step_metrics(layers: list[MoELayer], step_seconds: float, world_size: int) -
     return out
 
 
+# step_metrics' keys: summed over a step's layers (the rest are rates, loads and times)
+SUMMED_METRICS = ("moe_dropped", "moe_aux_loss")
+METRIC_KEYS = (
+    "moe_tokens_per_sec", "moe_load", "moe_load_max", "moe_kept_load_max",
+    "moe_capacity_load", "moe_drop_rate", *SUMMED_METRICS, "moe_alltoall_share",
+    "moe_alltoall_seconds", "moe_routing_seconds", "moe_expert_seconds",
+)  # fmt: skip
+
+
+def pipeline_metrics(found: dict, experts: int, stages: int, moe_stages: int) -> dict:
+    """This rank's part of a pipeline's MoE step metrics. The loop averages every
+    rank's extras in one allreduce, so every rank gives the same keys and sizes: a rank
+    of a stage with MoE layers its stage's figures (`found`, step_metrics') x P / S
+    (S of the P stages hold MoE layers, as many ranks each), so that the mean over the
+    job is the mean over those ranks; the counts summed over a step's layers (dropped
+    tokens, balancing loss) x P, so that it is their sum over the model's layers, as
+    data parallelism's ranks report it; a rank of a stage without them zeros."""
+    if not found:
+        return {k: [0.0] * experts if k == "moe_load" else 0.0 for k in METRIC_KEYS}
+    out = {}
+    for key in METRIC_KEYS:
+        scale = stages if key in SUMMED_METRICS else stages / moe_stages
+        value = found[key]
+        out[key] = [v * scale for v in value] if isinstance(value, list) else value * scale
+    return out
+
+
 def gather_expert_weights(weights: dict, group: ExpertGroup, root: int = 0) -> dict | None:
     """Every rank's expert tensors merged into one dict on `root` (None elsewhere).
 

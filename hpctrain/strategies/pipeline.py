@@ -260,6 +260,12 @@ class Pipeline(StrategyBase):
 
         check_memory_plan(cfg, w, plan_of, log, self._gpu_budget, self._memory_where, always=True)
 
+    @property
+    def _moe_stages(self) -> int:
+        """How many stages hold MoE layers (as many ranks each): pipeline_metrics'."""
+        bounds = stage_bounds(self.counts)
+        return sum(any("moe" in spec.attrs for spec in self.layers[a:b]) for a, b in bounds)
+
     def _gpu_budget(self):
         """The GPU memory a stage on a GPU may use (collective over the node), else None."""
         return gpu_memory_budget(self.cfg, self.world) if self.links else None
@@ -358,6 +364,10 @@ class Pipeline(StrategyBase):
         busy, wall = np.zeros(P), np.zeros(P)
         busy[g.stage], wall[g.stage] = timing.busy * P, timing.wall * P
         extra = {"stage_busy_sec": list(busy), "stage_idle_sec": list(wall - busy)}
+        if self.moe:  # every rank the same keys: zeros on stages without MoE layers
+            found = self.stage.moe_metrics(timing.wall)
+            experts = self.cfg.model["moe"]["experts"]
+            extra |= moe_parallel.pipeline_metrics(found, experts, P, self._moe_stages)
         if g.last and g.coord["tensor"] == 0:  # a tensor group counts its batch once
             return StepStats(loss_sum, correct, self.terms, comm, extra)
         return StepStats(0.0, 0, 0, comm, extra)
