@@ -41,15 +41,29 @@ class ModelGroups:
         experts = ExpertGroup(grid.experts_x_tensor(), grid.data, ranks_per_batch=t)
         return cls(tensor, experts, grid)
 
+    @property
+    def _token_axis(self) -> str:
+        """The grid axis of the experts' token rows (from_grid's expert group)."""
+        return "experts-x-tensor" if self.tensor_parallel else "expert"
+
+    @property
+    def transport_axes(self) -> tuple[str, ...]:
+        """The grid axes these groups exchange over, for a backend to build its own
+        transports on (on_transports): the tensor axis, the experts' token rows' axis
+        and their copies' ("data")."""
+        experts = (self._token_axis, "data") if self.experts is not None else ()
+        return ("tensor",) * self.tensor_parallel + experts
+
     def on_transports(self, transports: dict) -> ModelGroups:
         """These groups with a backend's device-side transports over the same ranks
-        ({axis: transport}, e.g. the process-group engines'): the tensor axis's
-        activation sums over "tensor", the experts' token rows over "expert" and their
-        gradients over "data"; an axis not given stays on its MPI communicator."""
+        ({grid axis: transport} over `transport_axes`, e.g. the process-group
+        engines'): the tensor axis's activation sums, the experts' token rows and their
+        gradients; an axis not given stays on its MPI communicator."""
         tensor = self.tensor.with_transport(transports.get("tensor"))
         experts = self.experts
-        if experts is not None and "expert" in transports:
-            experts = experts.with_transports(transports["expert"], transports.get("data"))
+        if experts is not None and self._token_axis in transports:
+            tokens = transports[self._token_axis]
+            experts = experts.with_transports(tokens, transports.get("data"))
         return replace(self, tensor=tensor, experts=experts)
 
     @property

@@ -132,7 +132,8 @@ def grid_groups(grid, backend: str, timeout_s: float, device: torch.device, axes
 
     Cost: one TCP store connection per rank and one store barrier per axis among the
     axis's ranks, once; the groups a rank builds do not grow with the job (one per axis
-    asked for, at most 4, at 1,024 or 4,096 ranks alike). NCCL creates each group's
+    asked for, at most 5: a pipeline stage's pipe, replicas, tensor and the experts'
+    two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
     communicator at its first collective."""
     world = init_process_group(grid.world, backend, timeout_s, device)
     timeout, found = timedelta(seconds=group_timeout(backend, timeout_s)), {}

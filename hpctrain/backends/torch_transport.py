@@ -226,25 +226,19 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
     None, one process: a one-rank transport without a group, so that ZeRO's and the
     compressors' buffers stay tensors on the device as at any world size)}, and with
     tensor parallelism (the model's `groups`, a ModelGroups made from the grid)
-    {"tensor": over this rank's tensor axis}, with experts {"expert": their token
-    exchange's axis (with tensor parallelism the expert x tensor ranks of the replica,
-    ModelGroups.from_grid), "data": their copies'} too, each on its own group under
-    the job-wide default group (grid_groups)."""
+    {"tensor": over this rank's tensor axis}, with experts their token exchange's axis
+    ("expert", or with tensor parallelism "experts-x-tensor") and their copies'
+    ("data") too (ModelGroups.transport_axes), each on its own group under the
+    job-wide default group (grid_groups)."""
     if engine not in PROCESS_GROUP_ENGINES:
         return None
     timeout = cfg.runtime["collective_timeout"]
     if replicas is None:
         return {"replicas": ProcessGroupTransport(None, engine, timeout, device)}
-    experts = groups.experts is not None
-    if not groups.tensor_parallel and not experts:
+    if not groups.transport_axes:
         return {"replicas": ProcessGroupTransport(replicas, engine, timeout, device)}
-    tensor = groups.tensor_parallel
-    token_axis = "experts-x-tensor" if tensor else "expert"
-    axes = ["replicas"] + ["tensor"] * tensor + [token_axis, "data"] * experts
-    found = grid_transports(cfg, engine, device, groups.grid, tuple(axes))
-    if experts:
-        found["expert"] = found.pop(token_axis)
-    return found
+    axes = ("replicas", *groups.transport_axes)
+    return grid_transports(cfg, engine, device, groups.grid, axes)
 
 
 def grid_transports(cfg, engine: str, device, grid, axes) -> dict:

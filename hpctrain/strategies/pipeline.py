@@ -31,6 +31,7 @@ from __future__ import annotations
 import importlib
 import logging
 import math
+from functools import cached_property
 
 import numpy as np
 
@@ -260,7 +261,7 @@ class Pipeline(StrategyBase):
 
         check_memory_plan(cfg, w, plan_of, log, self._gpu_budget, self._memory_where, always=True)
 
-    @property
+    @cached_property
     def _moe_stages(self) -> int:
         """How many stages hold MoE layers (as many ranks each): pipeline_metrics'."""
         bounds = stage_bounds(self.counts)
@@ -273,20 +274,14 @@ class Pipeline(StrategyBase):
     def _process_group_links(self, device) -> dict:
         """The process-group engine's transports over the pipe axis (activations and
         gradients between stages), the stage's replicas (its gradients) and, given to
-        the model's groups, the tensor axis (the blocks' activation sums) and the
-        experts' axes (their token rows: "expert", the expert x tensor ranks with tensor
-        parallelism; their copies' gradients: "data"); {} on the other engines
-        (collective over the job)."""
+        the model's groups, their axes (ModelGroups.transport_axes: the blocks'
+        activation sums, the experts' token rows and their copies' gradients); {} on
+        the other engines (collective over the job)."""
         if self.engine not in PROCESS_GROUP_ENGINES:
             return {}
-        tokens = "experts-x-tensor" if self.tensor > 1 else "expert"
-        axes = ("pipe", "replicas") + ("tensor",) * (self.tensor > 1)
-        axes += (tokens, "data") * self.moe
+        axes = ("pipe", "replicas", *self.groups.transport_axes)
         links = process_group_links(self.cfg, self.engine, self.grid, axes, device)
-        if self.moe:
-            links["expert"] = links.pop(tokens)
-        if self.tensor > 1 or self.moe:
-            self.groups = self.groups.on_transports(links)
+        self.groups = self.groups.on_transports(links)
         return links
 
     def _shard(self, state: dict) -> dict:
