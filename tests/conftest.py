@@ -30,6 +30,7 @@ QUICK_MODULES = frozenset(
         "test_activation_checkpointing",
         "test_async_fence",
         "test_backend_step",
+        "test_pipeline_stream_order",
         "test_bench_projection",
         "test_checkpoint_atomic",
         "test_checkpoint_cli",

@@ -71,14 +71,8 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
     moe_tp = Config.load("configs/moe.yaml", [*on, "parallel.tensor=2"])
     assert moe_tp.parallel["tensor"] == 2 and moe_tp.model["moe"]
     moe_pipe = ["strategy=pipeline", "parallel.expert=null"]  # experts in the stages
-    if engine == "nccl":  # the pipeline's stages exchange over Gloo on GPU ranks
-        with pytest.raises(ConfigError, match="not nccl"):
-            Config.load("configs/pipeline.yaml", on)
-        with pytest.raises(ConfigError, match="not nccl"):
-            Config.load("configs/moe.yaml", [*on, *moe_pipe])
-    else:
-        assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
-        assert Config.load("configs/moe.yaml", [*on, *moe_pipe]).model["moe"]
+    assert Config.load("configs/pipeline.yaml", on).strategy == "pipeline"
+    assert Config.load("configs/moe.yaml", [*on, *moe_pipe]).model["moe"]
     with pytest.raises(ConfigError, match="strategy parameter_server runs on CPU ranks only"):
         Config.load("configs/ps.yaml", on)
 
@@ -91,14 +85,13 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
         (["train.allreduce=horovod"], "train.allreduce=horovod exchange host arrays"),
         (["train.zero=1"], "strategy pipeline, train.zero=1 on GPU ranks: not yet run"),
         (["train.compression=fp16"], "train.compression=fp16 exchange host arrays"),
-        (["train.allreduce=nccl"], "not nccl: NCCL runs a pair of ranks' point-to-point"),
+        (["train.allreduce=nccl"], "strategy pipeline on GPU ranks: not yet run across"),
     ],
 )
 def test_the_pipeline_runs_dense_stages_on_gpu_ranks_over_a_process_group(overrides, says):
-    """A GPU stage computes on its device and sends over the pipe axis's Gloo group
-    (staged through the host; NCCL's in-order point-to-point would deadlock on receives
-    posted ahead); what exchanges host arrays is refused in one line, and the layout
-    waits for the GPU check's verdict like every untested one."""
+    """A GPU stage computes on its device and sends over the pipe axis's process groups
+    (NCCL's, or Gloo's through the host); what exchanges host arrays is refused in one
+    line, and the layout waits for the GPU check's verdict like every untested one."""
     with pytest.raises(ConfigError, match=says):
         Config.load("configs/pipeline.yaml", ["runtime.device=cuda", *overrides])
 
@@ -208,3 +201,30 @@ def test_every_run_of_the_gpu_check_is_a_configuration_gpu_ranks_accept(monkeypa
         cfg = Config.load(None, [*test_gpu_jobs.BASE, *overrides])  # raises if refused
         wanted = "cpu" if "runtime.device=cpu" in overrides else "cuda"
         assert cfg.runtime["device"] == wanted, name
+
+
+class _OneRank:
+    is_root, rank, size = True, 0, 1
+
+    def bcast_object(self, obj, what=""):
+        return obj
+
+
+def test_nccl_groups_bind_no_device_so_each_subgroup_needs_only_its_members(monkeypatch):
+    """With a device bound to the default group, torch makes every later subgroup by
+    splitting its NCCL communicator, a collective every rank of the job must enter;
+    grid_groups' subgroups are made by their members alone (use_local_synchronization),
+    so the members would wait out NCCL's timeout. The default group binds none."""
+    import inspect
+
+    import torch.distributed as dist
+
+    from hpctrain.backends.torch_pg import init_process_group
+
+    helper = inspect.getsource(dist.distributed_c10d._new_process_group_helper)
+    assert "_get_default_group().bound_device_id" in helper  # torch's rule for splitting
+    seen = {}
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
+    init_process_group(_OneRank(), "nccl", 5.0)
+    assert seen["world_size"] == 1 and "device_id" not in seen, seen

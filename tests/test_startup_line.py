@@ -77,10 +77,14 @@ def test_gpu_ranks_keep_their_own_reasons():
     # ZeRO runs on a process group's buffers: Gloo stages them through the host
     engine, why = choose(_cfg({"zero": 2}), 2, 1, cores=64, device="cuda", gpu_shared=True)
     assert engine == "gloo" and "share a GPU" in why
-    # a GPU pipeline's links are Gloo's, shared GPU or not (devices.PIPELINE_NO_NCCL)
+    # a GPU pipeline's links are a process group's: NCCL's, or Gloo's on a shared GPU
     pipeline = Config.load("configs/pipeline.yaml")
-    assert choose(pipeline, 2, 1, cores=64, device="cuda", gpu_shared=True)[0] == "gloo"
-    assert choose(pipeline, 2, 1, cores=64, device="cuda")[0] == "gloo"
+    engine, why = choose(pipeline, 2, 1, cores=64, device="cuda", gpu_shared=True)
+    assert engine == "gloo" and "share a GPU" in why
+    assert choose(pipeline, 2, 1, cores=64, device="cuda") == (
+        "nccl",
+        "auto: GPU stages exchange on the device with NCCL",
+    )
 
 
 # --- the settings and the no-op warnings, without MPI -----------------------------------

@@ -40,14 +40,16 @@ def choose(
     through `world`, so no rank waits in an MPI allreduce while another runs Horovod.
     GPU ranks (device "cuda", the same on every rank): `auto` is NCCL, unless ranks share
     a GPU (`gpu_shared`, agreed by the caller), which only the host-staged engines allow
-    (mpi, or gloo for what runs on a process group's buffers). A GPU pipeline: gloo.
+    (mpi, or gloo for what runs on a process group's buffers, as the pipeline's links).
     """
     wanted = cfg.train["allreduce"]  # what it cannot carry: strategies/composition
     compression = cfg.train["compression"]
     if wanted != "auto":
         return wanted, "train.allreduce"
-    if device == "cuda" and cfg["strategy"] == "pipeline":  # see devices.PIPELINE_NO_NCCL
-        return "gloo", "auto: a GPU pipeline's stages exchange over Gloo (host-staged)"
+    if device == "cuda" and cfg["strategy"] == "pipeline":  # links on a process group
+        if gpu_shared:
+            return "gloo", "auto: ranks share a GPU, so Gloo stages the stages' messages"
+        return "nccl", "auto: GPU stages exchange on the device with NCCL"
     if device == "cuda":
         if gpu_shared and mpi_only_features(cfg):  # these run on a process group's buffers
             return "gloo", "auto: ranks share a GPU, so Gloo stages its buffers through the host"

@@ -87,10 +87,18 @@ def group_timeout(backend: str, timeout_s: float) -> float:
     return float(timeout_s) + (GLOO_AFTER_WATCHDOG_S if backend == "gloo" else 0.0)
 
 
-def init_process_group(comm, backend: str, timeout_s: float, device: torch.device):
+def init_process_group(comm, backend: str, timeout_s: float):
     """torch.distributed's default group over `comm`'s ranks (a guarded MPI
     communicator), bootstrapped over it. A group left by an earlier run in this process
-    (tests train several runs per launch) is replaced: each run has its own store."""
+    (tests train several runs per launch) is replaced: each run has its own store.
+
+    No `device_id` is bound, on purpose: with one bound, torch makes every later
+    subgroup by ncclCommSplit of this group, a collective that every rank of the job
+    must enter, while grid_groups' subgroups are made by their members alone
+    (`use_local_synchronization`), so the members would wait for the rest until NCCL's
+    timeout. Unbound, each NCCL communicator is created among its group's ranks at its
+    first collective, on the device of its tensors (the rank's GPU: torch_device sets
+    it)."""
     timeout = timedelta(seconds=group_timeout(backend, timeout_s))
     if comm.is_root:
         store = dist.TCPStore(
@@ -103,9 +111,8 @@ def init_process_group(comm, backend: str, timeout_s: float, device: torch.devic
     if not comm.is_root:
         addr = _reachable(where[0], where[1], time.monotonic() + float(timeout_s))
         store = dist.TCPStore(addr, where[1], comm.size, is_master=False, timeout=timeout)
-    kwargs = {"device_id": device} if backend == "nccl" else {}  # NCCL binds its GPU
     dist.init_process_group(
-        backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout, **kwargs
+        backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout
     )
     return dist.group.WORLD
 
@@ -122,26 +129,38 @@ def check_backend(engine: str, device: torch.device) -> None:
         raise ConfigError(f"train.allreduce={engine}: this torch build has no torch.distributed")
 
 
-def grid_groups(grid, backend: str, timeout_s: float, device: torch.device, axes) -> dict:
+# A second group over an axis's ranks, for traffic that must not queue on the first's
+# stream: NCCL runs a group's point-to-point calls in issue order, and the pipeline's
+# gradients flow against its activations (pipeline/transport.py).
+SECOND_GROUPS = (("pipe-back", "pipe"),)  # (group, the axis it spans)
+
+
+def axis_of(name: str) -> str:
+    """The grid axis whose ranks the group `name` spans."""
+    return dict(SECOND_GROUPS).get(name, name)
+
+
+def grid_groups(grid, backend: str, timeout_s: float, axes) -> dict:
     """{axis: process group} for this rank's `axes` of `grid` (a ProcessGrid), as
     torchtitan's DeviceMesh has one group per mesh dimension: the default group over the
     whole job (bootstrapped over MPI, above), then one subgroup per axis this rank is in,
     made by its own members only (`use_local_synchronization`: a group's barrier is among
     its ranks, and every rank creates its groups in the same order). An axis of the whole
-    job is the default group; an axis of one rank has none (None).
+    job is the default group, a second group over an axis (SECOND_GROUPS) its own; an
+    axis of one rank has none (None).
 
     Cost: one TCP store connection per rank and one store barrier per axis among the
     axis's ranks, once; the groups a rank builds do not grow with the job (one per axis
-    asked for, at most 5: a pipeline stage's pipe, replicas, tensor and the experts'
-    two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
+    asked for, at most 6: a pipeline stage's two over the pipe axis, replicas, tensor and
+    the experts' two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
     communicator at its first collective."""
-    world = init_process_group(grid.world, backend, timeout_s, device)
+    world = init_process_group(grid.world, backend, timeout_s)
     timeout, found = timedelta(seconds=group_timeout(backend, timeout_s)), {}
     for axis in axes:
-        ranks = grid.members(axis)
+        ranks = grid.members(axis_of(axis))
         if len(ranks) == 1:
             found[axis] = None
-        elif len(ranks) == grid.world.size:
+        elif len(ranks) == grid.world.size and axis == axis_of(axis):
             found[axis] = world
         else:
             found[axis] = dist.new_group(

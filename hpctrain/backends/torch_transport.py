@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from .gradient_engine import PROCESS_GROUP_ENGINES
 from .torch_arrays import TorchArrays
-from .torch_pg import check_backend, grid_groups, group_timeout, init_process_group
+from .torch_pg import axis_of, check_backend, grid_groups, group_timeout, init_process_group
 
 _OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}
 # torch 2.13 renamed the equal-split collectives (the old names warn)
@@ -77,7 +77,7 @@ class ProcessGroupTransport(TorchArrays):
         self.watchdog = getattr(comm, "watchdog", None)  # the MPI communicator's
         self.group = group
         if group is None and self.size > 1:
-            self.group = init_process_group(comm, engine, timeout_s, device)
+            self.group = init_process_group(comm, engine, timeout_s)
 
     def wait_work(self, work, what: str) -> None:
         """Wait for `work` under the deadline; a failure names `what` and this rank."""
@@ -243,10 +243,11 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
 
 def grid_transports(cfg, engine: str, device, grid, axes) -> dict:
     """{axis: a ProcessGroupTransport over this rank's `axes` of `grid`}, each on its own
-    group under the job-wide default group (grid_groups: collective over the job)."""
+    group under the job-wide default group (grid_groups: collective over the job); a
+    second group over an axis (torch_pg.SECOND_GROUPS) is named as its caller asks."""
     timeout = cfg.runtime["collective_timeout"]
-    groups = grid_groups(grid, engine, timeout, device, axes)
+    groups = grid_groups(grid, engine, timeout, axes)
     return {
-        axis: ProcessGroupTransport(grid.axes[axis], engine, timeout, device, group=group)
+        axis: ProcessGroupTransport(grid.axes[axis_of(axis)], engine, timeout, device, group=group)
         for axis, group in groups.items()
     }

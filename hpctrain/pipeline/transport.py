@@ -2,21 +2,31 @@
 
 Shapes and dtypes are agreed once when the pipeline is built (a micro-batch always has
 `train.batch_size` samples), so every message is a bare contiguous buffer: no pickling,
-no per-step metadata. The buffers and the messages are the pipe axis's transport's
+no per-step metadata. The buffers and the messages are the pipe axis's transports'
 (exchange/transport.py): numpy over MPI `Isend`/`Irecv` on the `mpi` engine, torch
-tensors over the process group's `isend`/`irecv` on `gloo` (CPU ranks, and GPU ranks,
-whose messages the transport stages through the host). A receive is posted one
-micro-batch ahead, so the next input arrives while this one is computed. That order is
-why NCCL is refused here (runtime/devices.PIPELINE_NO_NCCL): it runs a pair's calls in
-issue order on one stream, and a receive posted ahead of the peer's first send blocks
-the sends queued behind it. A received buffer is handed to the
-caller and is not reused until the caller releases it: a stage input stays valid until
-its backward pass (reusing one receive buffer for the next micro-batch is exactly the
-"pipeline overwrites its own inputs" bug). Sent arrays are kept alive until the
-transport reports the send complete.
+tensors over the process groups' `isend`/`irecv` on `gloo` (CPU ranks, and GPU ranks
+sharing a GPU, whose messages the transport stages through the host) and `nccl` (GPU
+ranks, on the device).
 
-Every wait has a deadline (`runtime.collective_timeout`): a neighbour that stopped or
-hangs ends the job with a message naming its stage and world rank.
+Two orders keep every engine deadlock-free. Where a wait blocks the host (MPI, Gloo) a
+receive is posted one micro-batch ahead, so the next input arrives while this one is
+computed. NCCL matches a pair's calls by issue order on its group's stream and its
+waits only order the device's streams (the host never blocks, so posting ahead gains
+nothing there); a receive posted ahead of a send would queue that send behind it. So on
+NCCL (`post_ahead=False`) each receive is issued where its data is used, and gradients
+travel on a second group over the same ranks (`back`): each group's stream then carries
+one direction, in micro-batch order at both ends, as every schedule sends
+(tests/test_pipeline_stream_order.py checks this against NCCL's stream semantics for
+both schedules, and that one group with receives ahead would deadlock).
+
+A received buffer is handed to the caller and is not reused until the caller releases
+it: a stage input stays valid until its backward pass (reusing one receive buffer for
+the next micro-batch is exactly the "pipeline overwrites its own inputs" bug). Sent
+arrays are kept alive until the transport reports the send complete.
+
+Every wait has a deadline (`runtime.collective_timeout`; NCCL's is its group timeout):
+a neighbour that stopped or hangs ends the job with a message naming its stage and
+world rank.
 """
 
 from __future__ import annotations
@@ -34,11 +44,16 @@ class StageTransport:
 
     def __init__(
         self, pipe, stage: int, stages: int, in_shape, out_shape, dtype=np.float32,
-        peer_rank=lambda s: s,
+        peer_rank=lambda s: s, back=None, post_ahead: bool = True,
     ):  # fmt: skip
         """pipe: the transport of the grid's `pipe` axis (a guarded communicator, or a
-        process group's); peer_rank(stage) gives a stage's world rank, for messages."""
+        process group's), which carries the activations; back: the gradients' (a second
+        group over the same ranks; default `pipe`); post_ahead: post each receive one
+        micro-batch early (not on NCCL, above); peer_rank(stage) gives a stage's world
+        rank, for messages."""
         self.pipe = pipe
+        self.back = pipe if back is None else back
+        self.post_ahead = post_ahead
         self.stage = stage
         self.peer_rank = peer_rank
         self.prev = stage - 1 if stage > 0 else None
@@ -62,7 +77,7 @@ class StageTransport:
         # Gradient buffers are never pooled: a framework may keep the upstream gradient
         # (e.g. as the gradient of a residual input) after the backward returns.
         shape = self.in_shape if kind == ACT else self.out_shape
-        return self.pipe.zeros(math.prod(shape), self.dtype.name).reshape(shape)
+        return self._link(kind).zeros(math.prod(shape), self.dtype.name).reshape(shape)
 
     def release(self, buf) -> None:
         """Give a received activation buffer back after its micro-batch's backward.
@@ -84,7 +99,7 @@ class StageTransport:
         src = self.prev if kind == ACT else self.next
         buf = self._buffer(kind)
         what = "activation" if kind == ACT else "gradient"
-        pending = self.pipe.start_recv(
+        pending = self._link(kind).start_recv(
             buf.reshape(-1),
             src,
             2 * micro + kind,
@@ -92,6 +107,9 @@ class StageTransport:
             self._name(src),
         )
         self._posted[(kind, micro)] = (pending, buf)
+
+    def _link(self, kind: int):
+        return self.pipe if kind == ACT else self.back
 
     def _take(self, kind: int, micro: int):
         self._post(kind, micro)
@@ -102,11 +120,13 @@ class StageTransport:
         return buf
 
     def post_activation(self, micro: int) -> None:
-        if self.prev is not None:
+        """Post the receive of `micro`'s input now (where posting ahead is on)."""
+        if self.prev is not None and self.post_ahead:
             self._post(ACT, micro)
 
     def post_gradient(self, micro: int) -> None:
-        if self.next is not None:
+        """Post the receive of `micro`'s output gradient now (where posting ahead is on)."""
+        if self.next is not None and self.post_ahead:
             self._post(GRAD, micro)
 
     def activation(self, micro: int):
@@ -118,9 +138,10 @@ class StageTransport:
         return self._take(GRAD, micro)
 
     # --- sends ---------------------------------------------------------------------
-    def _send(self, arr, dest: int, tag: int, shape: tuple) -> None:
+    def _send(self, kind: int, arr, dest: int, tag: int, shape: tuple) -> None:
+        link = self._link(kind)
         if isinstance(arr, np.ndarray):  # a host array from the stage: the transport's
-            arr = self.pipe.from_host(np.ascontiguousarray(arr))  # (no copy on CPUs)
+            arr = link.from_host(np.ascontiguousarray(arr))  # (no copy on CPUs)
         dtype = str(arr.dtype).removeprefix("torch.")
         if tuple(arr.shape) != shape or dtype != self.dtype.name:
             raise RuntimeError(
@@ -128,16 +149,16 @@ class StageTransport:
                 f"{self.dtype.name}{shape}"
             )
         what = f"pipeline {self._name(self.stage)} sending to {self._name(dest)}"
-        pending = self.pipe.start_send(arr.reshape(-1), dest, tag, what, self._name(dest))
+        pending = link.start_send(arr.reshape(-1), dest, tag, what, self._name(dest))
         self._sends.append((pending, arr, dest))
         self.bytes_sent += math.prod(shape) * self.dtype.itemsize
         self.progress()
 
     def send_activation(self, micro: int, arr) -> None:
-        self._send(arr, self.next, 2 * micro + ACT, self.out_shape)
+        self._send(ACT, arr, self.next, 2 * micro + ACT, self.out_shape)
 
     def send_gradient(self, micro: int, arr) -> None:
-        self._send(arr, self.prev, 2 * micro + GRAD, self.in_shape)
+        self._send(GRAD, arr, self.prev, 2 * micro + GRAD, self.in_shape)
 
     def progress(self) -> None:
         """Let the transport advance outstanding sends and forget the finished ones."""

@@ -130,8 +130,8 @@ def gpu_unsupported(cfg) -> str | None:
     parallelism, experts and compression on the process-group engines (their buffers on
     the device: `nccl`, or `gloo`, which stages CUDA tensors through the host itself);
     the host-staged `mpi` engine averages dense gradients only. The pipeline's stages
-    compute on the device and exchange over Gloo's process groups (with or without
-    tensor parallelism, ZeRO-1 or experts; not NCCL, see PIPELINE_NO_NCCL). The
+    compute on the device and exchange over the process groups, NCCL's or Gloo's (with
+    or without tensor parallelism, ZeRO-1 or experts). The
     parameter server, hierarchical allreduce and local SGD exchange host arrays. What
     has not run across ranks on a GPU yet waits for GPU_UNTESTED."""
     if cfg["backend"] != "torch":
@@ -167,24 +167,11 @@ def gpu_unsupported(cfg) -> str | None:
     return None
 
 
-PIPELINE_NO_NCCL = (
-    "NCCL runs a pair of ranks' point-to-point calls in issue order on one stream, and a "
-    "stage posts each receive one micro-batch ahead of the sends its peer issues first, "
-    "which would deadlock (grouped send/recv per schedule step, as Megatron's "
-    "batch_isend_irecv, is not built)"
-)
-
-
 def _pipeline_on_gpu(cfg) -> str | None:
     """Why the pipeline's stages cannot run on GPU ranks with `cfg` (None: they can):
-    they compute on the GPU and exchange over Gloo, which stages the tensors through
-    the host; not over NCCL (PIPELINE_NO_NCCL)."""
+    they compute on the GPU and exchange over a process group's links, NCCL's on the
+    device (one GPU per rank) or Gloo's through the host (ranks sharing a GPU)."""
     engine, train = cfg["train"]["allreduce"], cfg["train"]
-    if engine == "nccl":
-        return (
-            "the pipeline's stages run on GPU ranks over train.allreduce=gloo (or auto), "
-            f"not nccl: {PIPELINE_NO_NCCL}"
-        )
     host = (
         (f"train.allreduce={engine}", engine in ("mpi", "horovod", "overlap")),
         (f"train.compression={train['compression']}", train["compression"] != "none"),
@@ -193,7 +180,7 @@ def _pipeline_on_gpu(cfg) -> str | None:
     if not clash:
         return None
     return (
-        f"the pipeline's stages run on GPU ranks over train.allreduce=gloo (or auto) "
+        f"the pipeline's stages run on GPU ranks over train.allreduce=nccl, gloo or auto "
         f"(ZeRO-1 and experts too); {', '.join(clash)} exchange host arrays "
         "(CPU ranks)"
     )

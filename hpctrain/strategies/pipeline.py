@@ -18,10 +18,10 @@ s+1 (the activations between stages are whole on every tensor rank), and gradien
 averaged over the data axis of each (stage, tensor) slot. Checkpoints stay canonical:
 each tensor rank writes its slices, rank 0 joins them for a gathered state.
 
-On the process-group engine (`train.allreduce: gloo`, torch; on CPU ranks, and on GPU
-ranks, where Gloo stages the messages through the host: NCCL is refused there, see
-runtime/devices.PIPELINE_NO_NCCL) every link is a process group's and a stage computes
-on its rank's device: activations, gradients, the replicas' average and the clip's
+On the process-group engines (torch: `train.allreduce: gloo` on CPU ranks, or GPU ranks
+sharing a GPU, where Gloo stages the messages through the host; `nccl` on GPU ranks,
+the messages on the device, in the order pipeline/transport.py gives) every link is a
+process group's and a stage computes on its rank's device: activations, gradients, the replicas' average and the clip's
 norm stay tensors there, and nothing in a step reads back to the host
 (tests/scripts/step_reads.py checks every such run over Gloo).
 """
@@ -188,6 +188,8 @@ class Pipeline(StrategyBase):
             None if g.first else in_shape,
             None if g.last else out_shape,
             peer_rank=lambda s: g.rank_of(**{**g.coord, "pipe": s}),
+            back=links.get("pipe-back"),
+            post_ahead=self.engine != "nccl",  # NCCL's in-order streams: transport.py
         )
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * cfg.train["batch_size"] * (inp.shape[0] if inp.tokens else 1)
@@ -272,14 +274,15 @@ class Pipeline(StrategyBase):
         return gpu_memory_budget(self.cfg, self.world) if self.links else None
 
     def _process_group_links(self, device) -> dict:
-        """The process-group engine's transports over the pipe axis (activations and
-        gradients between stages), the stage's replicas (its gradients) and, given to
+        """The process-group engine's transports over the pipe axis (activations, and
+        on a second group the gradients, between stages: pipeline/transport.py says
+        why), the stage's replicas (its gradients) and, given to
         the model's groups, their axes (ModelGroups.transport_axes: the blocks'
         activation sums, the experts' token rows and their copies' gradients); {} on
         the other engines (collective over the job)."""
         if self.engine not in PROCESS_GROUP_ENGINES:
             return {}
-        axes = ("pipe", "replicas", *self.groups.transport_axes)
+        axes = ("pipe", "pipe-back", "replicas", *self.groups.transport_axes)
         links = process_group_links(self.cfg, self.engine, self.grid, axes, device)
         self.groups = self.groups.on_transports(links)
         return links

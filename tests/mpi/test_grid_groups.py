@@ -22,7 +22,7 @@ CPU = torch.device("cpu")
 def grid_and_transports():
     w = world()
     grid = ProcessGrid(w, tensor=2)
-    groups = grid_groups(grid, "gloo", 60.0, CPU, ("replicas", "tensor"))
+    groups = grid_groups(grid, "gloo", 60.0, ("replicas", "tensor"))
     transports = {
         axis: ProcessGroupTransport(grid.axes[axis], "gloo", 60.0, CPU, group=group)
         for axis, group in groups.items()

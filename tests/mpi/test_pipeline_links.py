@@ -1,0 +1,73 @@
+"""The pipeline's links over real Gloo groups in every rank of a job (np 2 and 4, one
+stage per rank): activations on the pipe axis's group, gradients on its second group
+(torch_pg.SECOND_GROUPS), with receives posted ahead (MPI's and Gloo's order) and
+without (NCCL's: pipeline/transport.py). Every stage gets every micro-batch's input and
+output gradient with the values the chain of stages gives, under both schedules.
+tests/test_pipeline_stream_order.py plays the same calls under NCCL's stream rules."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hpctrain.backends.torch_pg import grid_groups
+from hpctrain.backends.torch_transport import ProcessGroupTransport
+from hpctrain.pipeline.engine import run_step
+from hpctrain.pipeline.schedule import SCHEDULES, stage_actions
+from hpctrain.pipeline.transport import StageTransport
+from hpctrain.runtime import world
+from hpctrain.runtime.grid import ProcessGrid
+
+CPU = torch.device("cpu")
+SHAPE = (3, 2)
+MICRO = 5
+
+
+@pytest.fixture(scope="module")
+def links():
+    w = world()
+    grid = ProcessGrid(w, pipe=w.size)
+    groups = grid_groups(grid, "gloo", 60.0, ("pipe", "pipe-back"))
+    assert groups["pipe"] is not groups["pipe-back"]  # a whole-job axis: a group of its own
+    yield {
+        axis: ProcessGroupTransport(grid.axes["pipe"], "gloo", 60.0, CPU, group=group)
+        for axis, group in groups.items()
+    }
+    dist.destroy_process_group()
+
+
+class Stage:
+    """x -> 2x + 1 forward, g -> 3g backward; the last stage's loss gradient is i + 1."""
+
+    def __init__(self, last: bool):
+        self.last, self.inputs, self.grads = last, {}, {}
+
+    def forward(self, i, x, y, scale):
+        x = torch.as_tensor(x).clone()
+        self.inputs[i] = x
+        return 2 * x + 1
+
+    def backward(self, i, grad):
+        self.grads[i] = None if grad is None else grad.clone()
+        return torch.full(SHAPE, float(i + 1)) if self.last else 3 * grad
+
+
+@pytest.mark.parametrize("post_ahead", [True, False])
+@pytest.mark.parametrize("schedule", SCHEDULES)
+def test_each_stage_gets_every_input_and_gradient(links, schedule, post_ahead):
+    w = world()
+    s, stages = w.rank, w.size
+    link = StageTransport(
+        links["pipe"], s, stages, SHAPE, SHAPE, back=links["pipe-back"], post_ahead=post_ahead
+    )  # fmt: skip
+    stage = Stage(last=s == stages - 1)
+    batch = [(torch.full(SHAPE, float(10 * i)), None) for i in range(MICRO)]
+    run_step(stage, link, stage_actions(schedule, s, stages, MICRO), batch, MICRO, 1.0)
+    for i in range(MICRO):
+        x = 10.0 * i
+        for _ in range(s):
+            x = 2 * x + 1
+        assert torch.equal(stage.inputs[i], torch.full(SHAPE, x)), (i, stage.inputs[i])
+        if s < stages - 1:
+            want = float(i + 1) * 3 ** (stages - 2 - s)
+            assert torch.equal(stage.grads[i], torch.full(SHAPE, want)), (i, stage.grads[i])
+    w.barrier("pipeline links step")
