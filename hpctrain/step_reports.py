@@ -11,6 +11,7 @@ rank still acts on the same numbers at the same step; whatever must see the newe
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,13 +92,22 @@ class StepReducer:
                 self._send(*earlier)
         return settled if self.overlap else settled + self._wait()
 
+    def _read_sums(self, step, stats) -> tuple[float, float]:
+        """The step's loss sum and correct count. On a GPU rank float() waits for the
+        step's device work, its NCCL collectives included: under the watchdog's deadline
+        (runtime.collective_timeout), so a peer that stopped or hangs is named and the
+        job ends, as in an MPI collective, before NCCL's own timeout (torch_pg)."""
+        watchdog = getattr(self.world, "watchdog", None)
+        guarded = watchdog is not None and _on_device(stats)
+        with watchdog.guard(f"step {step}'s device work") if guarded else contextlib.nullcontext():
+            return float(stats.loss_sum), float(stats.correct)
+
     def _send(self, step, stats, lr, seconds, preempt, save_due) -> None:
-        # float(): reads a device sum (waits for its step; see push)
-        loss_sum = float(stats.loss_sum)
+        loss_sum, correct = self._read_sums(step, stats)  # a device sum: see push
         bad = not np.isfinite(loss_sum)
         head = [
             0.0 if bad else loss_sum,
-            float(stats.correct),
+            correct,
             stats.count,
             float(bad),
             float(preempt),

@@ -154,6 +154,53 @@ def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
     assert report.nonfinite and report.step == 1  # NaN on the device still stops the run
 
 
+def test_a_device_steps_read_is_a_watchdog_section():
+    """On NCCL the host waits only where it reads a step's sums: that read is a section
+    of the MPI watchdog's, so a peer that stopped is named at the collective timeout,
+    before NCCL's own (a host step's numbers are plain floats: no section)."""
+    import contextlib
+
+    import torch
+
+    from hpctrain.backends.base import StepStats
+    from hpctrain.runtime.comm import PendingArray
+    from hpctrain.step_reports import StepReducer
+
+    class Sum:  # a device sum: reading it is the wait
+        def __init__(self, value, log):
+            self.value, self.log = value, log
+
+        def __float__(self):
+            self.log.append("read")
+            return self.value
+
+    class World:
+        size = 1
+
+        def __init__(self):
+            self.log = []
+            self.watchdog = self
+
+        @contextlib.contextmanager
+        def guard(self, what):
+            self.log.append(f"enter {what}")
+            yield
+            self.log.append("leave")
+
+        def start_allreduce_array(self, local, op, what):
+            return PendingArray(local)
+
+    w = World()
+    r = StepReducer(w)
+    r.push(1, StepStats(Sum(2.0, w.log), torch.tensor(3.0), 4, 0.0), 0.1, 0.01)
+    (report,) = r.drain()
+    assert w.log == ["enter step 1's device work", "read", "leave"]
+    assert (report.loss_sum, report.totals[1]) == (2.0, 3.0)
+    r.push(2, StepStats(5.0, 1, 4, 0.0), 0.1, 0.01)
+    r.drain()
+    assert len(w.log) == 3  # a host step's floats: no section
+
+
 def test_the_pipeline_runs_on_the_process_group_engine_with_its_zero():
     cfg = Config.load("configs/pipeline.yaml", ["train.allreduce=gloo"])
     assert cfg.strategy == "pipeline"

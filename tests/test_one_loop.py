@@ -134,7 +134,7 @@ def _usr1_after_steps(proc, run, tag, steps=3) -> str:
     ids=["pipeline", "gloo-zero3"],
 )
 def test_a_stopped_peer_is_named_within_the_timeout(tmp_path, layout):
-    from hpctrain.backends.torch_pg import GLOO_AFTER_WATCHDOG_S
+    from hpctrain.backends.torch_pg import GROUPS_AFTER_WATCHDOG_S
 
     run = tmp_path / "run"
     # The deadline under test, for the whole run: in a healthy run of this job the
@@ -159,7 +159,7 @@ def test_a_stopped_peer_is_named_within_the_timeout(tmp_path, layout):
     print(f"stopped peer: job ended {took:.1f} s after SIGSTOP (timeout {timeout} s)")
     assert proc.returncode != 0, out
     gloo = "train.allreduce=gloo" in layout
-    assert took < timeout + (GLOO_AFTER_WATCHDOG_S if gloo else 10), (took, out)
+    assert took < timeout + (GROUPS_AFTER_WATCHDOG_S if gloo else 10), (took, out)
     # stage 0 waits for stage 1's gradient or to finish sending it an activation (or,
     # less often, for its step report, or in an epoch end's checkpoint, which rank 1 had
     # entered before it was stopped); ZeRO-3's rank 0 in a gather or reduce-scatter

@@ -8,8 +8,9 @@ tags), complete together once both reach the head of their streams (a rendezvous
 NCCL may finish a small send earlier, never later); a call waits for the compute
 issued before it, and compute issued after a wait waits for that call.
 
-The calls are recorded from the real engine (pipeline/engine.run_step over
-pipeline/transport.StageTransport) with a transport that only records, for both
+The calls are recorded from the real engine (StageTransport.connect, then
+pipeline/engine.run_step over pipeline/transport.StageTransport) with a transport that
+only records, for both
 schedules, 2 to 6 stages and 1 to 8 micro-batches. With the order the pipeline uses on
 NCCL (each receive where its data is used, gradients on a second group) every call
 completes. The same player finds the deadlock of one group with receives posted one
@@ -170,6 +171,7 @@ def _play_step(schedule, stages, micro, second_group, post_ahead) -> list[str]:
     device = Device()
     batch = [(np.zeros(SHAPE, np.float32), None)] * micro
     for s, link in _links(device, stages, second_group, post_ahead):
+        link.connect()  # as the pipeline does, before its first step
         run_step(
             Stage(device, s), link, stage_actions(schedule, s, stages, micro), batch, micro, 1.0
         )

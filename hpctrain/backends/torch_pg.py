@@ -7,10 +7,15 @@ connects to the first address it can reach (the emulated nodes and real clusters
 several interfaces; loopback is tried last). NCCL on GPU ranks, Gloo on CPU ranks: the
 same code, so the CPU suite exercises what GPU nodes run.
 
-Deadlines: the group's `timeout` is `runtime.collective_timeout`. A Gloo collective that
-passes it raises on that rank (fail-together then ends the job naming it); NCCL's
-watchdog aborts a timed-out or failed communicator and ends the process (torch's
-default TORCH_NCCL_ASYNC_ERROR_HANDLING), and mpirun/srun end the rest of the job.
+Deadlines: where a rank's host waits (a Gloo collective; on GPU ranks, reading a
+step's results, step_reports.py) the wait is a section of the MPI watchdog's, whose
+deadline `runtime.collective_timeout` probes every rank and ends the job naming the one
+that stopped or hangs. The groups' own timeout comes after it (group_timeout), as the
+fallback: a Gloo collective that passes it raises on that rank (fail-together then
+ends the job naming it); NCCL's watchdog, at its timeout, logs the timed-out
+collective with the rank that saw it and ends that process (torch's default
+TORCH_NCCL_ASYNC_ERROR_HANDLING=3 rethrows in its thread), and mpirun/srun end the rest
+of the job.
 
 Cost at scale: bootstrap is one MPI broadcast and N-1 TCP connections to rank 0's
 store (torch's libuv store serves thousands of clients: seconds at 4,096 ranks, once).
@@ -25,6 +30,7 @@ data or pipe axis) gets its own subgroup (`grid_groups`).
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import socket
 import struct
@@ -74,17 +80,18 @@ def _reachable(addresses: list[str], port: int, deadline: float) -> str:
         time.sleep(0.2)
 
 
-# Gloo's own deadline comes after the MPI watchdog's, which guards every wait on a CPU
-# rank (torch_transport.py): at runtime.collective_timeout the watchdog probes every rank
-# and ends the job naming the one that stopped (its probe and grace take under 10 s,
-# runtime/watchdog.py); Gloo's error, later, is the fallback. NCCL keeps the timeout:
-# its own watchdog enforces it, and a GPU rank's wait does not block the host.
-GLOO_AFTER_WATCHDOG_S = 15.0
+# The groups' own deadline comes after the MPI watchdog's, which guards every host wait
+# on a CPU rank (torch_transport.py) and a GPU rank's read of each step's results
+# (step_reports.py): at runtime.collective_timeout the watchdog probes every rank and
+# ends the job naming the one that stopped (its probe and grace take under 10 s,
+# runtime/watchdog.py); Gloo's error or NCCL's watchdog, later, is the fallback.
+GROUPS_AFTER_WATCHDOG_S = 15.0
 
 
 def group_timeout(backend: str, timeout_s: float) -> float:
-    """Seconds a process group of `backend` waits before failing an operation."""
-    return float(timeout_s) + (GLOO_AFTER_WATCHDOG_S if backend == "gloo" else 0.0)
+    """Seconds a process group of `backend` (gloo or nccl) waits before failing an
+    operation."""
+    return float(timeout_s) + GROUPS_AFTER_WATCHDOG_S
 
 
 def init_process_group(comm, backend: str, timeout_s: float):
@@ -114,7 +121,20 @@ def init_process_group(comm, backend: str, timeout_s: float):
     dist.init_process_group(
         backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout
     )
+    if not _at_exit:  # once per process; before mpi4py's MPI_Finalize (registered earlier)
+        _at_exit.append(atexit.register(_destroy_at_exit))
     return dist.group.WORLD
+
+
+_at_exit: list = []  # the exit hook, once registered
+
+
+def _destroy_at_exit() -> None:
+    """The last run's groups, destroyed at a normal exit as NCCL asks (its pending work
+    finished; torch warns otherwise, and a peer could wait on a process gone). A job
+    that fails ends through MPI_Abort or os._exit, which skip this."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def check_backend(engine: str, device: torch.device) -> None:

@@ -10,12 +10,12 @@ ranks, or CUDA tensors it stages through the host) the wait is guarded by the MP
 communicator's watchdog with `runtime.collective_timeout`, as an MPI collective is: at
 the deadline it probes every rank and ends the job naming the rank that never arrived
 or does not answer (stopped, hung). Gloo's own deadline is set later
-(torch_pg.group_timeout), its error the fallback. With NCCL the wait only orders the
-device's stream (the host does not block) and the deadline is the group's timeout,
-enforced by NCCL's watchdog, which aborts the communicator and ends the process
-(torch's default). Either failure raises `CollectiveError` naming the
-collective (`what`), the rank and the group, which fail-together turns into the job's
-end. Costs per collective: the Protocol's docstring; uneven counts (never ZeRO's, whose
+(torch_pg.group_timeout), its error the fallback, raised as `CollectiveError` naming
+the collective (`what`), the rank and the group, which fail-together turns into the
+job's end. With NCCL the wait only orders the device's stream (the host does not
+block): the host waits where the loop reads a step's results, under the watchdog
+(step_reports.py), and NCCL's watchdog ends the process later, at the group's timeout
+(torch_pg.py). Costs per collective: the Protocol's docstring; uneven counts (never ZeRO's, whose
 pieces are equal) pad to the largest piece, as the process groups gather equal pieces.
 """
 
@@ -244,10 +244,19 @@ def process_group_transports(cfg, engine: str, device, replicas, groups) -> dict
 def grid_transports(cfg, engine: str, device, grid, axes) -> dict:
     """{axis: a ProcessGroupTransport over this rank's `axes` of `grid`}, each on its own
     group under the job-wide default group (grid_groups: collective over the job); a
-    second group over an axis (torch_pg.SECOND_GROUPS) is named as its caller asks."""
+    second group over an axis (torch_pg.SECOND_GROUPS) is named as its caller asks.
+    Cost: one one-element sum per group, once (at most 5 per rank at any world size)."""
     timeout = cfg.runtime["collective_timeout"]
     groups = grid_groups(grid, engine, timeout, axes)
-    return {
+    found = {
         axis: ProcessGroupTransport(grid.axes[axis_of(axis)], engine, timeout, device, group=group)
         for axis, group in groups.items()
     }
+    # Each group's first collective now, in the same order on every rank: NCCL creates
+    # a group's communicator there, blocking the host until every member calls; inside
+    # a step it could wait behind the device's work on another group (point-to-point
+    # links connect on their own: pipeline/transport.StageTransport.connect).
+    for axis, t in found.items():
+        if t.group is not None and axis == axis_of(axis):
+            t.allreduce_inplace(t.zeros(1, "float32"), "sum", f"the {axis} group's first sum")
+    return found

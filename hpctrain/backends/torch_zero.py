@@ -112,7 +112,10 @@ class TorchZero(ShardedOptimizerState):
         # the transport's view of a tensor: its numpy view (MPI, host memory) or itself
         self._arr = (lambda t: t.numpy()) if transport is None else (lambda t: t)
         self.params = params
-        device = params[0].device if params else torch.device("cpu")
+        # the transport's device (the parameters'), also for a pipeline stage without
+        # parameters, whose empty shard still joins the exchange (NCCL takes no host
+        # tensors); the MPI engine's numpy views are host memory
+        device = transport.device if transport is not None else torch.device("cpu")
         self.flat = torch.zeros(part.flat_len, device=device)
         with torch.no_grad():
             for p, v in zip(params, part.views(self.flat), strict=True):

@@ -37,6 +37,7 @@ import time
 import numpy as np
 
 ACT, GRAD = 0, 1
+CONNECT_TAG = 32000  # connect()'s messages: under MPI's least tag bound (32767)
 
 
 class StageTransport:
@@ -136,6 +137,33 @@ class StageTransport:
     def gradient(self, micro: int):
         """Loss gradient w.r.t. this stage's output for `micro` (caller releases it)."""
         return self._take(GRAD, micro)
+
+    # --- before the first step -----------------------------------------------------
+    def connect(self) -> None:
+        """Exchange one element with each neighbour on each link, before any step.
+
+        NCCL creates a pair's communicator at the pair's first call, and that blocks the
+        host until the peer calls too. Inside a step the host may be there while one of
+        its sends still runs on the device, waiting for a receive the peer's host posts
+        only after its own creation: a cycle if creating needs the device. Here nothing
+        else is in flight. The order is deadlock-free on every engine: on each link in
+        turn, the call with the previous stage first, then the next stage's, each
+        waited for."""
+        ends = (
+            (ACT, self.prev, "start_recv"),
+            (ACT, self.next, "start_send"),
+            (GRAD, self.prev, "start_send"),
+            (GRAD, self.next, "start_recv"),
+        )
+        for kind, peer, call in ends:
+            if peer is None:
+                continue
+            link = self._link(kind)
+            what = f"pipeline {self._name(self.stage)} connecting to {self._name(peer)}"
+            one = link.zeros(1, self.dtype.name)
+            t0 = time.perf_counter()
+            getattr(link, call)(one, peer, CONNECT_TAG, what, self._name(peer)).wait()
+            self.wait_seconds += time.perf_counter() - t0
 
     # --- sends ---------------------------------------------------------------------
     def _send(self, kind: int, arr, dest: int, tag: int, shape: tuple) -> None:

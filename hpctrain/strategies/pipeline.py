@@ -191,6 +191,7 @@ class Pipeline(StrategyBase):
             back=links.get("pipe-back"),
             post_ahead=self.engine != "nccl",  # NCCL's in-order streams: transport.py
         )
+        self.link.connect()  # each link's first call outside a step (NCCL: transport.py)
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * cfg.train["batch_size"] * (inp.shape[0] if inp.tokens else 1)
         self.report_comm = w

@@ -59,6 +59,7 @@ def test_each_stage_gets_every_input_and_gradient(links, schedule, post_ahead):
     link = StageTransport(
         links["pipe"], s, stages, SHAPE, SHAPE, back=links["pipe-back"], post_ahead=post_ahead
     )  # fmt: skip
+    link.connect()  # one element each way on each link, as the pipeline starts
     stage = Stage(last=s == stages - 1)
     batch = [(torch.full(SHAPE, float(10 * i)), None) for i in range(MICRO)]
     run_step(stage, link, stage_actions(schedule, s, stages, MICRO), batch, MICRO, 1.0)
