@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import atexit
 import fcntl
+import functools
 import socket
 import struct
 import time
@@ -88,9 +89,8 @@ def _reachable(addresses: list[str], port: int, deadline: float) -> str:
 GROUPS_AFTER_WATCHDOG_S = 15.0
 
 
-def group_timeout(backend: str, timeout_s: float) -> float:
-    """Seconds a process group of `backend` (gloo or nccl) waits before failing an
-    operation."""
+def group_timeout(timeout_s: float) -> float:
+    """Seconds a process group (gloo or nccl) waits before failing an operation."""
     return float(timeout_s) + GROUPS_AFTER_WATCHDOG_S
 
 
@@ -106,7 +106,7 @@ def init_process_group(comm, backend: str, timeout_s: float):
     timeout. Unbound, each NCCL communicator is created among its group's ranks at its
     first collective, on the device of its tensors (the rank's GPU: torch_device sets
     it)."""
-    timeout = timedelta(seconds=group_timeout(backend, timeout_s))
+    timeout = timedelta(seconds=group_timeout(timeout_s))
     if comm.is_root:
         store = dist.TCPStore(
             "0.0.0.0", 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False
@@ -121,12 +121,14 @@ def init_process_group(comm, backend: str, timeout_s: float):
     dist.init_process_group(
         backend, store=store, rank=comm.rank, world_size=comm.size, timeout=timeout
     )
-    if not _at_exit:  # once per process; before mpi4py's MPI_Finalize (registered earlier)
-        _at_exit.append(atexit.register(_destroy_at_exit))
+    _register_exit_hook()  # before mpi4py's MPI_Finalize, registered earlier
     return dist.group.WORLD
 
 
-_at_exit: list = []  # the exit hook, once registered
+@functools.cache
+def _register_exit_hook() -> None:
+    """Once per process."""
+    atexit.register(_destroy_at_exit)
 
 
 def _destroy_at_exit() -> None:
@@ -175,7 +177,7 @@ def grid_groups(grid, backend: str, timeout_s: float, axes) -> dict:
     the experts' two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
     communicator at its first collective."""
     world = init_process_group(grid.world, backend, timeout_s)
-    timeout, found = timedelta(seconds=group_timeout(backend, timeout_s)), {}
+    timeout, found = timedelta(seconds=group_timeout(timeout_s)), {}
     for axis in axes:
         ranks = grid.members(axis_of(axis))
         if len(ranks) == 1:

@@ -15,13 +15,12 @@ each replica updates its shard with its own optimizer state, and the updated sha
 are all-gathered. (ZeRO-2 would reduce-scatter after every micro-batch: refused.)
 
 On a process group's links (`gloo` on CPU or GPU ranks, `nccl` on GPU ranks: `device`
-given) the stage computes on its device and its messages stay tensors there: batches arrive
-through a DeviceFeeder (pinned slots and a copy stream on a GPU), the step's loss and
-correct counts stay 0-d tensors until the loop reads them (read_later), and the clip's
-sums of squares are tensors too, so a GPU stage's step reads nothing back to the host
-(over Gloo its messages do cross the host: Gloo's point-to-point calls take host
-memory). On
-the MPI and Horovod engines (CPU ranks) messages are numpy arrays, as they were.
+given) the stage computes on its device and its messages stay tensors there: batches
+arrive through a DeviceFeeder (pinned slots and a copy stream on a GPU), the step's loss
+and correct counts stay 0-d tensors until the loop reads them (read_later), and the
+clip's sums of squares are tensors too, so a GPU stage's step reads nothing back to the
+host (over Gloo its messages do cross the host: Gloo's point-to-point calls take host
+memory). On the MPI and Horovod engines (CPU ranks) messages are numpy arrays.
 """
 
 from __future__ import annotations

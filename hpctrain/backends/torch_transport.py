@@ -15,8 +15,9 @@ the collective (`what`), the rank and the group, which fail-together turns into 
 job's end. With NCCL the wait only orders the device's stream (the host does not
 block): the host waits where the loop reads a step's results, under the watchdog
 (step_reports.py), and NCCL's watchdog ends the process later, at the group's timeout
-(torch_pg.py). Costs per collective: the Protocol's docstring; uneven counts (never ZeRO's, whose
-pieces are equal) pad to the largest piece, as the process groups gather equal pieces.
+(torch_pg.py). Costs per collective: the Protocol's docstring; uneven counts (never
+ZeRO's, whose pieces are equal) pad to the largest piece, as the process groups gather
+equal pieces.
 """
 
 from __future__ import annotations
@@ -73,7 +74,7 @@ class ProcessGroupTransport(TorchArrays):
         self.rank = comm.rank if comm is not None else 0
         self.size = comm.size if comm is not None else 1
         self.name, self.device = engine, device
-        self.timeout = timedelta(seconds=group_timeout(engine, timeout_s))
+        self.timeout = timedelta(seconds=group_timeout(timeout_s))
         self.watchdog = getattr(comm, "watchdog", None)  # the MPI communicator's
         self.group = group
         if group is None and self.size > 1:

@@ -21,8 +21,9 @@ each tensor rank writes its slices, rank 0 joins them for a gathered state.
 On the process-group engines (torch: `train.allreduce: gloo` on CPU ranks, or GPU ranks
 sharing a GPU, where Gloo stages the messages through the host; `nccl` on GPU ranks,
 the messages on the device, in the order pipeline/transport.py gives) every link is a
-process group's and a stage computes on its rank's device: activations, gradients, the replicas' average and the clip's
-norm stay tensors there, and nothing in a step reads back to the host
+process group's and a stage computes on its rank's device: activations, gradients, the
+replicas' average and the clip's norm stay tensors there, and nothing in a step reads
+back to the host
 (tests/scripts/step_reads.py checks every such run over Gloo).
 """
 
