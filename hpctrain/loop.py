@@ -248,7 +248,9 @@ class TrainingLoop:
     def _train(self) -> None:
         cfg, st, s = self.cfg, self.state, self.strategy
         max_steps = cfg.train["max_steps"]
-        reducer = StepReducer(s.report_comm, cfg.train["overlap_step_metrics"])
+        reducer = StepReducer(
+            s.report_comm, cfg.train["overlap_step_metrics"], deferred=s.step_sums_on_device
+        )
         while st.epoch < cfg.train["epochs"] and st.step < self.total_steps:
             self._run.update(epoch_loss=0.0, count=0)
             t_epoch = t_last = time.perf_counter()

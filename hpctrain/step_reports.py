@@ -11,12 +11,11 @@ rank still acts on the same numbers at the same step; whatever must see the newe
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 
 import numpy as np
 
-from .runtime.comm import PendingArray
+from .runtime.comm import PendingArray, under_deadline
 
 HEAD = ("loss_sum", "correct", "count", "nonfinite", "preempt", "save_due")
 
@@ -65,11 +64,17 @@ class StepReport:
 class StepReducer:
     """At most one step's vector in flight; `push` returns the reports that settled."""
 
-    def __init__(self, comm, overlap: bool = True):
+    def __init__(self, comm, overlap: bool = True, deferred: bool = False):
         """comm: the guarded communicator of the ranks whose steps are summed (the
-        World, a grid axis), or None for a rank that reports alone (async workers)."""
+        World, a grid axis), or None for a rank that reports alone (async workers).
+        deferred: read each step's sums one push later (GPU ranks). One value for every
+        rank of comm: decided per rank (say by whether its sums are tensors), ranks that
+        hold no loss (pipeline stages but the last, tensor ranks but 0) would settle each
+        step one push before the loss's owner, act on a flag at different steps and
+        deadlock in the next collective."""
         self.world = comm
         self.overlap = overlap  # False: every push waits for its own step (one more sync)
+        self.deferred = deferred
         self._pending = None  # (PendingArray, report without totals, extra layout)
         self._deferred = None  # a GPU step whose sums are read at the next push
 
@@ -78,11 +83,11 @@ class StepReducer:
         step's own when not overlapping.
 
         A GPU rank's step leaves its sums on the device (0-d tensors, see the torch
-        backend): reading them waits for the step to finish, so they are read at the
-        next push, once the next step's work is queued and the GPU never idles; such a
-        step's report then settles one push later. CPU ranks are read at once."""
+        backend): reading them waits for the step to finish, so with `deferred` they are
+        read at the next push, once the next step's work is queued and the GPU never
+        idles; a step's report then settles one push later. Otherwise read at once."""
         now = (step, stats, lr, seconds, preempt, save_due)
-        if not _on_device(stats):
+        if not self.deferred:
             settled = self.drain()
             self._send(*now)
         else:
@@ -97,9 +102,9 @@ class StepReducer:
         step's device work, its NCCL collectives included: under the watchdog's deadline
         (runtime.collective_timeout), so a peer that stopped or hangs is named and the
         job ends, as in an MPI collective, before NCCL's own timeout (torch_pg)."""
-        watchdog = getattr(self.world, "watchdog", None)
-        guarded = watchdog is not None and _on_device(stats)
-        with watchdog.guard(f"step {step}'s device work") if guarded else contextlib.nullcontext():
+        if not _on_device(stats):
+            return float(stats.loss_sum), float(stats.correct)
+        with under_deadline(self.world, f"step {step}'s device work"):
             return float(stats.loss_sum), float(stats.correct)
 
     def _send(self, step, stats, lr, seconds, preempt, save_due) -> None:

@@ -143,15 +143,112 @@ def test_a_device_steps_sums_are_read_one_push_later_and_drain_reads_them_all():
 
     host = push_all(StepReducer(None), lambda k: StepStats(float(k), 1, 4, 0.0))
     device = push_all(
-        StepReducer(None),
+        StepReducer(None, deferred=True),
         lambda k: StepStats(torch.tensor(float(k), dtype=torch.float64), 1, 4, 0.0),
     )
     assert host == ([1, 2, 3], [4])
     assert device == ([1, 2], [3, 4])  # one push later; nothing lost at the drain
-    r = StepReducer(None)
+    r = StepReducer(None, deferred=True)
     r.push(1, StepStats(torch.tensor(float("nan")), 0, 4, 0.0), 0.1, 0.01)
     (report,) = r.drain()
     assert report.nonfinite and report.step == 1  # NaN on the device still stops the run
+
+
+class _ThreadWorld:
+    """Two ranks as threads: a sum over the pair matched by call order, as MPI's
+    collectives are, and a per-step gradient collective; every wait has a deadline."""
+
+    size = 2
+
+    def __init__(self, deadline):
+        import threading
+
+        self.deadline = deadline
+        self.lock = threading.Lock()
+        self.sums: dict = {}  # call index -> {rank: array}
+        self.calls = [0, 0]
+        self.gradients = threading.Barrier(2, timeout=deadline)
+
+    def rank(self, r):
+        world = self
+
+        class Rank:
+            size = 2
+
+            def start_allreduce_array(self, local, op, what):
+                with world.lock:
+                    n = world.calls[r]
+                    world.calls[r] += 1
+                    world.sums.setdefault(n, {})[r] = local
+                return world.pending(n)
+
+        return Rank()
+
+    def pending(self, n):
+        import time
+
+        world = self
+
+        class Pending:
+            def wait(self):
+                end = time.monotonic() + world.deadline
+                while len(world.sums[n]) < 2:
+                    assert time.monotonic() < end, f"step-metrics sum {n} never completed"
+                    time.sleep(0.001)
+                return world.sums[n][0] + world.sums[n][1]
+
+        return Pending()
+
+
+def _run_two_gpu_ranks(deferred_by_rank, deadline):
+    """The loop's rule on two GPU ranks (loop.py `_train`): push each step, drain when an
+    agreed flag says save, take the next step's gradient collective. Rank 0 holds the
+    loss as a device tensor, rank 1 a float 0.0 (a pipeline stage but the last); rank 1
+    alone wishes to save after step 3 (a time-based checkpoint). Returns, per rank, the
+    steps where it saved; raises if the ranks deadlock."""
+    import threading
+
+    import torch
+
+    from hpctrain.backends.base import StepStats
+    from hpctrain.step_reports import StepReducer
+
+    world, saved, errors = _ThreadWorld(deadline), [[], []], []
+
+    def rank(r):
+        reducer = StepReducer(world.rank(r), deferred=deferred_by_rank[r])
+        try:
+            for step in range(1, 9):
+                world.gradients.wait()  # the step's own collective
+                loss = torch.tensor(1.0, dtype=torch.float64) if r == 0 else 0.0
+                stats = StepStats(loss, 0, 4 if r == 0 else 0, 0.0)
+                reports = reducer.push(step, stats, 0.1, 0.01, save_due=(r == 1 and step == 3))
+                if any(rep.save_due for rep in reports):
+                    reducer.drain()  # a checkpoint must see this step's result
+                    saved[r].append(step)
+            reducer.drain()
+        except Exception as exc:  # a broken barrier or a sum that never completes
+            errors.append(f"rank {r}: {type(exc).__name__} {exc}")
+            world.gradients.abort()
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(deadline * 4)
+    return saved, errors
+
+
+def test_gpu_ranks_without_the_loss_defer_their_step_reports_as_the_loss_owner_does():
+    """Every rank of a GPU job defers its step reports, whether or not its sums are
+    tensors: decided per rank, the rank without the loss settles each step one push
+    earlier, drains for a flag at an earlier step than the loss's owner, and both wait
+    on each other (a deadlock, shown here first)."""
+    _, errors = _run_two_gpu_ranks([True, False], 2)  # the per-rank rule it replaced
+    assert errors, "the mixed decision was expected to deadlock"
+    saved, errors = _run_two_gpu_ranks([True, True], 60)  # one rule for the job
+    assert not errors
+    assert saved[0] == saved[1] == [5]  # step 3's flag settles two pushes later, on both
 
 
 def test_a_device_steps_read_is_a_watchdog_section():
@@ -275,3 +372,63 @@ def test_nccl_groups_bind_no_device_so_each_subgroup_needs_only_its_members(monk
     monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.update(kw))
     init_process_group(_OneRank(), "nccl", 5.0)
     assert seen["world_size"] == 1 and "device_id" not in seen, seen
+
+
+def _fused_sgd_run(make, scaled: bool, overflow_first: bool, steps: int):
+    """Parameters after `steps` SGD steps (momentum 0.9) of a small linear layer under
+    deterministic mode (fresh memory filled with NaN), the first step's loss made
+    infinite when `overflow_first` (fp16's loss scaler then skips that step)."""
+    import torch
+
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    opt = make(list(lin.parameters()))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16) if scaled else None
+    x = torch.randn(8, 4)
+    for step in range(steps):
+        opt.zero_grad()
+        loss = lin(x).square().sum()
+        if overflow_first and step == 0:
+            loss = loss * float("inf")
+        if scaler is None:
+            loss.backward()
+            opt.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(opt)
+            scaler.update()
+    return [p.detach().clone() for p in lin.parameters()]
+
+
+def test_fused_sgd_survives_an_fp16_overflow_on_its_first_step():
+    """torch's fused SGD (hpctrain's on GPUs) makes its momentum with empty_like at the
+    first step and fills it in the kernel, which the loss scaler skips on an overflow:
+    the momentum was then uninitialised memory (NaN under train.deterministic). Run on
+    the CPU, where torch has the same fused kernel and scaler."""
+    import torch
+
+    from hpctrain.backends.torch_steps import make_sgd
+
+    ocfg = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0}
+    was = torch.are_deterministic_algorithms_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = True
+    try:
+        plain = _fused_sgd_run(
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True), True, True, 3
+        )
+        mine = _fused_sgd_run(lambda ps: make_sgd(ocfg, ps, fused=True), True, True, 3)
+        skipped = _fused_sgd_run(lambda ps: make_sgd(ocfg, ps, fused=True), False, False, 2)
+        torch_first = _fused_sgd_run(
+            lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9, fused=True), False, False, 2
+        )
+    finally:
+        torch.use_deterministic_algorithms(was)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+    assert all(torch.isnan(p).all() for p in plain)  # torch's own: NaN from step 2 on
+    # the overflowed step skipped, the two others exactly as two steps without a scaler
+    # (its scale is a power of two: unscaling is exact)
+    assert all(torch.equal(a, b) for a, b in zip(mine, skipped))
+    # and zeros to start from change nothing where no step is skipped
+    assert all(torch.equal(a, b) for a, b in zip(skipped, torch_first))

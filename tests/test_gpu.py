@@ -66,6 +66,39 @@ def test_a_training_step_never_synchronises_the_host(layout):
     assert [np.isnan(float(s.correct)) for s in stats] == [False, True, False, True]
 
 
+def test_fp16_sgd_trains_on_after_its_first_step_overflowed():
+    """The loss scaler skips an overflowed first step inside torch's fused SGD kernel,
+    which left its momentum uninitialised (NaN under train.deterministic): hpctrain
+    makes it zeros first (torch_steps.make_sgd; tests/test_devices.py on the CPU)."""
+    b = _backend("cuda", "train.precision=fp16", "optimizer.name=sgd", "train.deterministic=true")
+    ((x, y),) = next(_batches(1))
+    before = b.get_weights()
+    b.train_step([(x * 1e6, y)], 1e-3)  # inf in fp16: every gradient overflows
+    for key, value in b.get_weights().items():
+        np.testing.assert_array_equal(value, before[key], err_msg=key)  # skipped
+    stats = [b.train_step(mb, 1e-3) for mb in _batches(3, seed=1)]
+    assert all(np.isfinite(float(s.loss_sum)) for s in stats)
+    assert all(np.isfinite(v).all() for v in b.get_weights().values())
+
+
+def test_host_arrays_reach_the_gpu_without_a_host_wait():
+    """MoE routing plans and random-k's indices cross through pinned memory
+    (torch_device.to_device): the host queues the copy and goes on."""
+    import torch
+
+    from hpctrain.backends.torch_device import to_device
+
+    device = torch.device("cuda")
+    to_device(np.arange(1000), device)  # warm-up: the pinned allocator's first block
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = [to_device(np.arange(k, k + 1000), device) for k in range(4)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [int(t[0]) for t in got] == [0, 1, 2, 3]
+
+
 def test_gpu_state_resumes_on_a_cpu_rank_and_back_with_the_same_values():
     gpu = _backend("cuda")
     for mb in _batches(3):

@@ -2,12 +2,13 @@
 the process-group transport's device: what ZeRO and the gradient compressors compute
 locally, with torch ops where the buffers live (the numpy twin:
 runtime/host_arrays.py). Nothing here synchronises the host with a GPU: reductions stay
-0-d tensors, host arrays cross with `non_blocking` copies."""
+0-d tensors, host arrays cross with pinned `non_blocking` copies."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+
+from .torch_device import to_device
 
 
 class TorchArrays:
@@ -82,7 +83,7 @@ class TorchArrays:
         return torch.linalg.qr(mat).Q.to(torch.float32)
 
     def from_host(self, values):
-        return torch.from_numpy(np.ascontiguousarray(values)).to(self.device, non_blocking=True)
+        return to_device(values, self.device)  # pinned on a GPU: non_blocking truly
 
     @staticmethod
     def to_host(buf):

@@ -166,6 +166,19 @@ def from_host(array, like: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(np.array(array, dtype=np.float32)).to(like.device)
 
 
+def to_device(array: np.ndarray, device: torch.device) -> torch.Tensor:
+    """`array` on `device` without the host waiting: on the CPU the same memory; on a GPU
+    through a pinned copy sent with non_blocking (torch's pinned allocator keeps that
+    block until the copy has run). A pageable copy would be the step's host wait: the
+    driver returns only once the GPU has taken the bytes, behind the queued kernels.
+    For a step's small host-made arrays (MoE routing plans, random-k's indices); batches
+    go through DeviceFeeder's reused slots."""
+    tensor = torch.from_numpy(np.ascontiguousarray(array))
+    if device.type != "cuda":
+        return tensor
+    return tensor.pin_memory().to(device, non_blocking=True)
+
+
 class DeviceFeeder:
     """Batches onto the rank's device without a host synchronisation.
 

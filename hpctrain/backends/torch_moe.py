@@ -13,12 +13,15 @@ from __future__ import annotations
 
 import time
 import weakref
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
 
 from ..moe.parallel import MoELayer, is_expert_param, require_group, step_metrics
+from ..runtime.comm import under_deadline
 from .torch_arrays import clip_grads_
+from .torch_device import to_device
 
 _layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> MoELayer
 _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # nn.Module -> last aux loss
@@ -64,16 +67,19 @@ def moe_ffn(layer, h: torch.Tensor, router: torch.Tensor | None = None) -> torch
     shape, d = h.shape, h.shape[-1]
     x = h.reshape(-1, d)
 
-    def on(array):  # the plan's host arrays where the tokens are (the same memory on CPU)
-        return torch.from_numpy(array).to(x.device)
+    def on(array):  # the plan's host arrays where the tokens are (no host wait on GPUs)
+        return to_device(array, x.device)
 
     xr = x
     if layer.training and opts["jitter"] > 0:
         xr = x * on(moe.jitter_noise(x.shape))
     probs = torch.softmax(F.linear(xr, router), dim=-1)
     # The router plans on the host (hpctrain/moe): on a GPU rank a copy and a wait per
-    # MoE layer and step, the one host synchronisation such a step has.
-    plan = moe.plan(probs.detach().cpu().numpy(), record)
+    # MoE layer and step, the one host synchronisation such a step has; behind the step's
+    # queued collectives, so under the expert group's deadline (a stalled peer named).
+    with under_deadline(moe.group.axis, "MoE router's read") if x.is_cuda else nullcontext():
+        host_probs = probs.detach().cpu().numpy()
+    plan = moe.plan(host_probs, record)
     top = probs.gather(1, on(plan.experts))
     gates = top if moe.k == 1 else top / top.sum(dim=-1, keepdim=True)
     token = on(plan.send_token)

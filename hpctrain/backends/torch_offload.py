@@ -34,6 +34,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..runtime.comm import under_deadline
+
 
 class DeviceShardOptimizer:
     """The optimizer over the shard where it lives (no offload)."""
@@ -57,8 +59,10 @@ class HostShardOptimizer:
     """The master shard and the optimizer in (pinned) host memory, updated by the CPU;
     `shard` on the device is the working copy, rewritten after every update."""
 
-    def __init__(self, shard: torch.Tensor, make_opt):
+    def __init__(self, shard: torch.Tensor, make_opt, comm=None):
+        """comm: the shard's communicator, whose deadline the gradient's wait is under."""
         pin = shard.is_cuda  # pinned memory needs a GPU; a CPU shard's copies are plain
+        self.comm = comm
         self.shard = shard
         self.param = nn.Parameter(torch.empty(shard.shape, pin_memory=pin))
         self._grad = torch.empty(shard.shape, pin_memory=pin)
@@ -75,8 +79,10 @@ class HostShardOptimizer:
     @torch.no_grad()
     def step(self, grad: torch.Tensor) -> None:
         self._grad.copy_(grad, non_blocking=True)
-        if grad.is_cuda:  # the CPU reads the gradient: wait for its copy (only this)
-            torch.cuda.current_stream(grad.device).synchronize()
+        if grad.is_cuda:  # the CPU reads the gradient: wait for its copy (only this),
+            # queued behind the step's collectives: a stalled peer is named here
+            with under_deadline(self.comm, "the offloaded optimizer's gradient"):
+                torch.cuda.current_stream(grad.device).synchronize()
         self.param.grad = self._grad
         self.optimizer.step()
         self._write_back()
@@ -95,7 +101,8 @@ class HostParamsOptimizer(HostShardOptimizer):
     """`optimizer+params`: the shard is in (pinned) host memory and is the master; the
     CPU updates it in place and nothing is copied back (the gathers read it)."""
 
-    def __init__(self, shard: torch.Tensor, make_opt):
+    def __init__(self, shard: torch.Tensor, make_opt, comm=None):
+        self.comm = comm
         self.shard = self.param = shard
         self._grad = torch.empty(shard.shape, pin_memory=shard.is_pinned())
         self.optimizer = make_opt([self.param])
@@ -113,11 +120,11 @@ def slot_bytes(optimizer, param) -> float:
     return float(sum(v.numel() * v.element_size() for v in state if torch.is_tensor(v) and v.dim()))
 
 
-def shard_optimizer(offload: str, shard, make_opt):
+def shard_optimizer(offload: str, shard, make_opt, comm=None):
     """The shard's optimizer for `train.offload` (none | optimizer | optimizer+params:
-    then `shard` is already in host memory)."""
+    then `shard` is already in host memory); `comm`: the shard's communicator."""
     if offload == "optimizer":
-        return HostShardOptimizer(shard, make_opt)
+        return HostShardOptimizer(shard, make_opt, comm)
     if offload == "optimizer+params":
-        return HostParamsOptimizer(shard, make_opt)
+        return HostParamsOptimizer(shard, make_opt, comm)
     return DeviceShardOptimizer(shard, make_opt)

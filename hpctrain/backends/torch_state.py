@@ -41,7 +41,8 @@ def state_memory_plan(params, zero, flat, optimizer_name: str, opt_now: float) -
 
 
 def optimizer_state_bytes(optimizer) -> float:
-    """Bytes of a torch optimizer's state tensors (none before its first step)."""
+    """Bytes of a torch optimizer's state tensors (none before its first step but fused
+    SGD's momentum: torch_steps.make_sgd)."""
     return float(
         sum(
             v.numel() * v.element_size()

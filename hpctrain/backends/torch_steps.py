@@ -76,13 +76,7 @@ def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:
     reading the flag on the host every step (torch's GradScaler does for other
     optimizers). On CPU it keeps torch's default, so CPU results stay as they were."""
     if ocfg["name"] == "sgd":
-        return torch.optim.SGD(
-            params,
-            lr=ocfg["lr"],
-            momentum=ocfg["momentum"],
-            weight_decay=ocfg["weight_decay"],
-            fused=any(p.is_cuda for p in params) or None,
-        )
+        return make_sgd(ocfg, params, fused=any(p.is_cuda for p in params))
     return torch.optim.Adam(
         params,
         lr=ocfg["lr"],
@@ -91,6 +85,30 @@ def make_optimizer(ocfg: dict, params: list) -> torch.optim.Optimizer:
         weight_decay=ocfg["weight_decay"],
         fused=True,
     )
+
+
+def make_sgd(ocfg: dict, params: list, fused: bool) -> torch.optim.SGD:
+    """torch's SGD; fused with momentum, its buffers made as zeros now.
+
+    Why: torch's fused SGD makes them at its first step with `empty_like` and fills them
+    from the gradients inside the kernel, which fp16's loss scaler skips when that step
+    overflowed: uninitialised memory then becomes the momentum (NaN where
+    `train.deterministic` fills fresh memory with NaN). From zeros the first update is
+    the same to the bit (0.9 x 0 + g = g), and a checkpoint taken before the first step
+    already exports zeros (`export_optimizer_state`)."""
+    opt = torch.optim.SGD(
+        params,
+        lr=ocfg["lr"],
+        momentum=ocfg["momentum"],
+        weight_decay=ocfg["weight_decay"],
+        fused=fused or None,
+    )
+    if fused and ocfg["momentum"]:
+        for p in params:
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(
+                p, memory_format=torch.preserve_format
+            )
+    return opt
 
 
 # --- what the backend, the pipeline stage and the PS worker share ------------------------

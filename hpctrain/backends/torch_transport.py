@@ -22,12 +22,12 @@ equal pieces.
 
 from __future__ import annotations
 
-import contextlib
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from ..runtime.comm import under_deadline
 from .gradient_engine import PROCESS_GROUP_ENGINES
 from .torch_arrays import TorchArrays
 from .torch_pg import axis_of, check_backend, grid_groups, group_timeout, init_process_group
@@ -86,8 +86,7 @@ class ProcessGroupTransport(TorchArrays):
             if self.name == "nccl":
                 work.wait()  # stream order only; NCCL's watchdog holds the group timeout
                 return
-            guarded = self.watchdog is not None
-            with self.watchdog.guard(what) if guarded else contextlib.nullcontext():
+            with under_deadline(self, what):  # Gloo's wait blocks this thread
                 work.wait(self.timeout)
         except Exception as exc:  # RuntimeError, DistBackendError, a timeout
             raise CollectiveError(

@@ -125,7 +125,7 @@ class TorchZero(ShardedOptimizerState):
         self.shard = nn.Parameter(torch.zeros(part.shard_len, device=device))
         with torch.no_grad():
             part.shard_of(self.flat, out=self.shard.detach())
-        self.opt = shard_optimizer(offload, self.shard, make_opt)
+        self.opt = shard_optimizer(offload, self.shard, make_opt, world)
         self.optimizer = self.opt.optimizer
         self._shard_grad = torch.zeros(part.shard_len, device=device)
         self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type

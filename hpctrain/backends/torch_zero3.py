@@ -139,7 +139,7 @@ class TorchZero3(ShardedOptimizerState):
             part, self._shard_arr, self._buffer, SLOTS, prefetch, **poll, **staged
         )
         self._spare: list = []  # gradient buffers of the largest unit's size
-        self.opt = shard_optimizer(offload, self.shard, make_opt)
+        self.opt = shard_optimizer(offload, self.shard, make_opt, world)
         self.optimizer = self.opt.optimizer
         self._shard_grad = torch.zeros(part.shard_len, device=device)
         self.shard_grad = self._arr(self._shard_grad)  # the same memory, transport's type

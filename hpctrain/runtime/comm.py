@@ -9,6 +9,8 @@ is guarded, so a rank that never arrives ends the job with its rank named.
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 
 from ..errors import LaunchError, RankErrors, rank_ranges
@@ -19,6 +21,16 @@ from .host_arrays import HostArrays
 def _offsets(counts) -> list[int]:
     """Where each rank's piece starts in a buffer of pieces of `counts` (the v forms)."""
     return np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(int).tolist()
+
+
+def under_deadline(comm, what: str):
+    """A section of `comm`'s watchdog around a host wait that is not one of its calls:
+    a GPU rank waiting for device work that its process-group collectives are part of
+    (NCCL's waits block no host thread, so a stalled peer shows only there). Named at
+    runtime.collective_timeout, as in an MPI collective; no section where `comm` has no
+    watchdog (one rank, a test's stand-in)."""
+    watchdog = getattr(comm, "watchdog", None)
+    return watchdog.guard(what) if watchdog is not None else contextlib.nullcontext()
 
 
 class PendingArray:

@@ -64,6 +64,9 @@ class Strategy(Protocol):
     steps_per_epoch: int
     lr_replicas: int  # replicas the learning-rate scaling counts
     report_comm: GuardedComm | None  # ranks whose step reports are summed; None: alone
+    # True: every report_comm rank's step sums are read one step late (GPU ranks, whose
+    # sums stay on the device); one value for the job, whatever a rank's stats hold
+    step_sums_on_device: bool
     serves: bool  # True on ranks that run `serve` instead of training
     agreed_flags: object | None  # callable(stats) -> flags, for strategies that agree
     evaluates_in_loop: bool  # False: evaluation happens in `finish` only
@@ -105,11 +108,18 @@ class Strategy(Protocol):
     def rank_name(self, index: int) -> str: ...  # a report_comm rank, for messages
 
 
+def on_gpu(part) -> bool:
+    """Whether a backend or stage computes on a GPU (TensorFlow's and host parts have no
+    torch device: False). The device is agreed by every rank (backends/torch_device.py)."""
+    return getattr(getattr(part, "device", None), "type", "cpu") == "cuda"
+
+
 class StrategyBase:
     """Defaults for strategies whose every rank trains and agrees through step reports."""
 
     serves = False
     agreed_flags = None
+    step_sums_on_device = False
 
     def __init__(self, cfg, world, run_dir, threads: int):
         self.cfg, self.world, self.run_dir, self.threads = cfg, world, run_dir, threads

@@ -25,7 +25,7 @@ from ..moe import parallel as moe_parallel
 from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
-from .base import StrategyBase
+from .base import StrategyBase, on_gpu
 from .memory_check import check_memory, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
 
@@ -75,6 +75,7 @@ class DataParallel(StrategyBase):
             cfg, replicas, self.input_spec, threads, groups=self.groups
         )
         self.report_comm = world
+        self.step_sums_on_device = on_gpu(self.backend)  # agreed: one device for the job
         self.lr_replicas = JobShape.of(cfg, world.size).replicas
         self.local = None  # local SGD: parameters averaged every train.sync_every steps
         if tcfg["sync_every"] > 1:

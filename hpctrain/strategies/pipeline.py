@@ -66,7 +66,7 @@ from ..pipeline.transport import StageTransport
 from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
-from .base import StrategyBase
+from .base import StrategyBase, on_gpu
 from .memory_check import check_built, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
 
@@ -196,6 +196,7 @@ class Pipeline(StrategyBase):
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * cfg.train["batch_size"] * (inp.shape[0] if inp.tokens else 1)
         self.report_comm = w
+        self.step_sums_on_device = on_gpu(self.stage)  # agreed: one device for the job
         self.lr_replicas = g.num_replicas
         self.busy = np.zeros(self.stages)
         self.wall = np.zeros(self.stages)
