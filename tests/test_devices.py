@@ -432,3 +432,26 @@ def test_fused_sgd_survives_an_fp16_overflow_on_its_first_step():
     assert all(torch.equal(a, b) for a, b in zip(mine, skipped))
     # and zeros to start from change nothing where no step is skipped
     assert all(torch.equal(a, b) for a, b in zip(skipped, torch_first))
+
+
+def test_a_gpu_ranks_exported_arrays_own_their_memory_so_a_checkpoint_copies_them_once():
+    """to_host's GPU path copies into numpy-owned memory: the async checkpoint's
+    background copy skips arrays that own their memory (checkpoint/writer.py), which a
+    `.cpu().numpy()` result never does. Run here on CPU tensors, the same copy."""
+    import numpy as np
+    import torch
+
+    from hpctrain.backends.torch_device import owned_copy
+    from hpctrain.checkpoint.staging import Staging
+    from hpctrain.checkpoint.writer import _private_copies
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    counts = torch.tensor([1, 2], dtype=torch.int64)
+    mine = [owned_copy(t), owned_copy(counts), owned_copy(torch.tensor(7.0))]
+    assert all(a.flags.owndata for a in mine)
+    np.testing.assert_array_equal(mine[0], t.numpy())
+    assert mine[1].dtype == np.int64 and mine[2].shape == () and float(mine[2]) == 7.0
+    datasets = [("a", mine[0], {}), ("b", t.cpu().numpy(), {})]
+    out = _private_copies(datasets, Staging(), private=True)
+    assert out[0][1] is mine[0]  # kept as it is: no second copy
+    assert out[1][1] is not datasets[1][1]  # .cpu().numpy(): copied again

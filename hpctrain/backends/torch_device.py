@@ -154,11 +154,23 @@ def describe_gpu(device: torch.device) -> str:
 
 
 def to_host(tensor: torch.Tensor, copy: bool = True) -> np.ndarray:
-    """A numpy array of `tensor`: a view on CPU when copy=False, always a copy from a GPU."""
+    """A numpy array of `tensor`: a view on CPU when copy=False, always a copy from a GPU
+    (one that owns its memory: see `owned_copy`)."""
     t = tensor.detach()
     if t.device.type != "cpu":
-        return t.cpu().numpy()
+        return owned_copy(t)
     return t.numpy().copy() if copy else t.numpy()
+
+
+def owned_copy(tensor: torch.Tensor) -> np.ndarray:
+    """`tensor` copied once into an array that owns its memory. Why: an async checkpoint
+    copies again, in the background, every array that does not own its memory (a view
+    the trainer may still change: checkpoint/writer.py), and the next update waits for
+    that copy; `.cpu().numpy()`, whose memory a torch tensor owns, looked like such a
+    view, so a GPU rank's state was copied twice and the update waited for the second."""
+    out = np.empty(tuple(tensor.shape), dtype=np.dtype(str(tensor.dtype).removeprefix("torch.")))
+    torch.from_numpy(out).copy_(tensor.detach())
+    return out
 
 
 def from_host(array, like: torch.Tensor) -> torch.Tensor:
@@ -271,7 +283,8 @@ def host_readout(*sums):
     host = torch.empty(pair.shape, dtype=torch.float64, pin_memory=True)
     host.copy_(pair, non_blocking=True)
     done = torch.cuda.Event()
-    done.record()
+    done.record(torch.cuda.current_stream(pair.device))  # the copy's stream, whatever
+    # device is current on this thread
     return tuple(HostValue(host, i, done) for i in range(len(sums)))
 
 
