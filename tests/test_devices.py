@@ -455,3 +455,18 @@ def test_a_gpu_ranks_exported_arrays_own_their_memory_so_a_checkpoint_copies_the
     out = _private_copies(datasets, Staging(), private=True)
     assert out[0][1] is mine[0]  # kept as it is: no second copy
     assert out[1][1] is not datasets[1][1]  # .cpu().numpy(): copied again
+
+
+def test_experts_without_gradients_still_sum_on_the_process_group():
+    """The experts' square sum is a 0-d tensor even when no local expert has a gradient:
+    a Python 0.0 takes the expert group's MPI path (moe/parallel.py `allreduce_sum`)
+    while peers with gradients sum over its process group, and both wait forever."""
+    import torch
+
+    from hpctrain.backends.torch import TorchBackend
+
+    bare = [torch.nn.Parameter(torch.zeros(3))]
+    got = TorchBackend.expert_square_sum(None, bare)
+    assert torch.is_tensor(got) and got.dtype == torch.float64 and float(got) == 0.0
+    bare[0].grad = torch.full((3,), 2.0)
+    assert float(TorchBackend.expert_square_sum(None, bare)) == 12.0

@@ -348,7 +348,10 @@ class TorchBackend(TorchStateMixin, BackendBase):
         if not experts:
             return None
         squares = [p.grad.double().pow(2).sum() for p in experts if p.grad is not None]
-        return sum(squares) if squares else 0.0  # where the gradients are
+        # a 0-d tensor where the experts are even without a gradient: a Python 0.0 would
+        # take the group's MPI path while its peers sum over the process group (a hang)
+        zero = torch.zeros((), dtype=torch.float64, device=experts[0].device)
+        return sum(squares, zero)
 
     def scale_experts(self, experts, coef: float):
         for p in experts:
