@@ -197,9 +197,10 @@ class DeviceFeeder:
     CPU: zero-copy tensors over the numpy arrays. CUDA: each array is copied into a
     reused pinned host slot (a ring of `depth` slot sets, so the slot written now was
     last read `depth` batches ago), then to the device with `non_blocking=True` on a
-    copy stream that the compute stream waits for at the point of use. The host runs
-    ahead of the GPU (nothing in the step synchronises), so the next batch's copy
-    overlaps the current step's compute.
+    copy stream; the compute stream waits for it where `put` is called, i.e. after the
+    work queued so far. The host runs ahead of the GPU (nothing in the step
+    synchronises), so a batch put while the current step is queued is copied during
+    that step's compute.
     """
 
     def __init__(self, device: torch.device, depth: int = 3):
