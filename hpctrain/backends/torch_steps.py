@@ -105,9 +105,7 @@ def make_sgd(ocfg: dict, params: list, fused: bool) -> torch.optim.SGD:
     )
     if fused and ocfg["momentum"]:
         for p in params:
-            opt.state[p]["momentum_buffer"] = torch.zeros_like(
-                p, memory_format=torch.preserve_format
-            )
+            opt.state[p]["momentum_buffer"] = torch.zeros_like(p)
     return opt
 
 
