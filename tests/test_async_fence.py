@@ -57,3 +57,56 @@ def test_a_late_copy_still_saves_the_step_it_was_taken_at(world, tmp_path, name)
     assert sorted(saved) == sorted(expected)
     for k in expected:
         np.testing.assert_array_equal(saved[k], expected[k], err_msg=k)
+
+
+@pytest.mark.parametrize("mode", ["deferred", "async", "sync"])
+def test_arrays_still_filling_are_read_only_after_ready(tmp_path, mode):
+    """A GPU rank's staged export hands the save arrays its copy is still filling
+    (torch_mirror.py): the save calls `ready` on the thread that reads them, before it
+    reads; with a deferred copy that is the background thread, after save returned
+    (here `ready` fills the array, as the end of the GPU's copy would)."""
+    import threading
+
+    buffer = np.zeros(1000, np.float32)  # the pinned buffer the GPU's copy fills
+    returned, calls = threading.Event(), []
+
+    def ready():
+        calls.append(threading.current_thread().name)
+        if mode == "deferred":
+            assert returned.wait(30), "the save waited for the copy before it returned"
+        buffer[:] = 7.0
+
+    policy = CheckpointPolicy({"dir": str(tmp_path), "async": mode != "sync"})
+    ck = Checkpointer(policy)
+    deferred = mode == "deferred"
+    ck.save(3, {"model/w": buffer[:]}, {"step": 3}, private=True, defer_copy=deferred, ready=ready)
+    returned.set()
+    path = ck.wait()
+    reader = "hpctrain-checkpoint" if deferred else threading.current_thread().name
+    assert calls == [reader]
+    np.testing.assert_array_equal(load(path).state["model/w"], np.full(1000, 7.0, np.float32))
+
+
+def test_a_host_mirror_keeps_an_exports_values_in_reused_buffers():
+    """torch_mirror.HostMirror on a CPU device (on a GPU, tests/test_gpu.py): each
+    export's arrays hold the tensors' values at the export, the next export reuses the
+    buffers that still fit, and they are views (an async save copies them)."""
+    import torch
+
+    from hpctrain.backends.torch_mirror import HostMirror
+
+    mirror = HostMirror(torch.device("cpu"))
+    weight, count = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)
+    with mirror.copying() as take:
+        first = [take(weight), take(count)]
+    weight += 10.0  # the next update
+    np.testing.assert_array_equal(first[0], np.arange(6.0).reshape(2, 3))
+    assert first[1].dtype == np.int64 and not first[0].flags.owndata
+    with mirror.copying() as take:
+        second = [take(weight), take(torch.zeros(5))]
+    assert np.shares_memory(first[0], second[0])  # the same shape: the same buffer
+    assert not np.shares_memory(first[1], second[1])
+    np.testing.assert_array_equal(second[0], weight.numpy())
+    mirror.ready()  # nothing queued on a CPU device
+    mirror.release()
+    assert not mirror.pending

@@ -99,6 +99,50 @@ def test_host_arrays_reach_the_gpu_without_a_host_wait():
     assert [int(t[0]) for t in got] == [0, 1, 2, 3]
 
 
+def test_an_async_save_copies_a_gpu_ranks_state_beside_the_next_step(tmp_path):
+    """Issue 27 item 6: the staged export queues the state's copy into pinned buffers
+    and returns without a host wait; the next step runs at once (its update ordered
+    after the copy on the GPU); the save's thread waits for the copy, and the file
+    holds the state of the step the save was taken at. SGD: Adam's export reads its
+    step count on the host (fused Adam keeps it on the GPU), a wait the test refuses."""
+    import threading
+
+    import torch
+
+    from hpctrain.checkpoint import Checkpointer, CheckpointPolicy, load
+
+    b = _backend("cuda", "optimizer.name=sgd")
+    batches = list(_batches(4))
+    for mb in batches[:2]:
+        b.train_step(mb, 1e-3)
+    b.export_state(staged=True)  # warm-up: the mirror's pinned buffers are allocated
+    b.wait_exported()
+    expected = {k: np.array(v) for k, v in b.export_state().items()}
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "async": True}))
+    stepped = threading.Event()
+
+    def ready():  # the save's thread: only once the next step was queued
+        assert stepped.wait(60)
+        b.wait_exported()
+
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        state = b.export_state(staged=True)
+        assert b.hold_exported_state(ck.fence)
+        ck.save(2, state, {"step": 2}, private=True, defer_copy=True, ready=ready)
+        b.train_step(batches[2], 1e-3)  # changes every tensor it exported
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+        stepped.set()
+    saved = load(ck.wait()).state
+    after = b.export_state()
+    assert all(not np.array_equal(after[k], expected[k]) for k in expected if k.endswith("weight"))
+    assert sorted(saved) == sorted(expected)
+    for key in expected:
+        np.testing.assert_array_equal(saved[key], expected[key], err_msg=key)
+
+
 def test_gpu_state_resumes_on_a_cpu_rank_and_back_with_the_same_values():
     gpu = _backend("cuda")
     for mb in _batches(3):

@@ -74,7 +74,10 @@ class Backend(Protocol):
     def get_weights(self) -> dict[str, np.ndarray]: ...
     def set_weights(self, weights: dict[str, np.ndarray]) -> None: ...
     def weight_shapes(self) -> dict[str, tuple]: ...
-    def export_state(self) -> dict[str, np.ndarray]: ...
+    # staged=True (an async save's): the arrays may still be filling (a GPU rank's copy
+    # beside the next step) until `wait_exported()` returns, on the thread that reads
+    def export_state(self, staged: bool = False) -> dict[str, np.ndarray]: ...
+    def wait_exported(self) -> None: ...
     # True: export_state's arrays stay untouched until `fence()` (called here before
     # the backend changes them), so an async checkpoint copies them during the next
     # step; False: they are copied before the step goes on
@@ -150,6 +153,9 @@ class BackendBase:
     def hold_exported_state(self, fence) -> bool:
         """False: export_state's arrays are copied before training goes on (see Backend)."""
         return False
+
+    def wait_exported(self) -> None:
+        """Nothing to wait for: export_state's arrays hold their values on return."""
 
     # The MPI engine's gradient reducer, which both backends keep in `_flat`, behind
     # three narrow methods: nobody else touches the field.

@@ -225,8 +225,9 @@ class TensorFlowStateMixin:
             return self._unsharded_weights()
         return self._with_buffers(dense)
 
-    def export_state(self) -> dict[str, np.ndarray]:
-        """The canonical state; under ZeRO a collective whose result is whole on rank 0."""
+    def export_state(self, staged: bool = False) -> dict[str, np.ndarray]:
+        """The canonical state; under ZeRO a collective whose result is whole on rank 0.
+        Host copies, ready on return whether `staged` or not (Backend.export_state)."""
         if self.zero is not None:
             return {
                 **with_model_prefix(self._root_weights()),

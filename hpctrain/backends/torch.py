@@ -81,6 +81,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self.accum = cfg.train["grad_accum"]
         self.optimizer = self._make_optimizer(dense, hvd_comm)
         self._fence = None  # an async save still copying export_state's views (save())
+        self._mirror = None  # a GPU rank's staged exports' pinned buffers (torch_mirror)
         # modules with buffers (BatchNorm statistics) may change them in a forward
         self._forward_writes = any(True for _ in self.model.buffers())
         self._make_exchange()
@@ -218,19 +219,6 @@ class TorchBackend(TorchStateMixin, BackendBase):
             import_optimizer_state(self.optimizer, named, kind, slots)
 
     # --- training ---------------------------------------------------------------
-
-    def hold_exported_state(self, fence) -> bool:
-        """An async checkpoint copies export_state's views while the next step runs:
-        `fence()` (the copy's end) is awaited before anything here changes them, i.e.
-        the next optimizer update, a forward that updates buffers, set_weights,
-        import_state and average_buffers."""
-        self._fence = fence
-        return True
-
-    def _release_exported(self) -> None:
-        fence, self._fence = self._fence, None
-        if fence is not None:
-            fence()
 
     def train_step(self, micro_batches, lr: float, tally: bool = True) -> StepStats:
         return read_later(step.train_step(self, micro_batches, lr, tally))  # with these below:

@@ -5,6 +5,7 @@ CUDA allocator's peaks on a GPU rank)."""
 from __future__ import annotations
 
 from collections import OrderedDict
+from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -12,6 +13,7 @@ import torch
 from ..runtime.memory import peak_rss_bytes
 from .base import OPTIMIZER_SLOTS, model_part, replicated_memory_plan, with_model_prefix
 from .torch_device import memory_figures, to_host
+from .torch_mirror import HostMirror
 from .torch_steps import (
     export_optimizer_state,
     import_optimizer_state,
@@ -53,9 +55,15 @@ def optimizer_state_bytes(optimizer) -> float:
     )
 
 
+def _view(tensor: torch.Tensor) -> np.ndarray:
+    """A view of a CPU tensor, a host copy of a GPU one (to_host without copying)."""
+    return to_host(tensor, copy=False)
+
+
 class TorchStateMixin:
     """For TorchBackend: needs self.model, self.optimizer, self.zero, self._names,
-    self._dense, self._flat, self.device, self.scaler, self.cfg and self._release_exported()."""
+    self._dense, self._flat, self.device, self.scaler, self.cfg, self._fence and
+    self._mirror (None until set here)."""
 
     def memory_plan(self) -> dict[str, float]:
         """state_memory_plan of this rank's model."""
@@ -119,9 +127,12 @@ class TorchStateMixin:
         if self.zero is not None:
             self.zero.sync_shard()
 
-    def export_state(self) -> dict[str, np.ndarray]:
+    def export_state(self, staged: bool = False) -> dict[str, np.ndarray]:
         """The canonical state; under ZeRO a collective whose result is whole on rank 0.
-        Valid until the next step (without ZeRO, views of the live tensors)."""
+        Valid until the next step (without ZeRO, views of the live tensors on a CPU
+        rank, host copies from a GPU). staged=True (an async save's; without ZeRO): a
+        GPU rank's arrays are a HostMirror's pinned buffers, still being filled beside
+        the next step; read them only after `wait_exported()`."""
         if self.zero is not None:
             names = [self._names[p] for p in self._dense]
             kind = self.cfg.optimizer["name"]
@@ -130,14 +141,51 @@ class TorchStateMixin:
                 **export_optimizer_state(self.optimizer, self._expert_named(), kind),
                 **self.zero.export_optimizer(names, kind),
             }
-        # Views of the live tensors, no copy: a checkpoint writes them before the next
-        # step, or an async save copies them into its reused buffers (staging.py).
-        names = ((n, p) for p, n in self._names.items())
-        return {
-            **with_model_prefix(self._live_weights()),
-            **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], False),
-            **scaler_state(self.scaler),  # fp16's loss scale (ZeRO refuses fp16)
-        }
+        # CPU: views of the live tensors, no copy (a checkpoint writes them before the
+        # next step, or an async save copies them into its reused buffers: staging.py).
+        # GPU: host copies, or (staged) the HostMirror's, made beside the next step.
+        with self._exporter(staged) as host:
+            names = ((n, p) for p, n in self._names.items())
+            weights = self.model.state_dict().items()
+            return {
+                **with_model_prefix(OrderedDict((k, host(v)) for k, v in weights)),
+                **export_optimizer_state(self.optimizer, names, self.cfg.optimizer["name"], host),
+                **scaler_state(self.scaler),  # fp16's loss scale (ZeRO refuses fp16)
+            }
+
+    def _exporter(self, staged: bool):
+        """A context giving host(tensor) -> ndarray: a GPU rank's staged export copies
+        into the HostMirror (made at the first), anything else is to_host's view."""
+        if not (staged and self.device.type == "cuda"):
+            return nullcontext(_view)
+        if self._mirror is None:
+            self._mirror = HostMirror(self.device)
+        return self._mirror.copying()
+
+    def wait_exported(self) -> None:
+        """Block the calling thread until a staged export's arrays hold their values."""
+        if self._mirror is not None:
+            self._mirror.ready()
+
+    def hold_exported_state(self, fence) -> bool:
+        """An async checkpoint copies export_state's views while the next step runs:
+        `fence()` (the copy's end) is awaited before anything here changes them, i.e.
+        the next optimizer update, a forward that updates buffers, set_weights,
+        import_state and average_buffers. A GPU rank exports host copies (or, staged,
+        its HostMirror's buffers, which only its next staged export rewrites), so there
+        is no view to hold and the host never waits for the fence."""
+        if self.device.type == "cpu":
+            self._fence = fence
+        return True
+
+    def _release_exported(self) -> None:
+        """Before the exported tensors change: a staged GPU export's copies are ordered
+        first on the device; a CPU export's views wait for the async save's copy."""
+        if self._mirror is not None:
+            self._mirror.release()
+        fence, self._fence = self._fence, None
+        if fence is not None:
+            fence()
 
     def export_owned_state(self) -> tuple[dict[str, np.ndarray], dict]:
         """Under ZeRO: (the replicated canonical state, {name: (shape, start, elements)}
@@ -162,7 +210,7 @@ class TorchStateMixin:
         the buffers and experts."""
         sharded = self._sharded
         state = self.model.state_dict().items()
-        return OrderedDict((k, to_host(v, copy=False)) for k, v in state if k not in sharded)
+        return OrderedDict((k, _view(v)) for k, v in state if k not in sharded)
 
     def _root_weights(self) -> OrderedDict[str, np.ndarray]:
         """The weights for a checkpoint whose result is whole on rank 0: ZeRO-3 gathers

@@ -17,12 +17,14 @@ from .torch_device import from_host, to_host
 
 
 def export_optimizer_state(
-    optimizer, named_params, kind: str, copy: bool = True
+    optimizer, named_params, kind: str, host=to_host
 ) -> dict[str, np.ndarray]:
     """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
 
     torch creates slots at the first step; before it they are exported as zeros, which is
-    what they would start from. copy=False: live slots as views (valid until the next step).
+    what they would start from. host(tensor) -> ndarray takes each slot to the host: a
+    copy by default; views of the live slots (valid until the next step) or a HostMirror's
+    buffers are the torch backend's (torch_state.py).
     """
     state, step = {}, 0
     for name, param in named_params:
@@ -30,7 +32,7 @@ def export_optimizer_state(
         for slot in OPTIMIZER_SLOTS[kind]:
             value = st.get(slot)
             state[f"optimizer/{slot}/{name}"] = (
-                np.zeros(tuple(param.shape), np.float32) if value is None else to_host(value, copy)
+                np.zeros(tuple(param.shape), np.float32) if value is None else host(value)
             )
         if "step" in st:
             step = int(float(st["step"]))

@@ -7,7 +7,8 @@ or `wait`, so a failed checkpoint is never silently lost.
 An async save copies the arrays it must not see change (views of live tensors) into
 reused buffers (staging.py), on the caller's thread, or with `defer_copy=True` on the
 background thread while training goes on: then the caller must call `fence()` before
-it changes any of those arrays (the torch backend does, before its next update).
+it changes any of those arrays (the torch backend does, before its next update). Arrays
+a GPU is still filling come with `ready`, which that thread calls before it reads them.
 """
 
 from __future__ import annotations
@@ -74,6 +75,7 @@ class Checkpointer:
         shards=None,
         private=False,
         defer_copy=False,
+        ready=None,
     ) -> Path | None:
         """Save now (writer only). Sync: returns the path. Async: copies the arrays on
         this thread (into buffers reused from the last save), writes in the background
@@ -82,10 +84,14 @@ class Checkpointer:
         the table of a sharded save's per-rank files, already written (this file commits
         them; it is always written on this thread). defer_copy=True (async only): the
         copy too runs in the background; the caller calls `fence()` before it changes
-        `state`'s arrays."""
+        `state`'s arrays. ready(): blocks until `state`'s arrays hold their values (a
+        GPU rank's copy to the host still running); called on the thread that first
+        reads them, the background one when the copy is deferred."""
         self.wait()
         async_save = self.policy.async_save and shards is None
         deferred = async_save and defer_copy
+        if ready is not None and not deferred:
+            ready()
         snap = writer.snapshot(
             step,
             state,
@@ -106,18 +112,20 @@ class Checkpointer:
             self._staged.set()
         self._thread = threading.Thread(
             target=self._background,
-            args=(snap, deferred and private, deferred),
+            args=(snap, deferred and private, deferred, ready),
             name="hpctrain-checkpoint",
             daemon=False,
         )
         self._thread.start()
         return None
 
-    def _background(self, snap: writer.Snapshot, private: bool, copy: bool) -> None:
+    def _background(self, snap: writer.Snapshot, private: bool, copy: bool, ready) -> None:
         try:
             try:
                 if copy:
                     self.faults.sleep("copy_delay")  # a test: a copy slower than a step
+                    if ready is not None:
+                        ready()
                     snap = writer.private_copy(snap, self._staging, private)
             finally:
                 self._staged.set()  # the caller may change its arrays now (or it failed)

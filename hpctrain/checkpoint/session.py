@@ -171,8 +171,9 @@ class RunCheckpoints:
         sharding = self.policy.sharded and w.size > 1
         pieces = s.export_pieces(self.policy.shard_min_bytes) if sharding else None
         table = None
-        if pieces is None:
-            state = s.export_state()  # collective; the canonical state on rank 0
+        if pieces is None:  # collective; the canonical state on rank 0, which an async
+            # save may take while still filling (a GPU rank's copy beside the next step)
+            state = s.export_state(staged=self.policy.async_save and w.is_root)
         else:
             state, table = {}, self._write_shards(pieces)
         # Per-rank memory (error-feedback residuals): {} on every rank alike (the config
@@ -183,6 +184,7 @@ class RunCheckpoints:
             return None
         payload = self.payload(state, gathered, metrics)
         payload["private"] = True  # export_state's own arrays are fresh; views get copied
+        payload["ready"] = s.wait_exported  # the save waits where it first reads them
         if self.policy.async_save and table is None:
             # the copy of the views overlaps the next step, up to the strategy's fence
             payload["defer_copy"] = s.hold_exported_state(self.checkpointer.fence)

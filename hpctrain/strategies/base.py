@@ -84,8 +84,11 @@ class Strategy(Protocol):
     def evaluate(self) -> np.ndarray | None: ...
     def average_buffers(self) -> None: ...  # collective
     # collective; the canonical state on rank 0, valid until the next step: arrays may
-    # be views of live tensors (an async checkpoint copies those, keeps fresh ones)
-    def export_state(self) -> dict | None: ...
+    # be views of live tensors (an async checkpoint copies those, keeps fresh ones).
+    # staged=True (an async save's, on rank 0): arrays may still be filling until
+    # `wait_exported()` returns (a GPU rank's copy beside the next step)
+    def export_state(self, staged: bool = False) -> dict | None: ...
+    def wait_exported(self) -> None: ...
     def export_pieces(self, min_bytes: int) -> dict | None: ...  # local; None: gather
     # True: rank 0's exported arrays stay unchanged until `fence()`, which the strategy
     # calls before it changes them (an async save copies them during the next step)
@@ -173,6 +176,10 @@ class StrategyBase:
     def hold_exported_state(self, fence) -> bool:
         """False: an async save copies the exported arrays before the loop goes on."""
         return False
+
+    def wait_exported(self) -> None:
+        """Nothing to wait for: export_state's arrays hold their values on return (its
+        `staged` is a wish a strategy may ignore)."""
 
     def export_pieces(self, min_bytes: int) -> dict | None:
         """This rank's part of the canonical state for a sharded checkpoint

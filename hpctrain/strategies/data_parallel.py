@@ -159,12 +159,13 @@ class DataParallel(StrategyBase):
             self._average_parameters()  # every replica ends with the same model
 
     # --- state ------------------------------------------------------------------------
-    def export_state(self) -> dict | None:
+    def export_state(self, staged: bool = False) -> dict | None:
         """Rank 0's canonical state; under ZeRO every rank takes part (the optimizer
         state is gathered from the shards onto rank 0), and with experts spread over
         ranks each expert's weights and optimizer slots are gathered over the expert
         axis (rank 0 receives the experts it lacks: (E - E/R) experts' state, whatever
-        the world size; the other ranks send theirs once)."""
+        the world size; the other ranks send theirs once). `staged` reaches the backend
+        where its arrays go to the save untouched (one replica holds the whole state)."""
         if self.tensor > 1:  # the tensor group's pieces joined under canonical names
             experts, dense = moe_parallel.split_experts(self.backend.export_state())
             if experts and self.grid.coord["data"] == 0:  # replica 0's expert x tensor
@@ -187,7 +188,10 @@ class DataParallel(StrategyBase):
         if getattr(self.backend, "zero", None) is not None:
             state = self.backend.export_state()
             return state if self.world.is_root else None
-        return self.backend.export_state() if self.world.is_root else None
+        return self.backend.export_state(staged) if self.world.is_root else None
+
+    def wait_exported(self) -> None:
+        self.backend.wait_exported()
 
     def hold_exported_state(self, fence) -> bool:
         """The backend fences before its next change of what it exported; local SGD's

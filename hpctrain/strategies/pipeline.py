@@ -429,7 +429,7 @@ class Pipeline(StrategyBase):
         self.stage.average_buffers()
 
     # --- canonical state ------------------------------------------------------------
-    def export_state(self) -> dict | None:
+    def export_state(self, staged: bool = False) -> dict | None:
         """The whole model and optimizer under canonical names on rank 0 (collective).
 
         Replica 0's stages send their tensors and slots to rank 0; the names and layouts

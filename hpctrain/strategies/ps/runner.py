@@ -328,7 +328,7 @@ class ParameterServer(StrategyBase):
     def rank_name(self, index: int) -> str:
         return f"worker {index} (rank {index})"
 
-    def export_state(self) -> dict | None:
+    def export_state(self, staged: bool = False) -> dict | None:
         """Every rank: each server sends its shard (parameters, slots, version) to rank 0,
         which assembles the canonical model and optimizer (collective over the world).
 
