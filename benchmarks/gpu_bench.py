@@ -10,7 +10,9 @@ autocast, float32 master weights, Adam, clip 1.0):
 Tokens/s, MFU = 6 N tokens/s over the device's dense bf16 peak, the plain loop's step
 split into forward+backward and optimizer (CUDA events; hpctrain at np=1 exchanges
 nothing, and its data path is measured apart), the
-host-staged MPI engine's cost per MB, and the data path's rate against the step's.
+host-staged MPI engine's cost per MB, the data path's rate against the step's, and
+what an async checkpoint costs the steps around it (the state copied inside the save
+call against staged into pinned memory beside the next step).
 
     python3 benchmarks/gpu_bench.py --out DIR [--steps 30] [--size base|large]
 """
@@ -187,15 +189,20 @@ def kernel_diff(a: dict, b: dict, top: int = 12) -> list[tuple[str, float, float
     return rows[:top]
 
 
-def _hpctrain_backend(size: str):
+def _hpctrain_backend(size: str, device: str = "cuda"):
     """hpctrain's torch backend for `size` on this GPU (one rank, no MPI job), and one
-    step's micro-batch as the loop hands it over (host numpy arrays)."""
+    step's micro-batch as the loop hands it over (host numpy arrays). device="cpu":
+    the same on the CPU (a dry run of the bench's code where there is no GPU)."""
     from hpctrain.backends.torch import TorchBackend
     from hpctrain.config import Config
     from hpctrain.models import zoo
 
     d, layers, heads, ff, vocab, seq, batch = SIZES[size]
-    cfg = Config.load(None, transformer_overrides(size) + ["train.allreduce=nccl"])
+    engine = "train.allreduce=nccl" if device == "cuda" else "train.allreduce=gloo"
+    on = [f"runtime.device={device}", engine]
+    if device == "cpu":
+        on.append("train.precision=fp32")
+    cfg = Config.load(None, transformer_overrides(size) + on)
     inp = zoo.InputSpec(shape=(seq,), classes=vocab, tokens=True)
     backend = TorchBackend(cfg, None, inp, threads=4)
     rng = np.random.default_rng(0)
@@ -305,6 +312,67 @@ def bench_hpctrain(size: str, steps: int, out: Path) -> dict:
     }
 
 
+def bench_checkpoint_stall(
+    size: str, directory: Path, steps: int = 8, reps: int = 3, device: str = "cuda"
+) -> dict:
+    """What an async save of a GPU rank's state costs the steps around it: `steps` steps
+    queued back to back with a save after the first, against the same steps without
+    one, for the state copied to the host inside the save call (pageable copies:
+    `export_state()`) and staged (pinned buffers filled on a side stream beside the next
+    step: `export_state(staged=True)`, what the loop does with checkpoint.async). Also
+    the save call's own time on the host. The background thread writes the file during
+    the timed steps, as in training; its end is awaited outside them."""
+    import shutil
+
+    import torch
+
+    from hpctrain.checkpoint import Checkpointer, CheckpointPolicy
+
+    backend, mb = _hpctrain_backend(size, device)
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    ck = Checkpointer(CheckpointPolicy({"dir": str(directory), "async": True, "keep_last": 1}))
+    saved = [0]
+
+    def save(staged: bool) -> float:  # what the checkpoint session does on rank 0
+        t0 = time.perf_counter()
+        ck.fence()
+        state = backend.export_state(staged=staged)
+        hold = backend.hold_exported_state(ck.fence)
+        saved[0] += 1
+        ck.save(saved[0], state, {"step": saved[0]}, private=True, defer_copy=hold,
+                ready=backend.wait_exported)  # fmt: skip
+        return time.perf_counter() - t0
+
+    def window(mode: str) -> tuple[float, float]:
+        sync()
+        t0, call = time.perf_counter(), 0.0
+        for i in range(steps):
+            backend.train_step(mb, 1e-4, tally=False)
+            if i == 0 and mode != "none":
+                call = save(mode == "staged")
+        sync()
+        wall = time.perf_counter() - t0
+        ck.wait()
+        return wall, call
+
+    modes = ("none", "copied", "staged")
+    for mode in modes:  # warm-up: kernels, the save's host buffers, the pinned mirror
+        window(mode)
+    runs = {mode: [] for mode in modes}
+    for _ in range(reps):  # interleaved, so drifts touch every mode alike
+        for mode in modes:
+            runs[mode].append(window(mode))
+    shutil.rmtree(directory, ignore_errors=True)
+    state_bytes = sum(v.nbytes for v in backend.export_state().values())
+    base = float(np.median([w for w, _ in runs["none"]]))
+    out = {"model": f"transformer-{size}", "state_gib": state_bytes / 2**30, "steps": steps}
+    out["window_ms"] = 1e3 * base
+    for mode in modes[1:]:
+        out[f"{mode}_stall_ms"] = 1e3 * (float(np.median([w for w, _ in runs[mode]])) - base)
+        out[f"{mode}_call_ms"] = 1e3 * float(np.median([c for _, c in runs[mode]]))
+    return out
+
+
 def bench_staging(mb: int = 256) -> dict:
     """The host-staged MPI engine's extra cost: device -> pageable host -> device."""
     import torch
@@ -357,6 +425,18 @@ def bench_data_path(size: str, step_s: float, out: Path, device: str = "cuda") -
     rate = count / (time.perf_counter() - t0)
     need = batch / step_s
     return {"data_samples_per_s": rate, "step_samples_per_s": need, "ratio": rate / need}
+
+
+def checkpoint_line(c: dict) -> str:
+    if "error" in c:
+        return f"Async checkpoint of a GPU rank: failed: {c['error'][:300]}"
+    return (
+        f"Async checkpoint of a GPU rank ({c['model']}, {c['state_gib']:.2f} GiB of "
+        f"state, {c['steps']} steps of {c['window_ms']:.0f} ms in all around each save): "
+        f"copied inside the save call, the steps take {c['copied_stall_ms']:+.1f} ms "
+        f"(the call {c['copied_call_ms']:.1f} ms); staged beside the next step "
+        f"{c['staged_stall_ms']:+.1f} ms (the call {c['staged_call_ms']:.1f} ms)."
+    )
 
 
 def main() -> None:
@@ -471,12 +551,20 @@ def main() -> None:
     ]
     (args.out / "gpu_report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
+    try:  # last: the report above is kept if this runs out of the check's time
+        report["checkpoint"] = bench_checkpoint_stall("base", args.out / "ckpt")
+    except Exception as exc:  # noqa: BLE001 - reported, the figures above kept
+        report["checkpoint"] = {"error": f"{type(exc).__name__}: {exc}"}
+    (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))
+    lines += ["", checkpoint_line(report["checkpoint"])]
+    (args.out / "gpu_report.md").write_text("\n".join(lines) + "\n")
+    print(lines[-1])
     failed = [
         f"{size}: {part}"
         for size, r in report["sections"].items()
         for part, v in r.items()
         if isinstance(v, dict) and "error" in v
-    ]
+    ] + (["checkpoint"] if "error" in report["checkpoint"] else [])
     if failed:  # the report keeps what was measured; the check records the failure
         sys.exit(f"GPU bench: {len(failed)} part(s) failed: {', '.join(failed)}")
 

@@ -84,7 +84,8 @@ class HostMirror:
         """Block the calling thread (any thread) until the last export's copies ran."""
         done = self._done
         if done is not None:
-            done.synchronize()
+            with torch.cuda.device(self.device):  # a new thread's current GPU is GPU 0
+                done.synchronize()
 
     def release(self) -> None:
         """Make the compute stream wait for the last export's copies (call before a
