@@ -97,12 +97,14 @@ def test_a_host_mirror_keeps_an_exports_values_in_reused_buffers():
 
     mirror = HostMirror(torch.device("cpu"))
     weight, count = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)
-    with mirror.copying() as take:
+    with mirror.copying() as (take, step):
         first = [take(weight), take(count)]
+        adam_step = step(torch.tensor(3.0))  # a count on the host: read at once
     weight += 10.0  # the next update
     np.testing.assert_array_equal(first[0], np.arange(6.0).reshape(2, 3))
     assert first[1].dtype == np.int64 and not first[0].flags.owndata
-    with mirror.copying() as take:
+    assert adam_step.dtype == np.int64 and adam_step.shape == () and int(adam_step) == 3
+    with mirror.copying() as (take, _):
         second = [take(weight), take(torch.zeros(5))]
     assert np.shares_memory(first[0], second[0])  # the same shape: the same buffer
     assert not np.shares_memory(first[1], second[1])

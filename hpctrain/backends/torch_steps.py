@@ -16,17 +16,24 @@ from .base import OPTIMIZER_SLOTS, EvalStats
 from .torch_device import from_host, to_host
 
 
+def step_count(value) -> np.ndarray:
+    """Adam's step count (a number, or a tensor: on the GPU for fused Adam) as the
+    canonical 0-d int64 array, read now."""
+    return np.array(int(float(value)), dtype=np.int64)
+
+
 def export_optimizer_state(
-    optimizer, named_params, kind: str, host=to_host
+    optimizer, named_params, kind: str, host=to_host, count=step_count
 ) -> dict[str, np.ndarray]:
     """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
 
     torch creates slots at the first step; before it they are exported as zeros, which is
     what they would start from. host(tensor) -> ndarray takes each slot to the host: a
     copy by default; views of the live slots (valid until the next step) or a HostMirror's
-    buffers are the torch backend's (torch_state.py).
+    buffers are the torch backend's (torch_state.py); count(step) -> 0-d int64 array
+    likewise takes Adam's step count (the last parameter's: all count alike).
     """
-    state, step = {}, 0
+    state, step = {}, None
     for name, param in named_params:
         st = optimizer.state.get(param, {})
         for slot in OPTIMIZER_SLOTS[kind]:
@@ -35,9 +42,9 @@ def export_optimizer_state(
                 np.zeros(tuple(param.shape), np.float32) if value is None else host(value)
             )
         if "step" in st:
-            step = int(float(st["step"]))
+            step = st["step"]
     if kind == "adam":
-        state["optimizer/step"] = np.array(step, dtype=np.int64)
+        state["optimizer/step"] = np.array(0, np.int64) if step is None else count(step)
     return state
 
 
