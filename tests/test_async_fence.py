@@ -97,9 +97,9 @@ def test_a_host_mirror_keeps_an_exports_values_in_reused_buffers():
 
     mirror = HostMirror(torch.device("cpu"))
     weight, count = torch.arange(6.0).reshape(2, 3), torch.ones(4, dtype=torch.int64)
-    with mirror.copying() as (take, step):
+    with mirror.copying() as (take, scalar):
         first = [take(weight), take(count)]
-        adam_step = step(torch.tensor(3.0))  # a count on the host: read at once
+        adam_step = scalar(torch.tensor(3.0), np.int64)  # on the host: read at once
     weight += 10.0  # the next update
     np.testing.assert_array_equal(first[0], np.arange(6.0).reshape(2, 3))
     assert first[1].dtype == np.int64 and not first[0].flags.owndata

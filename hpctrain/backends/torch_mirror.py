@@ -16,18 +16,18 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from .torch_steps import step_count
+from .torch_steps import host_scalar
 
 
 class HostMirror:
     """Reused pinned host buffers, one per exported tensor in export order, filled on a
     side stream.
 
-    Use: `with mirror.copying() as (take, count):` then `take(tensor)` per tensor (a
-    numpy view of its buffer, filled once `ready()` returned) and `count(step)` for
-    Adam's step count (a 0-d int64 array, set by `ready()` where the count is on the
-    GPU: fused Adam's; reading it now would wait for the queued step); `release()`
-    before anything changes a copied tensor. The buffers are written again at the next `copying()`: whoever
+    Use: `with mirror.copying() as (take, scalar):` then `take(tensor)` per tensor (a
+    numpy view of its buffer, filled once `ready()` returned) and `scalar(value, dtype)`
+    for a one-element number (fused Adam's step count, fp16's loss scale: a 0-d array,
+    set by `ready()` where the value is on the GPU; reading it now would wait for the
+    queued step); `release()` before anything changes a copied tensor. The buffers are written again at the next `copying()`: whoever
     reads the previous arrays must be done by then (the checkpoint session fences the
     previous save's copy before it exports again). A CUDA event is recorded per export.
 
@@ -44,7 +44,7 @@ class HostMirror:
         self.stream = torch.cuda.Stream(device) if self.cuda else None
         self._buffers: list[torch.Tensor] = []
         self._done = None  # the event recorded after the last export's copies
-        self._counts: list[tuple[np.ndarray, np.ndarray]] = []  # (int64 out, its copy)
+        self._scalars: list[tuple[np.ndarray, np.ndarray]] = []  # (0-d out, its copy)
         self.pending = False  # copies queued and the compute stream not yet after them
 
     @contextmanager
@@ -52,7 +52,7 @@ class HostMirror:
         """Queue copies of the tensors given to `take`, behind the work queued so far on
         the compute stream (the last update); the event is recorded on exit."""
         taken: list[torch.Tensor] = []
-        counts: list[tuple[np.ndarray, np.ndarray]] = []
+        scalars: list[tuple[np.ndarray, np.ndarray]] = []
         if self.cuda:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))
 
@@ -68,20 +68,20 @@ class HostMirror:
                 buf.copy_(src)
             return buf.numpy()
 
-        def count(step) -> np.ndarray:
-            if not (torch.is_tensor(step) and step.is_cuda):
-                return step_count(step)
-            out = np.zeros((), np.int64)  # owns its memory: the save keeps it uncopied
-            counts.append((out, take(step)))
+        def scalar(value, dtype) -> np.ndarray:
+            if not (torch.is_tensor(value) and value.is_cuda):
+                return host_scalar(value, dtype)
+            out = np.zeros((), dtype)  # owns its memory: the save keeps it uncopied
+            scalars.append((out, take(value)))
             return out
 
         try:
-            yield take, count
+            yield take, scalar
         finally:
             self._buffers = taken  # buffers beyond this export's tensors are freed
-            self._counts = counts
-            if self.cuda:
-                self._done = torch.cuda.Event()
+            self._scalars = scalars
+            if self.cuda:  # a blocking event: ready()'s thread sleeps, not spins
+                self._done = torch.cuda.Event(blocking=True)
                 self._done.record(self.stream)
                 self.pending = True
 
@@ -100,8 +100,8 @@ class HostMirror:
         if done is not None:
             with torch.cuda.device(self.device):  # a new thread's current GPU is GPU 0
                 done.synchronize()
-        for out, copied in self._counts:
-            out[...] = step_count(copied)
+        for out, copied in self._scalars:
+            out[...] = host_scalar(copied, out.dtype)
 
     def release(self) -> None:
         """Make the compute stream wait for the last export's copies (call before a

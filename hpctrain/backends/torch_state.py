@@ -16,12 +16,12 @@ from .torch_device import memory_figures, to_host
 from .torch_mirror import HostMirror
 from .torch_steps import (
     export_optimizer_state,
+    host_scalar,
     import_optimizer_state,
     load_scaler_state,
     rng_state,
     scaler_state,
     set_rng_state,
-    step_count,
 )
 
 
@@ -145,22 +145,22 @@ class TorchStateMixin:
         # CPU: views of the live tensors, no copy (a checkpoint writes them before the
         # next step, or an async save copies them into its reused buffers: staging.py).
         # GPU: host copies, or (staged) the HostMirror's, made beside the next step.
-        with self._exporter(staged) as (host, count):
+        with self._exporter(staged) as (host, scalar):
             names = ((n, p) for p, n in self._names.items())
             weights = self.model.state_dict().items()
             kind = self.cfg.optimizer["name"]
             return {
                 **with_model_prefix(OrderedDict((k, host(v)) for k, v in weights)),
-                **export_optimizer_state(self.optimizer, names, kind, host, count),
-                **scaler_state(self.scaler),  # fp16's loss scale, read now (a host wait)
+                **export_optimizer_state(self.optimizer, names, kind, host, scalar),
+                **scaler_state(self.scaler, scalar),  # fp16's loss scale (ZeRO refuses fp16)
             }
 
     def _exporter(self, staged: bool):
-        """A context giving (host(tensor) -> ndarray, count(step) -> 0-d array): a GPU
-        rank's staged export copies into the HostMirror (made at the first), anything
-        else takes to_host's views and reads the step count now."""
+        """A context giving (host(tensor) -> ndarray, scalar(value, dtype) -> 0-d
+        array): a GPU rank's staged export copies into the HostMirror (made at the
+        first), anything else takes to_host's views and reads one-element values now."""
         if not (staged and self.device.type == "cuda"):
-            return nullcontext((_view, step_count))
+            return nullcontext((_view, host_scalar))
         if self._mirror is None:
             self._mirror = HostMirror(self.device)
         return self._mirror.copying()

@@ -16,22 +16,22 @@ from .base import OPTIMIZER_SLOTS, EvalStats
 from .torch_device import from_host, to_host
 
 
-def step_count(value) -> np.ndarray:
-    """Adam's step count (a number, or a tensor: on the GPU for fused Adam) as the
-    canonical 0-d int64 array, read now."""
-    return np.array(int(float(value)), dtype=np.int64)
+def host_scalar(value, dtype) -> np.ndarray:
+    """A number or a one-element tensor (Adam's step count, on the GPU for fused Adam;
+    fp16's loss scale) as a 0-d `dtype` array, read now (from a GPU: a host wait)."""
+    return np.array(float(value)).astype(dtype)
 
 
 def export_optimizer_state(
-    optimizer, named_params, kind: str, host=to_host, count=step_count
+    optimizer, named_params, kind: str, host=to_host, scalar=host_scalar
 ) -> dict[str, np.ndarray]:
     """`optimizer/<slot>/<name>` (+ `optimizer/step` for Adam) in the canonical layout.
 
     torch creates slots at the first step; before it they are exported as zeros, which is
     what they would start from. host(tensor) -> ndarray takes each slot to the host: a
     copy by default; views of the live slots (valid until the next step) or a HostMirror's
-    buffers are the torch backend's (torch_state.py); count(step) -> 0-d int64 array
-    likewise takes Adam's step count (the last parameter's: all count alike).
+    buffers are the torch backend's (torch_state.py); scalar(value, dtype) likewise
+    takes Adam's step count (the last parameter's: all count alike).
     """
     state, step = {}, None
     for name, param in named_params:
@@ -44,7 +44,7 @@ def export_optimizer_state(
         if "step" in st:
             step = st["step"]
     if kind == "adam":
-        state["optimizer/step"] = np.array(0, np.int64) if step is None else count(step)
+        state["optimizer/step"] = scalar(0 if step is None else step, np.int64)
     return state
 
 
@@ -146,14 +146,21 @@ def make_loss_scaler(precision: str, device_type: str):
     return torch.amp.GradScaler(device_type)
 
 
-def scaler_state(scaler) -> dict[str, np.ndarray]:
-    """The loss scale and its growth counter, for checkpoints (empty without fp16)."""
+def scaler_state(scaler, scalar=host_scalar) -> dict[str, np.ndarray]:
+    """The loss scale and its growth counter, for checkpoints (empty without fp16).
+    scalar(value, dtype) takes each to the host (see export_optimizer_state): the
+    scaler's own tensors once it has scaled a step (torch keeps them on the GPU there),
+    its state_dict's numbers before."""
     if scaler is None:
         return {}
-    st = scaler.state_dict()
+    scale = getattr(scaler, "_scale", None)
+    growth = getattr(scaler, "_growth_tracker", None)
+    if scale is None or growth is None:
+        st = scaler.state_dict()
+        scale, growth = st.get("scale", 2.0**16), st.get("_growth_tracker", 0)
     return {
-        "optimizer/loss_scale": np.array(st.get("scale", 2.0**16), dtype=np.float64),
-        "optimizer/loss_scale_growth": np.array(st.get("_growth_tracker", 0), dtype=np.int64),
+        "optimizer/loss_scale": scalar(scale, np.float64),
+        "optimizer/loss_scale_growth": scalar(growth, np.int64),
     }
 
 
