@@ -27,15 +27,16 @@ class HostMirror:
     numpy view of its buffer, filled once `ready()` returned) and `scalar(value, dtype)`
     for a one-element number (fused Adam's step count, fp16's loss scale: a 0-d array,
     set by `ready()` where the value is on the GPU; reading it now would wait for the
-    queued step); `release()` before anything changes a copied tensor. The buffers are written again at the next `copying()`: whoever
-    reads the previous arrays must be done by then (the checkpoint session fences the
-    previous save's copy before it exports again). A CUDA event is recorded per export.
+    queued step); `release()` before anything changes a copied tensor. The buffers are
+    written again at the next `copying()`: whoever reads the previous arrays must be
+    done by then (the checkpoint session fences the previous save's copy before it
+    exports again). A CUDA event is recorded per export.
 
     Host memory: one pinned copy of the exported state, kept for the job, on the rank
     that writes a gathered checkpoint (rank 0) only (torch's pinned allocator rounds
-    each buffer up to a power of two: under 2x the state); the async save's own copy of
-    it (checkpoint/staging.py) comes on top. On a CPU device (tests) `take` copies at once
-    into plain buffers and `ready`/`release` have nothing to wait for.
+    each buffer up to a power of two: under 2x the state); the async save's own copy
+    of it (checkpoint/staging.py) comes on top. On a CPU device (tests) `take` copies
+    at once into plain buffers and `ready`/`release` have nothing to wait for.
     """
 
     def __init__(self, device: torch.device):
