@@ -82,7 +82,38 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
         f"({cfg.data['in_memory_mb']:g} MiB; one copy per node, on its first rank)"
     )
     gpu_limit = None if gpu_mb is None else gpu_mb * MIB
+    notes += _checkpoint_note(cfg, world_size, gpu, tensor > 1)
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
+
+
+def _checkpoint_note(cfg, world_size: int, gpu: bool, gathered: bool) -> str:
+    """Rank 0's host copy for a gathered checkpoint, outside the table (its other ranks
+    do not hold it): strategies/checkpoint_memory.py. `gathered`: every row's state is
+    gathered for a save (tensor parallelism, a pipeline), not only ZeRO's."""
+    from .data import benchmark_input_spec
+    from .strategies.checkpoint_memory import checkpoint_host_bytes
+
+    inp = benchmark_input_spec(cfg.data)
+    zero = checkpoint_host_bytes(cfg, inp, 0, world_size, gpu, gathers=True)
+    if not zero:
+        return (
+            ". Checkpoints: every rank writes its own part (checkpoint.sharded), rank 0 "
+            "holds no gathered copy"
+            if cfg.checkpoint["enabled"]
+            else ""
+        )
+    plain = zero if gathered else checkpoint_host_bytes(cfg, inp, 0, world_size, gpu, False)
+    held = (
+        f"{zero / MIB:,.0f} MiB"
+        if plain == zero
+        else f"{f'{plain / MIB:,.0f} MiB' if plain else 'nothing'} without ZeRO, "
+        f"{zero / MIB:,.0f} MiB with ZeRO"
+    )
+    return (
+        f". A gathered checkpoint (checkpoint.async={str(cfg.checkpoint['async']).lower()}, "
+        f"sharded={str(cfg.checkpoint['sharded']).lower()}) adds on rank 0 alone {held} "
+        "of host memory, not in the table (the run's check counts it)"
+    )
 
 
 def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) -> str:
@@ -138,6 +169,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
         "stage's rank holds its layers' parameters, gradients and optimizer state, and "
         "the activations of the micro-batches held (1F1B: at most P - s; GPipe: all)."
     )
+    notes += _checkpoint_note(cfg, world_size, gpu, True)
     limit = None if limit_mb is None else limit_mb * MIB
     gpu_limit = None if gpu_mb is None else gpu_mb * MIB
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])

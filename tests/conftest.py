@@ -33,6 +33,7 @@ QUICK_MODULES = frozenset(
         "test_pipeline_stream_order",
         "test_bench_projection",
         "test_checkpoint_atomic",
+        "test_checkpoint_memory",
         "test_checkpoint_cli",
         "test_checkpoint_format",
         "test_checkpoint_policy",

@@ -205,6 +205,27 @@ def test_zero2_is_refused_with_the_plan_and_zero3_trains_within_the_limit(cgroup
     assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
 
 
+# The same ZeRO-3 run saving asynchronously: rank 0 gathers the whole state for the file
+# (1,155 MiB of weights and Adam's moments, strategies/checkpoint_memory.py) on top of
+# its shard. The check refuses it before any compute, naming the copy and the way out
+# (that rank 0 really holds the copy at its peak: tests/test_memory_plan_jobs.py).
+ASYNC_SAVES = ["checkpoint.enabled=true", "checkpoint.async=true", "checkpoint.every_steps=1"]
+
+
+def test_a_gathered_checkpoint_too_big_for_rank_zero_is_refused_before_any_compute(
+    cgroup_dir, tmp_path
+):
+    refused = _zero3_train(cgroup_dir, tmp_path / "checked", "train.zero=3", *ASYNC_SAVES)
+    assert refused.returncode != 0, refused.output
+    out = refused.output
+    assert "the model will not fit" in out and "Traceback" not in out, out
+    assert "MiB of the gathered checkpoint's copy) against" in out, out
+    assert "checkpoint.async=false" in out and "rank(s) 0" in out, out
+    assert not any(_oom_kills(g) for g in cgroup_dir.glob("rank*"))
+    metrics = tmp_path / "checked" / "metrics.jsonl"
+    assert not metrics.exists() or not any('"step"' in x for x in metrics.open())
+
+
 # A pipeline: the check plans each stage before it is built (torch). One stage holding
 # the whole model (two replicas: the exchange's buffer too) is refused with the stage's
 # figures (plan 1,424 MiB); cut in two stages, each rank holds half of it and trains

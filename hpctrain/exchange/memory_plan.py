@@ -64,7 +64,8 @@ def _padded(elements: int, n: int) -> int:
     return -(-max(elements, 1) // n) * n
 
 
-def _optimizer_slots(optimizer: dict) -> int:
+def optimizer_slots(optimizer: dict) -> int:
+    """Tensors the optimizer keeps per parameter (momentum; Adam's two moments)."""
     if optimizer["name"] == "sgd" and not optimizer.get("momentum"):
         return 0
     return SLOTS[optimizer["name"]]
@@ -93,7 +94,7 @@ def plan_stage(
     psi = sum(shape.sizes)
     full, shard = 4.0 * psi, 4.0 * _padded(psi, n) / n
     largest = 4.0 * max(shape.sizes, default=0)
-    slots = _optimizer_slots(optimizer)
+    slots = optimizer_slots(optimizer)
     experts = 4.0 * shape.expert_elements  # local to this rank: weights, gradients, state
     gathered = segment = 0.0
     if stage == 3:

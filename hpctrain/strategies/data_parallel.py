@@ -26,6 +26,7 @@ from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase, on_gpu
+from .checkpoint_memory import checkpoint_host_bytes
 from .memory_check import check_memory, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
 
@@ -70,6 +71,7 @@ class DataParallel(StrategyBase):
             ),
             log,
             lambda: gpu_memory_budget(cfg, world),
+            saves_of=self._checkpoint_bytes,
         )
         self.backend = backend_class(cfg.backend)(
             cfg, replicas, self.input_spec, threads, groups=self.groups
@@ -81,7 +83,21 @@ class DataParallel(StrategyBase):
         if tcfg["sync_every"] > 1:
             self._start_local_sgd(tcfg)
         if not planned:  # a model the backend plans only once it exists
-            check_memory(self, log, lambda: gpu_memory_budget(cfg, world))
+            saves = self._checkpoint_bytes(False)  # a GPU rank's host is not checked then
+            check_memory(self, log, lambda: gpu_memory_budget(cfg, world), saves)
+
+    def _checkpoint_bytes(self, gpu: bool) -> float:
+        """Host bytes rank 0 holds for a gathered checkpoint (checkpoint_memory.py): the
+        state is gathered, or copied, unless the torch backend exports its replica's
+        live tensors (views on a CPU rank)."""
+        cfg, w = self.cfg, self.world
+        gathers = (
+            cfg.backend != "torch"  # TensorFlow exports host copies
+            or cfg.train["zero"] > 0
+            or self.tensor > 1
+            or self._spread_experts()
+        )
+        return checkpoint_host_bytes(cfg, self.input_spec, w.rank, w.size, gpu, gathers)
 
     def _start_local_sgd(self, tcfg) -> None:
         b = self.backend

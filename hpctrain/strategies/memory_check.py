@@ -20,6 +20,7 @@ from ..exchange.memory_plan import HOST, TERMS
 from ..models.zoo import is_zoo_model
 from ..runtime import allocator
 from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
+from .checkpoint_memory import checkpoint_hint
 
 MIB = 1 << 20
 WARN_FRACTION = 0.85
@@ -37,16 +38,23 @@ def _to_come(plan: dict[str, float]) -> tuple[float, float]:
     )
 
 
-def memory_problem(plan: dict[str, float], resident: int, limit: int, source: str, hints: str):
-    """(refusal or None, warning or None) for one rank's plan against its limit."""
+def memory_problem(
+    plan: dict[str, float], resident: int, limit: int, source: str, hints: str, saves: float = 0
+):
+    """(refusal or None, warning or None) for one rank's plan against its limit.
+    `saves`: host bytes this rank holds for a gathered checkpoint (checkpoint_memory.py)."""
     grads, opt = _to_come(plan)
-    need = resident + grads + opt
+    need = resident + grads + opt + saves
     figures = (
         f"about {_mib(need)} per rank ({_mib(resident)} resident now with the parameters, "
-        f"+ {_mib(grads)} of gradients and {_mib(opt)} of optimizer state "
+        f"+ {_mib(grads)} of gradients and {_mib(opt)} of optimizer state{_saving(saves)} "
         f"to come; activations not counted) against a limit of {_mib(limit)} ({source})"
     )
     return _verdict(need, limit, figures, hints, "; activations come on top")
+
+
+def _saving(saves: float, lead: str = ", ") -> str:
+    return f"{lead}{_mib(saves)} of the gathered checkpoint's copy" if saves else ""
 
 
 def gpu_memory_problem(plan: dict[str, float], gpu: tuple[int, str], hints: str):
@@ -77,14 +85,17 @@ def _limit(cfg, world) -> tuple[int, str] | None:
     return rank_memory_limit(world.node)
 
 
-def plan_problem(terms: dict[str, float], baseline: int, host, hints: str, gpu=None):
+def plan_problem(
+    terms: dict[str, float], baseline: int, host, hints: str, gpu=None, saves: float = 0
+):
     """(refusal or None, warning or None) for a memory plan (exchange/memory_plan.py).
 
     host: (bytes, source) of the rank's host limit, or None. gpu: (bytes, what) of the
     GPU memory this rank may use, or None on a CPU rank. A CPU rank's peak is the
     baseline plus every term; a GPU rank's terms are on the GPU, and its host holds the
-    baseline and what offload moved there."""
-    parts = ", ".join(f"{t} {_mib(terms[t])}" for t in TERMS if terms[t])
+    baseline and what offload moved there. `saves`: host bytes this rank holds for a
+    gathered checkpoint (checkpoint_memory.py), on top on its host."""
+    parts = ", ".join(f"{t} {_mib(terms[t])}" for t in TERMS if terms[t]) + _saving(saves)
     found = []
     if gpu is not None:
         figures = (
@@ -92,9 +103,9 @@ def plan_problem(terms: dict[str, float], baseline: int, host, hints: str, gpu=N
             f"against {gpu[1]}"
         )
         found.append(_verdict(terms["total"], gpu[0], figures, hints, on="on the GPU"))
-        parts = f"{HOST} {_mib(terms[HOST])}"  # the host's share of a GPU rank
+        parts = f"{HOST} {_mib(terms[HOST])}" + _saving(saves)  # the host's share
     if host is not None:
-        need = baseline + (terms["total"] if gpu is None else terms[HOST])
+        need = baseline + (terms["total"] if gpu is None else terms[HOST]) + saves
         figures = (
             f"about {_mib(need)} per rank at its peak ({_mib(baseline)} resident before the "
             f"model + {parts}) against a limit of {_mib(host[0])} ({host[1]})"
@@ -106,7 +117,14 @@ def plan_problem(terms: dict[str, float], baseline: int, host, hints: str, gpu=N
 
 
 def check_memory_plan(
-    cfg, world, plan_of, log, gpu_of=lambda: None, where: str = "", always: bool = False
+    cfg,
+    world,
+    plan_of,
+    log,
+    gpu_of=lambda: None,
+    where: str = "",
+    always: bool = False,
+    saves_of=lambda gpu: 0.0,
 ) -> bool:
     """Before the model is built (collective): the plan of this rank's configured stage
     against its limits, errors agreed. `plan_of(on_gpu)`: (terms, baseline) or None
@@ -114,8 +132,9 @@ def check_memory_plan(
     `gpu_of()` (collective over the node): (bytes, what) of the GPU memory this rank
     may use, None on CPU ranks. `where`: what part of the model this rank holds (a
     pipeline stage), put before its error or warning. `always`: plan where no limit is
-    known too (the pipeline reports the plan beside its measured peak). Returns
-    whether the plan was checked."""
+    known too (the pipeline reports the plan beside its measured peak). `saves_of(on_gpu)`:
+    host bytes this rank holds for a gathered checkpoint (checkpoint_memory.py), not
+    part of the plan's terms. Returns whether the plan was checked."""
     if not cfg.runtime["memory_check"]:
         return True
     found = _limit(cfg, world)
@@ -130,8 +149,9 @@ def check_memory_plan(
                 "(and please report the configuration)"
             )
     if planned is not None:
-        hints = _hint_text(cfg, gpu is not None)
-        error, warning = plan_problem(*planned, found, hints, gpu)
+        saves = saves_of(gpu is not None)
+        hints = _hint_text(cfg, gpu is not None, saves)
+        error, warning = plan_problem(*planned, found, hints, gpu, saves)
         if warning is not None:
             note = heap_note(cfg.train["zero"], allocator.keeps_freed(), cfg.strategy == "pipeline")
             log.warning(where + warning + note)
@@ -159,32 +179,39 @@ def heap_note(stage: int, keeps_freed: bool, pipeline: bool = False) -> str:
     )
 
 
-def _hint_text(cfg, gpu: bool = False) -> str:
-    return "Shard it: " + ", ".join(_hints(cfg, gpu)) + "; or ask for more memory per rank."
+def _hint_text(cfg, gpu: bool = False, saves: float = 0) -> str:
+    hints = ([checkpoint_hint(cfg.checkpoint)] if saves else []) + _hints(cfg, gpu)
+    return "Shard it: " + ", ".join(hints) + "; or ask for more memory per rank."
 
 
-def check_memory(strategy, log, gpu_of=lambda: None) -> None:
+def check_memory(strategy, log, gpu_of=lambda: None, saves: float = 0) -> None:
     """A data-parallel rank's check once its model is built (check_built)."""
-    check_built(strategy.cfg, strategy.world, strategy.backend.memory_plan, log, gpu_of)
+    check_built(
+        strategy.cfg, strategy.world, strategy.backend.memory_plan, log, gpu_of, saves=saves
+    )
 
 
-def check_built(cfg, world, memory_plan, log, gpu_of=lambda: None, where: str = "") -> None:
+def check_built(
+    cfg, world, memory_plan, log, gpu_of=lambda: None, where: str = "", saves: float = 0
+) -> None:
     """Collective over the job, once the model exists: every rank checks its own plan
     (`memory_plan()`: a backend's or a pipeline stage's), errors are agreed. On a GPU
     rank (`gpu_of()`, collective over the node: what is free for it now) the state
     still to come is checked against the GPU, otherwise against the host's limit.
-    `where`: the part of the model this rank holds, put before its error or warning."""
+    `where`: the part of the model this rank holds, put before its error or warning.
+    `saves`: host bytes this rank holds for a gathered checkpoint (checked on CPU ranks;
+    a GPU rank's host is not checked here)."""
     if not cfg.runtime["memory_check"]:
         return
     found = _limit(cfg, world)
     gpu = gpu_of()
     error = warning = None
-    hints = _hint_text(cfg, gpu is not None)
+    hints = _hint_text(cfg, gpu is not None, saves if gpu is None else 0)
     if gpu is not None:
         error, warning = gpu_memory_problem(memory_plan(), gpu, hints)
     elif found is not None:
         resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
-        error, warning = memory_problem(memory_plan(), resident, found[0], found[1], hints)
+        error, warning = memory_problem(memory_plan(), resident, found[0], found[1], hints, saves)
     if warning is not None:
         log.warning(where + warning)
     world.agree(None if error is None else where + error)

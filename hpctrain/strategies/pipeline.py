@@ -67,6 +67,7 @@ from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
 from .base import StrategyBase, on_gpu
+from .checkpoint_memory import checkpoint_host_bytes
 from .memory_check import check_built, check_memory_plan
 from .startup import noop_warnings, replica_axis, settings_text
 
@@ -180,7 +181,7 @@ class Pipeline(StrategyBase):
         self.zero = cfg.train["zero"]
         self._attach_replicas(links)
         if self.planned is None:  # TensorFlow, a user's model, experts: once built
-            check_built(cfg, w, self.stage.memory_plan, log, self._gpu_budget, self._memory_where)
+            self._check_built(inp)
         in_shape, out_shape = self._agree_shapes(inp)
         self.link = StageTransport(
             links.get("pipe", g.pipe),
@@ -264,7 +265,19 @@ class Pipeline(StrategyBase):
             )  # fmt: skip
             return self.planned
 
-        check_memory_plan(cfg, w, plan_of, log, self._gpu_budget, self._memory_where, always=True)
+        def saves_of(gpu: bool):  # rank 0 gathers every stage's state for one file
+            return checkpoint_host_bytes(cfg, inp, w.rank, w.size, gpu, gathers=True)
+
+        check_memory_plan(
+            cfg, w, plan_of, log, self._gpu_budget, self._memory_where, True, saves_of
+        )
+
+    def _check_built(self, inp) -> None:
+        """The stage's check once it exists, with rank 0's gathered checkpoint (CPU)."""
+        cfg, w = self.cfg, self.world
+        saves = checkpoint_host_bytes(cfg, inp, w.rank, w.size, False, gathers=True)
+        where = self._memory_where
+        check_built(cfg, w, self.stage.memory_plan, log, self._gpu_budget, where, saves)
 
     @cached_property
     def _moe_stages(self) -> int:
