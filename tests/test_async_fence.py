@@ -112,3 +112,33 @@ def test_a_host_mirror_keeps_an_exports_values_in_reused_buffers():
     mirror.ready()  # nothing queued on a CPU device
     mirror.release()
     assert not mirror.pending
+
+
+@pytest.mark.parametrize("residuals", [False, True], ids=["dense", "error-feedback"])
+def test_an_async_save_stages_the_export_unless_it_will_be_written_at_once(tmp_path, residuals):
+    """With per-rank error-feedback state the save is written on the training thread
+    (its files commit with the rank's), so rank 0 does not stage its export into the
+    GPU's pinned buffers only to wait for them there: it asks for host copies at once."""
+    from types import SimpleNamespace
+
+    from hpctrain.checkpoint.session import RunCheckpoints
+
+    asked = []
+    strategy = SimpleNamespace(
+        average_buffers=lambda: None,
+        rng_state=lambda: {},
+        rank_state=lambda: {"reducer/residual": np.zeros(3)} if residuals else {},
+        export_state=lambda staged=False: asked.append(staged) or {"model/w": np.zeros(2)},
+        wait_exported=lambda: None,
+        hold_exported_state=lambda fence: True,
+    )
+    world = SimpleNamespace(is_root=True, size=1, gather_bytes=lambda data, what: [data])
+    run = RunCheckpoints.__new__(RunCheckpoints)
+    run.trainer = SimpleNamespace(world=world, strategy=strategy)
+    run.policy = CheckpointPolicy({"dir": str(tmp_path), "async": True})
+    run.checkpointer = SimpleNamespace(fence=lambda: None)
+    run._write_rank_state = lambda arrays: [{"rank": 0}]
+    run.payload = lambda state, gathered, metrics: {"state": state}
+    payload = run._collect(None)
+    assert asked == [not residuals]
+    assert ("shards" in payload) == residuals  # what makes manager.py write it at once

@@ -170,15 +170,16 @@ class RunCheckpoints:
         # export_pieces() is None on every rank alike (decided by the strategy's layout)
         sharding = self.policy.sharded and w.size > 1
         pieces = s.export_pieces(self.policy.shard_min_bytes) if sharding else None
+        # Per-rank memory (error-feedback residuals): {} on every rank alike (the config
+        # decides), else one file per rank, committed with the shards: then the save is
+        # written on this thread (manager.py), so a staged export would only be waited for.
+        private = s.rank_state()
         table = None
         if pieces is None:  # collective; the canonical state on rank 0, which an async
             # save may take while still filling (a GPU rank's copy beside the next step)
-            state = s.export_state(staged=self.policy.async_save and w.is_root)
+            state = s.export_state(staged=self.policy.async_save and w.is_root and not private)
         else:
             state, table = {}, self._write_shards(pieces)
-        # Per-rank memory (error-feedback residuals): {} on every rank alike (the config
-        # decides), else one file per rank, committed with the shards.
-        private = s.rank_state()
         ranks = self._write_rank_state(private) if private else None
         if not w.is_root:
             return None
