@@ -136,7 +136,7 @@ def test_an_async_save_stages_the_export_unless_it_will_be_written_at_once(tmp_p
     run = RunCheckpoints.__new__(RunCheckpoints)
     run.trainer = SimpleNamespace(world=world, strategy=strategy)
     run.policy = CheckpointPolicy({"dir": str(tmp_path), "async": True})
-    run.checkpointer = SimpleNamespace(fence=lambda: None)
+    run.checkpointer = SimpleNamespace(fence=lambda: None, wait_written=lambda: None)
     run._write_rank_state = lambda arrays: [{"rank": 0}]
     run.payload = lambda state, gathered, metrics: {"state": state}
     payload = run._collect(None)

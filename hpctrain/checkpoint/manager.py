@@ -165,6 +165,12 @@ class Checkpointer:
             self._error = self._error_step = None
             raise CheckpointError(f"background save of step {step} failed: {exc}") from exc
 
+    def wait_written(self) -> None:
+        """Block until a background write is finished; its error, if any, is raised by
+        the next `save`, `maybe_save` or `wait`."""
+        if self._thread is not None:
+            self._thread.join()
+
     def wait(self) -> Path | None:
         """Block until a background write is finished; raise its error if it failed."""
         if self._thread is not None:

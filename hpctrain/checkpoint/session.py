@@ -164,6 +164,8 @@ class RunCheckpoints:
         t, w = self.trainer, self.trainer.world
         s = t.strategy
         self.checkpointer.fence()  # the previous save's copy is done before buffers change
+        if self.policy.async_save:  # and its write, before a new copy of the state is made
+            self.checkpointer.wait_written()  # (save() waits for it too, then holding both)
         s.average_buffers()
         rng = {**capture_process_rng(), **s.rng_state()}
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")

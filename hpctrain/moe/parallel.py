@@ -395,7 +395,7 @@ def gather_expert_weights(weights: dict, group: ExpertGroup, root: int = 0) -> d
     of canonical names (for checkpoints and tests). Non-expert tensors come from root.
     """
     mine, full = split_experts(weights)
-    parts = group.axis.gather_object(mine, root, "gather MoE experts")
+    parts = group.axis.gather_arrays(mine, root, "gather MoE experts")
     if group.rank != root:
         return None
     for part in parts:

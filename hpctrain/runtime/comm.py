@@ -17,6 +17,9 @@ from ..errors import LaunchError, RankErrors, rank_ranges
 from . import p2p
 from .host_arrays import HostArrays
 
+_INLINE_BYTES = 1 << 16  # gather_arrays: smaller values travel with the names
+_ARRAYS_TAG = 7301  # gather_arrays' messages (in order per sender: MPI does not overtake)
+
 
 def _offsets(counts) -> list[int]:
     """Where each rank's piece starts in a buffer of pieces of `counts` (the v forms)."""
@@ -354,6 +357,50 @@ class GuardedComm(HostArrays):
             return [obj]
         with self.watchdog.guard(what):
             return self.comm.allgather(obj)
+
+    def gather_arrays(self, arrays: dict | None, root: int = 0, what: str = "gather arrays"):
+        """Every rank's {name: value} (or None) on `root` in rank order, None elsewhere.
+
+        For a checkpoint's state: the names, shapes and small values travel as one small
+        object per rank; each large array's bytes go by guarded point-to-point messages
+        straight into an array `root` allocates (a pickled gather held each array three
+        times on `root` at once: the sender's pickle, the receive buffer and the arrays
+        unpickled from it, and its arrays did not own their memory). `root` keeps its own
+        dict as given. Cost: `root` receives every other rank's state once, in one
+        message per large array; used over a tensor group, an expert group or a
+        pipeline's replica 0, whose sizes do not grow with the data-parallel ranks."""
+        if self.size == 1:
+            return [arrays]
+        meta, large = None, []
+        if arrays is not None:
+            meta = {}
+            for k, v in arrays.items():
+                if isinstance(v, np.ndarray) and v.nbytes >= _INLINE_BYTES:
+                    meta[k] = (True, (v.shape, v.dtype.str))
+                    large.append(np.ascontiguousarray(v))
+                else:
+                    meta[k] = (False, v)  # a step count, a small slot: with the names
+        metas = self.gather_object(meta, root, what=f"{what} (names)")
+        if self.rank != root:
+            for pending in [self.start_send(a, root, _ARRAYS_TAG, what) for a in large]:
+                pending.wait()
+            return None
+        out, pending = [], []
+        for r, m in enumerate(metas):
+            if r == root or m is None:
+                out.append(arrays if r == root else None)
+                continue
+            got = {}
+            for k, (sent, entry) in m.items():
+                if sent:
+                    got[k] = np.empty(entry[0], np.dtype(entry[1]))
+                    pending.append(self.start_recv(got[k], r, _ARRAYS_TAG, what))
+                else:
+                    got[k] = entry
+            out.append(got)
+        for p in pending:
+            p.wait()
+        return out
 
     def gather_bytes(self, data: np.ndarray, root: int = 0, what: str = "gather bytes"):
         """Gather one uint8 buffer per rank (any lengths) to `root` without pickle.

@@ -19,51 +19,70 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..exchange.memory_plan import optimizer_slots
+from ..backends.base import OPTIMIZER_SLOTS
+from ..exchange.compression import LOSSY
 from ..models import zoo
 
 
-def checkpoint_copies(checkpoint: dict, rank: int, size: int, gpu: bool, gathers: bool) -> int:
+def checkpoint_copies(
+    checkpoint: dict, rank: int, size: int, gpu: bool, gathers: bool, written_at_once=False
+) -> int:
     """Whole copies of the model's state `rank` holds in host memory at a save.
 
-    `gathers`: the strategy exports fresh arrays (ZeRO, tensor parallelism, spread
-    experts, pipeline stages, the parameter server); otherwise a CPU rank exports views
-    of its live tensors and a GPU rank host copies (staged by an async save into pinned
-    buffers, which it copies again for the writer: two)."""
+    `gathers`: the strategy exports fresh arrays (ZeRO; tensor parallelism, spread
+    experts and pipeline stages received into arrays rank 0 owns, comm.gather_arrays;
+    TensorFlow's copies); otherwise a CPU rank exports views of its live tensors and a
+    GPU rank host copies (staged by an async save into pinned buffers, which it copies
+    again for the writer: two; each pinned buffer is rounded up to a power of two by
+    torch, not counted). `written_at_once`: per-rank error-feedback state makes an async
+    save synchronous (checkpoint/manager.py), with neither staging nor a private copy."""
     if rank != 0 or not checkpoint["enabled"]:
         return 0
     if checkpoint["sharded"] and not checkpoint["async"] and size > 1:
         return 0
     if gathers:
         return 1
+    background = checkpoint["async"] and not written_at_once
     if gpu:
-        return 2 if checkpoint["async"] else 1
-    return 1 if checkpoint["async"] else 0
+        return 2 if background else 1
+    return 1 if background else 0
+
+
+def has_rank_state(cfg) -> bool:
+    """Whether every rank keeps error-feedback residuals or PowerSGD's factors, which a
+    checkpoint saves per rank (strategies' rank_state)."""
+    method = cfg.train["compression"]
+    return method in LOSSY and (cfg.compression["error_feedback"] or method == "powersgd")
 
 
 def model_state_bytes(cfg, inp: zoo.InputSpec) -> float | None:
     """Bytes of a zoo model's whole float32 state as a checkpoint holds it: every
     parameter (all experts, whole tensor-parallel layers, every pipeline stage), its
-    optimizer slots and the buffers. None for a user's model (not known before it is
-    built)."""
+    optimizer's slots (every slot of its kind: plain SGD's momentum buffers are saved as
+    zeros) and the buffers. None for a user's model (not known before it is built)."""
     if not zoo.is_zoo_model(cfg.model["name"]):
         return None
     layers = zoo.build_layers(cfg.model, inp)
     params = sum(spec.param_count() for spec in layers)
     buffers = sum(int(np.prod(s)) for spec in layers for s in spec.buffers.values())
-    return 4.0 * ((1 + optimizer_slots(cfg.optimizer)) * params + buffers)
+    return 4.0 * ((1 + len(OPTIMIZER_SLOTS[cfg.optimizer["name"]])) * params + buffers)
 
 
 def checkpoint_host_bytes(cfg, inp, rank: int, size: int, gpu: bool, gathers: bool) -> float:
     """checkpoint_copies x model_state_bytes (0 for a user's model). Local: no
     communication, the same cost at 1,024 and 4,096 ranks."""
-    copies = checkpoint_copies(cfg.checkpoint, rank, size, gpu, gathers)
+    at_once = has_rank_state(cfg)
+    copies = checkpoint_copies(cfg.checkpoint, rank, size, gpu, gathers, at_once)
     state = model_state_bytes(cfg, inp) if copies else None
     return copies * state if state else 0.0
 
 
-def checkpoint_hint(checkpoint: dict) -> str:
+def checkpoint_hint(checkpoint: dict, size: int) -> str:
     """What frees rank 0 of the gathered copy."""
-    if checkpoint["async"]:
-        return "checkpoint.async=false (every rank then writes its own part: nothing gathered)"
-    return "checkpoint.sharded=true (every rank writes its own part: nothing gathered)"
+    if size == 1:
+        return "checkpoint.enabled=false (one rank writes its whole state)"
+    settings = [
+        *(["checkpoint.async=false"] if checkpoint["async"] else []),
+        *(["checkpoint.sharded=true"] if not checkpoint["sharded"] else []),
+    ]
+    return f"{' and '.join(settings)} (every rank then writes its own part: nothing gathered)"

@@ -186,16 +186,15 @@ class DataParallel(StrategyBase):
             experts, dense = moe_parallel.split_experts(self.backend.export_state())
             if experts and self.grid.coord["data"] == 0:  # replica 0's expert x tensor
                 experts = moe_parallel.gather_expert_weights(experts, self.groups.experts) or {}
-            pieces = self.grid.tensor.gather_object(dense, what="gather tensor-parallel shards")
+            pieces = self.grid.tensor.gather_arrays(dense, what="gather tensor-parallel shards")
             if not self.world.is_root:
                 return None
-            return {
-                **{
-                    k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p[k] for p in pieces])
-                    for k in pieces[0]
-                },
-                **experts,
+            del dense  # each tensor's pieces freed as it is joined: one copy held at a time
+            joined = {
+                k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p.pop(k) for p in pieces])
+                for k in list(pieces[0])
             }
+            return {**joined, **experts}
         if self._spread_experts():
             state = moe_parallel.gather_expert_weights(
                 self.backend.export_state(), self.groups.experts

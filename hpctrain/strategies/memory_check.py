@@ -140,17 +140,18 @@ def check_memory_plan(
     found = _limit(cfg, world)
     gpu = gpu_of()
     planned = error = None
+    saves = 0.0
     if found is not None or gpu is not None or always:
         try:
             planned = plan_of(gpu is not None)
+            saves = saves_of(gpu is not None) if planned is not None else 0.0
         except Exception as exc:  # agreed below: no rank waits for one that failed
             error = (
                 f"the memory plan failed ({exc!r}): runtime.memory_check=false skips it "
                 "(and please report the configuration)"
             )
     if planned is not None:
-        saves = saves_of(gpu is not None)
-        hints = _hint_text(cfg, gpu is not None, saves)
+        hints = _hint_text(cfg, gpu is not None, saves, world.size)
         error, warning = plan_problem(*planned, found, hints, gpu, saves)
         if warning is not None:
             note = heap_note(cfg.train["zero"], allocator.keeps_freed(), cfg.strategy == "pipeline")
@@ -179,8 +180,8 @@ def heap_note(stage: int, keeps_freed: bool, pipeline: bool = False) -> str:
     )
 
 
-def _hint_text(cfg, gpu: bool = False, saves: float = 0) -> str:
-    hints = ([checkpoint_hint(cfg.checkpoint)] if saves else []) + _hints(cfg, gpu)
+def _hint_text(cfg, gpu: bool = False, saves: float = 0, size: int = 2) -> str:
+    hints = ([checkpoint_hint(cfg.checkpoint, size)] if saves else []) + _hints(cfg, gpu)
     return "Shard it: " + ", ".join(hints) + "; or ask for more memory per rank."
 
 
@@ -206,7 +207,7 @@ def check_built(
     found = _limit(cfg, world)
     gpu = gpu_of()
     error = warning = None
-    hints = _hint_text(cfg, gpu is not None, saves if gpu is None else 0)
+    hints = _hint_text(cfg, gpu is not None, saves if gpu is None else 0, world.size)
     if gpu is not None:
         error, warning = gpu_memory_problem(memory_plan(), gpu, hints)
     elif found is not None:

@@ -448,7 +448,8 @@ class Pipeline(StrategyBase):
         Replica 0's stages send their tensors and slots to rank 0; the names and layouts
         are those of a data-parallel run, so checkpoints move between the strategies.
         With tensor parallelism rank 0 joins each split tensor from its T slices.
-        Cost: P x T objects gathered to rank 0 (the model's size in bytes), once per save.
+        Cost: P x T ranks' arrays gathered to rank 0 (the model's size in bytes, received
+        into arrays it owns: comm.gather_arrays), once per save.
         """
         if self.zero:  # collective over each stage's replicas; replica 0 gets the slots
             mine = self.stage.export_state()
@@ -460,7 +461,7 @@ class Pipeline(StrategyBase):
             mine = {**dense, **experts} if self.grid.replica == 0 else None
         else:
             mine = self.stage.export_state() if self.grid.replica == 0 else None
-        parts = self.world.gather_object(mine, what="gather pipeline state")
+        parts = self.world.gather_arrays(mine, what="gather pipeline state")
         if not self.world.is_root:
             return None
         slices: dict[str, list] = {}
@@ -471,10 +472,11 @@ class Pipeline(StrategyBase):
                     steps.append(int(v))
                 else:
                     slices.setdefault(k, []).append(v)
-        merged = {
-            k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], v) if len(v) > 1 else v[0]
-            for k, v in slices.items()
-        }
+        del parts, mine
+        merged = {}  # each tensor's slices freed as it is joined: one copy held at a time
+        for k in list(slices):
+            v = slices.pop(k)
+            merged[k] = tensor_parallel.unshard(k.rsplit("/", 1)[-1], v) if len(v) > 1 else v[0]
         state = {f"model/{k}": merged[f"model/{k}"] for k in self.canonical_names}
         for key in sorted(k for k in merged if k.startswith("optimizer/")):
             state[key] = merged[key]

@@ -79,3 +79,36 @@ def test_auto_gradient_engine_is_the_same_on_every_rank():
     assert engine == "mpi"
     engine, _ = choose(Config.load(None), local_ranks=1, threads=1, cores=64, world=w)
     assert engine == "horovod"
+
+
+def test_gather_arrays_brings_every_ranks_state_to_root_in_arrays_it_owns():
+    """A checkpoint's gather (pipeline stages, tensor slices, experts): large arrays go
+    as raw messages into arrays the root owns, small values with the names; a rank with
+    nothing sends None; over the world and over a grid axis."""
+    from hpctrain.runtime.grid import ProcessGrid
+
+    w = world()
+
+    def state(r):
+        if r == 1 and w.size > 2:
+            return None  # a rank that holds nothing to save
+        big = np.arange(40_000, dtype=np.float32).reshape(200, 200) + r
+        return {"model/w": big, "model/b": np.full(3, r, np.float64), "optimizer/step": r + 7}
+
+    for comm in (w, ProcessGrid(w, tensor=2).tensor):
+        got = comm.gather_arrays(state(comm.rank), root=0)
+        if comm.rank != 0:
+            assert got is None
+            continue
+        assert len(got) == comm.size
+        for r, part in enumerate(got):
+            want = state(r)
+            if want is None:
+                assert part is None
+                continue
+            assert sorted(part) == sorted(want) and part["optimizer/step"] == r + 7
+            for k in ("model/w", "model/b"):
+                np.testing.assert_array_equal(part[k], want[k])
+                assert part[k].dtype == want[k].dtype
+            if r != 0:
+                assert part["model/w"].flags.owndata  # received, not a view of a pickle
