@@ -254,6 +254,15 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
             "train.batch_size=8",
             "train.allreduce=gloo",
         ],
+        # one checkpoint file: rank 0 gathers the stages, tensor slices and experts
+        # across the link (comm.gather_arrays) and the file is the one-process model
+        [
+            MOE,
+            "strategy=pipeline",
+            "pipeline.microbatches=2",
+            "train.batch_size=8",
+            "checkpoint.sharded=false",
+        ],  # fmt: skip
     ],
     ids=[
         "pipe2-tensor2",
@@ -266,6 +275,7 @@ def _transformer_reference(tmp_path_factory, layout: list[str]) -> Path:
         "tf-zero3-data2-tensor2",
         "gloo-experts-data2-tensor2",
         "gloo-experts-pipe2-tensor2",
+        "experts-pipe2-tensor2-one-file",
     ],
 )
 def test_tensor_parallel_groups_within_a_node_equal_one_process(
@@ -275,7 +285,8 @@ def test_tensor_parallel_groups_within_a_node_equal_one_process(
     pipeline stages, the ZeRO data replicas (ZeRO-3: its parameter gathers too) or the
     experts' all-to-alls across the link;
     the sharded checkpoint (each rank its tensor slices, and its experts) is written to
-    the shared run directory from both nodes and reads back as the one-process model."""
+    the shared run directory from both nodes (or, one-file, gathered onto rank 0) and
+    reads back as the one-process model."""
     ref = _transformer_reference(tmp_path_factory, layout)
     run = tmp_path / "run"
     job = launch_across(

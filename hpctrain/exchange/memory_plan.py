@@ -64,8 +64,7 @@ def _padded(elements: int, n: int) -> int:
     return -(-max(elements, 1) // n) * n
 
 
-def optimizer_slots(optimizer: dict) -> int:
-    """Tensors the optimizer keeps per parameter (momentum; Adam's two moments)."""
+def _optimizer_slots(optimizer: dict) -> int:
     if optimizer["name"] == "sgd" and not optimizer.get("momentum"):
         return 0
     return SLOTS[optimizer["name"]]
@@ -94,7 +93,7 @@ def plan_stage(
     psi = sum(shape.sizes)
     full, shard = 4.0 * psi, 4.0 * _padded(psi, n) / n
     largest = 4.0 * max(shape.sizes, default=0)
-    slots = optimizer_slots(optimizer)
+    slots = _optimizer_slots(optimizer)
     experts = 4.0 * shape.expert_elements  # local to this rank: weights, gradients, state
     gathered = segment = 0.0
     if stage == 3:

@@ -8,11 +8,13 @@ a rank whose state must be gathered or copied off a GPU first, or an async save'
 copy, which stays in reused buffers between saves (checkpoint/staging.py). Without this
 term a model sized to fit its ranks is killed on rank 0 at its first save, mid-run.
 
-Measured (rank 0 of a 50 M transformer, Adam, np 2, 577 MiB of state; peak RSS over
+Measured (rank 0 of a 50 M transformer, Adam, np 2, 578 MiB of state; peak RSS over
 the steps against the same run without checkpoints): ZeRO-3 async +553 MiB, ZeRO-3
 gathered +501, plain gathered (views, no copy) +21, plain async +300 (the copy reuses
-heap a step freed, so one planned copy is above that peak by 15% of the run's peak),
-sharded +12 (tests/test_memory_plan_jobs.py).
+heap a step freed, so one planned copy is above that peak, by up to 12% of the run's
+peak), sharded +12 (tests/test_memory_plan_jobs.py); tensor parallelism 2 gathered
++297 and async +463, a 2-stage pipeline's rank 0 gathered +424 and async +566 (1.5-3.7
+copies while these gathers pickled the state).
 """
 
 from __future__ import annotations

@@ -189,8 +189,7 @@ class DataParallel(StrategyBase):
             pieces = self.grid.tensor.gather_arrays(dense, what="gather tensor-parallel shards")
             if not self.world.is_root:
                 return None
-            del dense  # each tensor's pieces freed as it is joined: one copy held at a time
-            joined = {
+            joined = {  # each tensor's pieces popped as it is joined: one copy held at a time
                 k: tensor_parallel.unshard(k.rsplit("/", 1)[-1], [p.pop(k) for p in pieces])
                 for k in list(pieces[0])
             }
