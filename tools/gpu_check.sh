@@ -17,7 +17,12 @@
 # inside its limit (every step has its own timeout): GPU_CHECK_ONLY="tests jobs" (worst
 # case ~9 min, ~3 expected), then GPU_CHECK_ONLY="demo bench" (worst ~9, ~5 expected);
 # "cluster" (at most 2 min) only if time is left. GPU_CHECK_REV names the commit in the
-# report where the machine's copy of .git is not this checkout's.
+# report where the machine's copy of .git is not this checkout's. GPU_CHECK_BUDGET
+# (seconds, default 570) bounds the whole call: each step's timeout is cut to what is
+# left of it and a step that no longer fits is recorded as skipped, so a call never
+# outlives a 600 s limit; GPU_CHECK_RETURN gets its files after every step, so a call
+# cut short still hands back what it did. .whl/ is ignored by git: a device call must
+# carry it (e.g. the device tool's carry: [".whl"]).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -38,12 +43,37 @@ export OMPI_ALLOW_RUN_AS_ROOT=1 OMPI_ALLOW_RUN_AS_ROOT_CONFIRM=1 PYTHONUNBUFFERE
 export OMPI_MCA_hwloc_base_binding_policy=none
 REPORT="$OUT/report.md"
 status=0
+BUDGET=${GPU_CHECK_BUDGET:-570}
+# a step's timeout: what it asks for, cut to what is left of the call (20 s kept back)
+limit() { # never 0: `timeout 0` would mean no timeout at all
+    local left=$((BUDGET - SECONDS - 20))
+    ((left < 1)) && left=1
+    echo $(($1 < left ? $1 : left))
+}
+# true when a step can still start (30 s at least); otherwise it is recorded as skipped
+fits() {
+    [ "$(limit 30)" -ge 30 ] && return 0
+    echo "| $1 | skipped: ${SECONDS} s of GPU_CHECK_BUDGET=${BUDGET} s spent |" >>"$REPORT"
+    status=1
+    return 1
+}
+hand_back() { # the files so far into GPU_CHECK_RETURN (at most 8, named plainly)
+    [ -n "${GPU_CHECK_RETURN:-}" ] || return 0
+    mkdir -p "$GPU_CHECK_RETURN"
+    for f in report.md check.log gpu_tests.txt gpu_jobs.txt bench.log bench/gpu_bench.json; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$GPU_CHECK_RETURN/"
+    done
+    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.txt' -o -name '*.json' \
+        -o -name '*.jsonl' -o -name '*.md' -o -name '*.yaml' \) -print0 |
+        tar czf - --null -T -) >"$GPU_CHECK_RETURN/logs.tar.gz"
+}
 # GPU_CHECK_ONLY="tests jobs demo bench cluster": some steps only (default: all)
 want() { [ -z "${GPU_CHECK_ONLY:-}" ] || [[ " $GPU_CHECK_ONLY " == *" $1 "* ]]; }
 say() { echo "[gpu-check $(date +%T)] $*" | tee -a "$OUT/check.log"; }
 record() { # name rc
     if [ "$2" = 0 ]; then echo "| $1 | pass |" >>"$REPORT"; else
         echo "| $1 | FAIL (rc $2) |" >>"$REPORT"; status=1; fi
+    hand_back
 }
 {
     echo "# GPU check $(date -u +%Y-%m-%dT%H:%MZ) at ${GPU_CHECK_REV:-$(git rev-parse --short HEAD 2>/dev/null)}"
@@ -70,16 +100,20 @@ export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # the checkout's tests impo
 if ! $PY -c 'from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 ||
     ! command -v mpirun >/dev/null; then
     say "no usable MPI here: installing the carried mpi4py + Open MPI wheels"
-    $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/mpi-site .whl/*.whl \
+    # --prefix, not --target: the Open MPI wheel's libraries (data/lib) are only
+    # installed with a prefix; mpi4py finds libmpi through LD_LIBRARY_PATH
+    $PY -m pip install -q --no-index --no-deps --no-compile --prefix /tmp/mpi-site .whl/*.whl \
         >>"$OUT/install.log" 2>&1
-    export PYTHONPATH="/tmp/mpi-site:$PYTHONPATH" PATH="/tmp/mpi-site/bin:$PATH"
+    pyver=$($PY -c 'import sys; print("python%d.%d" % sys.version_info[:2])')
+    export PYTHONPATH="/tmp/mpi-site/lib/$pyver/site-packages:$PYTHONPATH"
+    export PATH="/tmp/mpi-site/bin:$PATH" LD_LIBRARY_PATH="/tmp/mpi-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 |
     tee -a "$OUT/check.log"
 
-if want tests; then
+if want tests && fits "GPU tests"; then
 say "GPU tests"
-timeout 240 $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
+timeout "$(limit 240)" $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
     tests/test_device_exchange.py tests/test_zero_device.py -p no:cacheprovider \
     >"$OUT/gpu_tests.txt" 2>&1
 rc=$?
@@ -87,21 +121,21 @@ tail -3 "$OUT/gpu_tests.txt"
 record "pytest tests/test_gpu.py tests/test_devices.py tests/test_device_exchange.py tests/test_zero_device.py ($(tail -1 "$OUT/gpu_tests.txt" | tr -d '=' | xargs))" $rc
 fi
 
-if want jobs; then
+if want jobs && fits "GPU jobs"; then
 say "GPU ranks across processes: two ranks sharing the GPU over Gloo"
 # one 2-rank launch per layout; four at a time where pytest-xdist is there (16 cores)
 parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4")
 # 2 compute threads a rank: 4 launches x 2 ranks x 2 = the 16 cores
-HPCTRAIN_THREADS=2 HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout 300 $PY -m pytest -q -rs tests/test_gpu_jobs.py \
+HPCTRAIN_THREADS=2 HPCTRAIN_TEST_FRESH_LAUNCHES=1 timeout "$(limit 300)" $PY -m pytest -q -rs tests/test_gpu_jobs.py \
     $parallel -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_jobs.txt"
 record "pytest tests/test_gpu_jobs.py: ZeRO-1/2/3 (and offload), tensor parallelism, compressors on 2 GPU ranks ($(tail -1 "$OUT/gpu_jobs.txt" | tr -d '=' | xargs))" $rc
 fi
 
-if want demo; then
+if want demo && fits "demo"; then
 say "demo on one GPU"
-timeout 120 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
+timeout "$(limit 120)" $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --new \
     --set runtime.device=cuda --set metrics.tensorboard=false >"$OUT/demo.log" 2>&1
 rc=$?
 acc=$($PY - "$OUT/demo/metrics.jsonl" <<'EOF'
@@ -115,16 +149,20 @@ EOF
 grep -m1 "gradients by" "$OUT/demo.log" | cut -c1-300 >>"$OUT/check.log"
 record "demo, 1 GPU: val accuracy $acc (bar 0.78)" $rc
 
+fi
+if want demo && fits "GPU checkpoint resumed on CPU"; then
 say "the GPU demo's checkpoint resumed on a CPU rank"
-[ -d "$OUT/demo/checkpoints" ] && timeout 60 $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --resume auto \
+[ -d "$OUT/demo/checkpoints" ] && timeout "$(limit 60)" $PY -m hpctrain train --config configs/demo.yaml --run-dir "$OUT/demo" --resume auto \
     --set runtime.device=cpu --set train.allreduce=mpi --set train.epochs=13 \
     --set metrics.tensorboard=false >"$OUT/resume-cpu.log" 2>&1
 rc=$?
 grep -m1 "resumed\|resume" "$OUT/resume-cpu.log" | cut -c1-200 >>"$OUT/check.log"
 record "GPU checkpoint resumed on CPU (one more epoch)" $rc
 
+fi
+if want demo && fits "2 ranks on 1 GPU"; then
 say "two ranks sharing the GPU through the host-staged MPI engine"
-timeout 120 mpirun -np 2 --oversubscribe $PY -m hpctrain train --config configs/demo.yaml \
+timeout "$(limit 120)" mpirun -np 2 --oversubscribe $PY -m hpctrain train --config configs/demo.yaml \
     --run-dir "$OUT/demo2" --new --set runtime.device=cuda --set train.allreduce=mpi \
     --set train.epochs=2 --set metrics.tensorboard=false >"$OUT/demo2.log" 2>&1
 rc=$?
@@ -133,11 +171,11 @@ record "2 ranks on 1 GPU, train.allreduce=mpi (host-staged)" $rc
 
 fi
 
-if want bench; then
+if want bench && fits "GPU bench"; then
 say "GPU bench"
 # what else holds the GPU (a step's survivors would slow the bench: their PIDs are here)
 nvidia-smi --query-compute-apps=pid,used_memory --format=csv >>"$OUT/check.log" 2>&1
-timeout "${BENCH_TIMEOUT:-240}" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
+timeout "$(limit "${BENCH_TIMEOUT:-240}")" $PY benchmarks/gpu_bench.py --out "$OUT/bench" \
     --steps "${BENCH_STEPS:-30}" --sizes "${BENCH_SIZES:-base,large}" --profile \
     >"$OUT/bench.log" 2>&1
 rc=$?
@@ -147,14 +185,14 @@ record "GPU bench" $rc
     cat "$OUT/bench/gpu_report.md" 2>/dev/null || tail -20 "$OUT/bench.log"
 } >>"$REPORT"
 fi
-if want cluster; then
+if want cluster && fits "emulated cluster"; then
 say "emulated cluster, 2 nodes x 4 ranks at 1 Gbit/s: flat vs hierarchical allreduce"
 # issue 27's lower-priority target (>= 1.3x at >= 4 MB), which 2 cores cannot measure;
 # informational: a machine without network namespaces for root says so in cluster.log
 HIER="$(cd "$OUT" && pwd)/hier.json"
 rm -f "$HIER"
 { command -v ip && command -v tc; } >>"$OUT/cluster.log" 2>&1
-timeout 120 bash -c "$PY -m hpctrain cluster up --nodes 2 --link 1gbit &&
+timeout "$(limit 120)" bash -c "$PY -m hpctrain cluster up --nodes 2 --link 1gbit &&
     $PY -m hpctrain cluster run -- mpirun \$($PY -m hpctrain cluster mpirun-args --per-node 4) --oversubscribe \
     $PY benchmarks/workers/hier_allreduce.py --sizes-mb 1,4,16 --json $HIER" \
     >>"$OUT/cluster.log" 2>&1
@@ -171,13 +209,5 @@ for r in d["rows"]:
 EOF2
 fi
 cat "$REPORT"
-if [ -n "${GPU_CHECK_RETURN:-}" ]; then  # at most 8 files, named plainly
-    mkdir -p "$GPU_CHECK_RETURN"
-    for f in report.md check.log gpu_tests.txt gpu_jobs.txt bench.log bench/gpu_bench.json; do
-        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$GPU_CHECK_RETURN/"
-    done
-    (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.txt' -o -name '*.json' \
-        -o -name '*.jsonl' -o -name '*.md' -o -name '*.yaml' \) -print0 |
-        tar czf - --null -T -) >"$GPU_CHECK_RETURN/logs.tar.gz"
-fi
+hand_back
 exit $status
