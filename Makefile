@@ -9,21 +9,25 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 MPI_TEST_TIMEOUT ?= 1200
 MPIRUN_KILL := timeout --signal=TERM --kill-after=15
 
-.PHONY: install test test-quick test-unit test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean gpu-check
+.PHONY: install install-test test test-quick test-unit test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean gpu-check
 
 install:
 	@bash tools/install.sh
 
+## The same, plus what only the tests need (SLURM's daemons, munge, shellcheck).
+install-test:
+	@bash tools/install.sh --test
+
 ## Single-process tests (they start their own mpirun jobs), then the tests that run
 ## inside every rank of real `mpirun -np 2` and `mpirun -np 4 --oversubscribe` jobs.
-test: install
+test: install-test
 	$(MAKE) --no-print-directory test-unit
 	$(MAKE) --no-print-directory test-mpi
 
 ## The quick tier for your own loop (under 2 minutes): no mpirun jobs, no cluster, no
 ## SLURM; the layering contracts included. `make test` remains what CI runs. The tiers
 ## (markers quick, mpi, multinode, slurm, slow, gpu) are set in tests/conftest.py.
-test-quick: install
+test-quick: install-test
 	$(PY) -m pytest -q -m quick tests
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
@@ -36,7 +40,7 @@ test-mpi:
 
 ## Only the multi-node tier (also part of test-unit): jobs across two emulated nodes,
 ## network namespaces on this machine (root; skipped with the reason elsewhere).
-test-multinode: install
+test-multinode: install-test
 	$(MPIRUN_KILL) 900 $(PY) -m pytest tests/test_cluster_tool.py tests/test_multinode.py -q -rs
 
 demo: install
@@ -76,8 +80,9 @@ docs: install
 	$(PY) tools/gen_config_docs.py
 	$(VENV)/bin/mkdocs build --strict
 
+## Build outputs only: never runs/, where your training runs and checkpoints are.
 clean:
-	rm -rf runs build site *.egg-info .pytest_cache .ruff_cache
+	rm -rf build site *.egg-info .pytest_cache .ruff_cache
 
 ## The prepared GPU check (issue 27) for a GPU machine whose Python has torch with CUDA,
 ## h5py and mpi4py: GPU tests, the demo on one GPU, two ranks sharing it through the

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import platform
 import sys
 import textwrap
+from pathlib import Path
 
 from . import memory_report
 from .version import __version__
@@ -155,12 +157,14 @@ def _add_train_commands(sub) -> None:
         reuse.add_argument(
             "--overwrite",
             action="store_true",
-            help="the run directory holds an earlier run: delete its checkpoints and metrics",
+            help="the run directory holds an earlier run: delete what it wrote (checkpoints "
+            "and their shard folders, metrics.jsonl, config.yaml, TensorBoard's event files)",
         )
         reuse.add_argument(
             "--new",
             action="store_true",
-            help="the run directory holds an earlier run: move it to <run-dir>/previous/<UTC>",
+            help="the run directory holds an earlier run: move what it wrote to "
+            "<run-dir>/previous/<UTC>",
         )
 
 
@@ -178,7 +182,12 @@ def _add_data_command(sub) -> None:
                           tokens   sequences of a random Markov chain (for transformer)"""),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    s.add_argument("output", help="HDF5 file to write")
+    s.add_argument("output", help="HDF5 file to write (refused if it exists, unless --force)")
+    s.add_argument(
+        "--force",
+        action="store_true",
+        help="replace the output file when it exists (its data is lost)",
+    )
     s.add_argument("--task", choices=("vectors", "images", "tokens"), default="vectors")
     s.add_argument("--train", type=int, default=8192, help="training samples")
     s.add_argument("--val", type=int, default=2048, help="validation samples")
@@ -256,8 +265,9 @@ def _cmd_config(args) -> int:
 
 def _cmd_data(args) -> int:
     from .data.synthetic import generate, write_dataset
-    from .errors import ConfigError
+    from .errors import ConfigError, DataError
 
+    _refuse_existing_output(Path(args.output), args.force)
     for name in (
         "train",
         "val",
@@ -284,7 +294,10 @@ def _cmd_data(args) -> int:
         seq_len=args.seq_len,
         vocab=args.vocab,
     )
-    path = write_dataset(args.output, splits, attrs)
+    try:
+        path = write_dataset(args.output, splits, attrs)
+    except OSError as exc:  # not the full disk (a DataError): permissions, a bad path
+        raise DataError(f"cannot write {args.output}: {exc.strerror or exc}") from None
     shape = splits["train"][0].shape[1:]
     extra = (
         f", best possible accuracy {attrs['bayes_accuracy']:.3f}"
@@ -296,6 +309,19 @@ def _cmd_data(args) -> int:
         f"shape {shape}, {attrs['classes']} classes{extra}"
     )
     return 0
+
+
+def _refuse_existing_output(path: Path, force: bool) -> None:
+    """`data synth` writes over nothing it was not told to: OUT may be the user's real
+    data set (checked before generating, so a refusal costs nothing)."""
+    from .errors import DataError
+
+    if path.is_dir():
+        raise DataError(f"{path} is a directory: name the HDF5 file to write, e.g. {path}/data.h5")
+    if os.path.lexists(path) and not force:
+        raise DataError(
+            f"{path} exists: pass --force to replace it (its data is lost), or name another file"
+        )
 
 
 COMMANDS = {

@@ -551,10 +551,51 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return parts, value
 
 
+def _apply_overrides(values: dict, overrides: list[str]) -> dict[str, str]:
+    """Set each `key=value` in `values`; {dotted key: the --set text}, so a problem with
+    a key names the override it came from, not the file."""
+    origins: dict[str, str] = {}
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = values
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"--set {text!r}: {part} is not a section")
+        node[parts[-1]] = value
+        origins[".".join(parts)] = text
+    return origins
+
+
+def _with_origin(problem: str, origins: dict[str, str]) -> str:
+    """`problem` naming the --set overrides of the key it is about (the key it starts
+    with, a section around it or a key inside it): a user looks for it there, not in
+    the file."""
+    match = re.match(r"[\w.]+", problem)
+    key = match.group() if match else ""
+    texts = [
+        text
+        for k, text in origins.items()
+        if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))
+    ]
+    if not texts:
+        return problem
+    where = "from " + ", ".join(f"--set {text}" for text in texts)
+    if ": unknown key (" in problem:  # before its long list of the keys known there
+        return problem.replace(": unknown key (", f": unknown key ({where}; ", 1)
+    return f"{problem} ({where})"
+
+
 class Config:
     """A validated configuration; read values as `cfg["train"]["batch_size"]` or `cfg.train`."""
 
-    def __init__(self, values: dict | None = None, source: str = "<defaults>"):
+    def __init__(
+        self,
+        values: dict | None = None,
+        source: str = "<defaults>",
+        origins: dict[str, str] | None = None,
+    ):
+        """`origins`: {dotted key: its --set text}, named by the problems they cause."""
         merged = _merge(_defaults(SCHEMA), values or {})
         self.source = source
         problems: list[str] = []
@@ -566,7 +607,8 @@ class Config:
         if not problems:
             problems += _cross_checks(merged)
         if problems:
-            raise ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(problems))
+            lines = [_with_origin(problem, origins or {}) for problem in problems]
+            raise ConfigError(f"invalid configuration ({source}):\n  " + "\n  ".join(lines))
         self._values = merged
 
     @classmethod
@@ -588,15 +630,8 @@ class Config:
                 raise ConfigError(f"{path}: not valid YAML: {exc}") from None
             if not isinstance(values, dict):
                 raise ConfigError(f"{path}: top level must be a mapping of keys")
-        for text in overrides or []:
-            parts, value = parse_override(text)
-            node = values
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-                if not isinstance(node, dict):
-                    raise ConfigError(f"--set {text!r}: {part} is not a section")
-            node[parts[-1]] = value
-        return cls(values, source)
+        origins = _apply_overrides(values, overrides or [])
+        return cls(values, source, origins)
 
     def __getitem__(self, key):
         return self._values[key]
@@ -618,13 +653,7 @@ class Config:
     def replace(self, overrides: list[str]) -> Config:
         """A copy with `key=value` overrides applied (validated again)."""
         values = self.to_dict()
-        for text in overrides:
-            parts, value = parse_override(text)
-            node = values
-            for part in parts[:-1]:
-                node = node.setdefault(part, {})
-            node[parts[-1]] = value
-        return Config(values, self.source)
+        return Config(values, self.source, _apply_overrides(values, overrides))
 
 
 def _cross_checks(v: dict) -> list[str]:

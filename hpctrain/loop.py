@@ -155,6 +155,8 @@ class TrainingLoop:
                 )
                 rundir.apply_plan(plan)
                 rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
+                if cfg.checkpoint["enabled"]:
+                    rundir.claim_checkpoint_dir(self.run_dir, cfg.checkpoint["dir"])
                 message = plan.message
             except HpctrainError as exc:
                 error = str(exc)
@@ -172,7 +174,8 @@ class TrainingLoop:
         dataset = getattr(self.strategy, "dataset", None)
         if dataset is not None and hasattr(dataset, "describe"):
             values["data"]["inferred"] = dataset.describe()
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(values, sort_keys=True))
+        text = rundir.CONFIG_HEADER + yaml.safe_dump(values, sort_keys=True)
+        (self.run_dir / "config.yaml").write_text(text)
 
     def _lr_text(self) -> str:
         o, n = self.cfg.optimizer, self.strategy.lr_replicas

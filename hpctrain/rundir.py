@@ -7,9 +7,16 @@ TensorBoard events) is refused unless the user says what to do with it:
   the refusal names the keys that differ. A run that stopped before its first
   checkpoint (e.g. requeued early) restarts from step 0 in the same directory.
 - `--resume FILE` continues from that file (the user chose it; no config check).
-- `--overwrite` clears the previous run's checkpoints, metrics and TensorBoard events.
+- `--overwrite` clears the previous run's checkpoints (with their per-rank shard
+  directories), metrics.jsonl, config.yaml and TensorBoard event files.
 - `--new` moves them into <run-dir>/previous/<UTC time>/ and starts afresh.
-The synthetic data cache (<run-dir>/data/) is kept in every case.
+The synthetic data cache (<run-dir>/data/) and any file hpctrain did not write (a user's
+notes in tb/, say) are kept in every case.
+
+Nothing of another run is touched: a config.yaml hpctrain did not write (it writes a
+header line) makes the directory refused whatever the flags, and a `checkpoint.dir`
+outside the run directory records its run (CHECKPOINT_OWNER): a run in another
+directory pointed at it is refused before it reads, moves or deletes anything there.
 
 A run refused before it wrote anything (a missing data file, a model that does not fit)
 leaves no empty run directory behind: `make_run_dir` records what it created and
@@ -22,6 +29,7 @@ one rank, whatever the number of ranks.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +39,7 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint.format import NAME_RE, TEMP_RE
+from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE
 from .errors import ConfigError
 
 # What a checkpoint means: a run resumed with other values here would load weights into
@@ -40,7 +48,11 @@ IDENTITY_KEYS = ("model", "data", "optimizer.name", "train.seed")
 IGNORED_KEYS = ("data.inferred", "data.prefetch")  # facts written by hpctrain, speed knobs
 SHOWN_DIFFERENCES = 3
 RUN_FILES = ("metrics.jsonl", "config.yaml")
-RUN_DIRS = ("tb",)
+TB_EVENTS = "events.out.tfevents."  # TensorBoard's event files (tb/); nothing else in tb/
+# The first line of the config.yaml a run writes: a config.yaml without it is the user's.
+CONFIG_HEADER = "# Written by hpctrain: the configuration of the run in this directory.\n"
+# In a checkpoint.dir outside the run directory: the run directory whose checkpoints these are.
+CHECKPOINT_OWNER = ".hpctrain-run"
 
 
 @dataclass(frozen=True)
@@ -53,16 +65,24 @@ class PreviousRun:
     metrics_lines: int
     tensorboard: bool
     config: dict | None
+    foreign_config: bool = False  # a config.yaml that hpctrain did not write
+    owner: Path | None = None  # CHECKPOINT_OWNER of a checkpoint.dir outside the run dir
 
     @property
     def exists(self) -> bool:
         return bool(self.checkpoints or self.metrics_lines or self.tensorboard)
 
+    @property
+    def outside(self) -> bool:
+        """The checkpoints live outside the run directory (checkpoint.dir)."""
+        return not _inside(self.checkpoint_dir, self.run_dir)
+
     def describe(self) -> str:
         parts = []
         if self.checkpoints:
             newest = NAME_RE.match(self.checkpoints[-1].name).group(1)
-            parts.append(f"{len(self.checkpoints)} checkpoint(s) up to step {int(newest)}")
+            where = f" in {self.checkpoint_dir}" if self.outside else ""
+            parts.append(f"{len(self.checkpoints)} checkpoint(s) up to step {int(newest)}{where}")
         if self.metrics_lines:
             parts.append(f"metrics.jsonl with {self.metrics_lines} line(s)")
         if self.tensorboard:
@@ -84,6 +104,49 @@ def _checkpoint_dir(run_dir: Path, checkpoint_dir: str | Path | None) -> Path:
     return Path(checkpoint_dir) if checkpoint_dir else run_dir / "checkpoints"
 
 
+def _inside(path: Path, parent: Path) -> bool:
+    return path.resolve().is_relative_to(parent.resolve())
+
+
+def _tb_events(run_dir: Path) -> list[Path]:
+    tb = run_dir / "tb"
+    return sorted(p for p in tb.iterdir() if p.name.startswith(TB_EVENTS)) if tb.is_dir() else []
+
+
+def _read_config(path: Path) -> tuple[dict | None, bool]:
+    """(the config.yaml's values or None, whether hpctrain wrote it: its header)."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None, False
+    except OSError:
+        return {}, False
+    try:
+        values = yaml.safe_load(text) or {}
+    except yaml.YAMLError:
+        values = {}
+    return (values if isinstance(values, dict) else {}), text.startswith(CONFIG_HEADER)
+
+
+def read_owner(checkpoint_dir: Path) -> Path | None:
+    """The run directory recorded in a checkpoint.dir outside it (None: none recorded)."""
+    try:
+        text = (Path(checkpoint_dir) / CHECKPOINT_OWNER).read_text().strip()
+    except OSError:
+        return None
+    return Path(text) if text else None
+
+
+def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None) -> None:
+    """Record in a checkpoint.dir outside the run directory that its checkpoints are this
+    run's (rank 0, once the run directory is claimed); nothing for the default one."""
+    run_dir, ckpt_dir = Path(run_dir), _checkpoint_dir(Path(run_dir), checkpoint_dir)
+    if _inside(ckpt_dir, run_dir):
+        return
+    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    (ckpt_dir / CHECKPOINT_OWNER).write_text(f"{run_dir.resolve()}\n")
+
+
 def _count_lines(path: Path) -> int:
     try:
         with path.open("rb") as f:
@@ -99,21 +162,20 @@ def find_previous_run(run_dir: str | Path, checkpoint_dir: str | Path | None = N
     checkpoints = ()
     if ckpt_dir.is_dir():
         checkpoints = tuple(sorted(p for p in ckpt_dir.iterdir() if NAME_RE.match(p.name)))
-    tb = run_dir / "tb"
-    config = None
-    config_path = run_dir / "config.yaml"
-    if config_path.is_file():
-        try:
-            config = yaml.safe_load(config_path.read_text()) or {}
-        except (OSError, yaml.YAMLError):
-            config = {}
+    config, ours = _read_config(run_dir / "config.yaml")
+    metrics, tensorboard = _count_lines(run_dir / "metrics.jsonl"), bool(_tb_events(run_dir))
+    # a config.yaml of an earlier version (no header) sits beside that run's outputs
+    inside = _inside(ckpt_dir, run_dir)
+    legacy = bool(metrics or tensorboard or (checkpoints and inside))
     return PreviousRun(
         run_dir,
         ckpt_dir,
         checkpoints,
-        _count_lines(run_dir / "metrics.jsonl"),
-        tb.is_dir() and any(tb.iterdir()),
-        config if isinstance(config, dict) or config is None else {},
+        metrics,
+        tensorboard,
+        config,
+        foreign_config=config is not None and not ours and not legacy,
+        owner=None if inside else read_owner(ckpt_dir),
     )
 
 
@@ -175,7 +237,10 @@ def plan_run_dir(
     if (overwrite or new) and resume is not None:
         flag = "--overwrite" if overwrite else "--new"
         raise ConfigError(f"{flag} and --resume {resume} contradict each other: choose one")
+    if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
+        raise ConfigError(f"--resume {resume}: no such checkpoint file")
     prev = find_previous_run(run_dir, checkpoint_dir)
+    _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:
         if resume == "auto":
             return RunDirPlan("fresh", f"--resume auto: nothing to resume in {run_dir}, starting")
@@ -219,14 +284,44 @@ def plan_run_dir(
     return RunDirPlan("resume", f"--resume auto: continuing the run in {run_dir}")
 
 
+def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None:
+    """ConfigError when going on would overwrite a user's config.yaml, or read, rotate,
+    move or delete checkpoints that another run directory recorded as its own."""
+    if prev.foreign_config:
+        raise ConfigError(
+            f"{prev.run_dir / 'config.yaml'} was not written by hpctrain (it has no header "
+            "line), and a run writes its configuration there: move that file (pass it with "
+            "--config from elsewhere) or choose another --run-dir"
+        )
+    if not prev.outside:
+        return
+    ckpt, owner, here = prev.checkpoint_dir, prev.owner, prev.run_dir.resolve()
+    if owner is not None and owner.resolve() != here and owner.is_dir():
+        raise ConfigError(
+            f"checkpoint.dir {ckpt} holds the checkpoints of the run in {owner}: give this "
+            f"run its own checkpoint.dir (--set checkpoint.dir=...), or use --run-dir {owner} "
+            "to continue or replace that run"
+        )
+    mine = owner is not None or (prev.config is not None and not prev.foreign_config)
+    if prev.checkpoints and not mine and (resume is None or resume == "auto"):
+        newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
+        raise ConfigError(
+            f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) up to step "
+            f"{newest} that no run in {prev.run_dir} wrote (no config.yaml there): give this "
+            "run its own checkpoint.dir (--set checkpoint.dir=...), or continue from one of "
+            "them with --resume FILE"
+        )
+
+
 def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
+    """What --overwrite deletes and --new moves: hpctrain's files, never anything else."""
     paths = [p for p in (prev.run_dir / name for name in RUN_FILES) if p.exists()]
-    paths += [p for p in (prev.run_dir / name for name in RUN_DIRS) if p.exists()]
+    paths += _tb_events(prev.run_dir)
     if prev.checkpoint_dir.is_dir():
         paths += [
             p
             for p in sorted(prev.checkpoint_dir.iterdir())
-            if NAME_RE.match(p.name) or TEMP_RE.match(p.name)
+            if NAME_RE.match(p.name) or SHARDS_RE.match(p.name) or TEMP_RE.match(p.name)
         ]
     return tuple(paths)
 
@@ -235,13 +330,18 @@ def apply_plan(plan: RunDirPlan) -> None:
     """Clear (--overwrite) or move away (--new) the earlier run; call on one rank only."""
     for path in plan.remove:
         if plan.archive_to is not None:
-            target = plan.archive_to / path.name
+            under_tb = path.parent.name == "tb" and path.name.startswith(TB_EVENTS)
+            target = plan.archive_to / ("tb" if under_tb else "") / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(path, target)  # the checkpoint directory may be on another file system
         elif path.is_dir():
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)
+    tb_dirs = {p.parent for p in plan.remove if p.name.startswith(TB_EVENTS)}
+    for tb in tb_dirs:  # tb/ goes only when it held nothing but TensorBoard's files
+        with contextlib.suppress(OSError):
+            tb.rmdir()
 
 
 # The directories this process created for its run (deepest first), until it starts.

@@ -139,3 +139,43 @@ def test_the_pipeline_refuses_grad_accum_at_config_load():
     """It accumulates over its micro-batches; train.grad_accum would do nothing."""
     with pytest.raises(ConfigError, match="accumulates over pipeline.microbatches"):
         Config.load(None, ["strategy=pipeline", "train.grad_accum=2"])
+
+
+def test_a_problem_from_a_set_override_names_the_override_not_the_file(tmp_path):
+    """A --set typo is not looked for in the YAML file: each problem says where it came
+    from, all of them still listed together."""
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  bogus: 1\n  epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        Config.load(path, ["train.epoch=3", "optimizer.lr=-1"])
+    text = str(err.value)
+    assert text.startswith(f"invalid configuration ({path}):\n")
+    assert "train.epoch: unknown key (from --set train.epoch=3; known here: " in text
+    assert "optimizer.lr: must be > 0, got -1 (from --set optimizer.lr=-1)" in text
+    bogus = next(line for line in text.splitlines() if "train.bogus" in line)
+    assert bogus == "  train.bogus: unknown key (known here: " + bogus.split("here: ")[1]
+    with pytest.raises(ConfigError, match=r"train.epochz: unknown key \(from --set train="):
+        Config.load(None, ["train={epochz: 1}"])  # a whole section set
+    with pytest.raises(ConfigError, match=r"must be >= 1, got 0 \(from --set train.epochs=0\)"):
+        Config.load(None).replace(["train.epochs=0"])
+
+
+def test_the_parameter_server_refuses_what_it_cannot_do_at_config_load():
+    """Refused by `hpctrain config` and before any rank starts, not after MPI started."""
+    from hpctrain.strategies.ps.runner import config_problems
+
+    assert Config.load("configs/ps.yaml").strategy == "parameter_server"
+    assert Config.load(None, ["train.clip_norm=1.0"]).train["clip_norm"] == 1.0
+    for override, says in (
+        ("train.clip_norm=1.0", "train.clip_norm=1.0: the parameter server does not clip"),
+        ("train.compression=fp16", "train.compression=fp16: gradients travel as float32"),
+        ("data.source=benchmark", "data.source=benchmark: not with the parameter server"),
+        ("model.name=my.module:build", "the parameter server trains zoo models only"),
+        ("ps.backends=[torch, jax]", "ps.backends: 'jax' is not one of torch, tensorflow"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            Config.load("configs/ps.yaml", [override])
+        assert says in str(err.value) and f"(from --set {override})" in str(err.value)
+    cfg = Config.load("configs/ps.yaml", ["ps.servers=1"])
+    assert config_problems(cfg, 3) is None  # the world size's rule stays at start
+    assert config_problems(cfg, 1).startswith("ps.servers=1 leaves no worker in a job of 1")

@@ -271,3 +271,24 @@ def test_what_was_found_is_described_for_config_yaml_and_the_first_log_line(tmp_
     assert d["x"] == "uint8 -> float32 x 1/255 features" and d["y"] == "int32 -> int64 labels"
     assert d["layout"] == "NHWC, fed as NCHW"
     assert "90 train + 10 val samples" in info.summary() and "\n" not in info.summary()
+
+
+def test_data_synth_refuses_to_replace_a_file_without_force(tmp_path, capsys):
+    """`hpctrain data synth OUT` may be pointed at the user's real data: it refuses in one
+    line, writing nothing, unless told --force."""
+    from hpctrain.cli import main as cli_main
+
+    real = tmp_path / "real.h5"
+    real.write_text("my real dataset\n")
+    small = ["--train", "64", "--val", "16"]
+    assert cli_main(["data", "synth", str(real), *small]) == 2
+    err = capsys.readouterr().err
+    assert f"{real} exists: pass --force to replace it" in err and err.count("\n") == 1, err
+    assert real.read_text() == "my real dataset\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["real.h5"]  # no temporary file
+    assert cli_main(["data", "synth", str(real), *small, "--force"]) == 0
+    assert f"wrote {real}: task vectors" in capsys.readouterr().out
+    with h5py.File(real) as f:
+        assert f["train/x"].shape == (64, 32) and f["val/y"].shape == (16,)
+    assert cli_main(["data", "synth", str(tmp_path), *small, "--force"]) == 2
+    assert f"{tmp_path} is a directory: name the HDF5 file" in capsys.readouterr().err

@@ -4,10 +4,20 @@ import json
 
 import pytest
 import yaml
+from test_checkpoint_sharded import _state, _write_sharded
 
+from hpctrain.checkpoint import verify
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
-from hpctrain.rundir import apply_plan, config_differences, find_previous_run, plan_run_dir
+from hpctrain.rundir import (
+    CHECKPOINT_OWNER,
+    CONFIG_HEADER,
+    apply_plan,
+    claim_checkpoint_dir,
+    config_differences,
+    find_previous_run,
+    plan_run_dir,
+)
 
 
 def _earlier_run(run_dir, cfg: dict, steps=(10, 20), metrics=3):
@@ -22,7 +32,7 @@ def _earlier_run(run_dir, cfg: dict, steps=(10, 20), metrics=3):
         for i in range(metrics):
             f.write(json.dumps({"event": "step", "step": i}) + "\n")
     (run_dir / "tb").mkdir(exist_ok=True)
-    (run_dir / "tb" / "events.out").write_bytes(b"e")
+    (run_dir / "tb" / "events.out.tfevents.1764400000.node1.123.0").write_bytes(b"e")
     (run_dir / "data").mkdir(exist_ok=True)
     (run_dir / "data" / "synthetic.h5").write_bytes(b"d")
 
@@ -141,3 +151,96 @@ def test_inferred_data_facts_do_not_count_as_a_difference():
     written = _cfg()
     written["data"]["inferred"] = {"classes": 3, "sample_shape": [20]}
     assert config_differences(written, _cfg()) == []
+
+
+def test_new_and_overwrite_take_every_ranks_shards_with_their_checkpoint(tmp_path):
+    """A sharded checkpoint is its commit file plus ckpt-<step>.shards/: moved together,
+    the archived run still verifies; removed together, no rank's weights are left."""
+    for flag in ("new", "overwrite"):
+        run = tmp_path / flag
+        _earlier_run(run, _cfg(), steps=())
+        path = _write_sharded(run / "checkpoints", 10, _state(), 2)
+        plan = plan_run_dir(run, _cfg(), **{flag: True})
+        apply_plan(plan)
+        assert not list((run / "checkpoints").iterdir())
+        if flag == "new":
+            kept = plan.archive_to / path.name
+            assert (plan.archive_to / "ckpt-00000010.shards").is_dir()
+            assert verify(kept).nbytes > 0
+
+
+def test_only_tensorboards_files_leave_tb_and_a_users_notes_stay(tmp_path):
+    for flag in ("new", "overwrite"):
+        run = tmp_path / flag
+        _earlier_run(run, _cfg())
+        (run / "tb" / "my_notes.txt").write_text("mine")
+        plan = plan_run_dir(run, _cfg(), **{flag: True})
+        apply_plan(plan)
+        assert sorted(p.name for p in (run / "tb").iterdir()) == ["my_notes.txt"]
+        if flag == "new":
+            assert [p.name for p in (plan.archive_to / "tb").iterdir()] == [
+                "events.out.tfevents.1764400000.node1.123.0"
+            ]
+    only_notes = tmp_path / "notes"
+    (only_notes / "tb").mkdir(parents=True)
+    (only_notes / "tb" / "readme.txt").write_text("x")
+    assert plan_run_dir(only_notes, _cfg()).action == "fresh"  # not a run
+
+
+def test_a_config_yaml_hpctrain_did_not_write_is_never_replaced(tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text("# my precious config\ntrain: {epochs: 3}\n")
+    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match="not written by hpctrain") as err:
+            plan_run_dir(run, _cfg(), **flags)
+        assert "\n" not in str(err.value)
+    assert (run / "config.yaml").read_text().startswith("# my precious config")
+    # hpctrain's own (its header) with nothing else: a run stopped before its first step
+    (run / "config.yaml").write_text(CONFIG_HEADER + yaml.safe_dump(_cfg()))
+    assert plan_run_dir(run, _cfg()).action == "fresh"
+    # an earlier version's config.yaml (no header) beside that run's outputs is hpctrain's
+    legacy = tmp_path / "legacy"
+    _earlier_run(legacy, _cfg())
+    assert plan_run_dir(legacy, _cfg(), resume="auto").action == "resume"
+
+
+def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_path):
+    shared = tmp_path / "scratch" / "ckpts"
+    run_a, run_b = tmp_path / "A", tmp_path / "B"
+    _earlier_run(run_a, _cfg(), steps=())
+    claim_checkpoint_dir(run_a, shared)
+    assert (shared / CHECKPOINT_OWNER).read_text().strip() == str(run_a.resolve())
+    for s in (10, 20):
+        (shared / f"ckpt-{s:08d}.h5").write_bytes(b"x")
+    before = sorted(p.name for p in shared.iterdir())
+    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match=f"holds the checkpoints of the run in {run_a}"):
+            plan_run_dir(run_b, _cfg(), checkpoint_dir=shared, **flags)
+    with pytest.raises(ConfigError, match="its own checkpoint.dir"):
+        plan_run_dir(run_b, _cfg(), checkpoint_dir=shared, resume=str(shared / before[0]))
+    assert sorted(p.name for p in shared.iterdir()) == before
+    # its own run may replace them; a run directory moved away leaves them to its successor
+    assert plan_run_dir(run_a, _cfg(), checkpoint_dir=shared, resume="auto").action == "resume"
+    run_a.rename(tmp_path / "A-moved")
+    plan = plan_run_dir(tmp_path / "A-moved", _cfg(), checkpoint_dir=shared, overwrite=True)
+    apply_plan(plan)
+    assert sorted(p.name for p in shared.iterdir()) == [CHECKPOINT_OWNER]
+
+
+def test_unrecorded_checkpoints_outside_the_run_dir_are_only_resumed_by_name(tmp_path):
+    ckpts = tmp_path / "scratch"
+    ckpts.mkdir()
+    (ckpts / "ckpt-00000005.h5").write_bytes(b"x")
+    run = tmp_path / "run"
+    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match=f"checkpoint.dir {ckpts} holds 1 checkpoint"):
+            plan_run_dir(run, _cfg(), checkpoint_dir=ckpts, **flags)
+    assert (ckpts / "ckpt-00000005.h5").exists()
+    chosen = str(ckpts / "ckpt-00000005.h5")
+    assert plan_run_dir(run, _cfg(), checkpoint_dir=ckpts, resume=chosen).action == "resume"
+
+
+def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_path):
+    with pytest.raises(ConfigError, match="--resume .*missing.h5: no such checkpoint file"):
+        plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path / "missing.h5"))

@@ -186,6 +186,25 @@ def test_render_cli_writes_an_executable_script_with_gpus_and_partition(config_f
     assert printed.returncode == 0 and printed.stdout.startswith("#!/bin/bash\n")
 
 
+def test_render_says_when_it_replaced_a_script_and_how_to_create_the_log_dir(config_file, tmp_path):
+    """`render -o` over an existing script says it replaced it; a --log-dir that does not
+    exist is in the advice (SLURM does not create it: the job could not open its output)."""
+    out, logs = tmp_path / "job.sbatch", tmp_path / "logs"
+    args = render_args("train", config_file, "--log-dir", str(logs), "-o", str(out))
+    first = hpctrain(*args)
+    assert first.returncode == 0, first.stderr
+    assert first.stdout.startswith(f"wrote {out} (time limit 1 d 2 h;"), first.stdout
+    assert first.stdout.endswith(f"submit with: mkdir -p {logs} && sbatch {out})\n")
+    assert not logs.exists()  # render writes only the script
+    out.write_text("# edited by hand\n")
+    logs.mkdir()
+    second = hpctrain(*args)
+    assert second.returncode == 0, second.stderr
+    assert second.stdout.startswith(f"replaced {out} (time limit 1 d 2 h;"), second.stdout
+    assert second.stdout.endswith(f"submit with: sbatch {out})\n"), second.stdout
+    assert out.read_text().startswith("#!/bin/bash\n")
+
+
 SITE_OPTIONS = [
     "--account",
     "proj42",

@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Install the whole hpctrain stack from nothing on Debian 12, idempotently:
-# system Open MPI (+ SLURM and munge for the SLURM tests), a .venv with pinned
-# torch/TF/h5py/..., mpi4py compiled against the system MPI, a patched Horovod
-# (tools/build_horovod.sh) and hpctrain itself in editable mode. Ends by checking itself.
+# system Open MPI, a .venv with pinned torch/TF/h5py/..., mpi4py compiled against the
+# system MPI, a patched Horovod (tools/build_horovod.sh) and hpctrain itself in editable
+# mode. Ends by checking itself. `--test` (make test) adds what only the test suite
+# needs: SLURM's daemons with munge (the SLURM tests start their own) and shellcheck;
+# training never needs them, so `make demo` does not install system daemons.
 #
 # A second run skips every step whose result is already there (under a minute).
 set -euo pipefail
@@ -20,8 +22,10 @@ if [ "$(id -u)" -ne 0 ]; then sudo_cmd=(sudo); fi
 
 # --- 1. System packages ------------------------------------------------------------
 apt_packages=(openmpi-bin libopenmpi-dev build-essential cmake pkg-config patch
-              slurmctld slurmd slurm-client munge slurm-wlm-basic-plugins shellcheck
               iproute2)  # ip and tc: the emulated cluster (hpctrain cluster, multi-node tests)
+if [ "${1:-}" = "--test" ]; then
+    apt_packages+=(slurmctld slurmd slurm-client munge slurm-wlm-basic-plugins shellcheck)
+fi
 missing=()
 for p in "${apt_packages[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -303,6 +303,21 @@ def sbatch(script: Path, timeout: float = SBATCH_TIMEOUT_S) -> str:
     return job_id
 
 
+def _render_to_file(path: Path, log_dir: Path, rendered: Rendered) -> None:
+    """Write the script and say how to submit it: a script it replaced is named as such
+    (re-rendering is the way to change one), and a missing --log-dir is created in the
+    advice, because SLURM does not create it and the job could not open its output."""
+    replaced = path.exists()
+    _write(path, rendered)
+    submit = f"sbatch {shlex.quote(str(path))}"
+    if not log_dir.is_dir():
+        submit = f"mkdir -p {shlex.quote(str(log_dir))} && {submit}"
+    print(
+        f"{'replaced' if replaced else 'wrote'} {path} (time limit "
+        f"{describe_seconds(rendered.seconds)}; submit with: {submit})"
+    )
+
+
 def _cmd_slurm(args) -> int:
     rendered = render(_spec(args))
     for note in rendered.warnings:
@@ -311,11 +326,7 @@ def _cmd_slurm(args) -> int:
         if args.output is None:
             sys.stdout.write(rendered.text)
         else:
-            path = _write(Path(args.output), rendered)
-            print(
-                f"wrote {path} (time limit {describe_seconds(rendered.seconds)}; submit with: "
-                f"sbatch {shlex.quote(str(path))})"
-            )
+            _render_to_file(Path(args.output), Path(args.log_dir), rendered)
         return 0
     log_dir = Path(args.log_dir)
     if args.output is not None:

@@ -60,7 +60,45 @@ def pipeline(v: dict) -> list[str]:
 
 
 def parameter_server(v: dict) -> list[str]:
-    return []  # its refusals need the world size: ps.runner.config_problems
+    """What the servers' flat optimizer and float32 transport cannot do, refused before
+    any rank starts. The one refusal that needs the world size (a worker left beside
+    the servers) is ps.runner.config_problems."""
+    t, problems = v["train"], []
+    if t["clip_norm"] is not None:
+        problems.append(
+            f"train.clip_norm={t['clip_norm']}: the parameter server does not clip "
+            "gradients; leave train.clip_norm null, or clip with strategy data_parallel"
+        )
+    if t["compression"] != "none" and t["compression"] in DENSE_COMPRESSION:  # others: below
+        problems.append(
+            f"train.compression={t['compression']}: gradients travel as float32 with the "
+            "parameter server; leave train.compression none"
+        )
+    if v["data"]["source"] == "benchmark":
+        problems.append(
+            "data.source=benchmark: not with the parameter server; use data.source "
+            "synthetic or hdf5"
+        )
+    problems += _parameter_server_models(v)
+    return problems
+
+
+def _parameter_server_models(v: dict) -> list[str]:
+    """Servers build the parameter layout without a framework: zoo models only, and each
+    worker's backend one hpctrain has."""
+    from ..backends import BACKENDS
+    from ..models.zoo import is_zoo_model
+
+    name, problems = _model(v).get("name", ""), []
+    if not is_zoo_model(name):
+        problems.append(
+            f"model.name={name}: the parameter server trains zoo models only (mlp, cnn, "
+            "resnet, transformer): servers build the parameter layout without a framework"
+        )
+    for b in v["ps"]["backends"] or []:
+        if b not in BACKENDS:
+            problems.append(f"ps.backends: {b!r} is not one of {', '.join(BACKENDS)}")
+    return problems
 
 
 BY_STRATEGY = {

@@ -27,7 +27,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from ...backends import BACKENDS, versions, worker_class
+from ...backends import versions, worker_class
 from ...backends.base import OPTIMIZER_SLOTS, StepStats
 from ...backends.gradient_engine import average_array, join_words
 from ...data import ShardedTrainData, iterate_val, prepare_dataset
@@ -48,30 +48,16 @@ log = logging.getLogger("hpctrain.ps")
 
 
 def config_problems(cfg, world_size: int) -> str | None:
-    """What makes this configuration impossible for the parameter server (or None)."""
-    problems = []
+    """What makes this configuration impossible for the parameter server in a job of
+    `world_size` ranks (or None). The rest (clip_norm, compression, zoo models...) the
+    config refused before any rank started: strategies/composition.parameter_server."""
     servers = cfg.ps["servers"]
     if not JobShape.of(cfg, world_size).tiles:
-        problems.append(
+        return (
             f"ps.servers={servers} leaves no worker in a job of {world_size} rank(s): "
             f"launch more ranks than servers (e.g. mpirun -np {servers + 2})"
         )
-    if not zoo.is_zoo_model(cfg.model["name"]):
-        problems.append(
-            f"model.name={cfg.model['name']}: the parameter server trains zoo models only "
-            "(mlp, cnn, resnet, transformer): servers build the parameter layout without a "
-            "framework"
-        )
-    if cfg.train["clip_norm"] is not None:
-        problems.append("train.clip_norm is not supported with the parameter server")
-    if cfg.train["compression"] != "none":
-        problems.append("train.compression: gradients travel as float32 with the parameter server")
-    if cfg.data["source"] == "benchmark":
-        problems.append("data.source=benchmark is not supported with the parameter server")
-    for b in cfg.ps["backends"] or []:
-        if b not in BACKENDS:
-            problems.append(f"ps.backends: {b!r} is not one of {', '.join(BACKENDS)}")
-    return "; ".join(problems) or None
+    return None
 
 
 class ParameterServer(StrategyBase):
