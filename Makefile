@@ -27,7 +27,7 @@ test: install-test
 ## The quick tier for your own loop (under 2 minutes): no mpirun jobs, no cluster, no
 ## SLURM; the layering contracts included. `make test` remains what CI runs. The tiers
 ## (markers quick, mpi, multinode, slurm, slow, gpu) are set in tests/conftest.py.
-test-quick: install-test
+test-quick: install
 	$(PY) -m pytest -q -m quick tests
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 

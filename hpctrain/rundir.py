@@ -14,7 +14,8 @@ The synthetic data cache (<run-dir>/data/) and any file hpctrain did not write (
 notes in tb/, say) are kept in every case.
 
 Nothing of another run is touched: a config.yaml hpctrain did not write (it writes a
-header line) makes the directory refused whatever the flags, and a `checkpoint.dir`
+header line; an earlier version's is exactly the YAML dump of its values) makes the
+directory refused whatever the flags, and a `checkpoint.dir`
 outside the run directory records its run (CHECKPOINT_OWNER): a run in another
 directory pointed at it is refused before it reads, moves or deletes anything there.
 
@@ -65,7 +66,7 @@ class PreviousRun:
     metrics_lines: int
     tensorboard: bool
     config: dict | None
-    foreign_config: bool = False  # a config.yaml that hpctrain did not write
+    config_problem: str | None = None  # why config.yaml is not an hpctrain run's
     owner: Path | None = None  # CHECKPOINT_OWNER of a checkpoint.dir outside the run dir
 
     @property
@@ -113,19 +114,25 @@ def _tb_events(run_dir: Path) -> list[Path]:
     return sorted(p for p in tb.iterdir() if p.name.startswith(TB_EVENTS)) if tb.is_dir() else []
 
 
-def _read_config(path: Path) -> tuple[dict | None, bool]:
-    """(the config.yaml's values or None, whether hpctrain wrote it: its header)."""
+def _read_config(path: Path) -> tuple[dict | None, str | None]:
+    """(the config.yaml's values or None, why it is not hpctrain's or None). hpctrain's
+    has its header line, or (an earlier version's) is exactly the YAML dump of its values;
+    a file a user wrote (comments, another key order) is neither."""
     try:
         text = path.read_text()
     except FileNotFoundError:
-        return None, False
-    except OSError:
-        return {}, False
+        return None, None
+    except OSError as exc:
+        return {}, f"cannot be read ({exc.strerror or exc})"
     try:
-        values = yaml.safe_load(text) or {}
+        values = yaml.safe_load(text)
     except yaml.YAMLError:
-        values = {}
-    return (values if isinstance(values, dict) else {}), text.startswith(CONFIG_HEADER)
+        values = None
+    if not isinstance(values, dict):
+        return {}, "was not written by hpctrain (it is not a mapping of keys)"
+    if text.startswith(CONFIG_HEADER) or text == yaml.safe_dump(values, sort_keys=True):
+        return values, None
+    return values, "was not written by hpctrain (it has no header line)"
 
 
 def read_owner(checkpoint_dir: Path) -> Path | None:
@@ -139,12 +146,20 @@ def read_owner(checkpoint_dir: Path) -> Path | None:
 
 def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None) -> None:
     """Record in a checkpoint.dir outside the run directory that its checkpoints are this
-    run's (rank 0, once the run directory is claimed); nothing for the default one."""
+    run's (rank 0, once the run directory is claimed); nothing for the default one. A run
+    refused before it starts takes the claim back (remove_unused_run_dir)."""
     run_dir, ckpt_dir = Path(run_dir), _checkpoint_dir(Path(run_dir), checkpoint_dir)
     if _inside(ckpt_dir, run_dir):
         return
+    marker = ckpt_dir / CHECKPOINT_OWNER
+    missing = [d for d in (ckpt_dir, *ckpt_dir.parents) if not d.exists()]
+    try:
+        before = marker.read_text()
+    except OSError:
+        before = None
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    (ckpt_dir / CHECKPOINT_OWNER).write_text(f"{run_dir.resolve()}\n")
+    marker.write_text(f"{run_dir.resolve()}\n")
+    _claimed[:] = [(marker, before, missing)]
 
 
 def _count_lines(path: Path) -> int:
@@ -162,19 +177,16 @@ def find_previous_run(run_dir: str | Path, checkpoint_dir: str | Path | None = N
     checkpoints = ()
     if ckpt_dir.is_dir():
         checkpoints = tuple(sorted(p for p in ckpt_dir.iterdir() if NAME_RE.match(p.name)))
-    config, ours = _read_config(run_dir / "config.yaml")
-    metrics, tensorboard = _count_lines(run_dir / "metrics.jsonl"), bool(_tb_events(run_dir))
-    # a config.yaml of an earlier version (no header) sits beside that run's outputs
+    config, problem = _read_config(run_dir / "config.yaml")
     inside = _inside(ckpt_dir, run_dir)
-    legacy = bool(metrics or tensorboard or (checkpoints and inside))
     return PreviousRun(
         run_dir,
         ckpt_dir,
         checkpoints,
-        metrics,
-        tensorboard,
+        _count_lines(run_dir / "metrics.jsonl"),
+        bool(_tb_events(run_dir)),
         config,
-        foreign_config=config is not None and not ours and not legacy,
+        config_problem=problem,
         owner=None if inside else read_owner(ckpt_dir),
     )
 
@@ -238,7 +250,8 @@ def plan_run_dir(
         flag = "--overwrite" if overwrite else "--new"
         raise ConfigError(f"{flag} and --resume {resume} contradict each other: choose one")
     if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
-        raise ConfigError(f"--resume {resume}: no such checkpoint file")
+        what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
+        raise ConfigError(f"--resume {resume}: {what}; it takes a ckpt-<step>.h5 file or auto")
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:
@@ -287,22 +300,23 @@ def plan_run_dir(
 def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None:
     """ConfigError when going on would overwrite a user's config.yaml, or read, rotate,
     move or delete checkpoints that another run directory recorded as its own."""
-    if prev.foreign_config:
+    if prev.config_problem:
         raise ConfigError(
-            f"{prev.run_dir / 'config.yaml'} was not written by hpctrain (it has no header "
-            "line), and a run writes its configuration there: move that file (pass it with "
-            "--config from elsewhere) or choose another --run-dir"
+            f"{prev.run_dir / 'config.yaml'} {prev.config_problem}, and a run writes its "
+            "configuration there: move that file (pass it with --config from elsewhere) or "
+            "choose another --run-dir"
         )
     if not prev.outside:
         return
     ckpt, owner, here = prev.checkpoint_dir, prev.owner, prev.run_dir.resolve()
     if owner is not None and owner.resolve() != here and owner.is_dir():
         raise ConfigError(
-            f"checkpoint.dir {ckpt} holds the checkpoints of the run in {owner}: give this "
-            f"run its own checkpoint.dir (--set checkpoint.dir=...), or use --run-dir {owner} "
-            "to continue or replace that run"
+            f"checkpoint.dir {ckpt} belongs to the run in {owner} ({len(prev.checkpoints)} "
+            f"checkpoint(s) there; its {CHECKPOINT_OWNER} says so): give this run its own "
+            f"checkpoint.dir (--set checkpoint.dir=...), or use --run-dir {owner} to "
+            "continue or replace that run"
         )
-    mine = owner is not None or (prev.config is not None and not prev.foreign_config)
+    mine = owner is not None or prev.config is not None
     if prev.checkpoints and not mine and (resume is None or resume == "auto"):
         newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
         raise ConfigError(
@@ -346,6 +360,9 @@ def apply_plan(plan: RunDirPlan) -> None:
 
 # The directories this process created for its run (deepest first), until it starts.
 _created: list[Path] = []
+# Its claim of a checkpoint.dir outside the run directory, until it starts: (the
+# CHECKPOINT_OWNER file, its text before or None, the directories created for it).
+_claimed: list[tuple[Path, str | None, list[Path]]] = []
 
 
 def make_run_dir(run_dir: str | Path) -> None:
@@ -364,7 +381,7 @@ def remove_unused_run_dir() -> list[Path]:
     """After a refusal: remove the directories `make_run_dir` created, and the empty
     directories under them, as long as they hold no file (nothing is ever deleted but
     empty directories). Returns the directories removed; forgets what it recorded."""
-    removed: list[Path] = []
+    removed: list[Path] = _take_back_claim()
     created, _created[:] = list(_created), []
     if not created:
         return removed
@@ -385,6 +402,27 @@ def remove_unused_run_dir() -> list[Path]:
     return removed
 
 
+def _take_back_claim() -> list[Path]:
+    """Undo claim_checkpoint_dir: the earlier owner's text back, or no file, and the
+    directories made for it if they stayed empty."""
+    removed: list[Path] = []
+    for marker, before, missing in _claimed:
+        with contextlib.suppress(OSError):
+            if before is None:
+                marker.unlink(missing_ok=True)
+            else:
+                marker.write_text(before)
+        for d in missing:  # deepest first
+            try:
+                d.rmdir()
+            except OSError:
+                break
+            removed.append(d)
+    _claimed.clear()
+    return removed
+
+
 def keep_run_dir() -> None:
     """The run started: what it created is its own from here on."""
     _created.clear()
+    _claimed.clear()

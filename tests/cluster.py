@@ -163,7 +163,9 @@ def start_slurm_on(cluster, directory, timeout: float = 60, extra_conf: str = ""
     tools = {n: _which(n) for n in ("munged", "slurmctld", "slurmd", "sbatch", "scontrol")}
     missing = [n for n, path in tools.items() if path is None]
     if missing:
-        raise SlurmUnavailable(f"not installed: {', '.join(missing)} (see tools/install.sh)")
+        raise SlurmUnavailable(
+            f"not installed: {', '.join(missing)} (make install-test, or tools/install.sh --test)"
+        )
     d = Path(directory)
     for sub in ("state", *(f"spool/{n}" for n in cluster.nodes)):
         (d / sub).mkdir(parents=True, exist_ok=True)

@@ -311,7 +311,9 @@ def start_cluster(directory: Path, cpus: int = 8, timeout: float = 60) -> SlurmC
     tools = {n: _which(n) for n in ("slurmctld", "slurmd", "srun", "sbatch", "scontrol", "sinfo")}
     missing = [n for n, path in tools.items() if path is None]
     if missing:
-        raise SlurmUnavailable(f"not installed: {', '.join(missing)} (see tools/install.sh)")
+        raise SlurmUnavailable(
+            f"not installed: {', '.join(missing)} (make install-test, or tools/install.sh --test)"
+        )
     directory = Path(directory)
     for sub in ("state", "spool"):
         (directory / sub).mkdir(parents=True, exist_ok=True)

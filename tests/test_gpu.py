@@ -262,7 +262,7 @@ def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypat
 
 def test_a_model_too_big_for_the_gpu_is_refused_before_it_is_built(tmp_path):
     """Twice the GPU's memory of model state at ZeRO-0 (each layer of d_model 8192 holds
-    805 M parameters, 12.9 GB with Adam's slots: 16 layers on an 80 GB H100, 22 on a
+    805 M parameters, 12.9 GB with Adam's slots: 14 layers on an 80 GB H100, 24 on a
     141 GB H200): refused from the plan, on the meta device, naming the GPU and its
     free memory, before a byte is allocated."""
     import torch

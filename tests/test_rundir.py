@@ -16,7 +16,9 @@ from hpctrain.rundir import (
     claim_checkpoint_dir,
     config_differences,
     find_previous_run,
+    keep_run_dir,
     plan_run_dir,
+    remove_unused_run_dir,
 )
 
 
@@ -199,10 +201,19 @@ def test_a_config_yaml_hpctrain_did_not_write_is_never_replaced(tmp_path):
     # hpctrain's own (its header) with nothing else: a run stopped before its first step
     (run / "config.yaml").write_text(CONFIG_HEADER + yaml.safe_dump(_cfg()))
     assert plan_run_dir(run, _cfg()).action == "fresh"
-    # an earlier version's config.yaml (no header) beside that run's outputs is hpctrain's
+    # an earlier version's config.yaml (no header: exactly the dump of its values) is
+    # hpctrain's; a user's beside a run's outputs is still the user's, even for --overwrite
     legacy = tmp_path / "legacy"
     _earlier_run(legacy, _cfg())
     assert plan_run_dir(legacy, _cfg(), resume="auto").action == "resume"
+    (legacy / "config.yaml").write_text("# my notes\n" + yaml.safe_dump(_cfg()))
+    for flags in ({"overwrite": True}, {"new": True}):
+        with pytest.raises(ConfigError, match="not written by hpctrain"):
+            plan_run_dir(legacy, _cfg(), **flags)
+    (legacy / "config.yaml").unlink()
+    (legacy / "config.yaml").mkdir()
+    with pytest.raises(ConfigError, match="config.yaml cannot be read"):
+        plan_run_dir(legacy, _cfg(), overwrite=True)
 
 
 def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_path):
@@ -215,7 +226,7 @@ def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_pat
         (shared / f"ckpt-{s:08d}.h5").write_bytes(b"x")
     before = sorted(p.name for p in shared.iterdir())
     for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
-        with pytest.raises(ConfigError, match=f"holds the checkpoints of the run in {run_a}"):
+        with pytest.raises(ConfigError, match=f"belongs to the run in {run_a} \\(2 checkpoint"):
             plan_run_dir(run_b, _cfg(), checkpoint_dir=shared, **flags)
     with pytest.raises(ConfigError, match="its own checkpoint.dir"):
         plan_run_dir(run_b, _cfg(), checkpoint_dir=shared, resume=str(shared / before[0]))
@@ -244,3 +255,25 @@ def test_unrecorded_checkpoints_outside_the_run_dir_are_only_resumed_by_name(tmp
 def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_path):
     with pytest.raises(ConfigError, match="--resume .*missing.h5: no such checkpoint file"):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path / "missing.h5"))
+    with pytest.raises(ConfigError, match="is a directory; it takes a ckpt-<step>.h5 file"):
+        plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path))
+
+
+def test_a_refused_run_takes_back_its_claim_of_a_checkpoint_dir(tmp_path):
+    """Refused after its claim (a missing data file, a model too big): the checkpoint.dir
+    it made and its claim go; an earlier owner's claim it adopted is restored."""
+    run, fresh = tmp_path / "run", tmp_path / "scratch" / "a" / "ckpts"
+    claim_checkpoint_dir(run, fresh)
+    assert (fresh / CHECKPOINT_OWNER).exists()
+    remove_unused_run_dir()
+    assert not (tmp_path / "scratch").exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / CHECKPOINT_OWNER).write_text("/gone/run\n")
+    claim_checkpoint_dir(run, kept)
+    remove_unused_run_dir()
+    assert (kept / CHECKPOINT_OWNER).read_text() == "/gone/run\n"
+    claim_checkpoint_dir(run, kept)
+    keep_run_dir()  # the run started: the claim is its own
+    remove_unused_run_dir()
+    assert (kept / CHECKPOINT_OWNER).read_text().strip() == str(run.resolve())

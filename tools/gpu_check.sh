@@ -44,6 +44,9 @@ export OMPI_MCA_hwloc_base_binding_policy=none
 REPORT="$OUT/report.md"
 status=0
 BUDGET=${GPU_CHECK_BUDGET:-570}
+for v in "$BUDGET" "${BENCH_TIMEOUT:-240}"; do  # whole seconds: they are added up below
+    [[ "$v" =~ ^[0-9]+$ ]] || { echo "GPU_CHECK_BUDGET and BENCH_TIMEOUT are whole seconds, not '$v'" >&2; exit 2; }
+done
 # a step's timeout: what it asks for, cut to what is left of the call (20 s kept back)
 limit() { # never 0: `timeout 0` would mean no timeout at all
     local left=$((BUDGET - SECONDS - 20))
@@ -104,9 +107,12 @@ if ! $PY -c 'from mpi4py import MPI; MPI.Get_library_version()' >/dev/null 2>&1 
     # installed with a prefix; mpi4py finds libmpi through LD_LIBRARY_PATH
     $PY -m pip install -q --no-index --no-deps --no-compile --prefix /tmp/mpi-site .whl/*.whl \
         >>"$OUT/install.log" 2>&1
-    pyver=$($PY -c 'import sys; print("python%d.%d" % sys.version_info[:2])')
-    export PYTHONPATH="/tmp/mpi-site/lib/$pyver/site-packages:$PYTHONPATH"
-    export PATH="/tmp/mpi-site/bin:$PATH" LD_LIBRARY_PATH="/tmp/mpi-site/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+    # where the prefix put them: lib/pythonX.Y/site-packages, or local/lib/.../dist-packages
+    # for a Debian or Ubuntu Python (its posix_local scheme)
+    at() { dirname "$(find /tmp/mpi-site "$@" -print -quit 2>/dev/null)"; }
+    site=$(dirname "$(at -path '*-packages/mpi4py/__init__.py')")
+    export PYTHONPATH="$site:$PYTHONPATH" PATH="$(at -name mpirun):$PATH"
+    export LD_LIBRARY_PATH="$(at -name 'libmpi.so*')${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
 $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])' 2>&1 |
     tee -a "$OUT/check.log"
