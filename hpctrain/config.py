@@ -576,7 +576,9 @@ def _with_origin(problem: str, origins: dict[str, str]) -> str:
     texts = [
         text
         for k, text in origins.items()
-        if key and (k == key or key.startswith(k + ".") or k.startswith(key + "."))
+        if key
+        and (k == key or key.startswith(k + ".") or k.startswith(key + "."))
+        or re.search(rf"(?<![\w.]){re.escape(k)}=", problem)  # a clash names the other key
     ]
     if not texts:
         return problem

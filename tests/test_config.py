@@ -158,6 +158,9 @@ def test_a_problem_from_a_set_override_names_the_override_not_the_file(tmp_path)
         Config.load(None, ["train={epochz: 1}"])  # a whole section set
     with pytest.raises(ConfigError, match=r"must be >= 1, got 0 \(from --set train.epochs=0\)"):
         Config.load(None).replace(["train.epochs=0"])
+    with pytest.raises(ConfigError) as err:  # a clash of two overrides names both
+        Config.load(None, ["train.zero=2", "train.compression=topk"])
+    assert "(from --set train.zero=2, --set train.compression=topk)" in str(err.value)
 
 
 def test_the_parameter_server_refuses_what_it_cannot_do_at_config_load():

@@ -334,6 +334,8 @@ def _cmd_slurm(args) -> int:
     else:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
         script = log_dir / f"{rendered.job_name}-{stamp}.sbatch"
+    if script.exists():  # re-rendering is how a script changes; never silently
+        print(f"[hpctrain] replacing {script}", file=sys.stderr)
     _write(script, rendered)
     try:
         log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create --output dirs
