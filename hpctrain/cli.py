@@ -366,7 +366,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
         return 2  # on every rank (mpirun then ends the job)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:  # a YAML file given bare is the commonest slip: say where it goes
+        yaml_file = next((w for w in extra if w.endswith((".yaml", ".yml"))), None)
+        hint = f" (give a configuration file as --config {yaml_file})" if yaml_file else ""
+        parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     from .runtime import run_fail_together
 
     code = run_fail_together(COMMANDS[args.command], args)

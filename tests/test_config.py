@@ -182,3 +182,13 @@ def test_the_parameter_server_refuses_what_it_cannot_do_at_config_load():
     cfg = Config.load("configs/ps.yaml", ["ps.servers=1"])
     assert config_problems(cfg, 3) is None  # the world size's rule stays at start
     assert config_problems(cfg, 1).startswith("ps.servers=1 leaves no worker in a job of 1")
+
+
+def test_a_bare_yaml_argument_is_pointed_to_config(capsys):
+    from hpctrain.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["config", "configs/demo.yaml"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "unrecognized arguments: configs/demo.yaml (give a configuration file as " in err
