@@ -141,6 +141,18 @@ def test_the_pipeline_refuses_grad_accum_at_config_load():
         Config.load(None, ["strategy=pipeline", "train.grad_accum=2"])
 
 
+@pytest.mark.parametrize("engine", ["auto", "horovod", "gloo", "mpi"])
+def test_the_pipeline_refuses_exchange_settings_its_stages_would_ignore(engine):
+    """Its stages average dense float32 gradients with a flat allreduce on every engine:
+    fp16 compression and hierarchical allreduce would be accepted and do nothing."""
+    pipe = ["strategy=pipeline", f"train.allreduce={engine}"]
+    with pytest.raises(ConfigError, match="train.compression=fp16: the pipeline's stages"):
+        Config.load(None, [*pipe, "train.compression=fp16"])
+    with pytest.raises(ConfigError, match="train.hierarchical: the pipeline's stages"):
+        Config.load(None, [*pipe, "train.hierarchical=true"])
+    Config.load(None, pipe)
+
+
 def test_a_problem_from_a_set_override_names_the_override_not_the_file(tmp_path):
     """A --set typo is not looked for in the YAML file: each problem says where it came
     from, all of them still listed together."""

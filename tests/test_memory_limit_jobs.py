@@ -14,7 +14,7 @@ ZeRO-2 x tensor 2 needs its 4.
 The limit is per backend, chosen from what each needs for the same 48M-parameter
 transformer with Adam (4 ranks on 2 busy cores, cgroup v1, MiB per rank):
 
-- torch: plain plan 1,287; ZeRO-2 x tensor 2 peak RSS 831 (plan 620). Limit 1,100.
+- torch: plain plan 1,395; ZeRO-2 x tensor 2 peak RSS 831 (plan 651). Limit 1,100.
 - tensorflow (its resident baseline is ~530 MiB of RSS before the model, ~320 of it the
   mapped libraries, where torch's is smaller): plain plan 1,733-1,753, peak RSS
   2,131-2,236, kernel-charged peak (memory.max_usage_in_bytes) 1,817-1,878; ZeRO-2 x

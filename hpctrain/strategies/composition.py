@@ -38,10 +38,17 @@ def pipeline(v: dict) -> list[str]:
             "train.grad_accum: the pipeline accumulates over pipeline.microbatches; "
             "leave train.grad_accum at 1"
         )
-    if t["compression"] == "fp16" and t["allreduce"] in ("mpi", "overlap"):
+    # its stages average dense float32 gradients over their replicas, flat: a setting
+    # for another exchange would be accepted and silently do nothing
+    if t["compression"] == "fp16":  # the lossy ones: compression_rules
         problems.append(
-            "train.compression=fp16: the pipeline strategy compresses only through Horovod "
-            "(train.allreduce=horovod or auto)"
+            f"train.compression={t['compression']}: the pipeline's stages average dense "
+            "gradients; compression runs with strategy data_parallel"
+        )
+    if t["hierarchical"]:
+        problems.append(
+            "train.hierarchical: the pipeline's stages average over their replicas with a "
+            "flat allreduce; hierarchical allreduce runs with strategy data_parallel"
         )
     if t["zero"] > 1:
         problems.append(
@@ -307,6 +314,7 @@ def process_group_rules(v: dict) -> list[str]:
     from ..runtime.devices import mpi_only_features
 
     dp = v["strategy"] == "data_parallel"  # the pipeline: its links, replicas, ZeRO-1
+    pipe = v["strategy"] == "pipeline"  # its compression and hierarchy: pipeline() refuses
     moe = bool(_model(v).get("moe"))
     on_groups = {
         **v,
@@ -315,8 +323,9 @@ def process_group_rules(v: dict) -> list[str]:
         "model": {**_model(v), "moe": None} if moe else v["model"],
         "train": {
             **train,
-            "zero": 0 if dp or v["strategy"] == "pipeline" else train["zero"],
-            "compression": "none" if dp else train["compression"],
+            "zero": 0 if dp or pipe else train["zero"],
+            "compression": "none" if dp or pipe else train["compression"],
+            "hierarchical": False if pipe else train["hierarchical"],
         },
         "parallel": {**v["parallel"], "tensor": 1},
     }
