@@ -266,7 +266,11 @@ def _cmd_config(args) -> int:
 def _cmd_data(args) -> int:
     from .data.synthetic import generate, write_dataset
     from .errors import ConfigError, DataError
+    from .runtime.launcher import launcher_views
 
+    views = launcher_views()
+    if views and views[0].values.get("rank", 0) > 0:
+        return 0  # under a launcher the first rank writes the one file; the others would race
     _refuse_existing_output(Path(args.output), args.force)
     for name in (
         "train",
