@@ -153,13 +153,29 @@ def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None)
         return
     marker = ckpt_dir / CHECKPOINT_OWNER
     missing = [d for d in (ckpt_dir, *ckpt_dir.parents) if not d.exists()]
-    try:
-        before = marker.read_text()
-    except OSError:
-        before = None
+    before, text = _marker_text(marker), f"{run_dir.resolve()}\n"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    marker.write_text(f"{run_dir.resolve()}\n")
+    if before is None:  # exclusive: two runs started at once (an array job) cannot both
+        try:
+            with open(marker, "x") as f:
+                f.write(text)
+        except FileExistsError:
+            owner = read_owner(ckpt_dir)
+            if owner is not None and owner.resolve() != run_dir.resolve():
+                raise ConfigError(
+                    f"checkpoint.dir {ckpt_dir} was claimed a moment ago by the run in "
+                    f"{owner}: give this run its own checkpoint.dir (--set checkpoint.dir=...)"
+                ) from None
+    else:
+        marker.write_text(text)
     _claimed[:] = [(marker, before, missing)]
+
+
+def _marker_text(marker: Path) -> str | None:
+    try:
+        return marker.read_text()
+    except OSError:
+        return None
 
 
 def _count_lines(path: Path) -> int:

@@ -277,3 +277,19 @@ def test_a_refused_run_takes_back_its_claim_of_a_checkpoint_dir(tmp_path):
     keep_run_dir()  # the run started: the claim is its own
     remove_unused_run_dir()
     assert (kept / CHECKPOINT_OWNER).read_text().strip() == str(run.resolve())
+
+
+def test_two_runs_claiming_one_checkpoint_dir_at_once_cannot_both(tmp_path, monkeypatch):
+    """Both looked before either claimed (an array job's tasks start together): the
+    claim is an exclusive create, so the second is refused, naming the first."""
+    import hpctrain.rundir as rundir
+
+    shared = tmp_path / "ckpts"
+    run_a, run_b = tmp_path / "A", tmp_path / "B"
+    run_a.mkdir()
+    claim_checkpoint_dir(run_a, shared)
+    keep_run_dir()
+    monkeypatch.setattr(rundir, "_marker_text", lambda marker: None)  # B looked before
+    with pytest.raises(ConfigError, match=f"claimed a moment ago by the run in {run_a}"):
+        claim_checkpoint_dir(run_b, shared)
+    assert (shared / CHECKPOINT_OWNER).read_text().strip() == str(run_a.resolve())
