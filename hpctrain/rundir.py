@@ -19,9 +19,10 @@ directory refused whatever the flags, and a `checkpoint.dir`
 outside the run directory records its run (CHECKPOINT_OWNER): a run in another
 directory pointed at it is refused before it reads, moves or deletes anything there.
 
-A run refused before it wrote anything (a missing data file, a model that does not fit)
-leaves no empty run directory behind: `make_run_dir` records what it created and
-`remove_unused_run_dir` takes back whatever of that still holds no file.
+A run refused before it started (a missing data file, a model that does not fit) leaves
+no run directory behind that it created: `make_run_dir` records what it created and
+`remove_unused_run_dir` takes back whatever of that holds no file but the synthetic data
+cache this attempt wrote there.
 
 Framework-free and MPI-free: rank 0 calls `plan_run_dir` and `apply_plan`, the caller
 agrees the outcome over ranks. Cost: a directory listing and one small YAML read on
@@ -395,12 +396,18 @@ def make_run_dir(run_dir: str | Path) -> None:
 
 def remove_unused_run_dir() -> list[Path]:
     """After a refusal: remove the directories `make_run_dir` created, and the empty
-    directories under them, as long as they hold no file (nothing is ever deleted but
-    empty directories). Returns the directories removed; forgets what it recorded."""
+    directories under them, as long as they hold no file. The one file deleted is the
+    synthetic data cache (data/synthetic-*.h5) of a run directory this process created:
+    this attempt wrote it, in a directory that did not exist before. Returns the paths
+    removed; forgets what it recorded."""
     removed: list[Path] = _take_back_claim()
     created, _created[:] = list(_created), []
     if not created:
         return removed
+    for cache in sorted((created[0] / "data").glob("synthetic-*.h5")):  # [0]: the run dir
+        with contextlib.suppress(OSError):
+            cache.unlink()
+            removed.append(cache)
     for root, _dirs, _files in os.walk(created[0], topdown=False):
         if Path(root) == created[0]:
             continue

@@ -60,6 +60,25 @@ def test_only_the_directories_it_created_and_only_empty_ones_go(tmp_path):
     assert rundir.remove_unused_run_dir() == [] and existing.is_dir()
 
 
+def test_the_synthetic_cache_a_refused_run_wrote_into_its_new_directory_goes(tmp_path):
+    """The data cache (data/synthetic-*.h5) of a run refused after writing it (a model
+    too big for its ranks) goes with the directory this run created; in a directory that
+    was there before, it stays (an earlier run's, reused by the next)."""
+    run = tmp_path / "new"
+    rundir.make_run_dir(run)
+    (run / "data").mkdir()
+    cache = run / "data" / "synthetic-vectors-n64-16-s1-f32-c10.h5"
+    cache.write_bytes(b"x")
+    assert set(rundir.remove_unused_run_dir()) == {cache, run / "data", run}
+    assert not run.exists()
+    old = tmp_path / "old"
+    (old / "data").mkdir(parents=True)
+    kept = old / "data" / cache.name
+    kept.write_bytes(b"x")
+    rundir.make_run_dir(old)
+    assert rundir.remove_unused_run_dir() == [] and kept.exists()
+
+
 def _train(*args: str):
     env = {k: v for k, v in os.environ.items() if k != UNSET}
     proc = subprocess.run(
