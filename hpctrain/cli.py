@@ -266,11 +266,9 @@ def _cmd_config(args) -> int:
 def _cmd_data(args) -> int:
     from .data.synthetic import generate, write_dataset
     from .errors import ConfigError, DataError
-    from .runtime.launcher import launcher_views
 
-    views = launcher_views()
-    if views and views[0].values.get("rank", 0) > 0:
-        return 0  # under a launcher the first rank writes the one file; the others would race
+    if not _first_on_its_node():
+        return 0  # under a launcher each node's first rank writes (node-local paths too)
     _refuse_existing_output(Path(args.output), args.force)
     for name in (
         "train",
@@ -374,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
     if extra:  # a YAML file given bare is the commonest slip: say where it goes
         yaml_file = next((w for w in extra if w.endswith((".yaml", ".yml"))), None)
         hint = f" (give a configuration file as --config {yaml_file})" if yaml_file else ""
+        if yaml_file and getattr(args, "config", None):
+            hint = f" (one configuration file, --config {args.config}; --set changes it)"
         parser.error(f"unrecognized arguments: {' '.join(extra)}{hint}")
     from .runtime import run_fail_together
 

@@ -573,12 +573,14 @@ def _with_origin(problem: str, origins: dict[str, str]) -> str:
     the file."""
     match = re.match(r"[\w.]+", problem)
     key = match.group() if match else ""
+    # what it clashes with ("not with strategy pipeline, train.zero=2"), not its hints
+    clash = problem.split("not with ", 1)[1] if "not with " in problem else ""
     texts = [
         text
         for k, text in origins.items()
         if key
         and (k == key or key.startswith(k + ".") or k.startswith(key + "."))
-        or re.search(rf"(?<![\w.]){re.escape(k)}=", problem)  # a clash names the other key
+        or re.search(rf"(?<![\w.]){re.escape(k)}[= ]", clash)
     ]
     if not texts:
         return problem

@@ -154,22 +154,42 @@ def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None)
         return
     marker = ckpt_dir / CHECKPOINT_OWNER
     missing = [d for d in (ckpt_dir, *ckpt_dir.parents) if not d.exists()]
-    before, text = _marker_text(marker), f"{run_dir.resolve()}\n"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
-    if before is None:  # exclusive: two runs started at once (an array job) cannot both
+    here, temp = run_dir.resolve(), ckpt_dir / f"{CHECKPOINT_OWNER}.tmp-{os.getpid()}"
+    temp.write_text(f"{here}\n")
+    try:  # whole or not at all, and only if no run claimed it first (an array job's tasks)
+        before = None if _link_exclusive(temp, marker) else _marker_text(marker)
+        if before is not None:
+            owner = Path(before.strip()) if before.strip() else None
+            if owner is None or (owner.resolve() != here and owner.is_dir()):
+                raise ConfigError(
+                    f"checkpoint.dir {ckpt_dir} is claimed by "
+                    f"{f'the run in {owner}' if owner else 'a run it cannot name'} (its "
+                    f"{CHECKPOINT_OWNER}): give this run its own checkpoint.dir "
+                    "(--set checkpoint.dir=...)"
+                )
+            if owner.resolve() != here:  # its run directory was moved away: adopt
+                os.replace(temp, marker)
+    finally:
+        temp.unlink(missing_ok=True)
+    _claimed[:] = [(marker, before, missing)]
+
+
+def _link_exclusive(temp: Path, marker: Path) -> bool:
+    """Make `marker` `temp`'s content unless it exists (True if made): a hard link never
+    shows a half-written file; where links are not allowed, an exclusive create."""
+    try:
+        os.link(temp, marker)
+        return True
+    except FileExistsError:
+        return False
+    except OSError:  # a file system without hard links
         try:
             with open(marker, "x") as f:
-                f.write(text)
+                f.write(temp.read_text())
+            return True
         except FileExistsError:
-            owner = read_owner(ckpt_dir)
-            if owner is not None and owner.resolve() != run_dir.resolve():
-                raise ConfigError(
-                    f"checkpoint.dir {ckpt_dir} was claimed a moment ago by the run in "
-                    f"{owner}: give this run its own checkpoint.dir (--set checkpoint.dir=...)"
-                ) from None
-    else:
-        marker.write_text(text)
-    _claimed[:] = [(marker, before, missing)]
+            return False
 
 
 def _marker_text(marker: Path) -> str | None:

@@ -294,16 +294,18 @@ def test_data_synth_refuses_to_replace_a_file_without_force(tmp_path, capsys):
     assert f"{tmp_path} is a directory: name the HDF5 file" in capsys.readouterr().err
 
 
-def test_data_synth_under_a_launcher_writes_once_on_the_first_rank(tmp_path, monkeypatch):
-    """`mpirun -np N hpctrain data synth OUT`: rank 0 writes; the others return at once
-    instead of racing it (and finding its file there, refused without --force)."""
+def test_data_synth_under_a_launcher_writes_once_on_each_node(tmp_path, monkeypatch):
+    """`mpirun -np N hpctrain data synth OUT`: each node's first rank writes (OUT may be
+    node-local, $TMPDIR/d.h5); the others return at once instead of racing it (and
+    finding its file there, refused without --force)."""
     from hpctrain.cli import main as cli_main
 
     out, small = tmp_path / "d.h5", ["--train", "64", "--val", "16"]
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "1")
-    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    for var, value in (("RANK", "3"), ("SIZE", "4"), ("LOCAL_RANK", "1"), ("LOCAL_SIZE", "2")):
+        monkeypatch.setenv(f"OMPI_COMM_WORLD_{var}", value)
     assert cli_main(["data", "synth", str(out), *small]) == 0
     assert not out.exists()
-    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")  # rank 2: the second node's first
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "2")
     assert cli_main(["data", "synth", str(out), *small]) == 0
     assert out.exists()

@@ -22,6 +22,13 @@ from hpctrain.rundir import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _forget_claims():
+    """What a test's claims and run directories recorded is not the next test's."""
+    yield
+    keep_run_dir()
+
+
 def _earlier_run(run_dir, cfg: dict, steps=(10, 20), metrics=3):
     """What a finished run leaves: config.yaml, checkpoints, metrics.jsonl, tb/."""
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -289,7 +296,16 @@ def test_two_runs_claiming_one_checkpoint_dir_at_once_cannot_both(tmp_path, monk
     run_a.mkdir()
     claim_checkpoint_dir(run_a, shared)
     keep_run_dir()
-    monkeypatch.setattr(rundir, "_marker_text", lambda marker: None)  # B looked before
-    with pytest.raises(ConfigError, match=f"claimed a moment ago by the run in {run_a}"):
-        claim_checkpoint_dir(run_b, shared)
+    with pytest.raises(ConfigError, match=f"is claimed by the run in {run_a}"):
+        claim_checkpoint_dir(run_b, shared)  # B planned before A's claim, then claims
     assert (shared / CHECKPOINT_OWNER).read_text().strip() == str(run_a.resolve())
+    assert sorted(p.name for p in shared.iterdir()) == [CHECKPOINT_OWNER]  # no temp left
+    remove_unused_run_dir()  # B's refusal takes back nothing of A's
+    assert (shared / CHECKPOINT_OWNER).read_text().strip() == str(run_a.resolve())
+    (shared / CHECKPOINT_OWNER).write_text("")  # a claim it cannot read is not taken over
+    with pytest.raises(ConfigError, match="is claimed by a run it cannot name"):
+        claim_checkpoint_dir(run_b, shared)
+    monkeypatch.setattr(rundir.os, "link", lambda a, b: (_ for _ in ()).throw(PermissionError))
+    other = tmp_path / "other-ckpts"
+    claim_checkpoint_dir(run_b, other)  # no hard links there: an exclusive create
+    assert (other / CHECKPOINT_OWNER).read_text().strip() == str(run_b.resolve())

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 # strategies that shard dense data-parallel training (ZeRO, tensor parallelism)
 DENSE = ("data_parallel", "pipeline")
-# train.compression values the Horovod engine and the pipeline's engines also carry
+# train.compression values the Horovod engine also carries (the pipeline refuses fp16)
 DENSE_COMPRESSION = ("none", "fp16")
 
 
