@@ -42,6 +42,7 @@ from pathlib import Path
 import yaml
 
 from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE
+from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
 
 # What a checkpoint means: a run resumed with other values here would load weights into
@@ -138,11 +139,14 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
 
 def read_owner(checkpoint_dir: Path) -> Path | None:
     """The run directory recorded in a checkpoint.dir outside it (None: none recorded)."""
-    try:
-        text = (Path(checkpoint_dir) / CHECKPOINT_OWNER).read_text().strip()
-    except OSError:
-        return None
+    text = (_marker_text(Path(checkpoint_dir) / CHECKPOINT_OWNER) or "").strip()
     return Path(text) if text else None
+
+
+def _another_runs(owner: Path | None, run_dir: Path) -> bool:
+    """A recorded owner that is another run directory, still there (one moved away
+    leaves its checkpoints to its successor)."""
+    return owner is not None and owner.resolve() != run_dir.resolve() and owner.is_dir()
 
 
 def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None) -> None:
@@ -161,7 +165,7 @@ def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None)
         before = None if _link_exclusive(temp, marker) else _marker_text(marker)
         if before is not None:
             owner = Path(before.strip()) if before.strip() else None
-            if owner is None or (owner.resolve() != here and owner.is_dir()):
+            if owner is None or _another_runs(owner, here):
                 raise ConfigError(
                     f"checkpoint.dir {ckpt_dir} is claimed by "
                     f"{f'the run in {owner}' if owner else 'a run it cannot name'} (its "
@@ -345,8 +349,8 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
         )
     if not prev.outside:
         return
-    ckpt, owner, here = prev.checkpoint_dir, prev.owner, prev.run_dir.resolve()
-    if owner is not None and owner.resolve() != here and owner.is_dir():
+    ckpt, owner = prev.checkpoint_dir, prev.owner
+    if _another_runs(owner, prev.run_dir):
         raise ConfigError(
             f"checkpoint.dir {ckpt} belongs to the run in {owner} ({len(prev.checkpoints)} "
             f"checkpoint(s) there; its {CHECKPOINT_OWNER} says so): give this run its own "
@@ -424,7 +428,7 @@ def remove_unused_run_dir() -> list[Path]:
     created, _created[:] = list(_created), []
     if not created:
         return removed
-    for cache in sorted((created[0] / "data").glob("synthetic-*.h5")):  # [0]: the run dir
+    for cache in sorted((created[0] / "data").glob(f"{SYNTHETIC_PREFIX}*.h5")):  # the run dir
         with contextlib.suppress(OSError):
             cache.unlink()
             removed.append(cache)
@@ -436,7 +440,14 @@ def remove_unused_run_dir() -> list[Path]:
             removed.append(Path(root))
         except OSError:
             pass
-    for d in created:  # deepest first: a parent only goes when its child went
+    return removed + _remove_empty(created)
+
+
+def _remove_empty(dirs: list[Path]) -> list[Path]:
+    """rmdir each of `dirs` (deepest first) while they are empty: a parent only goes when
+    its child went. Returns those removed."""
+    removed = []
+    for d in dirs:
         try:
             d.rmdir()
         except OSError:
@@ -455,12 +466,7 @@ def _take_back_claim() -> list[Path]:
                 marker.unlink(missing_ok=True)
             else:
                 marker.write_text(before)
-        for d in missing:  # deepest first
-            try:
-                d.rmdir()
-            except OSError:
-                break
-            removed.append(d)
+        removed += _remove_empty(missing)
     _claimed.clear()
     return removed
 

@@ -162,6 +162,9 @@ def estimated_bytes(dcfg: dict) -> int:
     return n * row + 64 * 1024  # plus HDF5 metadata
 
 
+SYNTHETIC_PREFIX = "synthetic-"  # the cache's file names (a refused run's cache goes)
+
+
 def synthetic_name(dcfg: dict) -> str:
     """A file name that changes whenever any generator parameter changes."""
     task = dcfg["task"]
@@ -172,7 +175,7 @@ def synthetic_name(dcfg: dict) -> str:
         parts += [f"{dcfg['channels']}x{dcfg['image_size']}", f"c{dcfg['classes']}"]
     else:
         parts += [f"t{dcfg['seq_len']}", f"v{dcfg['vocab']}"]
-    return "synthetic-" + "-".join(parts) + ".h5"
+    return SYNTHETIC_PREFIX + "-".join(parts) + ".h5"
 
 
 def generate_from_config(dcfg: dict):
