@@ -31,8 +31,9 @@ def test_an_overflowing_step_is_skipped_and_the_scale_backs_off():
     start = b.get_weights()
     scale0 = b.scaler.get_scale()
     # large inputs: the float16 backward of the 65536-scaled loss overflows
-    b.train_step(_batch(scale=300.0), 1e-3)
+    stats = b.train_step(_batch(scale=300.0), 1e-3)
     assert b.scaler.get_scale() == scale0 / 2
+    assert stats.extra["loss_scale"] == scale0 / 2  # in the step metrics: overflows show
     after = b.get_weights()
     assert all(np.array_equal(after[k], start[k]) for k in start)  # skipped, not applied
     for i in range(20):  # the scale settles and training moves the weights
@@ -59,6 +60,11 @@ def test_the_loss_scale_is_checkpointed_and_restored():
         (["backend=tensorflow"], "not with backend tensorflow"),
         (["train.allreduce=horovod"], "not with train.allreduce=horovod"),
         (["train.zero=1"], "not with train.zero=1"),
+        # an overflow would poison a compressor's residual or PowerSGD's Q for good, and
+        # local steps average no gradients (one rank alone would skip)
+        (["train.compression=topk"], "not with train.compression=topk"),
+        (["train.compression=powersgd"], "not with train.compression=powersgd"),
+        (["train.sync_every=4"], "not with train.sync_every=4"),
     ],
 )
 def test_fp16_refuses_what_it_does_not_cover(overrides, says):

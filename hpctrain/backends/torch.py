@@ -288,7 +288,10 @@ class TorchBackend(TorchStateMixin, BackendBase):
         return torch_moe.step_extra(self.model, step_seconds)
 
     def reducer_stats(self) -> dict:
-        return self._flat.stats() if self.hvd is None else {}
+        stats = self._flat.stats() if self.hvd is None else {}
+        if self.scaler is not None and self.device.type == "cpu":  # see _scaled_step
+            stats["loss_scale"] = float(self.scaler.get_scale())
+        return stats
 
     def _scaled_step(self) -> None:
         """fp16: step unless the averaged gradients overflowed, then grow or back off the

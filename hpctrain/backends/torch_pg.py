@@ -10,7 +10,8 @@ same code, so the CPU suite exercises what GPU nodes run.
 Deadlines: where a rank's host waits (a Gloo collective; on GPU ranks, reading a
 step's results, step_reports.py) the wait is a section of the MPI watchdog's, whose
 deadline `runtime.collective_timeout` probes every rank and ends the job naming the one
-that stopped or hangs. The groups' own timeout comes after it (group_timeout), as the
+that stopped or hangs. The groups' own timeout comes after it (group_timeout: twice it
+and 15 s), as the
 fallback: a Gloo collective that passes it raises on that rank (fail-together then
 ends the job naming it); NCCL's watchdog, at its timeout, logs the timed-out
 collective with the rank that saw it and ends that process (torch's default
@@ -90,8 +91,13 @@ GROUPS_AFTER_WATCHDOG_S = 15.0
 
 
 def group_timeout(timeout_s: float) -> float:
-    """Seconds a process group (gloo or nccl) waits before failing an operation."""
-    return float(timeout_s) + GROUPS_AFTER_WATCHDOG_S
+    """Seconds a process group (gloo or nccl) waits before failing an operation: twice
+    runtime.collective_timeout and 15 s. A group counts from when the operation
+    started, the watchdog from when the host began to wait: a gradient bucket started
+    early in backward is waited for up to a backward later, so with one timeout plus
+    15 s a backward over 15 s let Gloo fail first, naming only the rank kept waiting.
+    Twice covers any backward shorter than the deadline itself."""
+    return 2.0 * float(timeout_s) + GROUPS_AFTER_WATCHDOG_S
 
 
 def init_process_group(comm, backend: str, timeout_s: float):
@@ -171,8 +177,8 @@ def grid_groups(grid, backend: str, timeout_s: float, axes) -> dict:
     job is the default group, a second group over an axis (SECOND_GROUPS) its own; an
     axis of one rank has none (None).
 
-    Cost: one TCP store connection per rank and one store barrier per axis among the
-    axis's ranks, once; the groups a rank builds do not grow with the job (one per axis
+    Cost: one TCP store connection per rank, and per axis its members' connections
+    (Gloo's mesh; torch's store barrier only runs with TORCH_DIST_INIT_BARRIER=1), once; the groups a rank builds do not grow with the job (one per axis
     asked for, at most 6: a pipeline stage's two over the pipe axis, replicas, tensor and
     the experts' two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
     communicator at its first collective."""

@@ -46,9 +46,9 @@ class TorchPending:
     """A started operation (the exchange layer's `Pending`); `wait()` has the deadline
     and runs `finish` (copying padded pieces out) once the operation is done."""
 
-    def __init__(self, result, work=None, transport=None, what: str = "", finish=None):
+    def __init__(self, result, work=None, transport=None, what: str = "", finish=None, p2p=False):
         self._result, self._work, self._transport = result, work, transport
-        self._what, self._finish = what, finish
+        self._what, self._finish, self._p2p = what, finish, p2p
 
     def test(self) -> bool:
         if self._work is not None and self._work.is_completed():
@@ -58,7 +58,7 @@ class TorchPending:
     def wait(self):
         work, self._work = self._work, None
         if work is not None:
-            self._transport.wait_work(work, self._what)
+            self._transport.wait_work(work, self._what, self._p2p)
             if self._finish is not None:
                 self._finish()
         return self._result
@@ -75,24 +75,33 @@ class ProcessGroupTransport(TorchArrays):
         self.size = comm.size if comm is not None else 1
         self.name, self.device = engine, device
         self.timeout = timedelta(seconds=group_timeout(timeout_s))
+        self.p2p_timeout = timedelta(seconds=float(timeout_s))
         self.watchdog = getattr(comm, "watchdog", None)  # the MPI communicator's
         self.group = group
         if group is None and self.size > 1:
             self.group = init_process_group(comm, engine, timeout_s)
+            first_sums({"replicas": self}, comm)
 
-    def wait_work(self, work, what: str) -> None:
-        """Wait for `work` under the deadline; a failure names `what` and this rank."""
+    def wait_work(self, work, what: str, p2p: bool = False) -> None:
+        """Wait for `work` under the deadline; a failure names `what` and this rank.
+        A point-to-point wait (`p2p`, `what` names the peer) has its own deadline,
+        runtime.collective_timeout, outside the watchdog, whose sections are collectives
+        every rank enters (as the MPI engine's point-to-point waits, runtime/comm.py)."""
+        timeout = self.p2p_timeout if p2p else self.timeout
         try:
             if self.name == "nccl":
                 work.wait()  # stream order only; NCCL's watchdog holds the group timeout
                 return
+            if p2p:
+                work.wait(timeout)
+                return
             with under_deadline(self, what):  # Gloo's wait blocks this thread
-                work.wait(self.timeout)
+                work.wait(timeout)
         except Exception as exc:  # RuntimeError, DistBackendError, a timeout
+            margin = "" if p2p else f" and {self.name}'s margin"
             raise CollectiveError(
                 f"{self.name} '{what}' failed on rank {self.rank} of {self.size} (deadline "
-                f"{self.timeout.total_seconds():g} s: runtime.collective_timeout and "
-                f"{self.name}'s margin): {exc}"
+                f"{timeout.total_seconds():g} s: runtime.collective_timeout{margin}): {exc}"
             ) from exc
 
     def _run(self, work, result, what: str, wait: bool, finish=None):
@@ -199,7 +208,8 @@ class ProcessGroupTransport(TorchArrays):
     def start_send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = ""):
         data = buf.cpu() if self.name == "gloo" and buf.is_cuda else buf  # Gloo keeps it alive
         work = dist.isend(data, group=self.group, tag=tag, group_dst=peer)
-        return TorchPending(buf, work, self, f"{what} (to {peer_name or f'rank {peer}'})")
+        what = f"{what} (to {peer_name or f'rank {peer}'})"
+        return TorchPending(buf, work, self, what, p2p=True)
 
     def start_recv(self, buf, peer: int, tag: int = 0, what: str = "recv", peer_name: str = ""):
         host, finish = buf, None
@@ -211,7 +221,7 @@ class ProcessGroupTransport(TorchArrays):
 
         work = dist.irecv(host, group=self.group, tag=tag, group_src=peer)
         what = f"{what} (from {peer_name or f'rank {peer}'})"
-        return TorchPending(buf, work, self, what, finish)
+        return TorchPending(buf, work, self, what, finish, p2p=True)
 
     def send(self, buf, peer: int, tag: int = 0, what: str = "send", peer_name: str = "") -> None:
         self.start_send(buf, peer, tag, what, peer_name).wait()
@@ -245,18 +255,27 @@ def grid_transports(cfg, engine: str, device, grid, axes) -> dict:
     """{axis: a ProcessGroupTransport over this rank's `axes` of `grid`}, each on its own
     group under the job-wide default group (grid_groups: collective over the job); a
     second group over an axis (torch_pg.SECOND_GROUPS) is named as its caller asks.
-    Cost: one one-element sum per group, once (at most 5 per rank at any world size)."""
+    Cost: one one-element sum per group, once (at most 6 per rank at any world size)."""
+    check_backend(engine, device)  # before any group: NCCL on CPU ranks is one clear line
     timeout = cfg.runtime["collective_timeout"]
     groups = grid_groups(grid, engine, timeout, axes)
     found = {
         axis: ProcessGroupTransport(grid.axes[axis_of(axis)], engine, timeout, device, group=group)
         for axis, group in groups.items()
     }
-    # Each group's first collective now, in the same order on every rank: NCCL creates
-    # a group's communicator there, blocking the host until every member calls; inside
-    # a step it could wait behind the device's work on another group (point-to-point
-    # links connect on their own: pipeline/transport.StageTransport.connect).
-    for axis, t in found.items():
-        if t.group is not None and axis == axis_of(axis):
-            t.allreduce_inplace(t.zeros(1, "float32"), "sum", f"the {axis} group's first sum")
+    first_sums(found, grid.world)
     return found
+
+
+def first_sums(transports: dict, world) -> None:
+    """Each group's first collective now, in the same order on every rank: NCCL creates
+    a group's communicator there, blocking the host until every member calls (no NCCL
+    timeout covers it), and inside a step it could wait behind the device's work on
+    another group. One watchdog section of `world` (the job's guarded communicator,
+    which every rank enters here once) holds them all: a rank that never comes is named
+    at runtime.collective_timeout. (Point-to-point links connect on their own, under a
+    section of their own: pipeline/transport.StageTransport.connect.)"""
+    with under_deadline(world, "the process groups' first sums"):
+        for axis, t in transports.items():
+            if t.group is not None and axis == axis_of(axis):
+                t.allreduce_inplace(t.zeros(1, "float32"), "sum", f"the {axis} group's first sum")

@@ -269,6 +269,14 @@ def precision_rules(v: dict) -> list[str]:
                 (f"train.allreduce={t['allreduce']}", t["allreduce"] == "horovod"),
                 (f"train.zero={t['zero']}", t["zero"]),
                 (f"parallel.tensor={v['parallel']['tensor']}", v["parallel"]["tensor"] > 1),
+                # an overflow reaches every rank through the averaged gradients only: a
+                # lossy compressor folds it into its residual or PowerSGD's Q (every
+                # later step skipped), and local steps average no gradients
+                (
+                    f"train.compression={t['compression']}",
+                    t["compression"] not in DENSE_COMPRESSION,
+                ),
+                (f"train.sync_every={t['sync_every']}", t["sync_every"] > 1),
             )
         )
         if clash:

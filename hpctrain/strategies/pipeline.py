@@ -63,6 +63,7 @@ from ..pipeline.partition import (
 )
 from ..pipeline.schedule import bubble_theory, peak_in_flight, stage_actions
 from ..pipeline.transport import StageTransport
+from ..runtime.comm import under_deadline
 from ..runtime.grid import ProcessGrid
 from ..shape import JobShape
 from ..tensor import parallel as tensor_parallel
@@ -193,7 +194,7 @@ class Pipeline(StrategyBase):
             back=links.get("pipe-back"),
             post_ahead=self.engine != "nccl",  # NCCL's in-order streams: transport.py
         )
-        self.link.connect()  # each link's first call outside a step (NCCL: transport.py)
+        self._connect(w)
         # Loss terms of one step on one replica: the loss is their mean (then replica mean).
         self.terms = self.micro * cfg.train["batch_size"] * (inp.shape[0] if inp.tokens else 1)
         self.report_comm = w
@@ -201,6 +202,13 @@ class Pipeline(StrategyBase):
         self.lr_replicas = g.num_replicas
         self.busy = np.zeros(self.stages)
         self.wall = np.zeros(self.stages)
+
+    def _connect(self, w) -> None:
+        """Each link's first call, outside a step (NCCL: pipeline/transport.py), every
+        rank's once: one watchdog section names a rank that never comes (creating NCCL's
+        communicators has no timeout of its own)."""
+        with under_deadline(w, "the pipeline stages connecting"):
+            self.link.connect()
 
     def describe(self) -> str:
         c, g = self.cfg, self.grid

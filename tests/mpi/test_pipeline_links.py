@@ -5,12 +5,14 @@ without (NCCL's: pipeline/transport.py). Every stage gets every micro-batch's in
 output gradient with the values the chain of stages gives, under both schedules.
 tests/test_pipeline_stream_order.py plays the same calls under NCCL's stream rules."""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from hpctrain.backends.torch_pg import grid_groups
-from hpctrain.backends.torch_transport import ProcessGroupTransport
+from hpctrain.backends.torch_transport import CollectiveError, ProcessGroupTransport
 from hpctrain.pipeline.engine import run_step
 from hpctrain.pipeline.schedule import SCHEDULES, stage_actions
 from hpctrain.pipeline.transport import StageTransport
@@ -72,3 +74,23 @@ def test_each_stage_gets_every_input_and_gradient(links, schedule, post_ahead):
             want = float(i + 1) * 3 ** (stages - 2 - s)
             assert torch.equal(stage.grads[i], torch.full(SHAPE, want)), (i, stage.grads[i])
     w.barrier("pipeline links step")
+
+
+def test_point_to_point_waits_stay_out_of_the_watchdog_and_name_the_peer(links):
+    """A link's waits are not collectives every rank enters: they leave the pipe axis's
+    watchdog sections alone (a stall report would otherwise blame a rank that never had
+    to come), and a receive nobody answers fails at its own deadline naming the peer."""
+    w = world()
+    s, stages = w.rank, w.size
+    pipe = links["pipe"]
+    watchdog = pipe.watchdog
+    before = watchdog._seq
+    link = StageTransport(pipe, s, stages, SHAPE, SHAPE, back=links["pipe-back"])
+    link.connect()
+    assert watchdog._seq == before  # no section per send or receive
+    if s == 0:  # nobody sends this: the wait ends at the deadline, naming the peer
+        comm = SimpleNamespace(rank=pipe.rank, size=pipe.size)  # the same group, 1 s
+        short = ProcessGroupTransport(comm, "gloo", 1.0, CPU, group=pipe.group)
+        with pytest.raises(CollectiveError, match=r"'probe \(from stage 1\)' failed on rank 0"):
+            short.recv(torch.zeros(1), 1, tag=99, what="probe", peer_name="stage 1")
+    w.barrier("p2p deadline")
