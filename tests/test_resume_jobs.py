@@ -325,3 +325,25 @@ def test_every_steps_auto_follows_the_measured_young_daly_interval(tmp_path):
         assert steps == max(1, round(seconds / step_s)) or abs(steps - seconds / step_s) < 1
         assert b - a == steps, (saved, logged)  # the next save comes that many steps later
     assert saved[-1] - saved[-2] <= logged[len(saved) - 2][3]  # the last: the epoch's end
+
+
+def test_a_resume_at_a_larger_global_batch_still_trains_every_epoch(tmp_path):
+    """1 rank x 16 for 30 steps (epoch 0, sample 480 of 640), then 2 ranks x 16: the
+    step counter goes on in the old batch's steps, so the budget is the counter plus
+    what finishes the epochs at the new batch (5 + 20 steps: to step 55), not 2 x 20
+    (which ended the run at step 40, epoch 1 never trained)."""
+    run = tmp_path / "run"
+    sets = [w for o in [*BASE, "optimizer.schedule=cosine"] for w in ("--set", o)]
+    first = mpirun(
+        1, HPCTRAIN, "train", "--run-dir", str(run), *sets, "--set", "train.max_steps=30"
+    )
+    assert first.returncode == 0, first.output
+    job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(run), *sets, "--resume", "auto")
+    assert job.returncode == 0, job.output
+    assert "trained at global batch 16 at global batch 32" in job.output, job.output
+    assert "the epochs left end at step 55" in job.output, job.output
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    assert "done: steps=55, epochs=2," in job.output, job.output
+    assert [x["epoch"] for x in lines if x["event"] == "epoch"][-2:] == [0, 1], lines
+    steps = [x for x in lines if x["event"] == "step"]
+    assert steps[-1]["step"] == 55 and steps[-1]["lr"] < 1e-4, steps[-1]  # annealed

@@ -50,6 +50,7 @@ class RunCheckpoints:
         self._since: tuple[int, float] | None = None  # (step, time) the last save ended
         self._start_step = 0  # the step training starts from (a resumed run's)
         self._saved_schedule: int | None = None  # the steps a resumed checkpoint's lr spanned
+        self._saved_batch = 0  # the global batch a resumed checkpoint was trained at
         self._requeue_after_run = False  # a preemption checkpoint waits for the summary
 
     @property
@@ -288,6 +289,7 @@ class RunCheckpoints:
                 st.epoch,
             )
         self._saved_schedule = _saved_schedule_length(ckpt, t)
+        self._saved_batch = int(ckpt.trainer.get("global_batch") or 0)
         self._restore_rank_state(ckpt, saved_size == ranks and w.size == ranks)
         self.policy.mark_saved(st.step)
         self._start_step = st.step
@@ -299,6 +301,46 @@ class RunCheckpoints:
             st.position,
         )
         return chosen
+
+    def steps_to_go(self, total: int) -> int:
+        """The run's last step (its budget before train.max_steps) in this run's steps.
+
+        The step counter goes on from the checkpoint's, counted in its global batch; the
+        data position is in samples. Resumed at another global batch (another world size
+        at the same per-rank batch), `total` (steps per epoch x epochs, this run's) would
+        end the run early (a larger batch: whole epochs never trained) or late; the
+        budget is the counter plus the steps that finish the epochs from the position.
+        Every rank agrees (the parameter server's serving ranks hold no data). The lr
+        schedule then spans this budget (its saved length counted the other batch's
+        steps), which moves a cosine's lr at the resume step: said."""
+        t, st = self.trainer, self.trainer.state
+        saved, data = self._saved_batch, t.data
+        changed = bool(saved) and data is not None and saved != data.global_batch
+        if not t.world.any_flag(changed, what="agree on the resumed step budget"):
+            return total
+        left = 0
+        if data is not None:
+            epochs = t.cfg.train["epochs"]
+            left = data.steps_left(st.position) + (epochs - st.epoch - 1) * t.steps_per_epoch
+        budget = st.step + max(0, left)
+        budget = int(t.world.allreduce_array([budget], op="max", what="resumed step budget")[0])
+        self._saved_schedule = None  # in the other batch's steps: the budget's instead
+        if t.world.is_root:
+            log.warning(
+                "resuming a checkpoint trained at global batch %d at global batch %d: its "
+                "step %d counts the old batch's steps, so the epochs left end at step %d "
+                "(train.epochs=%d gives %d steps of this batch); the lr schedule spans these "
+                "%d steps (keep the global batch with train.grad_accum, as hpctrain elastic "
+                "does, to follow the saved schedule exactly)",
+                saved,
+                data.global_batch if data is not None else 0,
+                st.step,
+                budget,
+                t.cfg.train["epochs"],
+                total,
+                budget,
+            )
+        return budget
 
     def schedule(self, total_steps: int) -> Schedule:
         """The lr schedule of this run, `total_steps` long. Resumed with another length
