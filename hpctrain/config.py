@@ -255,7 +255,10 @@ SCHEMA: dict[str, Any] = {
             True, bool, "lossy methods: add what was not sent to the next step's gradient"
         ),
         "warmup_steps": _f(
-            0, int, "dense (uncompressed) steps before compression starts", **NONNEG
+            0,
+            int,
+            "lossy methods: dense (uncompressed) steps before compression starts",
+            **NONNEG,
         ),
     },
     "horovod": {

@@ -115,6 +115,13 @@ def test_settings_state_zero_with_its_axis_precision_and_compression():
     assert settings_text(_cfg({"compression": "powersgd"})).endswith(
         "compression powersgd (rank 4, error feedback)"
     )
+    # only the lossy compressors warm up dense: the 16-bit exchange starts at step 0
+    text = settings_text(_cfg({"compression": "topk"}, compression={"warmup_steps": 100}))
+    assert text.endswith("(ratio 0.1, error feedback, dense for the first 100 steps)")
+    fp16 = _cfg({"compression": "fp16"}, compression={"warmup_steps": 100})
+    assert settings_text(fp16).endswith("compression fp16")
+    (said,) = noop_warnings(fp16, _World(2), _Grid(2), 2, "")
+    assert said.startswith("compression.warmup_steps=100 does nothing with train.compression=fp16")
 
 
 def test_settings_that_do_nothing_in_the_layout_are_named():

@@ -39,6 +39,7 @@ from .tensorflow_model import (  # noqa: F401 - importable from here (stage, wor
     ZooNet,
     assign_weights,
     build_model,
+    dense_grads,
     eval_sums,
     evaluate_with,
     logit_sums,
@@ -197,8 +198,8 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
             aux = tensorflow_moe.aux_loss(self.net)  # MoE load balancing, weighted per token
             if aux is not None:
                 scaled += aux * tf.cast(tf.size(y), tf.float32) * scale
-        grads = tape.gradient(scaled, list(self.net.vars.values()))
-        grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
+        variables = list(self.net.vars.values())
+        grads = dense_grads(tape.gradient(scaled, variables), variables)
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
         return loss_sum, correct, grads
 

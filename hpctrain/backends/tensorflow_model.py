@@ -21,6 +21,16 @@ from .base import EvalStats
 from .groups import ModelGroups
 
 
+def dense_grads(grads, variables) -> list:
+    """`tape.gradient`'s result as dense tensors: embeddings give IndexedSlices, and a
+    variable off the loss's path (a user's unused layer) None, which becomes zeros, so
+    every rank exchanges and steps the same list (torch leaves such a gradient None)."""
+    return [
+        tf.zeros(tuple(v.shape), tf.as_dtype(v.dtype)) if g is None else tf.convert_to_tensor(g)
+        for g, v in zip(grads, variables)
+    ]
+
+
 def traced(fn, net):
     """`fn` as one tf.function. AutoGraph (rewriting Python `if`/`for` on tensors into
     graph ops) stays on only for a user's model, whose code may need it: hpctrain's own

@@ -30,6 +30,7 @@ from .tensorflow import (
     ZooNet,
     _Optimizer,
     assign_weights,
+    dense_grads,
     net_weights,
     prepare_process,
     rng_state,
@@ -139,7 +140,7 @@ class TensorFlowStage(StageBase):
             grads = tape.gradient(
                 [out, aux], sources, output_gradients=[upstream, tf.ones_like(aux)]
             )
-        grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
+        grads = dense_grads(grads, sources)
         n = len(self._vars)
         self.acc = (
             grads[:n]

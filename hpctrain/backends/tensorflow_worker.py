@@ -16,6 +16,7 @@ from ..models import zoo
 from .base import EvalStats
 from .tensorflow import (
     build_model,
+    dense_grads,
     eval_sums,
     evaluate_with,
     prepare_process,
@@ -60,8 +61,8 @@ class TensorFlowWorker(WorkerBase):
             logits = self.net(x, training=True)
             loss_sum = tf.reduce_sum(tf.nn.sparse_softmax_cross_entropy_with_logits(y, logits))
             scaled = loss_sum * scale
-        grads = tape.gradient(scaled, list(self.params.values()))
-        grads = [tf.convert_to_tensor(g) for g in grads]  # embeddings give IndexedSlices
+        variables = list(self.params.values())
+        grads = dense_grads(tape.gradient(scaled, variables), variables)
         correct = tf.reduce_sum(tf.cast(tf.equal(tf.argmax(logits, -1), y), tf.int64))
         return loss_sum, correct, grads
 

@@ -56,7 +56,7 @@ def compression_text(cfg) -> str:
         options.append(f"rank {c['rank']}")
     if method in LOSSY and c["error_feedback"]:
         options.append("error feedback")
-    if method != "none" and c["warmup_steps"]:
+    if method in LOSSY and c["warmup_steps"]:  # the 16-bit exchanges start at step 0
         options.append(f"dense for the first {c['warmup_steps']} steps")
     return f"{method} ({', '.join(options)})" if options else method
 
@@ -68,6 +68,13 @@ def noop_warnings(cfg, world, grid, replicas: int, per_replica: str) -> list[str
     over); `per_replica`: the configuration keys that set the ranks of one replica
     (e.g. 'parallel.tensor=2'), for the advice."""
     t, out = cfg.train, []
+    warmup = cfg["compression"]["warmup_steps"]
+    if warmup and t["compression"] not in (*LOSSY, "none"):
+        out.append(
+            f"compression.warmup_steps={warmup} does nothing with train.compression="
+            f"{t['compression']}: the 16-bit exchange starts at step 0 (only the lossy "
+            "compressors warm up dense)"
+        )
     if replicas == 1:
         size = world.size
         where = (
