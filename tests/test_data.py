@@ -53,6 +53,9 @@ def test_shuffle_depends_on_seed_and_epoch_only():
 def test_too_small_dataset_is_a_clear_error():
     with pytest.raises(DataError, match="do not fill one global batch"):
         ShardedTrainData(_info(10), 0, 4, 8, 1, seed=0)
+    # the pipeline's micro-batches are named as the setting they come from
+    with pytest.raises(DataError, match=r"x pipeline.microbatches 4 x 1 data-parallel replica"):
+        ShardedTrainData(_info(30), 0, 1, 32, 4, seed=0, accum_key="pipeline.microbatches")
 
 
 def test_prefetched_batches_equal_direct_reads(tmp_path):

@@ -75,6 +75,7 @@ class ShardedTrainData:
         prefetch: int = 2,
         in_memory_bytes: int = 0,
         node_group=None,
+        accum_key: str = "train.grad_accum",
     ):
         self.info, self.rank, self.size = info, rank, size
         self.batch, self.accum, self.seed = batch_size, grad_accum, seed
@@ -83,8 +84,8 @@ class ShardedTrainData:
         if self.steps_per_epoch == 0:
             raise DataError(
                 f"{info.path}: {info.train_size} training samples do not fill one global batch "
-                f"of {self.global_batch} (batch_size {batch_size} x grad_accum {grad_accum} x "
-                f"{size} ranks)"
+                f"of {self.global_batch} (train.batch_size {batch_size} x {accum_key} "
+                f"{grad_accum} x {size} data-parallel replica(s))"
             )
         self.prefetch = prefetch
         # Read now, before the model: the memory check's resident baseline includes it.

@@ -128,8 +128,11 @@ class StrategyBase:
         self.cfg, self.world, self.run_dir, self.threads = cfg, world, run_dir, threads
 
     # --- data -----------------------------------------------------------------------
-    def build_data(self, shard: int, shards: int, accum: int, prefetch: bool = True):
-        """(dataset or None, train data, input spec) for data shard `shard` of `shards`."""
+    def build_data(
+        self, shard: int, shards: int, accum: int, prefetch: bool = True, accum_key=None
+    ):
+        """(dataset or None, train data, input spec) for data shard `shard` of `shards`;
+        `accum`: micro-batches per step (`accum_key` names the setting in errors)."""
         cfg, tcfg = self.cfg, self.cfg.train
         b = tcfg["batch_size"]
         if cfg.data["source"] == "benchmark":
@@ -147,6 +150,7 @@ class StrategyBase:
             cfg.data["prefetch"] if prefetch else 0,
             in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
             node_group=self.world,  # every rank reads: one copy per node
+            accum_key=accum_key or "train.grad_accum",
         )
         return dataset, data, dataset.input_spec
 

@@ -137,8 +137,8 @@ class Pipeline(StrategyBase):
         self.moe = zoo.has_moe(cfg.model)
         # the tensor axis and the experts over each stage's replicas (x its tensor ranks)
         self.groups = ModelGroups.from_grid(g, moe=self.moe)
-        self.dataset, self.data, inp = self.build_data(
-            g.replica, g.num_replicas, self.micro, prefetch=g.first or g.last
+        self.dataset, self.data, inp = self.build_data(  # prefetch: the ends read data
+            g.replica, g.num_replicas, self.micro, g.first or g.last, "pipeline.microbatches"
         )
         self.input_spec = inp
         self.layers, problem = layers, None
