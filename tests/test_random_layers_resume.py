@@ -8,6 +8,8 @@ import numpy as np
 import pytest
 from mpirun import PYTHON, ROOT, mpirun
 
+from hpctrain.checkpoint import load
+
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_dump.py")
 BASE = [
     "data.train_samples=384",
@@ -63,3 +65,8 @@ def test_random_layers_resume_bit_for_bit(tmp_path, backend, model):
     assert losses == ref_losses  # every step identical, before and after the resume
     for k in ref:
         np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
+    # each replica its own stream for its random layers (the build seeds every rank
+    # alike for equal weights; the masks of different samples must not be equal)
+    saved = load(run_dir / "checkpoints" / "ckpt-00000012.h5").rng
+    layers = [k for k in saved[0] if not k.startswith(("python.", "numpy."))]
+    assert layers and any(not np.array_equal(saved[0][k], saved[1][k]) for k in layers), layers

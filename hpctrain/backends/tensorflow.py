@@ -26,7 +26,7 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
-from . import gradient_engine, step, tensorflow_moe
+from . import gradient_engine, step, tensorflow_moe, tensorflow_user
 from .base import (
     BackendBase,
     EvalStats,
@@ -104,6 +104,8 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         self.net = build_agreed(
             world, lambda: build_model(cfg.model, inp, seed, bf16, groups, lazy=lazy)
         )
+        if not zoo.is_zoo_model(cfg.model["name"]):  # the zoo draws no random numbers
+            tensorflow_user.decorrelate_ranks(seed, rank)
         self.clip = cfg.train["clip_norm"]
         self._dense = [n for n in self.net.shapes if not is_expert_param(n)]
         self.zero = None  # ZeRO-1/2: the optimizer holds this rank's shard only

@@ -134,3 +134,22 @@ def check_forward(net: KerasUserNet, name: str, inp: zoo.InputSpec) -> None:
     if problem:
         raise ConfigError(problem)
     net.index_variables()
+
+
+def decorrelate_ranks(seed: int, rank: int) -> None:
+    """After the build, which seeded every rank alike (equal initial weights), rank
+    `rank`'s own random streams for its random layers: each layer's SeedGenerator
+    (its seed taken at construction) moved by the rank, and Keras's and TF's global
+    generators reseeded, so replicas draw different dropout masks and noise for their
+    different samples, as one process does across its batch. Rank 0 keeps its streams."""
+    if not rank:
+        return
+    import keras
+    import tensorflow as tf
+
+    for state in _SEED_STATES.values():
+        value = np.array(state.numpy())
+        value.flat[0] = (int(value.flat[0]) + 1_000_003 * rank) % 2**32
+        state.assign(value.astype(value.dtype))
+    keras.utils.set_random_seed(seed + rank)
+    tf.random.set_global_generator(tf.random.Generator.from_seed(seed + rank))

@@ -22,7 +22,7 @@ from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
 from ..runtime import allocator
-from . import gradient_engine, step, torch_moe, torch_tensor
+from . import gradient_engine, step, torch_moe, torch_tensor, torch_user
 from .base import BackendBase, EvalStats, StepStats, build_agreed
 from .groups import ModelGroups
 from .torch_device import DeviceFeeder, agreed_device, read_later, to_host
@@ -73,6 +73,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self._lazy = cfg.train["zero"] == 3 and zoo.is_zoo_model(cfg.model["name"])
         lazy_on = self.device if self._lazy else None
         model = build_agreed(world, lambda: build_model(cfg.model, inp, seed, groups, lazy_on))
+        if not zoo.is_zoo_model(cfg.model["name"]):  # the zoo draws no random numbers
+            torch_user.decorrelate_ranks(seed, rank)
         self.model = model.to(self.device)  # built on the host, moved (lazy: made there)
         self._feed = DeviceFeeder(self.device)
         self._names = OrderedDict((p, n) for n, p in self.model.named_parameters())

@@ -54,3 +54,12 @@ def check_forward(model: nn.Module, name: str, inp: zoo.InputSpec) -> None:
     problem = user.mismatch_message(name, inp.shape, inp.classes, inp.tokens, tuple(out.shape))
     if problem:
         raise ConfigError(problem)
+
+
+def decorrelate_ranks(seed: int, rank: int) -> None:
+    """After the build, which seeded every rank alike (equal initial weights), rank
+    `rank`'s own random stream for its random layers (dropout): replicas see different
+    samples, so their masks must differ as one process's do across its batch. Rank 0
+    keeps the stream it has (one process trains as before)."""
+    if rank:
+        torch.manual_seed(seed + rank)
