@@ -149,7 +149,7 @@ def decorrelate_ranks(seed: int, rank: int) -> None:
 
     for state in _SEED_STATES.values():
         value = np.array(state.numpy())
-        value.flat[0] = (int(value.flat[0]) + 1_000_003 * rank) % 2**32
-        state.assign(value.astype(value.dtype))
+        value.flat[0] = (int(value.flat[0]) + 1_000_003 * rank) % 2**32  # the seed word
+        state.assign(value)
     keras.utils.set_random_seed(seed + rank)
     tf.random.set_global_generator(tf.random.Generator.from_seed(seed + rank))

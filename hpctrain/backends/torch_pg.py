@@ -11,9 +11,8 @@ Deadlines: where a rank's host waits (a Gloo collective; on GPU ranks, reading a
 step's results, step_reports.py) the wait is a section of the MPI watchdog's, whose
 deadline `runtime.collective_timeout` probes every rank and ends the job naming the one
 that stopped or hangs. The groups' own timeout comes after it (group_timeout: twice it
-and 15 s), as the
-fallback: a Gloo collective that passes it raises on that rank (fail-together then
-ends the job naming it); NCCL's watchdog, at its timeout, logs the timed-out
+and 15 s), as the fallback: a Gloo collective that passes it raises on that rank
+(fail-together then ends the job naming it); NCCL's watchdog, at its timeout, logs the timed-out
 collective with the rank that saw it and ends that process (torch's default
 TORCH_NCCL_ASYNC_ERROR_HANDLING=3 rethrows in its thread), and mpirun/srun end the rest
 of the job.
@@ -178,10 +177,11 @@ def grid_groups(grid, backend: str, timeout_s: float, axes) -> dict:
     axis of one rank has none (None).
 
     Cost: one TCP store connection per rank, and per axis its members' connections
-    (Gloo's mesh; torch's store barrier only runs with TORCH_DIST_INIT_BARRIER=1), once; the groups a rank builds do not grow with the job (one per axis
-    asked for, at most 6: a pipeline stage's two over the pipe axis, replicas, tensor and
-    the experts' two; at 1,024 or 4,096 ranks alike). NCCL creates each group's
-    communicator at its first collective."""
+    (Gloo's mesh; torch's store barrier runs only with TORCH_DIST_INIT_BARRIER=1), once;
+    the groups a rank builds do not grow with the job (one per axis asked for, at most
+    6: a pipeline stage's two over the pipe axis, replicas, tensor and the experts' two;
+    at 1,024 or 4,096 ranks alike). NCCL creates each group's communicator at its first
+    collective."""
     world = init_process_group(grid.world, backend, timeout_s)
     timeout, found = timedelta(seconds=group_timeout(timeout_s)), {}
     for axis in axes:

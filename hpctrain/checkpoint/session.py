@@ -310,7 +310,9 @@ class RunCheckpoints:
         at the same per-rank batch), `total` (steps per epoch x epochs, this run's) would
         end the run early (a larger batch: whole epochs never trained) or late; the
         budget is the counter plus the steps that finish the epochs from the position.
-        Every rank agrees (the parameter server's serving ranks hold no data). The lr
+        Every rank agrees (the parameter server's serving ranks hold no data): one
+        one-element flag and, on a change, one max, at start (about 10 and 12 latency
+        steps at 1,024 and 4,096 ranks). The lr
         schedule then spans this budget (its saved length counted the other batch's
         steps), which moves a cosine's lr at the resume step: said."""
         t, st = self.trainer, self.trainer.state
