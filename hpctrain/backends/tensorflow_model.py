@@ -81,7 +81,7 @@ def _conv(x, w, b, stride, pad):
 
 
 def _dense(x, w, b):
-    return tf.linalg.matmul(x, w, transpose_b=True) + b
+    return tf.linalg.matmul(tf.cast(x, w.dtype), w, transpose_b=True) + b
 
 
 def _tensor_allreduce(group, x, what: str):
@@ -131,9 +131,12 @@ def _causal_attention(qkv, n, t, heads):
 
 
 def _layer_norm(x, w, b):
+    x = tf.cast(x, w.dtype)  # bf16: float32 weights, so float32 (as torch's autocast)
     mean, var = tf.nn.moments(x, axes=[-1], keepdims=True)
     return (x - mean) / tf.sqrt(var + zoo.LN_EPS) * w + b
 
+
+_BIASES_AFTER_REDUCTION = ("attn.proj.bias", "ffn.fc2.bias")
 
 # A unit run again inside backward (ZeRO-3, tensorflow_zero3.py): BatchNorm normalises
 # with the batch's statistics, as training does, but leaves the running ones alone (the
@@ -223,11 +226,25 @@ class ZooNet(tf.Module):
         low = self.compute_dtype != tf.float32
         for spec in layers:
             raw = values(spec)  # float32: BatchNorm's scales stay float32 under bf16
-            v = {p: tf.cast(w, self.compute_dtype) for p, w in raw.items()} if low else raw
+            v = {p: self._compute_value(spec, p, w) for p, w in raw.items()} if low else raw
             if spec.kind in _CHANNELS_LAST and nchw:
                 x, nchw = tf.transpose(x, [0, 2, 3, 1]), False
             x = self._layer(spec, x, v, training, self._prefixed(spec, raw))
         return x
+
+    def _compute_value(self, spec, param: str, w):
+        """bf16: what torch's autocast on a CPU computes with, so the backends agree:
+        embeddings and layer norms stay float32 (and so does the residual stream they
+        feed), as do the biases a tensor-parallel block adds after its reduction;
+        matmuls and convolutions take bfloat16 copies."""
+        keep = spec.kind in ("embed", "layernorm") or (
+            spec.kind == "block"
+            and (
+                param.startswith(("ln1.", "ln2."))
+                or (spec.attrs.get("tensor", 1) > 1 and param in _BIASES_AFTER_REDUCTION)
+            )
+        )
+        return w if keep else tf.cast(w, self.compute_dtype)
 
     def _layer(self, spec, x, v, training, full):
         """One layer; `full`: its float32 values under full names (BatchNorm's)."""
@@ -291,7 +308,7 @@ class ZooNet(tf.Module):
         n, t = shape[0], shape[1]
         h = _layer_norm(x, v["ln1.weight"], v["ln1.bias"])
         y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
-        x = x + _dense(y, v["attn.proj.weight"], v["attn.proj.bias"])
+        x = x + tf.cast(_dense(y, v["attn.proj.weight"], v["attn.proj.bias"]), x.dtype)
         h = _layer_norm(x, v["ln2.weight"], v["ln2.bias"])
         if spec is not None and "moe" in spec.attrs:  # mixture of experts: tensorflow_moe.py
             return x + tensorflow_moe.moe_ffn(self, spec, v, h, training)
@@ -300,7 +317,7 @@ class ZooNet(tf.Module):
             v["ffn.fc2.weight"],
             v["ffn.fc2.bias"],
         )
-        return x + h
+        return x + tf.cast(h, x.dtype)  # bf16: the residual stream stays float32
 
     def _tensor_parallel_block(self, x, v, heads, spec, training):
         """The block with this rank's heads and MLP slice (Megatron): f before the
@@ -312,7 +329,7 @@ class ZooNet(tf.Module):
         h = f(_layer_norm(x, v["ln1.weight"], v["ln1.bias"]))
         y = _causal_attention(_dense(h, v["attn.qkv.weight"], v["attn.qkv.bias"]), n, t, heads)
         out = tf.linalg.matmul(y, v["attn.proj.weight"], transpose_b=True)
-        x = x + g(out) + v["attn.proj.bias"]
+        x = x + tf.cast(g(out), x.dtype) + v["attn.proj.bias"]
         h = f(_layer_norm(x, v["ln2.weight"], v["ln2.bias"]))
         if spec is not None and "moe" in spec.attrs:  # this rank's samples, to the experts
             lo, hi = self.groups.tensor.my_rows(n)
@@ -322,7 +339,7 @@ class ZooNet(tf.Module):
             return x + g(y)
         h = tf.nn.relu(_dense(h, v["ffn.fc1.weight"], v["ffn.fc1.bias"]))
         out = tf.linalg.matmul(h, v["ffn.fc2.weight"], transpose_b=True)
-        return x + g(out) + v["ffn.fc2.bias"]
+        return x + tf.cast(g(out), x.dtype) + v["ffn.fc2.bias"]
 
 
 def build_model(
