@@ -51,6 +51,8 @@ class TrainState:
     step: int = 0  # optimizer steps taken
     epoch: int = 0  # current epoch (0-based)
     position: int = 0  # samples of this epoch's permutation already consumed
+    epoch_loss_sum: float = 0.0  # this epoch's settled loss sum so far (its record's loss)
+    epoch_count: int = 0  # ... over this many samples (tokens for language models)
 
 
 def default_run_dir(cfg: Config) -> Path:
@@ -188,7 +190,7 @@ class TrainingLoop:
     def fit(self) -> dict:
         w, cfg, st, s = self.world, self.cfg, self.state, self.strategy
         self.t_start = t_start = time.perf_counter()
-        self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "epoch_loss": 0.0, "count": 0}
+        self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "count": 0}
         self.last_eval: dict = {}
         self.preempted = None
         self.pre = pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
@@ -255,9 +257,10 @@ class TrainingLoop:
             s.report_comm, cfg.train["overlap_step_metrics"], deferred=s.step_sums_on_device
         )
         while st.epoch < cfg.train["epochs"] and st.step < self.total_steps:
-            self._run.update(epoch_loss=0.0, count=0)
+            self._run.update(count=0)
             t_epoch = t_last = time.perf_counter()
             flags: dict = {}
+            deferred_save = False
             for batch in s.batches(st.epoch, st.position):
                 lr = self.schedule.lr(st.step, s.lr_replicas)
                 stats = s.step(batch, lr, tally=self._logged(st.step + 1))
@@ -266,7 +269,7 @@ class TrainingLoop:
                 st.position += self.data.global_batch
                 now = time.perf_counter()
                 seconds, t_last = now - t_last, now
-                last = st.step >= self.total_steps or self.data.steps_left(st.position) == 0
+                last = st.step >= self.total_steps or self._epoch_finished()
                 wish = self.checkpoints.due_locally(st.step)
                 flags = self._settle(
                     reducer.push(st.step, stats, lr, seconds, self.pre.requested, wish)
@@ -286,20 +289,31 @@ class TrainingLoop:
                     break
                 if flags.get("stop"):  # the strategy ends this rank's training early
                     break
-                if save:
+                # a save on an epoch's last step waits for the epoch's end (below), so the
+                # checkpoint starts the next epoch: a resume does not end this one again
+                deferred_save = save and s.agreed_flags is None and self._epoch_finished()
+                if save and not deferred_save:
                     s.save_now(self._ctx)
                 if max_steps and st.step >= max_steps:
                     break
             if self.preempted:
                 break
-            epoch_done = self.data.steps_left(st.position) == 0
+            epoch_done = self._epoch_finished()
             if (epoch_done or st.step >= self.total_steps) and not flags.get("stop"):
                 self.last_eval = self._end_of_epoch(t_epoch)
             if epoch_done:
                 st.epoch += 1
-                st.position = 0
+                st.position, st.epoch_loss_sum, st.epoch_count = 0, 0.0, 0
                 if s.agreed_flags is None:
-                    self.checkpoints.maybe_save(st.step, epoch_end=True, metrics=self.last_eval)
+                    self.checkpoints.maybe_save(
+                        st.step,
+                        agreed_due=True if deferred_save else None,
+                        epoch_end=True,
+                        metrics=self.last_eval,
+                    )
+
+    def _epoch_finished(self) -> bool:
+        return self.data.steps_left(self.state.position) == 0
 
     def _settle(self, reports) -> dict:
         """Log settled step reports; stop on NaN/inf; return the agreed flags."""
@@ -327,7 +341,8 @@ class TrainingLoop:
             run["samples"] += n
             run["comm"] += r.comm_seconds
             run["compute"] += r.seconds
-            run["epoch_loss"] += r.loss_sum
+            self.state.epoch_loss_sum += r.loss_sum
+            self.state.epoch_count += r.count
             run["count"] += r.count
             sps = n / r.seconds if r.seconds > 0 else None
             if self._logged(r.step):
@@ -357,7 +372,7 @@ class TrainingLoop:
 
     def _end_of_epoch(self, t_epoch: float) -> dict:
         st, run = self.state, self._run
-        result = {"loss": run["epoch_loss"] / max(1, run["count"])}
+        result = {"loss": st.epoch_loss_sum / max(1, st.epoch_count)}
         due = (st.epoch + 1) % self.cfg.train["eval_every_epochs"] == 0
         if self.strategy.evaluates_in_loop and (due or st.step >= self.total_steps):
             result.update(self.evaluate())

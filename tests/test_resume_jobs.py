@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
 
-from hpctrain.checkpoint import find_latest_valid, list_checkpoints, verify
+from hpctrain.checkpoint import find_latest_valid, list_checkpoints, load, verify
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_dump.py")
 BASE = [
@@ -48,6 +48,11 @@ def _step_losses(run_dir):
     return {x["step"]: x["loss"] for x in lines if x["event"] == "step"}
 
 
+def _epoch_records(run_dir):
+    lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
+    return [(x["epoch"], x["loss"], x.get("val_loss")) for x in lines if x["event"] == "epoch"]
+
+
 # Each backend and each engine once (the kill is in the checkpoint writer, which no backend
 # or engine touches; every pair took 51 s of the suite, these two 28 s).
 @pytest.mark.parametrize("backend, engine", [("torch", "mpi"), ("tensorflow", "horovod")])
@@ -76,6 +81,11 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     assert job.returncode != 0
     ckpt_dir = run_dir / "checkpoints"
     assert [s for s, _ in list_checkpoints(ckpt_dir)] == [10, 20, 30]
+    # step 20 ends epoch 0: its save waited for the epoch's end, so it starts epoch 1
+    assert {k: load(ckpt_dir / "ckpt-00000020.h5").trainer[k] for k in ("epoch", "position")} == {
+        "epoch": 1,
+        "position": 0,
+    }
     # rank 0 died writing its shard of the (sharded) step-40 checkpoint: no commit
     shards = ckpt_dir / "ckpt-00000040.shards"
     assert any(p.name.startswith(".shard-00000-of-00002.h5.tmp") for p in shards.iterdir())
@@ -94,6 +104,9 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     ref_losses, losses = _step_losses(ref_dir), _step_losses(run_dir)
     assert len(ref_losses) == 40  # 2 epochs x 640 / (16 x 2)
     assert losses == ref_losses  # every step's loss identical, before and after the resume
+    # the resumed epoch's record averages all its steps (the checkpoint carries the sums)
+    assert _epoch_records(run_dir)[-1] == _epoch_records(ref_dir)[-1]
+    assert [e for e, *_ in _epoch_records(run_dir)].count(0) == 1
 
 
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("tensorflow", 2)])

@@ -239,6 +239,9 @@ class RunCheckpoints:
                 "step": st.step,
                 "epoch": st.epoch,
                 "position": st.position,
+                # the epoch's record after a resume averages the loss over the whole epoch
+                "epoch_loss_sum": float(st.epoch_loss_sum),
+                "epoch_count": int(st.epoch_count),
                 "world_size": ranks,
                 "global_batch": t.data.global_batch,
                 # the length the lr schedule spans (optimizer.resume_schedule reads it)
@@ -273,6 +276,8 @@ class RunCheckpoints:
         chosen = str(ckpt.path)
         st = t.state
         st.step, st.epoch, st.position = (int(ckpt.trainer[k]) for k in TRAINER_KEYS)
+        st.epoch_loss_sum = float(ckpt.trainer.get("epoch_loss_sum") or 0.0)
+        st.epoch_count = int(ckpt.trainer.get("epoch_count") or 0)
         ranks = t.strategy.checkpoint_world
         saved_size = int(ckpt.trainer.get("world_size", ranks))
         if saved_size == ranks and w.rank in ckpt.rng:
