@@ -55,6 +55,7 @@ TB_EVENTS = "events.out.tfevents."  # TensorBoard's event files (tb/); nothing e
 # The first line of the config.yaml a run writes: a config.yaml without it is the user's.
 CONFIG_HEADER = "# Written by hpctrain: the configuration of the run in this directory.\n"
 # In a checkpoint.dir outside the run directory: the run directory whose checkpoints these are.
+DEFAULT_CHECKPOINTS = "checkpoints"  # <run-dir>/checkpoints unless checkpoint.dir
 CHECKPOINT_OWNER = ".hpctrain-run"
 
 
@@ -104,7 +105,7 @@ class RunDirPlan:
 
 
 def _checkpoint_dir(run_dir: Path, checkpoint_dir: str | Path | None) -> Path:
-    return Path(checkpoint_dir) if checkpoint_dir else run_dir / "checkpoints"
+    return Path(checkpoint_dir) if checkpoint_dir else run_dir / DEFAULT_CHECKPOINTS
 
 
 def _inside(path: Path, parent: Path) -> bool:
@@ -357,14 +358,21 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
             f"checkpoint.dir (--set checkpoint.dir=...), or use --run-dir {owner} to "
             "continue or replace that run"
         )
-    mine = owner is not None or prev.config is not None
-    if prev.checkpoints and not mine and (resume is None or resume == "auto"):
+    # a run records itself in a checkpoint.dir outside its directory (claim_checkpoint_dir)
+    # before it writes there: unrecorded checkpoints are another run's (its default
+    # <run-dir>/checkpoints, say), whatever this run directory holds
+    if prev.checkpoints and owner is None and (resume is None or resume == "auto"):
         newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
+        holder = ckpt.parent if (ckpt.parent / "config.yaml").is_file() else None
+        whose = (
+            f"that the run in {holder} wrote (its <run-dir>/checkpoints)"
+            if holder is not None and ckpt.name == DEFAULT_CHECKPOINTS
+            else f"that no run in {prev.run_dir} recorded as its own (no {CHECKPOINT_OWNER})"
+        )
         raise ConfigError(
             f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) up to step "
-            f"{newest} that no run in {prev.run_dir} wrote (no config.yaml there): give this "
-            "run its own checkpoint.dir (--set checkpoint.dir=...), or continue from one of "
-            "them with --resume FILE"
+            f"{newest} {whose}: give this run its own checkpoint.dir (--set "
+            "checkpoint.dir=...), or continue from one of them with --resume FILE"
         )
 
 

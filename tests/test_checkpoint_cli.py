@@ -112,6 +112,11 @@ def test_export_torch_loads_with_weights_only(tmp_path, capsys):
     x = torch.from_numpy(np.random.default_rng(0).standard_normal((5, 3, 8, 8)).astype(np.float32))
     with torch.no_grad():
         assert torch.equal(fresh(x), model(x))
+    before = path.read_bytes()  # OUT is never a checkpoint, its own input least of all
+    capsys.readouterr()
+    assert cli_main(["ckpt", "export", str(path), "--to", "keras", str(path)]) == 2
+    assert "is an hpctrain checkpoint and an export would replace it" in capsys.readouterr().err
+    assert path.read_bytes() == before
 
 
 def _keras():

@@ -260,6 +260,24 @@ def test_refusal_without_the_capabilities_names_them():
 
 
 @needs_root
+def test_files_merely_called_like_the_clusters_are_never_touched(tmp_path):
+    """HPCTRAIN_CLUSTER_DIR pointed at a shared directory: a user's hostfile, rsh-agent,
+    lock and state-less files survive `down`, `up` refuses to write over them, and the
+    lock is a file of its own."""
+    mine = {"hostfile": "node7 slots=4\n", "rsh-agent": "#!/bin/sh\n", "lock": "my notes\n"}
+    for name, text in mine.items():
+        (tmp_path / name).write_text(text)
+    assert netns.down(tmp_path) == []
+    with pytest.raises(ClusterError, match="holds rsh-agent, hostfile that no cluster state"):
+        netns.up(Plan(2), "pytest", state_dir=tmp_path)
+    lock = Lock(tmp_path)
+    lock.acquire(0, "pytest")
+    lock.release()
+    assert {n: (tmp_path / n).read_text() for n in mine} == mine
+    assert not netns.state_path(tmp_path).exists()
+
+
+@needs_root
 def test_up_status_down_leave_the_machine_as_they_found_it(tmp_path):
     hosts_before = Path("/etc/hosts").read_text()
     lock = Lock()

@@ -153,6 +153,14 @@ def test_the_pipeline_refuses_exchange_settings_its_stages_would_ignore(engine):
     Config.load(None, pipe)
 
 
+@pytest.mark.parametrize("engine", ["overlap", "horovod"])
+def test_local_sgd_on_another_engine_is_refused_at_config_load(engine):
+    """`hpctrain config` and `slurm render` refuse what the job would refuse at start."""
+    with pytest.raises(ConfigError, match=f"local SGD runs on the MPI engine .*not {engine}"):
+        Config.load(None, ["train.sync_every=4", f"train.allreduce={engine}"])
+    Config.load(None, ["train.sync_every=4", "train.allreduce=mpi"])
+
+
 def test_a_problem_from_a_set_override_names_the_override_not_the_file(tmp_path):
     """A --set typo is not looked for in the YAML file: each problem says where it came
     from, all of them still listed together."""

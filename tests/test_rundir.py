@@ -259,6 +259,19 @@ def test_unrecorded_checkpoints_outside_the_run_dir_are_only_resumed_by_name(tmp
     assert plan_run_dir(run, _cfg(), checkpoint_dir=ckpts, resume=chosen).action == "resume"
 
 
+def test_another_runs_default_checkpoint_dir_is_never_cleared_or_moved(tmp_path):
+    """B pointed at A's <run-dir>/checkpoints (no claim there: A's own default): B's
+    config.yaml does not make them B's; --overwrite and --new leave them whole."""
+    run_a, run_b = tmp_path / "A", tmp_path / "B"
+    _earlier_run(run_a, _cfg(), steps=(3,))
+    _earlier_run(run_b, _cfg(), steps=(1,))
+    theirs = run_a / "checkpoints"
+    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match=f"up to step 3 that the run in {run_a} wrote"):
+            plan_run_dir(run_b, _cfg(), checkpoint_dir=theirs, **flags)
+    assert sorted(p.name for p in theirs.iterdir()) == ["ckpt-00000003.h5"]
+
+
 def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_path):
     with pytest.raises(ConfigError, match="--resume .*missing.h5: no such checkpoint file"):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path / "missing.h5"))

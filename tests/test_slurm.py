@@ -196,13 +196,23 @@ def test_render_says_when_it_replaced_a_script_and_how_to_create_the_log_dir(con
     assert first.stdout.startswith(f"wrote {out} (time limit 1 d 2 h;"), first.stdout
     assert first.stdout.endswith(f"submit with: mkdir -p {logs} && sbatch {out})\n")
     assert not logs.exists()  # render writes only the script
-    out.write_text("# edited by hand\n")
+    out.write_text(out.read_text() + "# edited by hand\n")  # still a rendered script
     logs.mkdir()
     second = hpctrain(*args)
     assert second.returncode == 0, second.stderr
     assert second.stdout.startswith(f"replaced {out} (time limit 1 d 2 h;"), second.stdout
     assert second.stdout.endswith(f"submit with: sbatch {out})\n"), second.stdout
     assert out.read_text().startswith("#!/bin/bash\n")
+    # any other file is not -o's to replace: the config itself, a hand-written script
+    for theirs in (Path(config_file), tmp_path / "mine.sbatch"):
+        if not theirs.exists():
+            theirs.write_text("#!/bin/bash\n#SBATCH --nodes=1\nsrun hostname\n")
+        before = theirs.read_text()
+        args = render_args("train", config_file, "--log-dir", str(logs), "-o", str(theirs))
+        refused = hpctrain(*args)
+        assert refused.returncode == 2, refused.stderr
+        assert "is not a script `hpctrain slurm render` wrote" in refused.stderr
+        assert theirs.read_text() == before
 
 
 SITE_OPTIONS = [

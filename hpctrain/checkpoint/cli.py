@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import argparse
 import textwrap
+from pathlib import Path
 
 from ..errors import CheckpointError, rank_ranges
 from . import reader, sharded
+from .format import MAGIC
 
 EXPORT_HELP = """\
 torchscript: the zoo model (mlp, cnn, resnet, transformer) with these weights as a
@@ -155,9 +157,24 @@ def _inspect(args) -> int:
     return 0
 
 
+def _refuse_replacing_a_checkpoint(out: Path) -> None:
+    """An export never replaces a checkpoint (its own input, say): OUT is for weights."""
+    try:
+        with out.open("rb") as f:
+            head = f.read(len(MAGIC))
+    except OSError:  # absent (or unreadable: the write will say so)
+        return
+    if head == MAGIC:
+        raise CheckpointError(
+            f"{out} is an hpctrain checkpoint and an export would replace it: choose "
+            "another OUT file"
+        )
+
+
 def _export(args) -> int:
     from ..backends import export
 
+    _refuse_replacing_a_checkpoint(Path(args.out))
     ck = reader.load(args.file)
     weights = ck.model_weights()
     if not weights:

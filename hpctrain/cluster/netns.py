@@ -100,6 +100,9 @@ def listed(state: dict | None) -> dict[str, list[str]]:
     return out
 
 
+CLUSTER_FILES = ("rsh-agent", "hostfile")  # what `up` writes beside its state file
+
+
 def leftovers(state_dir: Path = STATE_DIR, state: dict | None = None) -> list[str]:
     """What of this state directory's cluster exists now, described for a message: the
     objects its state lists, its cpuset mount, its state file."""
@@ -207,6 +210,12 @@ def up(plan: Plan, owner: str, state_dir: Path = STATE_DIR) -> dict:
             f"an emulated cluster of {state_dir} is already up (" + ", ".join(existing) + "): "
             "`hpctrain cluster down` removes it (for a second cluster beside it, set "
             "HPCTRAIN_CLUSTER_DIR and choose other --bridge, --prefix and --subnet)"
+        )
+    theirs = [n for n in CLUSTER_FILES if (state_dir / n).exists()]
+    if theirs:  # no state lists them (checked above): not this tool's to overwrite
+        raise ClusterError(
+            f"{state_dir} holds {', '.join(theirs)} that no cluster state lists: point "
+            "HPCTRAIN_CLUSTER_DIR at a directory of the cluster's own"
         )
     check_names_free(plan)
     check_subnet_free(plan)
@@ -427,8 +436,10 @@ def down(state_dir: Path = STATE_DIR) -> list[str]:
     left = [x for x in leftovers(state_dir, state) if not x.startswith("state ")]
     if left:
         raise ClusterError("could not remove " + ", ".join(left))
-    for name in ("rsh-agent", "hostfile", "state.json"):
-        path = state_dir / name
+    # the files `up` wrote, as its state names them: a user's file merely called like
+    # them (HPCTRAIN_CLUSTER_DIR pointed at a shared directory) stays
+    files = [state.get("agent"), state.get("hostfile"), str(state_path(state_dir))] if state else []
+    for path in [Path(f) for f in files if f]:
         if path.exists():
             path.unlink()
             removed.append(str(path))

@@ -27,10 +27,11 @@ from .plan import DEFAULT_BRIDGE, DEFAULT_PREFIX, DEFAULT_SUBNET, Plan, mpirun_a
 
 
 class Lock:
-    """An exclusive flock on STATE_DIR/lock; the holder's pid is written inside."""
+    """An exclusive flock on STATE_DIR/.hpctrain-cluster.lock; the holder's pid is written
+    inside (a name of its own: the directory may be a shared one)."""
 
     def __init__(self, state_dir: Path = netns.STATE_DIR):
-        self.path = Path(state_dir) / "lock"
+        self.path = Path(state_dir) / ".hpctrain-cluster.lock"
         self._fd: int | None = None
 
     def holder(self) -> str:

@@ -266,7 +266,28 @@ def _command_line(args) -> str:
     return shlex.join(words)
 
 
+RENDERED_MARK = "# rendered by: hpctrain"  # the templates' line 3-9 (`generated`)
+
+
+def _refuse_replacing_what_was_not_rendered(path: Path) -> None:
+    """-o replaces a script an earlier render wrote (re-rendering is how one changes),
+    never another file: a config, a hand-written sbatch script."""
+    try:
+        with path.open(errors="replace") as f:
+            head = [next(f, "") for _ in range(12)]
+    except FileNotFoundError:
+        return
+    except OSError as exc:
+        raise ConfigError(f"cannot write {path}: {exc}") from None
+    if not any(line.startswith(RENDERED_MARK) for line in head):
+        raise ConfigError(
+            f"{path} exists and is not a script `hpctrain slurm render` wrote (no "
+            f"'{RENDERED_MARK}' line): choose another -o FILE, or move that file away"
+        )
+
+
 def _write(path: Path, rendered: Rendered) -> Path:
+    _refuse_replacing_what_was_not_rendered(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(rendered.text)

@@ -156,6 +156,11 @@ def local_sgd_rules(v: dict) -> list[str]:
             "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
             "live on one rank each; there is nothing to average them with)"
         )
+    if t["sync_every"] > 1 and t["allreduce"] not in ("mpi", "auto"):  # auto: at the start
+        problems.append(
+            f"train.sync_every={t['sync_every']}: local SGD runs on the MPI engine "
+            f"(train.allreduce=mpi or auto), not {t['allreduce']}"
+        )
     return problems
 
 
