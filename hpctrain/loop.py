@@ -19,6 +19,7 @@ and meet the training ranks again in the end-of-run collectives.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -87,6 +88,16 @@ class TrainingLoop:
         faults: Faults | None = None,
     ):
         """faults: a test's injected faults (runtime/faults.py); none by default."""
+        # From the start: a SIGUSR1/SIGTERM while the run starts (MPI, the data, a resume)
+        # is recorded, not fatal, and acted on at the first step (checkpoint, requeue).
+        self.pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
+        try:
+            self._build(cfg, run_dir, verbose, resume, overwrite, new, faults)
+        except BaseException:
+            self.pre.uninstall()
+            raise
+
+    def _build(self, cfg, run_dir, verbose, resume, overwrite, new, faults) -> None:
         self.cfg = cfg
         self.faults = Faults.none() if faults is None else faults
         self.world = w = prepare_process(cfg)
@@ -95,7 +106,7 @@ class TrainingLoop:
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
         w.set_report_dir(self.run_dir)  # stall reports land beside the run's metrics
-        self._claim_run_dir(resume, overwrite, new)
+        resume = self._claim_run_dir(resume, overwrite, new)
         threads = cfg.runtime["threads"]
         if threads is None:
             threads, self.threads_source = runtime.threads_per_rank(w.local_size)
@@ -141,10 +152,11 @@ class TrainingLoop:
             log.info("%s%s", dataset.summary(), f"; {note}" if note else "")
 
     # --- set-up ---------------------------------------------------------------------
-    def _claim_run_dir(self, resume, overwrite: bool, new: bool) -> None:
-        """One run per directory (rundir.py): rank 0 decides, every rank agrees."""
+    def _claim_run_dir(self, resume, overwrite: bool, new: bool):
+        """One run per directory (rundir.py): rank 0 decides, every rank agrees; returns
+        the --resume to use (a requeued job's FILE gives way to the run's newer ones)."""
         w, cfg = self.world, self.cfg
-        error, message = None, None
+        error, message, chosen = None, None, None
         if w.is_root:
             try:
                 plan = rundir.plan_run_dir(
@@ -154,7 +166,9 @@ class TrainingLoop:
                     overwrite=overwrite,
                     new=new,
                     checkpoint_dir=cfg.checkpoint["dir"],
+                    requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0,
                 )
+                chosen = plan.resume
                 rundir.apply_plan(plan)
                 rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
                 if cfg.checkpoint["enabled"]:
@@ -167,6 +181,8 @@ class TrainingLoop:
         w.agree(error, error_type=ConfigError)
         if message:
             log.info("%s", message)
+        chosen = w.bcast_object(chosen, what="agree on what to resume from")
+        return chosen or resume
 
     def _write_config(self) -> None:
         """config.yaml as run: the configuration plus what hpctrain found in the data."""
@@ -193,7 +209,7 @@ class TrainingLoop:
         self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "count": 0}
         self.last_eval: dict = {}
         self.preempted = None
-        self.pre = pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
+        pre = self.pre  # installed since the run started (__init__)
         self.progress = Progress(
             w.is_root,
             max(0, self.total_steps - st.step),

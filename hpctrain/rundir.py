@@ -102,6 +102,7 @@ class RunDirPlan:
     message: str
     remove: tuple[Path, ...] = ()
     archive_to: Path | None = None
+    resume: str | None = None  # the --resume to use instead of the one given (a requeue)
 
 
 def _checkpoint_dir(run_dir: Path, checkpoint_dir: str | Path | None) -> Path:
@@ -277,12 +278,19 @@ def plan_run_dir(
     overwrite: bool = False,
     new: bool = False,
     checkpoint_dir: str | Path | None = None,
+    requeued: bool = False,
 ) -> RunDirPlan:
     """Decide what this run does with `run_dir`; ConfigError (one line) when refused.
 
     config: this run's configuration as a dict (Config.to_dict()). resume: None or
     'never', 'auto', or a checkpoint file. checkpoint_dir: checkpoint.dir (None:
-    <run-dir>/checkpoints).
+    <run-dir>/checkpoints). requeued: a requeued job runs its first command line again
+    (SLURM_RESTART_COUNT > 0); a --resume FILE then gives way to the run's own newer
+    checkpoints (`--resume auto`) instead of going back to FILE every time.
+
+    --resume FILE on a run that holds later checkpoints abandons them: they move to
+    <run-dir>/previous/<UTC>/, so that a later `--resume auto` (a requeue, an elastic
+    restart) and keep_last's pruning see this run's own timeline only.
     """
     run_dir = Path(run_dir)
     resume = None if resume in (None, "", "never") else resume
@@ -314,8 +322,14 @@ def plan_run_dir(
             f"{there}: pass --resume auto to continue it, --overwrite to replace it, --new "
             "to keep it under previous/ and start afresh, or choose another --run-dir"
         )
+    note, chosen = "", None
+    if resume != "auto" and requeued and prev.checkpoints:
+        newest = _step_in_name(prev.checkpoints[-1])
+        if newest >= _step_in_name(Path(resume)):
+            note = f"requeued: the run's own checkpoints, not --resume {resume} again; "
+            resume = chosen = "auto"
     if resume != "auto":
-        return RunDirPlan("resume", f"resuming from {resume} in {run_dir}")
+        return _resume_from_file(prev, Path(resume))
     if prev.config is None:
         raise ConfigError(
             f"--resume auto: {there} but no config.yaml, so hpctrain cannot tell whether "
@@ -336,7 +350,40 @@ def plan_run_dir(
             f"--resume auto: {run_dir} holds the same run without a checkpoint yet "
             f"({prev.describe()}): starting at step 0",
         )
-    return RunDirPlan("resume", f"--resume auto: continuing the run in {run_dir}")
+    return RunDirPlan(
+        "resume", f"{note}--resume auto: continuing the run in {run_dir}", resume=chosen
+    )
+
+
+def _step_in_name(path: Path) -> int:
+    """The step a ckpt-<step>.h5 (or .shards) name says; -1 for any other name."""
+    m = NAME_RE.match(path.name) or SHARDS_RE.match(path.name)
+    return int(m.group(1)) if m else -1
+
+
+def _resume_from_file(prev: PreviousRun, chosen: Path) -> RunDirPlan:
+    """--resume FILE: the run's checkpoints after FILE's step belong to the timeline it
+    leaves; they move aside (never deleted). A FILE named otherwise moves nothing."""
+    run_dir, step = prev.run_dir, _step_in_name(chosen)
+    later = []
+    if step >= 0 and prev.checkpoint_dir.is_dir():
+        later = [
+            p
+            for p in sorted(prev.checkpoint_dir.iterdir())
+            if _step_in_name(p) > step and p.resolve() != chosen.resolve()
+        ]
+    if not later:
+        return RunDirPlan("resume", f"resuming from {chosen} in {run_dir}")
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = run_dir / "previous" / stamp
+    steps = sorted({_step_in_name(p) for p in later})
+    return RunDirPlan(
+        "resume",
+        f"resuming from {chosen} in {run_dir}: the {len(steps)} later checkpoint(s) of the "
+        f"timeline it leaves (steps {steps[0]}-{steps[-1]}) move to {target}",
+        tuple(later),
+        target,
+    )
 
 
 def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None:

@@ -62,12 +62,26 @@ def wait_for_steps(metrics: Path, steps: int, proc, timeout: float = 120.0) -> N
     raise AssertionError(f"{steps} steps not reached (exit {proc.poll()})")
 
 
+def wait_for_start(run: Path, proc, timeout: float = 120.0) -> None:
+    """Until the run has made its directory (it still starts: data, model, resume)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if run.is_dir():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"{run} not made (exit {proc.poll()})")
+
+
 def stop_after_steps(cmd, run: Path, sig, group: bool, cwd=None, steps=5, timeout=120):
-    """Start `cmd`, wait for `steps` steps in metrics.jsonl, send `sig` (to the whole
-    process group when `group`: what Ctrl-C does), wait for the end; (exit code, output)."""
+    """Start `cmd`, wait for `steps` steps in metrics.jsonl (0: only for its run
+    directory, while it still starts), send `sig` (to the whole process group when
+    `group`: what Ctrl-C does), wait for the end; (exit code, output)."""
     proc = DrainedPopen(cmd, env=run_env(), cwd=cwd)  # its own group, as a terminal's job
     try:
-        wait_for_steps(run / "metrics.jsonl", steps, proc, timeout)
+        if steps:
+            wait_for_steps(run / "metrics.jsonl", steps, proc, timeout)
+        else:
+            wait_for_start(run, proc, timeout)
         if group:
             os.killpg(proc.pid, sig)
         else:

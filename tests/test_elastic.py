@@ -6,12 +6,15 @@ ends with a clear message. Losing a whole node is in tests/test_multinode.py."""
 from __future__ import annotations
 
 import json
+import re
+import signal
 import socket
 import sys
+import time
 
 import numpy as np
 import pytest
-from cluster import launch
+from cluster import finish, launch, start
 from mpirun import HPCTRAIN, mpirun
 
 from hpctrain.checkpoint import find_latest_valid, load
@@ -62,6 +65,36 @@ def test_np_range_and_reuse_flags():
         _np_range("4:2")
     words = ["train", "--run-dir", "r", "--resume", "auto", "--new", "--set", "a=1"]
     assert _without_reuse_flags(words) == ["train", "--run-dir", "r", "--set", "a=1"]
+
+
+@pytest.mark.parametrize(
+    "options,train,message",
+    [
+        (["--probe-timeout", "0"], [], "--probe-timeout 0: give seconds above 0"),
+        (["--probe-port", "70000"], [], "--probe-port 70000: not a TCP port"),
+        (["--launcher", "srun"], [], "srun not found on PATH"),
+        ([], ["--overw"], "write --overwrite in full, not --overw"),
+        ([], ["--run-dir", "/etc/passwd/x"], "/etc/passwd is not a directory"),
+    ],
+)
+def test_what_would_fail_at_the_first_launch_or_restart_is_refused_at_once(
+    tmp_path, capsys, monkeypatch, options, train, message
+):
+    from hpctrain.cli import main as cli_main
+
+    monkeypatch.setenv("PATH", str(tmp_path))  # an mpirun here, no srun
+    (tmp_path / "mpirun").write_text("#!/bin/sh\n")
+    (tmp_path / "mpirun").chmod(0o755)
+    hosts = tmp_path / "hosts"
+    hosts.write_bytes(b"localhost slots=2\n")
+    run = ["--run-dir", str(tmp_path / "run")] if "--run-dir" not in train else []
+    argv = ["elastic", "--hostfile", str(hosts), *options, "--", "train", *run, *train]
+    assert cli_main(argv) == 2
+    assert message in capsys.readouterr().err
+    hosts.write_bytes(b"\xff\xfe\n")
+    argv = ["elastic", "--hostfile", str(hosts), "--", "train", "--run-dir", str(tmp_path)]
+    assert cli_main(argv) == 2
+    assert "not a text file" in capsys.readouterr().err
 
 
 def test_a_lost_replica_keeps_the_global_batch_and_the_scaled_lr():
@@ -200,6 +233,41 @@ def test_a_restart_budget_of_zero_ends_with_a_clear_message(tmp_path):
     assert kinds == ["start", "launch", "failure", "gave_up"], kinds
 
 
+def test_a_sigterm_to_the_supervisor_ends_the_job_with_its_checkpoint(tmp_path):
+    """A scheduler's SIGTERM to the supervisor: the ranks get SIGUSR1 and take their
+    checkpoint, here one whose write takes 1.5 s (mpirun itself would end the ranks 1 s
+    after a SIGTERM of its own, and the checkpoint was lost); no restart follows."""
+    hosts, run = tmp_path / "hosts", tmp_path / "run"
+    hosts.write_text("localhost slots=2\n")
+    argv = [HPCTRAIN, "elastic", "--hostfile", str(hosts), "--probe-timeout", "2", "--"]
+    argv += [
+        "train",
+        "--run-dir",
+        str(run),
+        *_sets("data.train_samples=4096", "checkpoint.every_steps=1000"),
+    ]
+    slow = {"HPCTRAIN_FAULT_STEP_SLEEP": "0:0.1", "HPCTRAIN_FAULT_WRITE_DELAY": "0:1.5"}
+    proc = start(argv, slow)
+    deadline = time.monotonic() + 120
+    while '"step": 5,' not in _text(run / "metrics.jsonl") and time.monotonic() < deadline:
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    job = finish(proc, 120)
+    assert job.returncode == 128 + signal.SIGTERM, job.output
+    stopped = re.search(r"SIGUSR1 received: stopped at step (\d+), checkpoint", job.output)
+    assert stopped and "stopped by SIGTERM (the job exited 0)" in job.output, job.output
+    assert find_latest_valid(run / "checkpoints").step == int(stopped.group(1))
+    kinds = [e["event"] for e in _events(run)]
+    assert kinds == ["start", "launch", "stopped"], kinds
+
+
+def _text(path) -> str:
+    try:
+        return path.read_text()
+    except OSError:
+        return ""
+
+
 def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
     hosts = tmp_path / "hosts"
     hosts.write_text("localhost slots=2\n")
@@ -213,3 +281,38 @@ def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
         done = launch([HPCTRAIN, "elastic", "--hostfile", str(hosts), "--", "train", *extra], 60)
         assert done.returncode == 2, done.output
         assert message in done.output and "Traceback" not in done.output
+
+
+def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, monkeypatch):
+    """SIGTERM/SIGINT to the supervisor become SIGUSR1 for the launcher (mpirun kills its
+    ranks 1 s after its own SIGTERM/SIGINT, before they could checkpoint); a second one
+    goes through as it is; a stop that came between attempts starts no new one."""
+    import signal as sig
+
+    from hpctrain.elastic import supervisor
+
+    sent = []
+
+    class Launcher:
+        def __init__(self, argv, **kwargs):
+            assert kwargs["start_new_session"]  # a terminal's Ctrl-C reaches only us
+            self.argv = argv
+
+        def poll(self):
+            return None
+
+        def send_signal(self, s):
+            sent.append(s)
+
+        def wait(self):
+            sup._forward(sig.SIGTERM, None)
+            sup._forward(sig.SIGINT, None)
+            return 0
+
+    monkeypatch.setattr(supervisor.subprocess, "Popen", Launcher)
+    opts = supervisor.Options(["train"], [], tmp_path, [])
+    sup = supervisor.Supervisor(opts, None)
+    assert sup.launch(["mpirun"]) == 0
+    assert sent == [sig.SIGUSR1, sig.SIGINT] and sup.stop_signal == sig.SIGTERM
+    assert sup.launch(["mpirun"]) is None  # stopped: not started again
+    assert sent == [sig.SIGUSR1, sig.SIGINT]

@@ -74,11 +74,14 @@ def _assert_checkpointed_stop(run: Path, out: str, name: str) -> None:
     assert checkpoints and int(checkpoints[-1].stem.split("-")[1]) == summary["steps"], out
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_process_alone_stops_as_an_interrupted_program(tmp_path, sig, code):
+# SIGTERM while the run still starts (its directory made, its data and model not yet):
+# recorded from the start, acted on at the first step, not the default action's death
+@pytest.mark.parametrize("sig,code,steps", [(signal.SIGINT, 130, 5), (signal.SIGTERM, 143, 0)])
+def test_a_process_alone_stops_as_an_interrupted_program(tmp_path, sig, code, steps):
     run = tmp_path / "run"
     cmd = [HPCTRAIN, "train", "--run-dir", str(run), *sets()]
-    rc, out = stop_after_steps(cmd, run, sig, group=sig == signal.SIGINT, cwd=ROOT)
+    group = sig == signal.SIGINT
+    rc, out = stop_after_steps(cmd, run, sig, group=group, cwd=ROOT, steps=steps)
     _assert_checkpointed_stop(run, out, sig.name)
     assert "interrupted (" in out, out
     assert rc == code, out

@@ -272,6 +272,28 @@ def test_another_runs_default_checkpoint_dir_is_never_cleared_or_moved(tmp_path)
     assert sorted(p.name for p in theirs.iterdir()) == ["ckpt-00000003.h5"]
 
 
+def test_resume_from_an_earlier_file_moves_the_abandoned_timeline_aside(tmp_path):
+    """--resume ckpt-10 on a run that went on to 20 and 30: those move to previous/ (a
+    later --resume auto, a requeue or an elastic restart, must not pick them, nor
+    keep_last count them); a requeued job with the same command line continues from the
+    run's newest checkpoint instead of going back to the file."""
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg(), steps=(10, 20, 30))
+    (run / "checkpoints" / "ckpt-00000030.shards").mkdir()
+    chosen = str(run / "checkpoints" / "ckpt-00000010.h5")
+    plan = plan_run_dir(run, _cfg(), resume=chosen)
+    assert plan.action == "resume" and "(steps 20-30) move to" in plan.message
+    apply_plan(plan)
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-00000010.h5"]
+    moved = sorted(p.name for p in plan.archive_to.iterdir())
+    assert moved == ["ckpt-00000020.h5", "ckpt-00000030.h5", "ckpt-00000030.shards"]
+    (run / "checkpoints" / "ckpt-00000015.h5").write_bytes(b"x")  # this timeline's save
+    again = plan_run_dir(run, _cfg(), resume=chosen, requeued=True)
+    assert again.resume == "auto" and again.remove == ()
+    assert again.message.startswith(f"requeued: the run's own checkpoints, not --resume {chosen}")
+    assert plan_run_dir(run, _cfg(), resume=chosen).resume is None  # not requeued: the file
+
+
 def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_path):
     with pytest.raises(ConfigError, match="--resume .*missing.h5: no such checkpoint file"):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path / "missing.h5"))

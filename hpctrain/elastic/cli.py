@@ -109,6 +109,31 @@ def _without_reuse_flags(words: list[str]) -> list[str]:
     return out
 
 
+REUSE_FLAGS = ("--new", "--overwrite", "--resume")
+
+
+def _check_start(args, words: list[str], run_dir: Path) -> None:
+    """What would otherwise fail only at the first launch or the first restart."""
+    if args.max_restarts < 0:
+        raise ConfigError("--max-restarts must be 0 or more")
+    if not (0 < args.probe_timeout < float("inf")):
+        raise ConfigError(f"--probe-timeout {args.probe_timeout:g}: give seconds above 0")
+    if not 0 < args.probe_port < 65536:
+        raise ConfigError(f"--probe-port {args.probe_port}: not a TCP port (1-65535)")
+    if shutil.which(args.launcher) is None:
+        raise ConfigError(
+            f"hpctrain elastic: {args.launcher} not found on PATH (--launcher {args.launcher})"
+        )
+    for word in words:  # restarts replace these flags, so they must be recognisable
+        name = word.split("=", 1)[0]
+        full = [f for f in REUSE_FLAGS if f.startswith(name)]
+        if len(name) > 2 and name.startswith("--") and full and name not in REUSE_FLAGS:
+            raise ConfigError(f"hpctrain elastic: write {full[0]} in full, not {name}")
+    there = next((d for d in (run_dir, *run_dir.absolute().parents) if d.exists()), None)
+    if there is not None and not there.is_dir():
+        raise ConfigError(f"--run-dir {run_dir}: {there} is not a directory")
+
+
 def _np_range(text: str | None) -> tuple[int, int | None]:
     if text is None:
         return 1, None
@@ -155,8 +180,7 @@ def run(args) -> int:
         raise ConfigError(
             "hpctrain elastic restarts from checkpoints, but checkpoint.enabled is false"
         )
-    if args.max_restarts < 0:
-        raise ConfigError("--max-restarts must be 0 or more")
+    _check_start(args, words, Path(t.run_dir))
     mpirun_args = shlex.split(args.mpirun_args)
     agent = shlex.split(args.rsh_agent) if args.rsh_agent else None
     if agent is None and "plm_rsh_agent" in mpirun_args:

@@ -36,6 +36,8 @@ def read_hostfile(path: str | Path) -> list[Host]:
         lines = path.read_text().splitlines()
     except OSError as exc:
         raise ConfigError(f"--hostfile {path}: cannot read it ({exc.strerror})") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"--hostfile {path}: not a text file (not UTF-8)") from None
     hosts: list[Host] = []
     seen: set[str] = set()
     for number, line in enumerate(lines, 1):

@@ -10,12 +10,18 @@ world size neither skips nor repeats a sample of the epoch. Events go to
 `<run-dir>/elastic/events.jsonl` and to stderr.
 
 Not restarted: success (0), a user error every rank agreed on (2: it would fail again),
-Ctrl-C (130), or a stop the supervisor itself was asked for (SIGTERM/SIGINT, forwarded to
-the job so that it checkpoints first).
+Ctrl-C (130), or a stop the supervisor itself was asked for (SIGTERM/SIGINT/SIGUSR1).
+Such a stop reaches the job as SIGUSR1, hpctrain's "checkpoint and stop" signal: the
+launcher runs in a session of its own (a terminal's Ctrl-C reaches the supervisor only),
+because mpirun ends its ranks about 1 s after a SIGINT/SIGTERM of its own
+(`odls_base_sigkill_timeout`), before a checkpoint could be written. A second
+SIGINT/SIGTERM is passed on as it is: the job ends now.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import json
 import signal
 import subprocess
@@ -104,17 +110,24 @@ class Supervisor:
             launch = ["mpirun", "--hostfile", str(hostfile), "-np", str(n)]
         return [*launch, *o.mpirun_args, *o.hpctrain, *o.train_args, *flags, *sets]
 
-    def launch(self, argv: list[str]) -> int:
-        self.proc = subprocess.Popen(argv)
+    def launch(self, argv: list[str]) -> int | None:
+        """Run one attempt to its end; None: a stop was asked for before it started."""
+        if self.stop_signal is not None:
+            return None
+        self.proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
         try:
+            if self.stop_signal is not None:  # arrived while it started: pass it on now
+                self.proc.send_signal(signal.SIGUSR1)
             return self.proc.wait()
         finally:
             self.proc = None
 
     def _forward(self, signum, frame) -> None:
-        self.stop_signal = signum
+        again = self.stop_signal is not None and signum != signal.SIGUSR1
+        self.stop_signal = self.stop_signal or signum
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signum)  # mpirun passes it on; the ranks checkpoint
+            # the launcher passes SIGUSR1 on and waits: the ranks checkpoint, then stop
+            self.proc.send_signal(signum if again else signal.SIGUSR1)
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
@@ -154,7 +167,8 @@ class Supervisor:
             code = self.launch(argv)
             if self.stop_signal is not None:
                 name = signal.Signals(self.stop_signal).name
-                say(f"stopped by {name} (the job exited {code}); not restarted")
+                ended = "not started" if code is None else f"the job exited {code}"
+                say(f"stopped by {name} ({ended}); not restarted")
                 self.event("stopped", signal=name, exit_code=code)
                 return code if code else 128 + self.stop_signal
             if code in NOT_RESTARTED:
@@ -189,3 +203,10 @@ class Supervisor:
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
             attempt += 1
+
+
+def _die_with_parent() -> None:
+    """In the launcher, before it starts (Linux): SIGTERM when the supervisor dies, so a
+    killed supervisor leaves no job running outside its process group."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
