@@ -322,12 +322,8 @@ def plan_run_dir(
             f"{there}: pass --resume auto to continue it, --overwrite to replace it, --new "
             "to keep it under previous/ and start afresh, or choose another --run-dir"
         )
-    note, chosen = "", None
-    if resume != "auto" and requeued and prev.checkpoints:
-        newest = _step_in_name(prev.checkpoints[-1])
-        if newest >= _step_in_name(Path(resume)):
-            note = f"requeued: the run's own checkpoints, not --resume {resume} again; "
-            resume = chosen = "auto"
+    note, chosen = _requeued_resume(prev, resume, requeued)
+    resume = chosen or resume
     if resume != "auto":
         return _resume_from_file(prev, Path(resume))
     if prev.config is None:
@@ -353,6 +349,16 @@ def plan_run_dir(
     return RunDirPlan(
         "resume", f"{note}--resume auto: continuing the run in {run_dir}", resume=chosen
     )
+
+
+def _requeued_resume(prev: PreviousRun, resume: str, requeued: bool) -> tuple[str, str | None]:
+    """A requeued job's --resume FILE gives way to the run's checkpoints from FILE's step
+    on: (a note for the message, "auto"), or ("", None) to keep FILE."""
+    if resume == "auto" or not requeued or not prev.checkpoints:
+        return "", None
+    if _step_in_name(prev.checkpoints[-1]) < _step_in_name(Path(resume)):
+        return "", None
+    return f"requeued: the run's own checkpoints, not --resume {resume} again; ", "auto"
 
 
 def _step_in_name(path: Path) -> int:
