@@ -470,3 +470,29 @@ def test_experts_without_gradients_still_sum_on_the_process_group():
     assert torch.is_tensor(got) and got.dtype == torch.float64 and float(got) == 0.0
     bare[0].grad = torch.full((3,), 2.0)
     assert float(TorchBackend.expert_square_sum(None, bare)) == 12.0
+
+
+def test_nccl_error_handling_is_pinned_unless_set_and_the_exit_has_a_deadline(
+    monkeypatch, caplog, capsys
+):
+    """NCCL's fallback after its timeout stays on (torch's default, set unless the site
+    set it; its 0 is warned about), and destroying the groups at exit cannot hang."""
+    import time
+
+    from hpctrain.backends import torch_pg
+
+    name = torch_pg.NCCL_ERROR_HANDLING[0]
+    monkeypatch.delenv(name, raising=False)
+    torch_pg._nccl_error_handling(True)
+    assert __import__("os").environ[name] == "3"
+    monkeypatch.setenv(name, "0")
+    with caplog.at_level("WARNING", logger="hpctrain"):
+        torch_pg._nccl_error_handling(True)
+    assert f"{name}=0: a hung NCCL collective" in caplog.text
+    monkeypatch.setattr(torch_pg, "EXIT_DEADLINE_S", 0.2)
+    monkeypatch.setattr(torch_pg.dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch_pg.dist, "destroy_process_group", lambda: time.sleep(5))
+    t0 = time.monotonic()
+    torch_pg._destroy_at_exit()
+    assert time.monotonic() - t0 < 2
+    assert "exiting without them" in capsys.readouterr().err

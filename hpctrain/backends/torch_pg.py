@@ -33,8 +33,12 @@ from __future__ import annotations
 import atexit
 import fcntl
 import functools
+import logging
+import os
 import socket
 import struct
+import sys
+import threading
 import time
 from datetime import timedelta
 
@@ -44,6 +48,11 @@ import torch.distributed as dist
 from ..errors import ConfigError
 
 _SIOCGIFADDR = 0x8915
+log = logging.getLogger("hpctrain")
+# torch's default since 2.2, pinned: NCCL's watchdog ends a rank whose collective passed
+# the group's timeout (a site's 0 would leave that to the MPI watchdog alone)
+NCCL_ERROR_HANDLING = ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "3")
+EXIT_DEADLINE_S = 30.0  # destroying the groups at exit: a peer gone must not hang it
 
 
 def ipv4_addresses() -> list[str]:
@@ -112,6 +121,8 @@ def init_process_group(comm, backend: str, timeout_s: float):
     first collective, on the device of its tensors (the rank's GPU: torch_device sets
     it)."""
     timeout = timedelta(seconds=group_timeout(timeout_s))
+    if backend == "nccl":
+        _nccl_error_handling(comm.is_root)
     if comm.is_root:
         store = dist.TCPStore(
             "0.0.0.0", 0, comm.size, is_master=True, timeout=timeout, wait_for_workers=False
@@ -136,12 +147,37 @@ def _register_exit_hook() -> None:
     atexit.register(_destroy_at_exit)
 
 
+def _nccl_error_handling(is_root: bool) -> None:
+    """Before NCCL's first group: its async error handling on unless the site chose."""
+    name, value = NCCL_ERROR_HANDLING
+    os.environ.setdefault(name, value)
+    if os.environ[name] == "0" and is_root:
+        log.warning(
+            "%s=0: a hung NCCL collective is ended by runtime.collective_timeout's watchdog "
+            "alone, not by NCCL's own timeout after it",
+            name,
+        )
+
+
 def _destroy_at_exit() -> None:
     """The last run's groups, destroyed at a normal exit as NCCL asks (its pending work
     finished; torch warns otherwise, and a peer could wait on a process gone). A job
-    that fails ends through MPI_Abort or os._exit, which skip this."""
-    if dist.is_initialized():
+    that fails ends through MPI_Abort or os._exit, which skip this. With a deadline
+    (EXIT_DEADLINE_S, on a thread): past it the process exits without waiting."""
+    if not dist.is_initialized():
+        return
+    done = threading.Event()
+
+    def destroy() -> None:
         dist.destroy_process_group()
+        done.set()
+
+    threading.Thread(target=destroy, daemon=True, name="destroy-process-group").start()
+    if not done.wait(EXIT_DEADLINE_S):
+        sys.stderr.write(
+            f"[hpctrain] warning: destroying the process groups took over "
+            f"{EXIT_DEADLINE_S:g} s (a peer gone?): exiting without them\n"
+        )
 
 
 def check_backend(engine: str, device: torch.device) -> None:
