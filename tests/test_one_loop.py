@@ -171,29 +171,51 @@ def test_a_stopped_peer_is_named_within_the_timeout(tmp_path, layout):
     assert named, out
 
 
+# asynchronous parameter-server workers stop at steps of their own (worker 1 is slowed):
+# the checkpoint keeps each one's step and sample position, and each resumes from its own
+PS_ASYNC = ["strategy=parameter_server", "ps.servers=1", "ps.mode=async"]
+SLOW_WORKER_1 = {"HPCTRAIN_FAULT_STEP_SLEEP": "1:0.02"}
+
+
 @pytest.mark.parametrize(
     "np_,strategy,marker",
-    [(2, PIPE2, "received: stopped at step"), (3, PS3, "preempted: stopped at step")],
-    ids=["pipeline", "parameter_server"],
+    [(2, PIPE2, "received: stopped at step"), (3, PS_ASYNC, "preempted: stopped at step")],
+    ids=["pipeline", "parameter_server-async"],
 )
 def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
     tmp_path, np_, strategy, marker
 ):
+    from hpctrain.checkpoint import load
+
     run = tmp_path / "run"
     common = [*strategy, "train.epochs=40", "data.train_samples=2048", "train.batch_size=16"]
     tag = f"{os.getpid()}-pre-{np_}"
-    proc = _start(np_, _args(run, common), tag=tag)
+    proc = _start(np_, _args(run, common), tag=tag, env=SLOW_WORKER_1)
     out = _usr1_after_steps(proc, run, tag)
     assert proc.returncode == 0, out
     assert marker in out, out
     ckpts = sorted((run / "checkpoints").glob("ckpt-*.h5"))
     assert ckpts, out
     step = int(ckpts[-1].stem.split("-")[1])
+    saved = load(ckpts[-1]).trainer
+    own = saved.get("ps_worker_step_0", step)  # worker 0 (rank 0, which logs) resumes there
     job = mpirun(
         np_, *_args(run, [*common, "train.max_steps=" + str(step + 2)], "auto"), timeout=180
     )
     assert job.returncode == 0, job.output
-    assert f"at step {step}" in job.output and "resumed from" in job.output, job.output
+    assert f"at step {own}" in job.output and "resumed from" in job.output, job.output
+    if strategy is PS_ASYNC:  # each worker went on from its own samples
+        last = load(sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]).trainer
+        per_epoch = 2048 // (16 * 2) * (16 * 2)  # samples in an epoch of 2 workers' batches
+
+        def sample(t, i):
+            return t[f"ps_worker_epoch_{i}"] * per_epoch + t[f"ps_worker_position_{i}"]
+
+        steps = [saved[f"ps_worker_step_{i}"] for i in (0, 1)]
+        assert steps[0] > steps[1], steps  # worker 1 was slowed: its own, earlier step
+        for i in (0, 1):
+            ran = last[f"ps_worker_step_{i}"] - saved[f"ps_worker_step_{i}"]
+            assert sample(last, i) - sample(saved, i) == ran * 32, (i, saved, last)
 
 
 def test_moe_inside_pipeline_stages_with_zero_is_refused_before_any_work(tmp_path):

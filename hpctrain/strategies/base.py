@@ -101,6 +101,7 @@ class Strategy(Protocol):
     def rank_state(self) -> dict[str, np.ndarray]: ...  # this rank's private memory
     def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None: ...
     def trainer_extras(self) -> dict: ...  # strategy facts for the checkpoint's trainer state
+    def own_position(self, ckpt) -> tuple[int, int, int] | None: ...  # this rank's (below)
     def begin(self, ctx: RunContext) -> None: ...  # before training or serving
     def serve(self, ctx: RunContext) -> None: ...
     def finish(self, ctx: RunContext) -> RunEnd | None: ...  # collective, at the end
@@ -176,6 +177,11 @@ class StrategyBase:
 
     def trainer_extras(self) -> dict:
         return {}
+
+    def own_position(self, ckpt) -> tuple[int, int, int] | None:
+        """(step, epoch, position) of this rank where it differs from the checkpoint's
+        (asynchronous workers); None: the checkpoint's, as every rank's."""
+        return None
 
     def hold_exported_state(self, fence) -> bool:
         """False: an async save copies the exported arrays before the loop goes on."""

@@ -60,6 +60,9 @@ def config_problems(cfg, world_size: int) -> str | None:
     return None
 
 
+POSITION_KEYS = ("step", "epoch", "position")
+
+
 class ParameterServer(StrategyBase):
     """Workers train under the loop; servers serve. See the module docstring."""
 
@@ -100,6 +103,7 @@ class ParameterServer(StrategyBase):
         self.lr_replicas = self.n_workers
         self.model = self.data = self.worker = self.server = None
         self.model_buffers, self._meta, self.start = {}, {}, (0, 0, 0)
+        self._positions: dict[int, tuple] = {}  # rank 0: each worker's, at the end
         error = None
         if self.is_server:
             flat = np.zeros(self.plan.server_size(self.index), np.float32)
@@ -250,6 +254,14 @@ class ParameterServer(StrategyBase):
         self._final_weights()
         result = {} if preempted else ctx.evaluate()
         everyone = w.gather_object(self.stats, what="parameter server statistics")
+        # asynchronous workers stop at their own steps and samples: the checkpoint keeps
+        # each one's, so that a resume neither repeats nor skips a worker's samples
+        st = ctx.state
+        spots = w.gather_object(
+            None if self.is_server else (st.step, st.epoch, st.position),
+            what="parameter server: worker positions",
+        )
+        self._positions = {i: p for i, p in enumerate(spots or []) if p is not None}
         self._ps_summary, final = None, None
         if w.is_root:
             workers = [s for s in everyone if "worker" in s]
@@ -365,7 +377,20 @@ class ParameterServer(StrategyBase):
         for s, (version, updates) in sorted(self._meta.items()):
             extras[f"ps_version_{s}"] = version
             extras[f"ps_updates_{s}"] = updates
+        for i, where in sorted(self._positions.items()):
+            for key, value in zip(POSITION_KEYS, where, strict=True):
+                extras[f"ps_worker_{key}_{i}"] = value
         return extras
+
+    def own_position(self, ckpt) -> tuple[int, int, int] | None:
+        """A worker's own (step, epoch, position) from a checkpoint its run wrote at the
+        end (with the same number of workers); else the checkpoint's, as in sync mode."""
+        tr = ckpt.trainer
+        keys = [f"ps_worker_{key}_{self.index}" for key in POSITION_KEYS]
+        same = int(ckpt.attrs.get("ps_workers", -1)) == self.n_workers
+        if self.is_server or not same or any(k not in tr for k in keys):
+            return None
+        return tuple(int(tr[k]) for k in keys)
 
     def import_state(self, ckpt) -> None:
         """Servers take their shard of parameters, slots and version; workers their
