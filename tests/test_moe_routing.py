@@ -125,3 +125,27 @@ def test_a_pipelines_moe_metrics_have_every_key_on_every_rank_and_average_to_its
     assert mean["moe_drop_rate"] == pytest.approx(found["moe_drop_rate"])  # averaged
     assert mean["moe_load"] == pytest.approx(found["moe_load"][0])
     assert mean["moe_dropped"] == pytest.approx(2 * found["moe_dropped"])  # both stages'
+
+
+def test_jitter_noise_continues_after_a_resume_through_the_ranks_random_state():
+    """The jitter generator of each MoE layer is part of the rank's checkpointed random
+    state (checkpoint/rng.py): a process that restores it before its layers exist (a
+    resume) draws the noise the uninterrupted run drew next."""
+    from hpctrain.checkpoint import capture_process_rng, restore_process_rng
+    from hpctrain.moe.parallel import MoELayer
+
+    class _Group:
+        rank, size = 1, 2
+
+    opts = {"experts": 4, "top_k": 2, "jitter": 0.5, "seed": 7}
+    layer = MoELayer(opts, _Group(), "blocks.0")
+    layer.jitter_noise((3, 5))
+    saved = capture_process_rng()  # at the checkpoint
+    expected = [layer.jitter_noise((3, 5)) for _ in range(2)]
+    del layer  # the run ends; a resumed one restores, then makes its layers
+    restore_process_rng(saved)
+    again = MoELayer(opts, _Group(), "blocks.0")
+    for want in expected:
+        np.testing.assert_array_equal(again.jitter_noise((3, 5)), want)
+    fresh = MoELayer(opts, _Group(), "blocks.0")  # not resumed: its seed's stream
+    assert not np.array_equal(fresh.jitter_noise((3, 5)), expected[0])

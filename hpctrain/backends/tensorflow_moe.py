@@ -30,7 +30,7 @@ _aux: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 def _runtime(net, spec) -> MoELayer:
     per_net = _layers.setdefault(net, {})
     if spec.name not in per_net:
-        per_net[spec.name] = MoELayer(spec.attrs["moe"], net.groups.experts)
+        per_net[spec.name] = MoELayer(spec.attrs["moe"], net.groups.experts, spec.name)
     return per_net[spec.name]
 
 

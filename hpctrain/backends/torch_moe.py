@@ -53,7 +53,7 @@ def _exchange(moe, x: torch.Tensor, send_rows, recv_rows, record) -> torch.Tenso
 
 def _runtime(layer) -> MoELayer:
     if layer not in _layers:
-        _layers[layer] = MoELayer(layer.spec.attrs["moe"], layer.groups.experts)
+        _layers[layer] = MoELayer(layer.spec.attrs["moe"], layer.groups.experts, layer.spec.name)
     return _layers[layer]
 
 

@@ -15,13 +15,15 @@ import random
 import numpy as np
 
 from ..errors import CheckpointError
+from ..moe.parallel import jitter_rng_states, set_jitter_rng_states
 
 PYTHON_KEYS = ("python.version", "python.state", "python.gauss")
 NUMPY_KEYS = ("numpy.keys", "numpy.pos", "numpy.has_gauss", "numpy.cached_gaussian")
 
 
 def capture_process_rng() -> dict[str, np.ndarray]:
-    """This process's `random` and `np.random` global states as arrays."""
+    """This process's `random` and `np.random` global states as arrays, and its MoE
+    layers' jitter generators (moe/parallel.py)."""
     version, words, gauss = random.getstate()
     algo, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     if algo != "MT19937":  # pragma: no cover - numpy's legacy state is always MT19937
@@ -35,6 +37,7 @@ def capture_process_rng() -> dict[str, np.ndarray]:
         "numpy.pos": np.array(pos, dtype=np.int64),
         "numpy.has_gauss": np.array(has_gauss, dtype=np.int64),
         "numpy.cached_gaussian": np.array(cached, dtype=np.float64),
+        **jitter_rng_states(),
     }
 
 
@@ -60,6 +63,7 @@ def restore_process_rng(arrays: dict[str, np.ndarray]) -> None:
             float(arrays["numpy.cached_gaussian"]),
         )
     )
+    set_jitter_rng_states(arrays)
 
 
 def rng_to_bytes(arrays: dict[str, np.ndarray]) -> np.ndarray:

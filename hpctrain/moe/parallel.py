@@ -18,6 +18,7 @@ from __future__ import annotations
 import copy
 import math
 import time
+import weakref
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -236,10 +237,39 @@ class LayerStats:
     extra: dict = field(default_factory=dict)
 
 
+# The jitter noise's generators of this process's MoE layers, by layer name, for the
+# checkpoint's per-rank random state (checkpoint/rng.py), and the states a resume read
+# before the layers exist (they are made at their first forward).
+RNG_KEY = "moe_rng."
+_live_rngs: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+_pending_rngs: dict[str, np.ndarray] = {}
+
+
+def jitter_rng_states() -> dict[str, np.ndarray]:
+    """Each live MoE layer's noise generator (PCG64) as 6 uint64: state and increment
+    (128 bits each, high word first), has_uint32, uinteger."""
+    out = {}
+    for name, layer in list(_live_rngs.items()):
+        s = layer.rng.bit_generator.state
+        state, inc, low = s["state"]["state"], s["state"]["inc"], 2**64 - 1
+        packed = [state >> 64, state & low, inc >> 64, inc & low, s["has_uint32"], s["uinteger"]]
+        out[RNG_KEY + name] = np.array(packed, dtype=np.uint64)
+    return out
+
+
+def set_jitter_rng_states(arrays: dict[str, np.ndarray]) -> None:
+    """Put back what jitter_rng_states took: now for live layers, at creation for the
+    rest (a resume restores the random state before the first forward)."""
+    _pending_rngs.clear()
+    _pending_rngs.update({k[len(RNG_KEY) :]: v for k, v in arrays.items() if k.startswith(RNG_KEY)})
+    for layer in list(_live_rngs.values()):
+        layer.take_rng_state()
+
+
 class MoELayer:
     """The framework-neutral half of one MoE layer on this rank: route, exchange, count."""
 
-    def __init__(self, opts: dict, group: ExpertGroup | None):
+    def __init__(self, opts: dict, group: ExpertGroup | None, name: str | None = None):
         self.opts = opts
         self.group = require_group(group)
         self.E, self.k = opts["experts"], opts["top_k"]
@@ -247,6 +277,23 @@ class MoELayer:
         self.first = opts.get("first_expert", self.group.rank * self.per_rank)
         self.rng = np.random.default_rng([opts.get("seed", 0), self.group.rank, 0x6D6F65])
         self.stats = LayerStats()  # counts training calls only (record=True)
+        self.name = name
+        if name is not None:  # checkpointed with the rank's random state
+            _live_rngs[name] = self
+            self.take_rng_state()
+
+    def take_rng_state(self) -> None:
+        """The generator state a resume left for this layer, if any (once)."""
+        packed = _pending_rngs.pop(self.name, None)
+        if packed is None:
+            return
+        w = [int(x) for x in np.asarray(packed, dtype=np.uint64).reshape(-1)]
+        self.rng.bit_generator.state = {
+            "bit_generator": "PCG64",
+            "state": {"state": (w[0] << 64) | w[1], "inc": (w[2] << 64) | w[3]},
+            "has_uint32": w[4],
+            "uinteger": w[5],
+        }
 
     def jitter_noise(self, shape) -> np.ndarray:
         """Multiplicative router-input noise U(1-eps, 1+eps) (Switch), from this rank's rng."""
