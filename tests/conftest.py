@@ -55,6 +55,7 @@ QUICK_MODULES = frozenset(
         "test_memory_limit",
         "test_memory_plan",
         "test_moe_routing",
+        "test_model_match",
         "test_no_module_state",
         "test_preemption",
         "test_protocols",

@@ -160,3 +160,24 @@ def test_a_checkpoint_written_before_the_length_was_recorded_takes_it_from_its_c
     # recorded: taken as is
     ckpt_new = SimpleNamespace(trainer={"schedule_steps": 77}, attrs={})
     assert _saved_schedule_length(ckpt_new, loop()) == 77
+
+
+def test_a_resume_on_other_replicas_says_when_the_scaled_peak_lr_moves(caplog):
+    """The same global batch on 1 replica x grad_accum 2 instead of 2 replicas: with
+    linear scaling the peak halves; rank 0 names the optimizer.lr that keeps it."""
+    from types import SimpleNamespace
+
+    from hpctrain.checkpoint.session import RunCheckpoints
+
+    def loop(replicas):
+        cfg = SimpleNamespace(optimizer={"lr": 0.05, "lr_scaling": "linear"})
+        world = SimpleNamespace(is_root=True)
+        return SimpleNamespace(cfg=cfg, world=world, strategy=SimpleNamespace(lr_replicas=replicas))
+
+    for replicas, warned in ((1, True), (2, False)):
+        caplog.clear()
+        me = SimpleNamespace(trainer=loop(replicas), _saved_peak=0.1)
+        with caplog.at_level("WARNING", logger="hpctrain"):
+            RunCheckpoints._say_if_the_peak_moved(me)
+        said = "peak lr of 0.1; this run's is 0.05" in caplog.text
+        assert said == warned and (not warned or "--set optimizer.lr=0.1" in caplog.text)

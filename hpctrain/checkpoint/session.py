@@ -26,10 +26,11 @@ from pathlib import Path
 import yaml
 
 from ..errors import CheckpointError
-from ..lr_schedule import Schedule, resumed_schedule
+from ..lr_schedule import Schedule, resumed_schedule, scaled_lr
 from ..runtime.preemption import interrupt_reason
 from . import sharded
 from .manager import Checkpointer, resume_checkpoint
+from .model_match import model_differences
 from .policy import CheckpointPolicy, young_daly
 from .reader import load, read_rank_state, require_compatible
 from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
@@ -51,6 +52,7 @@ class RunCheckpoints:
         self._start_step = 0  # the step training starts from (a resumed run's)
         self._saved_schedule: int | None = None  # the steps a resumed checkpoint's lr spanned
         self._saved_batch = 0  # the global batch a resumed checkpoint was trained at
+        self._saved_peak: float | None = None  # and its peak (scaled) lr
         self._requeue_after_run = False  # a preemption checkpoint waits for the summary
 
     @property
@@ -246,6 +248,7 @@ class RunCheckpoints:
                 "global_batch": t.data.global_batch,
                 # the length the lr schedule spans (optimizer.resume_schedule reads it)
                 "schedule_steps": _schedule_length(t),
+                "lr_peak": _peak_lr(t),  # a resume with other replicas says if it moves
                 **s.trainer_extras(),
             },
             "rng_by_rank": {r: rng_from_bytes(b) for r, b in enumerate(gathered) if r < ranks},
@@ -265,6 +268,12 @@ class RunCheckpoints:
 
         def apply(ckpt):
             require_compatible(ckpt, t.strategy.weight_shapes())
+            differ = model_differences(ckpt.config_yaml, t.cfg.model)
+            if differ:
+                raise CheckpointError(
+                    f"{ckpt.path} was trained as another model ({'; '.join(differ)}): "
+                    "resume it with the model it was trained as, or start afresh"
+                )
             missing = [k for k in TRAINER_KEYS if k not in ckpt.trainer]
             if missing:
                 raise CheckpointError(f"{ckpt.path}: trainer state lacks {missing}")
@@ -300,6 +309,8 @@ class RunCheckpoints:
             )
         self._saved_schedule = _saved_schedule_length(ckpt, t)
         self._saved_batch = int(ckpt.trainer.get("global_batch") or 0)
+        peak = ckpt.trainer.get("lr_peak")
+        self._saved_peak = float(peak) if peak is not None else None
         self._restore_rank_state(ckpt, saved_size == ranks and w.size == ranks)
         self.policy.mark_saved(st.step)
         self._start_step = st.step
@@ -370,7 +381,29 @@ class RunCheckpoints:
         )
         if plan.message and t.world.is_root:
             (log.warning if plan.warn else log.info)("%s", plan.message)
+        self._say_if_the_peak_moved()
         return plan.schedule
+
+    def _say_if_the_peak_moved(self) -> None:
+        """A scaled lr (optimizer.lr_scaling) follows the replicas: resumed on another
+        number of them (another world size at the same global batch, another layout)
+        the peak lr moves; rank 0 says so and how to keep the checkpoint's."""
+        t, saved = self.trainer, self._saved_peak
+        now = _peak_lr(t)
+        if saved is None or not t.world.is_root or abs(now - saved) <= 1e-9 * abs(saved):
+            return
+        o = t.cfg.optimizer
+        keep = saved * float(o["lr"]) / now if now else saved
+        log.warning(
+            "the checkpoint trained at a peak lr of %g; this run's is %g (optimizer.lr %g x "
+            "%d replicas, lr_scaling %s): to keep the checkpoint's, --set optimizer.lr=%g",
+            saved,
+            now,
+            float(o["lr"]),
+            t.strategy.lr_replicas,
+            o["lr_scaling"],
+            keep,
+        )
 
     def _restore_rank_state(self, ckpt, same_world: bool) -> None:
         """Each rank takes back its own private arrays (error-feedback residuals) when
@@ -400,6 +433,11 @@ class RunCheckpoints:
                 )
             return
         t.strategy.load_rank_state(arrays)
+
+
+def _peak_lr(loop) -> float:
+    o = loop.cfg.optimizer
+    return scaled_lr(float(o["lr"]), o["lr_scaling"], loop.strategy.lr_replicas)
 
 
 def _schedule_length(loop) -> int:
