@@ -255,7 +255,9 @@ class ParameterServer(StrategyBase):
         result = {} if preempted else ctx.evaluate()
         everyone = w.gather_object(self.stats, what="parameter server statistics")
         # asynchronous workers stop at their own steps and samples: the checkpoint keeps
-        # each one's, so that a resume neither repeats nor skips a worker's samples
+        # each one's, so that a resume neither repeats nor skips a worker's samples (one
+        # gather at the end: 3 integers a worker, ~100 KB on rank 0 at 1,024 workers and
+        # ~400 KB at 4,096, beside the statistics gathered just before)
         st = ctx.state
         spots = w.gather_object(
             None if self.is_server else (st.step, st.epoch, st.position),
