@@ -62,11 +62,12 @@ def test_bf16_transformer_loss_within_two_percent_of_float32(tmp_path_factory, b
 def test_bf16_transformer_backends_compute_the_same_parts_in_float32(tmp_path_factory):
     """The TensorFlow zoo mirrors torch's CPU autocast (embeddings, layer norms and the
     residual stream in float32, matmuls in bfloat16): the losses agree at every step to
-    1e-3 (measured 5.5e-4 at worst; 3.9e-3 when TensorFlow kept the residual stream and
-    layer norms in bfloat16), while each is about 3e-3 from its float32 loss."""
+    2e-3 (measured 5.5e-4 at worst; 3.9e-3 when TensorFlow kept the residual stream and
+    layer norms in bfloat16; the bound leaves room for another CPU's bf16 kernels), while
+    each is about 3e-3 from its float32 loss."""
     _, lt = shared_run(tmp_path_factory, 2, "torch", "bf16-transformer")
     _, lf = shared_run(tmp_path_factory, 2, "tensorflow", "bf16-transformer")
-    assert max(abs(a - b) / a for a, b in zip(lt, lf, strict=True)) < 1e-3, (lt, lf)
+    assert max(abs(a - b) / a for a, b in zip(lt, lf, strict=True)) < 2e-3, (lt, lf)
 
 
 share(2, "torch", "fp16-transformer", *TRANSFORMER, "train.precision=fp16")
