@@ -43,6 +43,24 @@ def _run(tmp_path, name, np_, run_dir, *overrides, resume=None, env=None, ok=Tru
     return None, job
 
 
+def _run_in_one_launch(tmp_path, np_, runs):
+    """Several runs one after the other in one launch (train_dump.py's --next: each run
+    reseeds the process, so it equals a fresh one); their weights, in order."""
+    args = [SCRIPT]
+    for name, run_dir, overrides in runs:
+        args += ["--next"] if len(args) > 1 else []
+        args += [str(tmp_path / f"{name}.npz"), "--run-dir", str(run_dir)]
+        for o in [*BASE, *overrides]:
+            args += ["--set", o]
+    job = mpirun(np_, PYTHON, *args, timeout=300)
+    assert job.returncode == 0, job.output
+    out = []
+    for name, _, _ in runs:
+        with np.load(tmp_path / f"{name}.npz") as f:
+            out.append({k: f[k] for k in f.files})
+    return out
+
+
 def _step_losses(run_dir):
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").open()]
     return {x["step"]: x["loss"] for x in lines if x["event"] == "step"}
@@ -64,9 +82,13 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
         f"train.allreduce={engine}",
     ]
     ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    ref, _ = _run(tmp_path, "ref", 2, ref_dir, *common)
-    # 1. Train 30 steps and stop (checkpoints at 10, 20, 30).
-    _run(tmp_path, "part1", 2, run_dir, *common, "train.max_steps=30")
+    # The uninterrupted run, then 1.: train 30 steps and stop (checkpoints at 10, 20, 30);
+    # one launch (a Horovod job retires the warm ranks: each launch starts cold)
+    ref, _ = _run_in_one_launch(
+        tmp_path,
+        2,
+        [("ref", ref_dir, common), ("part1", run_dir, [*common, "train.max_steps=30"])],
+    )
     # 2. Resume, then die by SIGKILL in the middle of writing the step-40 checkpoint.
     _, job = _run(
         tmp_path,
