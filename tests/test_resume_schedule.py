@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import shutil
 import subprocess
 
 import pytest
@@ -115,10 +116,18 @@ def _train(run, *sets, resume=None):
     return out, lrs
 
 
+@pytest.fixture(scope="module")
+def two_epochs(tmp_path_factory):
+    """The 2-epoch run both modes resume (trained once: a process start each costs)."""
+    run = tmp_path_factory.mktemp("two-epochs") / "run"
+    return run, _train(run, "train.epochs=2")[1]
+
+
 @pytest.mark.parametrize("mode", ["stretch", "continue"])
-def test_a_resume_with_more_epochs_follows_and_says_the_chosen_schedule(tmp_path, mode):
+def test_a_resume_with_more_epochs_follows_and_says_the_chosen_schedule(tmp_path, mode, two_epochs):
     run = tmp_path / "run"
-    _, first = _train(run, "train.epochs=2")
+    shutil.copytree(two_epochs[0], run)
+    first = two_epochs[1]
     ocfg = Config.load(None, [*SETS, f"optimizer.resume_schedule={mode}"]).optimizer
     assert first[2 * STEPS] == pytest.approx(lr_at(2 * STEPS - 1, ocfg, 1, STEPS, 2 * STEPS))
     out, lrs = _train(run, "train.epochs=3", f"optimizer.resume_schedule={mode}", resume="auto")
