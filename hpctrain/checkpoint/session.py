@@ -284,11 +284,9 @@ class RunCheckpoints:
             return None
         chosen = str(ckpt.path)
         st = t.state
-        st.step, st.epoch, st.position = (int(ckpt.trainer[k]) for k in TRAINER_KEYS)
-        st.step, st.epoch, st.position = t.strategy.own_position(ckpt) or (
-            st.step,
-            st.epoch,
-            st.position,
+        # asynchronous workers resume at their own (StrategyBase.own_position)
+        st.step, st.epoch, st.position = t.strategy.own_position(ckpt) or tuple(
+            int(ckpt.trainer[k]) for k in TRAINER_KEYS
         )
         st.epoch_loss_sum = float(ckpt.trainer.get("epoch_loss_sum") or 0.0)
         st.epoch_count = int(ckpt.trainer.get("epoch_count") or 0)

@@ -253,17 +253,15 @@ class ParameterServer(StrategyBase):
         preempted = w.any_flag(ctx.preempted() or ctx.pre.requested, "agree on preemption")
         self._final_weights()
         result = {} if preempted else ctx.evaluate()
-        everyone = w.gather_object(self.stats, what="parameter server statistics")
-        # asynchronous workers stop at their own steps and samples: the checkpoint keeps
-        # each one's, so that a resume neither repeats nor skips a worker's samples (one
-        # gather at the end: 3 integers a worker, ~100 KB on rank 0 at 1,024 workers and
-        # ~400 KB at 4,096, beside the statistics gathered just before)
+        # with the statistics, each worker's step and samples: asynchronous workers stop
+        # at their own, and the checkpoint keeps each one's, so that a resume neither
+        # repeats nor skips a worker's samples (3 integers a worker in the gather: ~100
+        # KB more on rank 0 at 1,024 workers, ~400 KB at 4,096)
         st = ctx.state
-        spots = w.gather_object(
-            None if self.is_server else (st.step, st.epoch, st.position),
-            what="parameter server: worker positions",
-        )
-        self._positions = {i: p for i, p in enumerate(spots or []) if p is not None}
+        spot = None if self.is_server else (st.step, st.epoch, st.position)
+        gathered = w.gather_object((self.stats, spot), what="parameter server statistics")
+        everyone = [stats for stats, _ in gathered] if gathered is not None else None
+        self._positions = {i: p for i, (_, p) in enumerate(gathered or []) if p is not None}
         self._ps_summary, final = None, None
         if w.is_root:
             workers = [s for s in everyone if "worker" in s]
