@@ -132,7 +132,7 @@ def test_jitter_noise_continues_after_a_resume_through_the_ranks_random_state():
     state (checkpoint/rng.py): a process that restores it before its layers exist (a
     resume) draws the noise the uninterrupted run drew next."""
     from hpctrain.checkpoint import capture_process_rng, restore_process_rng
-    from hpctrain.moe.parallel import MoELayer
+    from hpctrain.moe.parallel import MoELayer, forget_jitter_rngs
 
     class _Group:
         rank, size = 1, 2
@@ -142,7 +142,10 @@ def test_jitter_noise_continues_after_a_resume_through_the_ranks_random_state():
     layer.jitter_noise((3, 5))
     saved = capture_process_rng()  # at the checkpoint
     expected = [layer.jitter_noise((3, 5)) for _ in range(2)]
-    del layer  # the run ends; a resumed one restores, then makes its layers
+    # the run ends (its layer may live on: a second run in this process); the resumed
+    # run reseeds the process (prepare_process forgets the earlier layers), restores,
+    # then makes its layers
+    forget_jitter_rngs()
     restore_process_rng(saved)
     again = MoELayer(opts, _Group(), "blocks.0")
     for want in expected:

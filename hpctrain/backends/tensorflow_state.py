@@ -14,6 +14,7 @@ from . import tf_env, tf_import  # noqa: F401  (TF imported with its start-up no
 # isort: split
 import tensorflow as tf
 
+from ..moe.parallel import forget_jitter_rngs
 from ..runtime.memory import peak_rss_bytes
 from . import tensorflow_user
 from .base import OPTIMIZER_SLOTS, model_part, replicated_memory_plan, with_model_prefix
@@ -37,6 +38,7 @@ def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
     tf.random.set_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+    forget_jitter_rngs()  # MoE layers' noise streams: made afresh by this run's layers
 
 
 def _keras_global_seed_generator(create: bool = False):

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..moe.parallel import forget_jitter_rngs
 from ..runtime.memory import current_rss_bytes
 from .base import OPTIMIZER_SLOTS, EvalStats
 from .torch_device import from_host, to_host
@@ -127,6 +128,7 @@ def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
+    forget_jitter_rngs()  # MoE layers' noise streams: made afresh by this run's layers
 
 
 def compute_precision(precision, device_type: str = "cpu"):

@@ -257,6 +257,14 @@ def jitter_rng_states() -> dict[str, np.ndarray]:
     return out
 
 
+def forget_jitter_rngs() -> None:
+    """A run reseeds its process (the backends' prepare_process): an earlier run's layers
+    in this process (train_dump.py's --next, a library user's second Trainer) and states
+    left for them are not this run's; a resume's states would otherwise go to them."""
+    _live_rngs.clear()
+    _pending_rngs.clear()
+
+
 def set_jitter_rng_states(arrays: dict[str, np.ndarray]) -> None:
     """Put back what jitter_rng_states took: now for live layers, at creation for the
     rest (a resume restores the random state before the first forward)."""
