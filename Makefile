@@ -9,7 +9,7 @@ export OMPI_ALLOW_RUN_AS_ROOT_CONFIRM := 1
 MPI_TEST_TIMEOUT ?= 1200
 MPIRUN_KILL := timeout --signal=TERM --kill-after=15
 
-.PHONY: install install-test test test-quick test-unit test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean gpu-check
+.PHONY: install install-test test test-quick test-unit test-extended test-mpi test-multinode demo demo-tf lint format bench bench-quick docs clean gpu-check
 
 install:
 	@bash tools/install.sh
@@ -32,7 +32,11 @@ test-quick: install
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
 test-unit:
-	$(PY) -m pytest tests -q
+	$(PY) -m pytest tests -q -m "not extended"
+
+## The longer variants left out of `make test` (marked `extended`; root for the emulated nodes).
+test-extended: install-test
+	$(MPIRUN_KILL) 1800 $(PY) -m pytest tests -q -rs -m extended
 
 test-mpi:
 	$(MPIRUN_KILL) $(MPI_TEST_TIMEOUT) mpirun -np 2 $(PY) tests/mpi_pytest.py tests/mpi -q

@@ -12,7 +12,8 @@ memory below 32 MiB for speed (runtime/allocator.py), and ZeRO-3 frees and reall
 blocks of many sizes (parameter gradients, reduce-scatter pieces), so the heap's
 high-water mark stays above the live memory the plan counts. With
 MALLOC_MMAP_THRESHOLD_=4194304 (blocks over 4 MiB go back to the kernel when freed) the
-peak is 988-989 MiB, within 1% of the plan. (Before Adam was fused, its step's
+peak is 988-989 MiB, within 1% of the plan (no longer a case of the suite since 6 Dec:
+the pipeline's 1F1B case below runs that way). (Before Adam was fused, its step's
 temporaries made ZeRO-3's excess 7-12%, and the test allowed it 15%.)
 """
 
@@ -76,10 +77,9 @@ RECOMPUTED = [
         (1, None, 0.10, ()),
         (2, None, 0.10, ()),
         (3, None, 0.10, ()),
-        (3, RETURN_FREED, 0.10, ()),
         (0, None, 0.10, RECOMPUTED),
     ],
-    ids=["0", "1", "2", "3", "3-freed-returned", "0-checkpointed-activations"],
+    ids=["0", "1", "2", "3", "0-checkpointed-activations"],
 )
 def test_the_plan_matches_the_measured_peak(tmp_path, stage, env, tol, more):
     steps = _events(tmp_path / "run", [*MODEL, f"train.zero={stage}", *more], env)

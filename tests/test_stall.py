@@ -1,40 +1,14 @@
 """The watchdog names the rank holding up a collective, under real mpirun: a rank that
-never arrives, a rank stopped (SIGSTOP) inside the collective, the early warning, and
-the stall report with every rank's stacks."""
+never arrives, a training rank stopped (SIGSTOP) inside the gradient allreduce, the
+early warning, and the stall report with every rank's stacks. (A rank stopped among 4
+in a bare allreduce was a job of its own until 6 Dec: the same probe and report as the
+training case, 13 s of the suite.)"""
 
 import re
 
 from mpirun import PYTHON, ROOT, mpirun
 
 SCRIPT = str(ROOT / "tests" / "scripts" / "stall_job.py")
-
-
-def test_a_rank_stopped_inside_the_allreduce_is_named_with_a_report(tmp_path):
-    job = mpirun(
-        4,
-        PYTHON,
-        SCRIPT,
-        env={"MODE": "stop", "STOP_RANK": "2", "TIMEOUT": "5", "REPORT_DIR": str(tmp_path)},
-        timeout=120,
-    )
-    assert job.returncode != 0
-    # entering at ~1 s, deadline at 5 s, named within timeout + 10 s (plus start-up); the
-    # deadline covers only this allreduce (stall_job.py); the job took 13.5 s at load 4
-    assert job.seconds < 5 + 10 + 20, f"took {job.seconds:.1f} s\n{job.output}"
-    assert re.search(
-        r"'gradient allreduce' .* within 5 s: rank\(s\) 2 did not answer the liveness probe",
-        job.output,
-    ), job.output
-    assert "every rank arrived" not in job.output
-    reports = list(tmp_path.glob("stall-report-*.txt"))
-    assert len(reports) == 1, job.output
-    text = reports[0].read_text()
-    assert "=== rank 2: no answer to the liveness probe ===" in text
-    for r in (0, 1, 3):
-        block = text.split(f"=== rank {r} on ")[1].split("=== rank")[0]
-        assert "'gradient allreduce' entered" in block and "still inside" in block
-        assert "Thread 0x" in block and "stall_job.py" in block  # faulthandler's stacks
-    assert str(reports[0]) in job.output
 
 
 def test_a_rank_that_never_arrives_is_named_with_what_it_last_entered(tmp_path):
@@ -112,4 +86,7 @@ def test_a_rank_stopped_during_training_is_named_in_the_gradient_allreduce(tmp_p
     ), job.output
     report = next(run.glob("stall-report-*.txt")).read_text()
     assert "=== rank 1: no answer to the liveness probe ===" in report
-    assert "=== rank 0 on " in report and "still inside" in report
+    block = report.split("=== rank 0 on ")[1]
+    assert "still inside" in block and "Thread 0x" in block  # with faulthandler's stacks
+    assert "every rank arrived" not in job.output
+    assert str(next(run.glob("stall-report-*.txt"))) in job.output

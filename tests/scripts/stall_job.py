@@ -1,13 +1,11 @@
-"""Watchdog stall jobs: MODE=stop (rank STOP_RANK is SIGSTOPped inside an allreduce),
-MODE=skip (rank SKIP_RANK never enters a barrier) or MODE=normal (many quick
-collectives). TIMEOUT, STALL_WARNING and REPORT_DIR set the watchdog; the deadline and the
-warning apply only after the warm-up, to the collectives the tests measure, so that a
-slow start on a loaded machine cannot trip them."""
+"""Watchdog stall jobs: MODE=skip (rank SKIP_RANK never enters a barrier) or MODE=normal
+(many quick collectives; a rank stopped inside a collective: stall_train.py). TIMEOUT,
+STALL_WARNING and REPORT_DIR set the watchdog; the deadline and the warning apply only
+after the warm-up, to the collectives the tests measure, so that a slow start on a
+loaded machine cannot trip them."""
 
 import os
-import signal
 import sys
-import threading
 import time
 
 import numpy as np
@@ -24,15 +22,7 @@ def main():
     w.allreduce_inplace(buf, what="warm-up allreduce")
     world(collective_timeout=float(os.environ.get("TIMEOUT", "5")))  # from here on
     w.set_stall_warning(float(os.environ.get("STALL_WARNING", "60")))
-    if mode == "stop":
-        stop_rank = int(os.environ.get("STOP_RANK", "1"))
-        if w.rank == stop_rank:
-            # stop while waiting inside the allreduce (the others enter it later)
-            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGSTOP)).start()
-        else:
-            time.sleep(2.0)
-        w.allreduce_inplace(buf, what="gradient allreduce")
-    elif mode == "skip":
+    if mode == "skip":
         if w.rank == int(os.environ.get("SKIP_RANK", "1")):
             time.sleep(120)
             return
