@@ -449,6 +449,15 @@ SCHEMA: dict[str, Any] = {
             minimum=0,
             exclusive_min=True,
         ),
+        "write_timeout": _f(
+            3600.0,
+            (int, float),
+            "seconds the other ranks wait for a checkpoint's write (rank 0's file, the "
+            "slowest rank's shard) before the job ends as a stall naming the writer; "
+            "runtime.collective_timeout does not cover it",
+            minimum=0,
+            exclusive_min=True,
+        ),
         "resume": _f(
             "never", str, "auto: newest valid checkpoint in dir | never | a file (--resume)"
         ),

@@ -253,3 +253,23 @@ def test_resume_choices(tmp_path):
         fh.write(b"XXXX")
     with pytest.raises(CheckpointError, match="x.h5: file digest mismatch"):
         resume_checkpoint(CheckpointPolicy({"resume": str(tmp_path / "x.h5")}))
+
+
+def test_a_resume_says_which_compressor_state_starts_afresh(caplog):
+    """Same world size, other compression settings (compression.rank 2 -> 4): PowerSGD's
+    factors cannot be taken back and start afresh; said once, by name, with the sizes."""
+    import logging
+
+    import numpy as np
+
+    from hpctrain.checkpoint.session import _say_what_starts_afresh
+
+    saved = {"residual": np.zeros(100), "powersgd.q": np.zeros(20)}
+    current = {"residual": np.zeros(100), "powersgd.q": np.zeros(40)}
+    with caplog.at_level(logging.WARNING, logger="hpctrain.checkpoint"):
+        _say_what_starts_afresh("ckpt-00000020.h5", current, saved)
+        _say_what_starts_afresh("ckpt-00000020.h5", current, current)  # all taken: silent
+    assert [r.getMessage() for r in caplog.records] == [
+        "ckpt-00000020.h5: saved with other compression settings, so these start afresh: "
+        "powersgd.q (20 vs 40 values)"
+    ]

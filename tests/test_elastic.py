@@ -316,3 +316,25 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
     assert sent == [sig.SIGUSR1, sig.SIGINT] and sup.stop_signal == sig.SIGTERM
     assert sup.launch(["mpirun"]) is None  # stopped: not started again
     assert sent == [sig.SIGUSR1, sig.SIGINT]
+
+
+@pytest.mark.parametrize(
+    "codes, launches, result",
+    [([3, 0], 2, 0), ([2], 1, 2), ([1, 3, 0], 3, 0)],
+    ids=["one-ranks-error-restarted", "agreed-error-not", "crash-then-one-ranks-error"],
+)
+def test_only_an_agreed_user_error_is_not_restarted(tmp_path, monkeypatch, codes, launches, result):
+    """Exit 2 (every rank agreed on a user error) would fail the same way again; exit 3
+    (a user error one rank saw alone, as an unreadable file on one node) may pass, and
+    is restarted like a crash (failfast.py)."""
+    from hpctrain.config import Config
+    from hpctrain.elastic import supervisor
+    from hpctrain.elastic.hosts import Host
+
+    left = list(codes)
+    monkeypatch.setattr(supervisor.Supervisor, "launch", lambda self, argv: left.pop(0))
+    monkeypatch.setattr(supervisor, "probe", lambda hosts, *a: {h.name: None for h in hosts})
+    opts = supervisor.Options(["train"], [], tmp_path, [Host("localhost", 2)], max_restarts=3)
+    assert supervisor.Supervisor(opts, Config.load(None, [])).run() == result
+    events = [json.loads(x)["event"] for x in (tmp_path / "elastic" / "events.jsonl").open()]
+    assert events.count("launch") == launches and not left, events

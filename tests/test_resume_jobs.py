@@ -131,6 +131,21 @@ def test_interrupted_run_resumes_bit_for_bit_even_after_kill_during_save(tmp_pat
     assert [e for e, *_ in _epoch_records(run_dir)].count(0) == 1
 
 
+@pytest.mark.parametrize("layout", ["checkpoint.sharded=false", "checkpoint.async=true"])
+def test_a_checkpoint_write_longer_than_the_collective_timeout_is_waited_for(tmp_path, layout):
+    """Rank 0 writes the file 4.5 s late, under a 3 s collective timeout: the other rank
+    waits for the write under checkpoint.write_timeout (the barrier after a synchronous
+    save, the one after an asynchronous run's last write) instead of in its next
+    collective, which ended the job as a stall and lost the checkpoint."""
+    run_dir = tmp_path / "run"
+    sets = [layout, "train.max_steps=2", "checkpoint.every_steps=2"]
+    sets += ["runtime.collective_timeout=3", "checkpoint.write_timeout=60"]
+    slow = {"HPCTRAIN_FAULT_WRITE_DELAY": "0:4.5"}
+    _, job = _run(tmp_path, "slow-write", 2, run_dir, *sets, env=slow)
+    assert "watchdog" not in job.output, job.output
+    assert [s for s, _ in list_checkpoints(run_dir / "checkpoints")] == [2], job.output
+
+
 @pytest.mark.parametrize("backend,ranks", [("torch", 1), ("tensorflow", 2)])
 def test_async_checkpoints_hold_their_step_and_resume_bit_for_bit(tmp_path, backend, ranks):
     """checkpoint.async: training goes on while the file is written, from a copy taken

@@ -28,6 +28,7 @@ DEFAULTS: dict[str, tuple] = {
     "async": (False, "write in a background thread (the caller only copies the arrays)"),
     "sharded": (True, "every rank writes its part to its own file; rank 0 commits (sharded.py)"),
     "shard_min_mb": (1.0, "replicated state is not cut into shard files smaller than this"),
+    "write_timeout": (3600.0, "seconds the other ranks wait for a checkpoint write"),
     "resume": ("never", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
 }
 
@@ -76,6 +77,11 @@ def _validate(values: dict) -> list[str]:
     number = isinstance(mt, (int, float)) and not isinstance(mt, bool) and math.isfinite(mt)
     if not number or mt <= 0:
         problems.append(_problem("mtbf_hours", mt, "a positive number"))
+    wt = v.get("write_timeout", 3600.0)
+    if not (isinstance(wt, (int, float)) and not isinstance(wt, bool) and math.isfinite(wt)) or (
+        wt <= 0
+    ):
+        problems.append(_problem("write_timeout", wt, "a positive number of seconds"))
     sm = v.get("shard_min_mb", 1.0)
     if not (isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm)) or (
         sm <= 0
@@ -125,6 +131,7 @@ class CheckpointPolicy:
         self.async_save: bool = merged["async"]
         self.sharded: bool = merged["sharded"] and not self.async_save
         self.shard_min_bytes = max(1, int(float(merged["shard_min_mb"]) * (1 << 20)))
+        self.write_timeout: float = float(merged["write_timeout"])
         self.resume: str = merged["resume"]
         self.last_step: int | None = None
         self.last_time = time.monotonic()

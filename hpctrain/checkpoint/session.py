@@ -23,6 +23,7 @@ import logging
 import time
 from pathlib import Path
 
+import numpy as np
 import yaml
 
 from ..errors import CheckpointError
@@ -85,6 +86,8 @@ class RunCheckpoints:
         saved = self.checkpointer.maybe_save(
             step, lambda: self._collect(metrics), epoch_end=epoch_end, final=final, agree=agree
         )
+        if saved:
+            self._wait_for_the_write("checkpoint write")
         if saved and self.policy.auto and not final:
             self._retune(step, started)
         return saved
@@ -122,7 +125,22 @@ class RunCheckpoints:
         return self.checkpointer.wait()
 
     def close(self) -> None:
+        """Collective, at the end of a run: the last (asynchronous) write is finished."""
         self.checkpointer.wait()
+        self._wait_for_the_write("last checkpoint write")
+
+    def _wait_for_the_write(self, what: str) -> None:
+        """Every rank waits while the writer finishes a write on its own thread (a
+        synchronous save, the commit of a sharded one, the end of an asynchronous one),
+        under `checkpoint.write_timeout` (1 h by default) instead of the collective
+        timeout: otherwise the others wait for the writer in their next collective, whose
+        deadline (10 min by default) a large checkpoint on a busy parallel filesystem
+        can pass, ending the job as a stall and losing the checkpoint. An asynchronous
+        save's writer arrives at once. One barrier per save: O(log N) latency, the same
+        ~10-20 us at 1,024 or 4,096 ranks as at 2, beside a write of seconds."""
+        if self.enabled:
+            option = f"checkpoint.write_timeout={self.policy.write_timeout:g} s"
+            self.trainer.world.barrier(f"{what} ({option})", self.policy.write_timeout)
 
     def preempt(self, pre, progress, metrics: dict | None = None, label: str = "") -> str:
         """Every rank reached the same step after a signal: checkpoint; the job is
@@ -146,7 +164,7 @@ class RunCheckpoints:
             else:
                 progress.message(stopped)
                 self._requeue_after_run = path is not None
-        w.barrier("preemption checkpoint written")
+        w.barrier("preemption checkpoint written", self.policy.write_timeout)
         return w.bcast_object(signal, what="agree on the preemption signal")
 
     def requeue_after_run(self, pre) -> bool:
@@ -169,6 +187,7 @@ class RunCheckpoints:
         self.checkpointer.fence()  # the previous save's copy is done before buffers change
         if self.policy.async_save:  # and its write, before a new copy of the state is made
             self.checkpointer.wait_written()  # (save() waits for it too, then holding both)
+            self._wait_for_the_write("previous checkpoint write")
         s.average_buffers()
         rng = {**capture_process_rng(), **s.rng_state()}
         gathered = w.gather_bytes(rng_to_bytes(rng), what="gather random states")
@@ -221,8 +240,13 @@ class RunCheckpoints:
             record = write(folder, step, w.rank, w.size, what, faults=self.checkpointer.faults)
         except CheckpointError as exc:
             error = str(exc)
-        try:
-            w.agree(error, prefix=f"checkpoint {label}: ", error_type=CheckpointError)
+        try:  # the slowest rank's write: under checkpoint.write_timeout
+            w.agree(
+                error,
+                prefix=f"checkpoint {label}: ",
+                error_type=CheckpointError,
+                timeout=self.policy.write_timeout,
+            )
         except CheckpointError:
             if w.is_root:
                 sharded.remove_uncommitted(folder, step)
@@ -410,7 +434,8 @@ class RunCheckpoints:
         once: training stays correct (error feedback starts afresh), only not bit for
         bit the uninterrupted run."""
         t, w = self.trainer, self.trainer.world
-        if not t.strategy.rank_state():  # nothing per rank in this run (the config says)
+        current = t.strategy.rank_state()
+        if not current:  # nothing per rank in this run (the config says)
             return
         arrays, why = None, "saved without them"
         if not same_world:
@@ -430,7 +455,27 @@ class RunCheckpoints:
                     "%s: error-feedback residuals start from zero (%s)", ckpt.path.name, why
                 )
             return
+        if w.is_root:  # the same on every rank (one config): said once
+            _say_what_starts_afresh(ckpt.path.name, current, arrays)
         t.strategy.load_rank_state(arrays)
+
+
+def _say_what_starts_afresh(name: str, current: dict, saved: dict) -> None:
+    """The per-rank arrays a resume cannot take back because this run's compressor
+    settings give them another size (compression.rank, another method) or has them
+    where the checkpoint has none: the reducer starts those from zero (a residual) or
+    afresh (PowerSGD's factors), correct but not the uninterrupted run bit for bit."""
+    lost = [
+        f"{k} ({np.size(saved[k]) if k in saved else 'not saved'} vs {np.size(v)} values)"
+        for k, v in sorted(current.items())
+        if k not in saved or np.size(saved[k]) != np.size(v)
+    ]
+    if lost:
+        log.warning(
+            "%s: saved with other compression settings, so these start afresh: %s",
+            name,
+            ", ".join(lost),
+        )
 
 
 def _peak_lr(loop) -> float:

@@ -9,9 +9,9 @@ sample position, which is a position in the global epoch order, so a restart at 
 world size neither skips nor repeats a sample of the epoch. Events go to
 `<run-dir>/elastic/events.jsonl` and to stderr.
 
-Not restarted: success (0), a user error every rank agreed on (2: it would fail again),
-Ctrl-C (130), or a stop the supervisor itself was asked for (SIGTERM/SIGINT/SIGUSR1).
-Such a stop reaches the job as SIGUSR1, hpctrain's "checkpoint and stop" signal: the
+Not restarted: success (0), a user error every rank agreed on (2: it would fail again;
+one rank's own error, 3, is restarted), Ctrl-C (130), or a stop the supervisor itself
+was asked for (SIGTERM/SIGINT/SIGUSR1). Such a stop reaches the job as SIGUSR1, hpctrain's "checkpoint and stop" signal: the
 launcher runs in a session of its own (a terminal's Ctrl-C reaches the supervisor only),
 because mpirun ends its ranks about 1 s after a SIGINT/SIGTERM of its own
 (`odls_base_sigkill_timeout`), before a checkpoint could be written. A second

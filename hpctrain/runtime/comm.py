@@ -112,16 +112,19 @@ class GuardedComm(HostArrays):
         return self._node_split
 
     # --- control collectives (small, guarded) ------------------------------------
-    def agree(self, error: str | None, prefix: str = "", error_type=RankErrors) -> None:
+    def agree(
+        self, error: str | None, prefix: str = "", error_type=RankErrors, timeout=None
+    ) -> None:
         """Every rank passes its own error (or None); if any rank has one, every rank raises.
 
         This is how input problems that only some ranks can see (a file missing on one
         node, a NaN on one replica) become one clear message on every rank, without a
-        rank left waiting in a later collective.
+        rank left waiting in a later collective. `timeout`: this wait's deadline instead
+        of the collective timeout (after work of known length, such as a file write).
         """
         flag = np.array([0 if error is None else 1], dtype=np.int32)
         if self.size > 1:
-            with self.watchdog.guard("agree on errors"):
+            with self.watchdog.guard("agree on errors", timeout):
                 self.comm.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MAX)
         if not flag[0]:
             return
@@ -332,8 +335,12 @@ class GuardedComm(HostArrays):
             desc = "; ".join(f"{v} on rank(s) {rank_ranges(rs)}" for v, rs in groups.items())
             raise LaunchError(f"{what} differs between ranks: {desc}")
 
-    def barrier(self, what: str = "barrier") -> None:
-        with self.watchdog.guard(what):
+    def barrier(self, what: str = "barrier", timeout: float | None = None) -> None:
+        """Every rank waits for the others; `timeout`: this wait's deadline instead of the
+        collective timeout (where a rank is known to be busy longer, writing a file)."""
+        if self.size == 1:
+            return
+        with self.watchdog.guard(what, timeout):
             self.comm.Barrier()
 
     def bcast_object(self, obj, root: int = 0, what: str = "broadcast"):

@@ -5,7 +5,9 @@
   with status 2 by itself: no MPI_Abort, so no Open MPI abort banner and no copy per
   rank. The traceback is shown only with --verbose.
 - A user error only one rank knows about must not leave the others waiting in their
-  next collective: that rank prints its one line and calls MPI_Abort.
+  next collective: that rank prints its one line and calls MPI_Abort with status 3, not
+  2: such an error (an unreadable file on one node's filesystem, a full local disk) may
+  pass, and `hpctrain elastic` restarts what ends with 3 but never what ends with 2.
 - Anything else is a bug or a crash inside a framework: the failing rank prints its
   traceback once, then MPI_Abort ends every rank with a non-zero exit code.
 - Ctrl-C outside training (where runtime.preemption turns it into a checkpoint and a
@@ -25,7 +27,8 @@ from ..errors import HpctrainError
 from .logs import is_verbose, set_verbose
 from .world import world_if_started
 
-EXIT_USER_ERROR = 2
+EXIT_USER_ERROR = 2  # every rank agreed: the same run would fail the same way again
+EXIT_RANK_ERROR = 3  # one rank's own user error (MPI_Abort): a restart may get past it
 EXIT_INTERRUPTED = 130
 
 
@@ -74,7 +77,7 @@ def run_fail_together(fn, *args, **kwargs) -> int:
         text = user_error_text(exc, is_verbose())
         if w is not None and w.size > 1 and not exc.agreed:
             # Only this rank knows about the problem: the others must not wait for it.
-            w.abort(text, EXIT_USER_ERROR)
+            w.abort(text, EXIT_RANK_ERROR)
         sys.stdout.flush()
         # An error agreed while the World was being built has no registered World yet:
         # the agreement recorded this rank on the exception.

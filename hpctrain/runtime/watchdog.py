@@ -59,7 +59,7 @@ class Watchdog:
         self._log = stall.SectionLog()
         self._active: dict[int, tuple[str, float, float]] = {}  # seq -> (what, entered, limit)
         self._noticed: set[tuple[int, str]] = set()  # (seq, "warn"|"deadline") handled
-        self._give_up_at: tuple[float, int, str] | None = None
+        self._give_up_at: tuple[float, int, str, float] | None = None
         self._round = 0
         self._sends: list = []
         self._stop = threading.Event()
@@ -117,27 +117,28 @@ class Watchdog:
             active = list(self._active.items())
         for seq, (what, entered, limit) in active:
             if now - entered >= limit:
-                self._stalled(seq, what, "deadline")
+                self._stalled(seq, what, "deadline", limit)
             elif 0 < self.stall_warning < limit and now - entered >= self.stall_warning:
-                self._stalled(seq, what, "warn")
+                self._stalled(seq, what, "warn", limit)
         if self._give_up_at and now >= self._give_up_at[0]:
-            _, seq, what = self._give_up_at
+            _, seq, what, limit = self._give_up_at
             self._abort(
                 f"watchdog: '{what}' (collective #{seq}) did not finish within "
-                f"{self.timeout:g} s and rank 0 did not report: rank 0 never arrived or "
+                f"{limit:g} s and rank 0 did not report: rank 0 never arrived or "
                 "does not answer (stopped or hung)."
             )
 
-    def _stalled(self, seq: int, what: str, kind: str):
+    def _stalled(self, seq: int, what: str, kind: str, limit: float):
         if (seq, kind) in self._noticed:
             return
         self._noticed.add((seq, kind))
         if self.rank == 0:
-            self._investigate(seq, what, kind)
+            self._investigate(seq, what, kind, limit)
             return
-        self._sends.append(self._comm.isend((seq, what, kind), dest=0, tag=_TAG_NOTICE))
+        self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
         if kind == "deadline":
-            self._give_up_at = (time.monotonic() + _PROBE_WAIT + _GRACE_SECONDS, seq, what)
+            give_up = time.monotonic() + _PROBE_WAIT + _GRACE_SECONDS
+            self._give_up_at = (give_up, seq, what, limit)
 
     def _serve(self):
         """Answer probes (every rank) and act on other ranks' notices (rank 0)."""
@@ -151,10 +152,10 @@ class Watchdog:
                     self._comm.isend((round_id, self._snapshot(with_stacks)), 0, _TAG_ANSWER)
                 )
             elif tag == _TAG_NOTICE and self.rank == 0:
-                seq, what, kind = msg
+                seq, what, kind, limit = msg
                 if (seq, kind) not in self._noticed:
                     self._noticed.add((seq, kind))
-                    self._investigate(seq, what, kind)
+                    self._investigate(seq, what, kind, limit)
             # a late answer from an earlier round is dropped
         self._sends = [r for r in self._sends if not r.Test()]
 
@@ -163,7 +164,7 @@ class Watchdog:
             return stall.snapshot(self._MPI.COMM_WORLD.Get_rank(), self._log, with_stacks)
 
     # --- rank 0: probe, judge, warn or end the job --------------------------------------
-    def _investigate(self, seq: int, what: str, kind: str):
+    def _investigate(self, seq: int, what: str, kind: str, limit: float):
         deadline = kind == "deadline"
         with_stacks = deadline and self.report_dir is not None
         answers = self._probe(with_stacks)
@@ -184,10 +185,15 @@ class Watchdog:
                 )
             except OSError as exc:
                 where = f" (the stall report could not be written in {self.report_dir}: {exc})"
+        # a section with a deadline of its own names the option that sets it in `what`
+        advice = (
+            " Raise runtime.collective_timeout if a step legitimately takes longer."
+            if limit == self.timeout
+            else ""
+        )
         self._abort(
             f"watchdog: '{what}' (collective #{seq}) did not finish within "
-            f"{self.timeout:g} s: {verdict.summary()}.{where} Raise "
-            "runtime.collective_timeout if a step legitimately takes longer."
+            f"{limit:g} s: {verdict.summary()}.{where}{advice}"
         )
 
     def _probe(self, with_stacks: bool) -> dict[int, stall.Snapshot]:
