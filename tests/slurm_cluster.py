@@ -207,14 +207,15 @@ class SlurmCluster:
     env: dict
     pids: dict[str, int] = field(default_factory=dict)
 
-    def run(self, *cmd: str, timeout: float = 30, cwd=None, check: bool = False):
-        """A SLURM command (or any command) in the cluster's environment, time-limited."""
+    def run(self, *cmd: str, timeout: float = 30, cwd=None, check: bool = False, env=None):
+        """A SLURM command (or any command) in the cluster's environment (plus `env`),
+        time-limited."""
         return subprocess.run(
             list(cmd),
             capture_output=True,
             text=True,
             timeout=timeout,
-            env=self.env,
+            env={**self.env, **(env or {})},
             cwd=cwd,
             check=check,
         )

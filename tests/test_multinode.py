@@ -429,7 +429,9 @@ def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, t
         submit = [HPCTRAIN, "slurm", "submit", "train", "--nodes", "2", "--ntasks-per-node", "1"]
         submit += ["--time", "00:10:00", "--config", str(config)]
         submit += ["--log-dir", str(logs), "--run-root", str(runs)]
-        submitted = slurm.run(*submit, timeout=60, cwd=tmp_path)
+        # extra arguments (sbatch passes the environment on) must not drop --resume auto
+        extra = {"HPCTRAIN_EXTRA_ARGS": "--verbose"}
+        submitted = slurm.run(*submit, timeout=60, cwd=tmp_path, env=extra)
         assert submitted.returncode == 0, submitted.stderr
         job_id = submitted.stdout.strip()
         metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"

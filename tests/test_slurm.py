@@ -883,6 +883,9 @@ def _final_model(run_dir: Path) -> dict:
 
 
 @pytest.mark.timeout(600)
+# One node's case of test_multinode.py's two-node preemption and requeue (which runs in
+# `make test` with the same checks); 18 s, so it runs in `make test-extended`.
+@pytest.mark.extended
 def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(slurm, tmp_path):
     import numpy as np
     from mpirun import mpirun
