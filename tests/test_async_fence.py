@@ -132,7 +132,9 @@ def test_an_async_save_stages_the_export_unless_it_will_be_written_at_once(tmp_p
         wait_exported=lambda: None,
         hold_exported_state=lambda fence: True,
     )
-    world = SimpleNamespace(is_root=True, size=1, gather_bytes=lambda data, what: [data])
+    world = SimpleNamespace(
+        is_root=True, size=1, gather_bytes=lambda data, what: [data], barrier=lambda *a: None
+    )
     run = RunCheckpoints.__new__(RunCheckpoints)
     run.trainer = SimpleNamespace(world=world, strategy=strategy)
     run.policy = CheckpointPolicy({"dir": str(tmp_path), "async": True})
