@@ -9,6 +9,8 @@ Every test gets its tier markers here, by module, so no test file repeats them:
     slurm      a SLURM cluster (test_slurm.py, and every test that starts one)
     slow       every test that is not quick
     gpu        set by a test itself; skipped, with the reason, where torch sees no CUDA
+    extended   set by a test itself: a variant `make test` covers with another test, left
+               out of it (its 20-minute budget) and run by `make test-extended`
 
 e.g. `pytest -m quick tests`, `pytest -m "slow and not multinode" tests`.
 """
