@@ -66,6 +66,11 @@ def _validate(values: dict) -> list[str]:
     def is_int(v):
         return isinstance(v, int) and not isinstance(v, bool)
 
+    def is_positive_number(x):
+        return (
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+        )
+
     v = values
     for key in ("enabled", "at_epoch_end", "async", "sharded"):
         if key in v and not isinstance(v[key], bool):
@@ -73,20 +78,13 @@ def _validate(values: dict) -> list[str]:
     es = v.get("every_steps")
     if es is not None and es != "auto" and not (is_int(es) and es > 0):
         problems.append(_problem("every_steps", es, "a positive integer, auto or null"))
-    mt = v.get("mtbf_hours", 1.0)
-    number = isinstance(mt, (int, float)) and not isinstance(mt, bool) and math.isfinite(mt)
-    if not number or mt <= 0:
-        problems.append(_problem("mtbf_hours", mt, "a positive number"))
-    wt = v.get("write_timeout", 3600.0)
-    if not (isinstance(wt, (int, float)) and not isinstance(wt, bool) and math.isfinite(wt)) or (
-        wt <= 0
+    for key, what in (
+        ("mtbf_hours", "a positive number"),
+        ("write_timeout", "a positive number of seconds"),
+        ("shard_min_mb", "a positive number"),
     ):
-        problems.append(_problem("write_timeout", wt, "a positive number of seconds"))
-    sm = v.get("shard_min_mb", 1.0)
-    if not (isinstance(sm, (int, float)) and not isinstance(sm, bool) and math.isfinite(sm)) or (
-        sm <= 0
-    ):
-        problems.append(_problem("shard_min_mb", sm, "a positive number"))
+        if key in v and not is_positive_number(v[key]):
+            problems.append(_problem(key, v[key], what))
     em = v.get("every_minutes")
     if em is not None and not (
         isinstance(em, (int, float)) and not isinstance(em, bool) and math.isfinite(em) and em > 0

@@ -139,8 +139,11 @@ class RunCheckpoints:
         save's writer arrives at once. One barrier per save: O(log N) latency, the same
         ~10-20 us at 1,024 or 4,096 ranks as at 2, beside a write of seconds."""
         if self.enabled:
-            option = f"checkpoint.write_timeout={self.policy.write_timeout:g} s"
-            self.trainer.world.barrier(f"{what} ({option})", self.policy.write_timeout)
+            self.trainer.world.barrier(self._write_section(what), self.policy.write_timeout)
+
+    def _write_section(self, what: str) -> str:
+        """A wait for a write, named with the option that sets its deadline."""
+        return f"{what} (checkpoint.write_timeout={self.policy.write_timeout:g} s)"
 
     def preempt(self, pre, progress, metrics: dict | None = None, label: str = "") -> str:
         """Every rank reached the same step after a signal: checkpoint; the job is
@@ -164,7 +167,7 @@ class RunCheckpoints:
             else:
                 progress.message(stopped)
                 self._requeue_after_run = path is not None
-        w.barrier("preemption checkpoint written", self.policy.write_timeout)
+        w.barrier(self._write_section("preemption checkpoint written"), self.policy.write_timeout)
         return w.bcast_object(signal, what="agree on the preemption signal")
 
     def requeue_after_run(self, pre) -> bool:
@@ -246,6 +249,7 @@ class RunCheckpoints:
                 prefix=f"checkpoint {label}: ",
                 error_type=CheckpointError,
                 timeout=self.policy.write_timeout,
+                what=self._write_section(f"agree on the checkpoint {label} writes"),
             )
         except CheckpointError:
             if w.is_root:

@@ -11,8 +11,9 @@ world size neither skips nor repeats a sample of the epoch. Events go to
 
 Not restarted: success (0), a user error every rank agreed on (2: it would fail again;
 one rank's own error, 3, is restarted), Ctrl-C (130), or a stop the supervisor itself
-was asked for (SIGTERM/SIGINT/SIGUSR1). Such a stop reaches the job as SIGUSR1, hpctrain's "checkpoint and stop" signal: the
-launcher runs in a session of its own (a terminal's Ctrl-C reaches the supervisor only),
+was asked for (SIGTERM/SIGINT/SIGUSR1). Such a stop reaches the job as SIGUSR1,
+hpctrain's "checkpoint and stop" signal: the launcher runs in a session of its own (a
+terminal's Ctrl-C reaches the supervisor only),
 because mpirun ends its ranks about 1 s after a SIGINT/SIGTERM of its own
 (`odls_base_sigkill_timeout`), before a checkpoint could be written. A second
 SIGINT/SIGTERM is passed on as it is: the job ends now.

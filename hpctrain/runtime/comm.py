@@ -113,18 +113,24 @@ class GuardedComm(HostArrays):
 
     # --- control collectives (small, guarded) ------------------------------------
     def agree(
-        self, error: str | None, prefix: str = "", error_type=RankErrors, timeout=None
+        self,
+        error: str | None,
+        prefix: str = "",
+        error_type=RankErrors,
+        timeout: float | None = None,
+        what: str = "agree on errors",
     ) -> None:
         """Every rank passes its own error (or None); if any rank has one, every rank raises.
 
         This is how input problems that only some ranks can see (a file missing on one
         node, a NaN on one replica) become one clear message on every rank, without a
         rank left waiting in a later collective. `timeout`: this wait's deadline instead
-        of the collective timeout (after work of known length, such as a file write).
+        of the collective timeout (after a rank's longer work, such as a file write),
+        then named with the option that sets it in `what`.
         """
         flag = np.array([0 if error is None else 1], dtype=np.int32)
         if self.size > 1:
-            with self.watchdog.guard("agree on errors", timeout):
+            with self.watchdog.guard(what, timeout):
                 self.comm.Allreduce(self.MPI.IN_PLACE, flag, op=self.MPI.MAX)
         if not flag[0]:
             return
