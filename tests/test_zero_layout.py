@@ -154,7 +154,7 @@ class _TwoRanks:
         return _Pending(self, mine, buf)
 
 
-def _gather(comm, prefetch=True):
+def _gather(comm, prefetch=True, poll_s=0.0):
     from hpctrain.exchange.zero3 import UnitGather
 
     part = ZeroPartition(comm, SIZES, 3, 0, units=UNITS)
@@ -165,7 +165,7 @@ def _gather(comm, prefetch=True):
     def buffer(u):
         return slots[u % 2][: part.segments[u].padded]
 
-    gather = UnitGather(part, shard, buffer, 2, prefetch=prefetch, poll_s=0)
+    gather = UnitGather(part, shard, buffer, 2, prefetch=prefetch, poll_s=poll_s)
     return part, shard, gather, buffer
 
 
@@ -221,6 +221,26 @@ def test_unit_gather_keeps_at_most_one_prefetch_on_its_way():
     assert not g._pending and not g.live and g.holder == [2, 1]
     # bytes sent: (N-1) pieces per gather, as `comm_bytes` counts them
     assert part.take_sent() == 4 * sum(part.segments[u].piece(2) for u in (0, 1, 2))
+
+
+def test_a_unit_gather_dropped_ends_its_progress_thread_and_is_freed():
+    """The progress thread (MPI's gathers) holds its gather only while it tests one:
+    a gather dropped after a run is freed and its thread ends (it held both for the
+    life of the process before 6 Dec)."""
+    import gc
+    import weakref
+
+    _, _, g, _ = _gather(_TwoRanks(), poll_s=0.0005)
+    g.need(0)
+    g.prefetch(1)
+    thread = g._thread
+    assert thread is not None and thread.is_alive()
+    g.release_all()
+    gone = weakref.ref(g)
+    del g
+    gc.collect()
+    thread.join(timeout=10)
+    assert gone() is None and not thread.is_alive()
 
 
 def _mlp():

@@ -26,6 +26,7 @@ from . import gradient_engine, step, torch_moe, torch_tensor, torch_user
 from .base import BackendBase, EvalStats, StepStats, build_agreed
 from .groups import ModelGroups
 from .torch_device import DeviceFeeder, agreed_device, read_later, to_host
+from .torch_hooks import weak_hook
 from .torch_model import ZooNet, _Layer, build_model, init_stream  # noqa: F401
 from .torch_probe import gpu_of_rank, probe  # noqa: F401 - doctor asks the backend module
 from .torch_state import TorchStateMixin
@@ -176,7 +177,7 @@ class TorchBackend(TorchStateMixin, BackendBase):
             ]
             self._arrived = [False] * len(params)
             for i, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
         self._hooks_live = False
 
     def broadcast_from_root(self) -> None:

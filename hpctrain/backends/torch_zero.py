@@ -22,14 +22,13 @@ gradient being produced.
 
 from __future__ import annotations
 
-from functools import partial
-
 import numpy as np
 import torch
 from torch import nn
 
 from ..exchange.zero import ZeroPartition
 from .base import OPTIMIZER_SLOTS
+from .torch_hooks import weak_hook
 from .torch_offload import shard_optimizer, slot_bytes
 from .torch_steps import adam_step
 
@@ -140,7 +139,7 @@ class TorchZero(ShardedOptimizerState):
             self._open: dict[int, object] = {}  # segment -> buffer, while it fills
             self._order = list(reversed(range(len(part.segments))))  # backward's order
             for i, p in enumerate(params):
-                p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+                p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
 
     # --- a step -----------------------------------------------------------------------
     def begin_step(self) -> None:

@@ -40,6 +40,7 @@ from torch.utils._pytree import tree_flatten
 from ..errors import ConfigError
 from ..exchange.zero import ZeroPartition, unit_plan
 from ..exchange.zero3 import UnitGather, memory_figures
+from .torch_hooks import weak_hook
 from .torch_offload import shard_optimizer
 from .torch_zero import ShardedOptimizerState
 
@@ -152,10 +153,10 @@ class TorchZero3(ShardedOptimizerState):
         self._arm()
         for u, group in enumerate(groups):
             first, last = modules[group[0]], modules[group[-1]]
-            first.register_forward_pre_hook(partial(self._before_forward, u))
-            last.register_forward_hook(partial(self._after_forward, u))
+            first.register_forward_pre_hook(weak_hook(self._before_forward, u))
+            last.register_forward_hook(weak_hook(self._after_forward, u))
         for i, p in enumerate(params):
-            p.register_post_accumulate_grad_hook(partial(self._grad_ready, i))
+            p.register_post_accumulate_grad_hook(weak_hook(self._grad_ready, i))
 
     # --- construction: the shard from whole units, one unit at a time ------------------
     def _view(self, i: int) -> torch.Tensor:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Callable
 
 import numpy as np
@@ -146,24 +147,41 @@ class UnitGather:
     def _ensure_thread(self) -> None:
         if self._thread is None and self.poll_s > 0:
             self._thread = threading.Thread(
-                target=self._poll, name="hpctrain-zero3-prefetch", daemon=True
+                target=_poll,
+                args=(weakref.ref(self), self._wake, self.poll_s),
+                name="hpctrain-zero3-prefetch",
+                daemon=True,
             )
+            weakref.finalize(self, self._wake.set)  # a gather freed ends its thread
             self._thread.start()
 
-    def _poll(self) -> None:
-        """Test the outstanding gather every poll_s while there is one (no spinning)."""
-        while not self._stop:
-            self._wake.wait()
-            with self._lock:
-                busy = any(not p.test() for p in self._pending.values())
-                if not busy:
-                    self._wake.clear()
-            if busy:
-                threading.Event().wait(self.poll_s)
+    def _busy(self) -> bool:
+        """Test the outstanding gathers; False (and the thread sleeps) once none is."""
+        with self._lock:
+            busy = any(not p.test() for p in self._pending.values())
+            if not busy:
+                self._wake.clear()
+        return busy
 
     def close(self) -> None:
         self._stop = True
         self._wake.set()
+
+
+def _poll(gather_ref: weakref.ref, wake: threading.Event, poll_s: float) -> None:
+    """Test a gather's outstanding allgathers every poll_s while there is one (no
+    spinning). The thread holds its gather only while it tests: one it held for good
+    would keep the run's shard and slots alive after the run, and itself for the life
+    of a process that runs several (a notebook, a sweep)."""
+    while True:
+        wake.wait()
+        gather = gather_ref()
+        if gather is None or gather._stop:
+            return
+        busy = gather._busy()
+        del gather
+        if busy:
+            threading.Event().wait(poll_s)
 
 
 def memory_figures(

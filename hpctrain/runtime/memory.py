@@ -17,9 +17,33 @@ UNLIMITED = 1 << 60  # cgroup v1 reports "no limit" as a page-rounded 2**63 - 1
 
 
 def peak_rss_bytes() -> int:
-    """The highest resident set size this process has had (getrusage: KiB on Linux)."""
+    """The highest resident set size since `reset_peak_rss` (the run's start), else this
+    process's (Linux: /proc/self/status VmHWM; elsewhere getrusage's ru_maxrss, which
+    no reset reaches)."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        pass
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def reset_peak_rss() -> bool:
+    """Start the peak afresh at the resident set size now (Linux >= 4.0: writing 5 to
+    /proc/self/clear_refs resets VmHWM); False where it cannot.
+
+    Why: a run's memory figures (metrics.jsonl's peak, the memory plan's comparison)
+    should be that run's, also when a process runs several (a notebook, a sweep in one
+    process): otherwise a bigger earlier run's peak stands for every later one."""
+    try:
+        with open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")
+    except OSError:
+        return False
+    return True
 
 
 def current_rss_bytes() -> int:
