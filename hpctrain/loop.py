@@ -218,6 +218,7 @@ class TrainingLoop:
         self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "count": 0}
         self.last_eval: dict = {}
         self.preempted = None
+        self.signalled_in_evaluation = False  # a signal agreed during an evaluation
         pre = self.pre  # installed since the run started (__init__)
         self.progress = Progress(
             w.is_root,
@@ -329,6 +330,9 @@ class TrainingLoop:
             if epoch_done:
                 st.epoch += 1
                 st.position, st.epoch_loss_sum, st.epoch_count = 0, 0.0, 0
+                if self.signalled_in_evaluation:  # its checkpoint starts the next epoch
+                    self.preempted = s.on_preempt(self._ctx)
+                    break
                 if s.agreed_flags is None:
                     self.checkpoints.maybe_save(
                         st.step,
@@ -415,10 +419,11 @@ class TrainingLoop:
         return result
 
     def evaluate(self) -> dict:
-        """Validation loss and accuracy, summed over every rank (collective)."""
+        """Validation loss and accuracy, summed over every rank (collective); {} when a
+        signal ended it (`signalled_in_evaluation`)."""
         s = self.strategy
         s.average_buffers()
-        sums = s.evaluate()
+        sums = s.evaluate(stop=self._signal_agreed)
         if sums is None:
             return {}
         total = self.world.allreduce_array(
@@ -435,6 +440,19 @@ class TrainingLoop:
         if int(total[2]) != samples:  # language models: loss and accuracy are per token
             result["val_tokens"] = int(total[2])
         return result
+
+    def _signal_agreed(self) -> bool:
+        """Whether any rank was signalled (preemption), agreed by every rank: asked once
+        per validation batch, so a signal during a long evaluation (a large validation
+        set, SLURM's 30 s between SIGTERM and SIGKILL) is acted on within a batch, not
+        after the evaluation. One 1-flag allreduce per batch of >= 256 samples: O(log N),
+        tens of microseconds at 1,024 or 4,096 ranks."""
+        self._step_faults.sleep("eval_sleep", self.world.rank)
+        if not self.signalled_in_evaluation:
+            self.signalled_in_evaluation = self.world.any_flag(
+                self.pre.requested, "agree on a signal during evaluation"
+            )
+        return self.signalled_in_evaluation
 
     def _summary(self, elapsed: float) -> dict:
         w, st, cfg, run = self.world, self.state, self.cfg, self._run

@@ -218,6 +218,36 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
             assert sample(last, i) - sample(saved, i) == ran * 32, (i, saved, last)
 
 
+def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoch(tmp_path):
+    """SIGUSR1 on rank 0 while the epoch's evaluation runs (rank 0 takes 1 s a validation
+    batch, 8 batches): every rank agrees on it at the next batch, the evaluation
+    stops there (no validation figures for the epoch) and the preemption checkpoint
+    starts the next epoch, instead of the whole evaluation first (which a SLURM grace of
+    30 s may not leave time for); the resume trains that next epoch and evaluates it."""
+    from hpctrain.checkpoint import load
+
+    run = tmp_path / "run"
+    common = ["train.epochs=2", "data.train_samples=256", "train.batch_size=32"]
+    common += ["data.val_samples=4096"]  # 8 batches of 256 per rank
+    tag = f"{os.getpid()}-eval-signal"
+    proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
+    out = _usr1_after_steps(proc, run, tag, steps=4)  # the epoch's 4th and last step
+    assert proc.returncode == 0, out
+    assert "received: stopped at step 4" in out, out
+    epochs = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    epochs = [x for x in epochs if x["event"] == "epoch"]
+    assert len(epochs) == 1 and epochs[0]["val_loss"] is None, epochs  # stopped early
+    ckpt = sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]
+    saved = load(ckpt).trainer
+    assert (saved["step"], saved["epoch"], saved["position"]) == (4, 1, 0), saved
+    job = mpirun(2, *_args(run, common, "auto"), timeout=180)
+    assert job.returncode == 0, job.output
+    epochs = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    epochs = [x for x in epochs if x["event"] == "epoch"]
+    assert epochs[-1]["epoch"] == 1 and epochs[-1]["step"] == 8, epochs
+    assert epochs[-1]["val_loss"] is not None, epochs
+
+
 def test_moe_inside_pipeline_stages_with_zero_is_refused_before_any_work(tmp_path):
     """Experts in pipeline stages train (tests/test_tensor_parallel_jobs.py); with ZeRO
     (which would shard them with the dense state) every rank stops first."""

@@ -19,6 +19,8 @@ a parameter-server worker index, or 0 for faults with no key).
 - `die_at_step` (key: world rank): SIGKILL that rank after step `value` (first run only:
   the loop drops it on a resumed run).
 - `step_sleep` (key: world rank): sleep `value` seconds after every step (first run only).
+- `eval_sleep` (key: world rank): sleep `value` seconds before every validation batch
+  (a long evaluation; first run only).
 - `ps_silent` (key: worker index): that worker stops sending anything from step `value`.
 - `ps_delay` (key: worker index): sleep `value` seconds before every push.
 - `ps_slow` (key: worker index): make each step `value` times as long.
@@ -51,6 +53,7 @@ class Faults:
     copy_delay: Fault | None = None
     die_at_step: Fault | None = None
     step_sleep: Fault | None = None
+    eval_sleep: Fault | None = None
     ps_silent: Fault | None = None
     ps_delay: Fault | None = None
     ps_slow: Fault | None = None

@@ -81,7 +81,9 @@ class Strategy(Protocol):
     # may count on every step where that is free: Backend.train_step says why)
     # local (loss_sum, correct, count, samples): count is what loss and accuracy are per
     # (tokens for language models), samples the sequences or images
-    def evaluate(self) -> np.ndarray | None: ...
+    # stop(): called once per validation batch on every rank (collective); True ends
+    # the evaluation (None): a signal is acted on within a batch (data parallel)
+    def evaluate(self, stop=None) -> np.ndarray | None: ...
     def average_buffers(self) -> None: ...  # collective
     # collective; the canonical state on rank 0, valid until the next step: arrays may
     # be views of live tensors (an async checkpoint copies those, keeps fresh ones).

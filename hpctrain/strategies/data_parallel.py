@@ -146,7 +146,9 @@ class DataParallel(StrategyBase):
         self._diverged = False
         return sent
 
-    def evaluate(self) -> np.ndarray | None:
+    def evaluate(self, stop=None) -> np.ndarray | None:
+        """Validation sums; None when `stop()` (every rank, once per batch: iterate_val
+        gives every rank as many batches) says a rank was signalled."""
         if self.dataset is None or self.dataset.val_size == 0:
             return None
         sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
@@ -157,6 +159,8 @@ class DataParallel(StrategyBase):
         for x, y in iterate_val(
             self.dataset, shard, shards, max(256, self.cfg.train["batch_size"])
         ):
+            if stop is not None and stop():
+                return None
             ev = self.backend.evaluate(x, y)
             sums += (ev.loss_sum, ev.correct, ev.count, len(y))
         if self.tensor > 1 and self.grid.coord["tensor"] != 0:

@@ -423,8 +423,11 @@ class Pipeline(StrategyBase):
         t.allreduce_inplace(sq, "sum", "tensor-parallel gradient norm")
         return float(sq[0])
 
-    def evaluate(self) -> np.ndarray | None:
-        """Validation through the pipeline (eval mode), each replica on its own block."""
+    def evaluate(self, stop=None) -> np.ndarray | None:
+        """Validation through the pipeline (eval mode), each replica on its own block.
+        `stop` is not asked: the stages run their batches staggered, so a signal is
+        acted on after the evaluation (a per-batch agreement would need all stages in
+        step)."""
         if self.dataset is None or self.dataset.val_size == 0:
             return None
         g, b = self.grid, self.cfg.train["batch_size"]

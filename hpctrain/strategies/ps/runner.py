@@ -199,8 +199,9 @@ class ParameterServer(StrategyBase):
     def on_preempt(self, ctx) -> str:
         return "preempted"  # every worker stops; `finish` saves with the servers
 
-    def evaluate(self) -> np.ndarray | None:
-        """Validation on the workers' final parameters (called by `finish` only)."""
+    def evaluate(self, stop=None) -> np.ndarray | None:
+        """Validation on the workers' final parameters (called by `finish` only; `stop`
+        is not asked: the run is over)."""
         sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         if not self.is_server and self.dataset.val_size:
             batch = max(256, self.cfg.train["batch_size"])
