@@ -18,7 +18,6 @@ and meet the training ranks again in the end-of-run collectives.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -69,11 +68,11 @@ def prepare_process(cfg: Config):
     rt = cfg.runtime
     if rt["malloc_keep_freed"]:
         allocator.keep_freed_memory()
-    # this run's memory figures are its own: an earlier run's objects in this process
-    # are freed (its model and engines hold reference cycles: 0.2 s with torch and
-    # TensorFlow loaded), what it freed goes back to the kernel, and the peak starts
-    # from what is resident now
-    gc.collect()
+    # this run's memory figures are its own: what an earlier run in this process freed
+    # goes back to the kernel and the peak starts from what is resident now (a full
+    # gc.collect() here as well, for an earlier run's cycles, cost 0.2-0.4 s of CPU a
+    # run with torch and TensorFlow loaded: 30% of the suite's tensor-parallel batches,
+    # which run several runs a process; the collector reaches them by itself)
     allocator.give_back_freed()
     reset_peak_rss()
     return runtime.world(

@@ -1,9 +1,9 @@
 """The memory plan (`hpctrain plan-memory`, exchange/memory_plan.py) against the peak
 resident memory real runs reach, under real mpirun: for ZeRO 0, 1, 2 and 3, a ~50 M
 parameter transformer (Adam, float32) at np 2, the plan within 10% of the measured peak.
-A run's peak is its own (loop.prepare_process: an earlier run's objects freed, the
-heap trimmed, the high-water mark reset), so the ZeRO stages run on the suite's warm
-ranks. GPipe's case measures the heap's own high-water mark and has processes of its
+A run's peak is its own (loop.prepare_process: the heap trimmed, the high-water mark
+reset; the warm ranks collect what each launch left), so the ZeRO stages run on the
+suite's warm ranks. GPipe's case measures the heap's own high-water mark and has processes of its
 own, where its margin was measured (on warm ranks, 6 Dec: its peak 18% over its plan,
 the heap fragmented by earlier runs, against 6-10% in fresh processes).
 

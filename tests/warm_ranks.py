@@ -174,9 +174,9 @@ def serve(socket_path: str) -> None:
         if not request["cmd"]:
             break
         code = _run_captured(request)
-        # what the run left is freed now, and what outlives it (modules, caches) is
-        # frozen: the next run's own collection (loop.prepare_process) then scans only
-        # what that run made (0.2 s a run otherwise, torch and TensorFlow loaded)
+        # what the run left is freed now (a fresh process's next launch would hold none
+        # of it: its memory figures start clean), and what outlives it (modules,
+        # caches) is frozen, so these collections scan only what the last run made
         gc.collect()
         gc.freeze()
         _quiet_barrier()
