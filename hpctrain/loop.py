@@ -329,7 +329,9 @@ class TrainingLoop:
             if epoch_done:
                 st.epoch += 1
                 st.position, st.epoch_loss_sum, st.epoch_count = 0, 0.0, 0
-                if self.signalled_in_evaluation:  # its checkpoint starts the next epoch
+                # a signal cut the evaluation short: its checkpoint starts the next epoch
+                # (after the last epoch the run is over: its final save, no requeue)
+                if self.signalled_in_evaluation and st.step < self.total_steps:
                     self.preempted = s.on_preempt(self._ctx)
                     break
                 if s.agreed_flags is None:
