@@ -27,7 +27,7 @@ from hpctrain.config import Config
 
 CONFIGS = ROOT / "configs"
 SCRIPT = str(ROOT / "tests" / "scripts" / "train_configs.py")
-DEMOS = {"demo.yaml", "demo-tf.yaml"}  # trained to their accuracy by test_trainer_jobs.py
+DEMOS = ("demo.yaml", "demo-tf.yaml")  # trained to their accuracy by test_trainer_jobs.py
 NP = 4  # every CPU worked config is written for 4 ranks (its header says so)
 STEPS = 3
 COMMON = [f"train.max_steps={STEPS}", "metrics.tensorboard=false", "train.log_every=1"]
@@ -86,7 +86,7 @@ def _launch_line(name: str) -> list[str]:
 
 def test_every_config_file_is_a_demo_or_a_worked_config_tested_here():
     files = {p.name for p in CONFIGS.glob("*.yaml")}
-    assert files == DEMOS | set(CPU) | {GPU}, files
+    assert files == {*DEMOS, *CPU, GPU}, files
 
 
 @pytest.mark.parametrize("name", [*CPU, GPU])
