@@ -248,6 +248,30 @@ def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoc
     assert epochs[-1]["val_loss"] is not None, epochs
 
 
+def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tmp_path):
+    """The same signal during the last epoch's evaluation: nothing is left to train, so the
+    run ends as finished (exit 0, its final save at the last step, not preempted: a
+    requeue would only start a finished job again), without the evaluation's figures."""
+    from hpctrain.checkpoint import load
+
+    run = tmp_path / "run"
+    common = ["train.epochs=1", "data.train_samples=256", "train.batch_size=32"]
+    common += ["data.val_samples=4096"]  # 8 batches of 256 per rank, 1 s each on rank 0
+    tag = f"{os.getpid()}-last-eval-signal"
+    proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
+    out = _usr1_after_steps(proc, run, tag, steps=4)  # the run's 4th and last step
+    assert proc.returncode == 0, out
+    assert "received: stopped at step" not in out, out
+    events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    epochs = [x for x in events if x["event"] == "epoch"]
+    assert len(epochs) == 1 and epochs[0]["val_loss"] is None, epochs  # stopped early
+    summary = next(x for x in events if x["event"] == "summary")
+    assert summary["steps"] == 4 and summary["preempted"] is None, summary
+    ckpt = sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]
+    saved = load(ckpt).trainer
+    assert (saved["step"], saved["epoch"], saved["position"]) == (4, 1, 0), saved
+
+
 def test_moe_inside_pipeline_stages_with_zero_is_refused_before_any_work(tmp_path):
     """Experts in pipeline stages train (tests/test_tensor_parallel_jobs.py); with ZeRO
     (which would shard them with the dense state) every rank stops first."""
