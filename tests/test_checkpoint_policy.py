@@ -44,6 +44,18 @@ def test_defaults_and_config_errors(tmp_path):
         assert f"checkpoint.{key}" in msg, msg
 
 
+def test_the_config_schema_and_the_policy_table_hold_the_same_keys_and_defaults():
+    """`checkpoint:` is declared twice: the config schema (types, docs for configs and
+    `--set`) and checkpoint/policy.py's table (what `CheckpointPolicy` merges and checks
+    for library use, below the config layer); a key or default changed in one only
+    would make a config's run and a library user's differ."""
+    from hpctrain.checkpoint.policy import DEFAULTS
+    from hpctrain.config import SCHEMA
+
+    schema = {key: field.default for key, field in SCHEMA["checkpoint"].items()}
+    assert schema == {key: default for key, (default, _) in DEFAULTS.items()}
+
+
 def test_due_by_steps_epochs_time_and_final():
     p = CheckpointPolicy({"every_steps": 50, "every_minutes": 10, "at_epoch_end": True})
     t0 = p.last_time
