@@ -218,27 +218,36 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
             assert sample(last, i) - sample(saved, i) == ran * 32, (i, saved, last)
 
 
-def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoch(tmp_path):
-    """SIGUSR1 on rank 0 while the epoch's evaluation runs (rank 0 takes 1 s a validation
-    batch, 8 batches): every rank agrees on it at the next batch, the evaluation
-    stops there (no validation figures for the epoch) and the preemption checkpoint
-    starts the next epoch, instead of the whole evaluation first (which a SLURM grace of
-    30 s may not leave time for); the resume trains that next epoch and evaluates it."""
+def _signal_during_evaluation(run, epochs: int, tag: str):
+    """A 2-rank run of `epochs` epochs of 4 steps whose rank 0 takes 1 s a validation
+    batch (8 batches of 256 per rank), SIGUSR1 on rank 0 after the 4th step, i.e. during
+    the first epoch's evaluation: (its output, its exit code, its metrics.jsonl events,
+    the trainer state of its newest checkpoint, the overrides to resume it with)."""
     from hpctrain.checkpoint import load
 
-    run = tmp_path / "run"
-    common = ["train.epochs=2", "data.train_samples=256", "train.batch_size=32"]
-    common += ["data.val_samples=4096"]  # 8 batches of 256 per rank
-    tag = f"{os.getpid()}-eval-signal"
+    common = [f"train.epochs={epochs}", "data.train_samples=256", "train.batch_size=32"]
+    common += ["data.val_samples=4096"]
     proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
     out = _usr1_after_steps(proc, run, tag, steps=4)  # the epoch's 4th and last step
-    assert proc.returncode == 0, out
+    events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
+    saved = load(sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]).trainer
+    return out, proc.returncode, events, saved, common
+
+
+def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoch(tmp_path):
+    """SIGUSR1 on rank 0 while the epoch's evaluation runs: every rank agrees on it at
+    the next batch, the evaluation stops there (no validation figures for the epoch)
+    and the preemption checkpoint starts the next epoch, instead of the whole evaluation
+    first (which a SLURM grace of 30 s may not leave time for); the resume trains that
+    next epoch and evaluates it."""
+    run = tmp_path / "run"
+    out, code, events, saved, common = _signal_during_evaluation(
+        run, 2, f"{os.getpid()}-eval-signal"
+    )
+    assert code == 0, out
     assert "received: stopped at step 4" in out, out
-    epochs = [json.loads(x) for x in (run / "metrics.jsonl").open()]
-    epochs = [x for x in epochs if x["event"] == "epoch"]
+    epochs = [x for x in events if x["event"] == "epoch"]
     assert len(epochs) == 1 and epochs[0]["val_loss"] is None, epochs  # stopped early
-    ckpt = sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]
-    saved = load(ckpt).trainer
     assert (saved["step"], saved["epoch"], saved["position"]) == (4, 1, 0), saved
     job = mpirun(2, *_args(run, common, "auto"), timeout=180)
     assert job.returncode == 0, job.output
@@ -252,23 +261,15 @@ def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tm
     """The same signal during the last epoch's evaluation: nothing is left to train, so the
     run ends as finished (exit 0, its final save at the last step, not preempted: a
     requeue would only start a finished job again), without the evaluation's figures."""
-    from hpctrain.checkpoint import load
-
-    run = tmp_path / "run"
-    common = ["train.epochs=1", "data.train_samples=256", "train.batch_size=32"]
-    common += ["data.val_samples=4096"]  # 8 batches of 256 per rank, 1 s each on rank 0
-    tag = f"{os.getpid()}-last-eval-signal"
-    proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
-    out = _usr1_after_steps(proc, run, tag, steps=4)  # the run's 4th and last step
-    assert proc.returncode == 0, out
+    out, code, events, saved, _ = _signal_during_evaluation(
+        tmp_path / "run", 1, f"{os.getpid()}-last-eval-signal"
+    )
+    assert code == 0, out
     assert "received: stopped at step" not in out, out
-    events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     epochs = [x for x in events if x["event"] == "epoch"]
     assert len(epochs) == 1 and epochs[0]["val_loss"] is None, epochs  # stopped early
     summary = next(x for x in events if x["event"] == "summary")
     assert summary["steps"] == 4 and summary["preempted"] is None, summary
-    ckpt = sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]
-    saved = load(ckpt).trainer
     assert (saved["step"], saved["epoch"], saved["position"]) == (4, 1, 0), saved
 
 
