@@ -304,7 +304,7 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
         def send_signal(self, s):
             sent.append(s)
 
-        def wait(self):
+        def wait(self, timeout=None):
             sup._forward(sig.SIGTERM, None)
             sup._forward(sig.SIGINT, None)
             return 0
@@ -316,6 +316,24 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
     assert sent == [sig.SIGUSR1, sig.SIGINT] and sup.stop_signal == sig.SIGTERM
     assert sup.launch(["mpirun"]) is None  # stopped: not started again
     assert sent == [sig.SIGUSR1, sig.SIGINT]
+
+
+def test_a_host_silent_while_the_job_runs_ends_the_attempt(tmp_path):
+    """The watch: a host of the running attempt that misses two probes in a row ends it
+    (an srun step would otherwise wait for SLURM's SlurmdTimeout), with the host named.
+    The attempt is a real process; the host a name that never resolves (a link that goes
+    silent: the srun test across the emulated nodes, test_multinode.py)."""
+    from hpctrain.elastic import supervisor
+
+    hosts = [Host("lost-node.invalid", 1)]
+    opts = supervisor.Options(["train"], [], tmp_path, hosts, probe_timeout=0.3, watch_interval=0.2)
+    sup = supervisor.Supervisor(opts, None)
+    start = time.monotonic()
+    code = sup.launch(["sleep", "60"])
+    assert code == -signal.SIGTERM and time.monotonic() - start < 20, code
+    events = [json.loads(x) for x in (tmp_path / "elastic" / "events.jsonl").open()]
+    assert [e["event"] for e in events] == ["lost_while_running"], events
+    assert list(events[0]["lost"]) == ["lost-node.invalid"], events
 
 
 @pytest.mark.parametrize(

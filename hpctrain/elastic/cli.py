@@ -75,6 +75,15 @@ def register(sub) -> dict:
     )
     p.add_argument("--probe-port", type=int, default=22, help="TCP port probed on each host")
     p.add_argument("--probe-timeout", type=float, default=5.0, help="seconds per probe")
+    p.add_argument(
+        "--watch-interval",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="probe the running job's hosts this often (TCP); a host that misses two probes "
+        "in a row ends the attempt, which is restarted without it (default 30; 0: only "
+        "after a failure). srun alone would wait for SLURM's SlurmdTimeout",
+    )
     p.add_argument("train", nargs=argparse.REMAINDER, help="-- train [train options]")
     return {"elastic": run}
 
@@ -118,6 +127,8 @@ def _check_start(args, words: list[str], run_dir: Path) -> None:
         raise ConfigError("--max-restarts must be 0 or more")
     if not (0 < args.probe_timeout < float("inf")):
         raise ConfigError(f"--probe-timeout {args.probe_timeout:g}: give seconds above 0")
+    if not (0 <= args.watch_interval < float("inf")):
+        raise ConfigError(f"--watch-interval {args.watch_interval:g}: give seconds, 0 or more")
     if not 0 < args.probe_port < 65536:
         raise ConfigError(f"--probe-port {args.probe_port}: not a TCP port (1-65535)")
     if shutil.which(args.launcher) is None:
@@ -208,6 +219,7 @@ def run(args) -> int:
         agent=agent,
         probe_port=args.probe_port,
         probe_timeout=args.probe_timeout,
+        watch_interval=args.watch_interval,
         hpctrain=_hpctrain_command(),
     )
     return Supervisor(opts, cfg).run()

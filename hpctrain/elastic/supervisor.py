@@ -17,6 +17,13 @@ terminal's Ctrl-C reaches the supervisor only),
 because mpirun ends its ranks about 1 s after a SIGINT/SIGTERM of its own
 (`odls_base_sigkill_timeout`), before a checkpoint could be written. A second
 SIGINT/SIGTERM is passed on as it is: the job ends now.
+
+While an attempt runs, its hosts are probed every `watch_interval` seconds (TCP only,
+in parallel; see hosts.py for the cost at 1,024 and 4,096 hosts): a host that misses
+two probes in a row ends the attempt at once. mpirun notices a lost node by itself
+within seconds, but an srun step with a silent node ends only when slurmctld marks it
+DOWN, after the cluster's SlurmdTimeout (300 s by default), and the ranks left wait
+for their peer until the collective deadline (600 s by default).
 """
 
 from __future__ import annotations
@@ -24,9 +31,11 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -51,6 +60,7 @@ class Options:
     agent: list[str] | None = None
     probe_port: int = 22
     probe_timeout: float = 5.0
+    watch_interval: float = 30.0  # seconds between probes of a running attempt; 0: none
     hpctrain: list[str] = field(default_factory=lambda: [sys.executable, "-m", "hpctrain"])
 
 
@@ -64,6 +74,7 @@ class Supervisor:
         self.events = opts.run_dir / "elastic" / "events.jsonl"
         self.proc: subprocess.Popen | None = None
         self.stop_signal: int | None = None
+        self.hosts: list[Host] = list(opts.hosts)  # the running attempt's
 
     # --- bookkeeping ------------------------------------------------------------------
     def event(self, kind: str, **fields) -> None:
@@ -103,6 +114,7 @@ class Supervisor:
         if o.launcher == "srun":  # a new step of this allocation, on the nodes left
             launch = ["srun", f"--nodes={len(hosts)}", f"--ntasks={n}"]
             launch += [f"--nodelist={','.join(h.name for h in hosts)}", "--kill-on-bad-exit=1"]
+            launch.append(f"--job-name={STEP_NAME}")  # the step the watch may end
             if attempt > 0:
                 # the failed step still holds its CPUs while a lost node cannot confirm
                 # its end ("Requested nodes are busy"): let the new step share them
@@ -119,9 +131,58 @@ class Supervisor:
         try:
             if self.stop_signal is not None:  # arrived while it started: pass it on now
                 self.proc.send_signal(signal.SIGUSR1)
-            return self.proc.wait()
+            return self._wait()
         finally:
             self.proc = None
+
+    def _wait(self) -> int:
+        """The attempt's exit code. Every watch interval its hosts are probed; one that
+        misses two probes in a row (the second at once) ends the attempt, which then
+        fails and is restarted like any other failure."""
+        interval = self.opts.watch_interval or None
+        while True:
+            try:
+                return self.proc.wait(timeout=interval)
+            except subprocess.TimeoutExpired:
+                pass
+            if self.stop_signal is not None:  # a stop is under way: let it checkpoint
+                continue
+            lost = self._silent(self.hosts)
+            if lost:
+                for name, why in lost.items():
+                    say(f"host {name} stopped answering while the job ran ({why}): ending it")
+                self.event("lost_while_running", lost=lost)
+                self._end_attempt()
+                return self.proc.wait()
+
+    def _silent(self, hosts: list[Host]) -> dict:
+        """{host: why} of the hosts that missed a TCP probe and then a second one."""
+        o = self.opts
+        first = probe(hosts, o.probe_port, o.probe_timeout, None)
+        missed = [h for h in hosts if first[h.name] is not None]
+        if not missed:
+            return {}
+        again = probe(missed, o.probe_port, o.probe_timeout, None)
+        return {name: why for name, why in again.items() if why is not None}
+
+    def _end_attempt(self) -> None:
+        """End a running attempt whose host is lost. srun: `scancel --signal=KILL` of the
+        step reaches its tasks on the nodes that answer at once (srun itself would wait
+        for the lost node until slurmctld marks it DOWN); scancel waits for the lost
+        node's slurmd for SLURM's MessageTimeout (10 s by default), so it runs on in
+        the background while srun goes and the next attempt starts (with --overlap). mpirun: SIGTERM (it ends its ranks
+        and daemons), SIGKILL 10 s later."""
+        if self.opts.launcher == "srun":
+            for step in _steps_named():
+                with contextlib.suppress(OSError):  # no scancel: srun goes all the same
+                    _in_background(["scancel", "--signal=KILL", step])
+        else:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=10)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _forward(self, signum, frame) -> None:
         again = self.stop_signal is not None and signum != signal.SIGUSR1
@@ -151,6 +212,7 @@ class Supervisor:
         attempt = 0
         while True:
             plan = plan_batch(self.cfg, first, replicas_of(self.cfg, n))
+            self.hosts = hosts
             argv = self.argv(attempt, hosts, n, plan)
             what = "launch" if attempt == 0 else f"restart {attempt} of {o.max_restarts}"
             say(f"{what}: {n} ranks on {', '.join(h.name for h in hosts)}; {plan.note}")
@@ -204,6 +266,36 @@ class Supervisor:
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
             attempt += 1
+
+
+STEP_NAME = "hpctrain-elastic"  # srun --job-name of each attempt's step
+
+
+def _steps_named(name: str = STEP_NAME) -> list[str]:
+    """This allocation's job steps named `name` (JOBID.STEPID), from squeue."""
+    job = os.environ.get("SLURM_JOB_ID")
+    if not job:
+        return []
+    try:
+        done = subprocess.run(
+            ["squeue", "--steps", f"--jobs={job}", "--noheader", "--format=%i %j"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return []
+    rows = (line.split() for line in done.stdout.splitlines())
+    return [row[0] for row in rows if len(row) == 2 and row[1] == name]
+
+
+def _in_background(argv: list[str]) -> subprocess.Popen:
+    """`argv` running on its own, its output dropped; a thread reaps it when it ends."""
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    threading.Thread(target=proc.wait, daemon=True, name="reap").start()
+    return proc
 
 
 def _die_with_parent() -> None:
