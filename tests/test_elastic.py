@@ -318,22 +318,43 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
     assert sent == [sig.SIGUSR1, sig.SIGINT]
 
 
-def test_a_host_silent_while_the_job_runs_ends_the_attempt(tmp_path):
-    """The watch: a host of the running attempt that misses two probes in a row ends it
-    (an srun step would otherwise wait for SLURM's SlurmdTimeout), with the host named.
-    The attempt is a real process; the host a name that never resolves (a link that goes
-    silent: the srun test across the emulated nodes, test_multinode.py)."""
+def _watched_attempt(tmp_path, monkeypatch, answers: list[bool], argv: list[str]):
+    """An attempt (a real process, `argv`) under the watch of hpcn2, whose probes answer
+    as `answers` says in turn (the last one from then on); (exit code, seconds, events).
+    The network side (a link taken down under srun): test_multinode.py."""
     from hpctrain.elastic import supervisor
 
-    hosts = [Host("lost-node.invalid", 1)]
-    opts = supervisor.Options(["train"], [], tmp_path, hosts, probe_timeout=0.3, watch_interval=0.2)
-    sup = supervisor.Supervisor(opts, None)
+    left = list(answers)
+
+    def probe(hosts, *args):
+        alive = left.pop(0) if len(left) > 1 else left[0]
+        return {h.name: None if alive else "no answer on TCP port 22 within 1 s" for h in hosts}
+
+    monkeypatch.setattr(supervisor, "probe", probe)
+    opts = supervisor.Options(["train"], [], tmp_path, [Host("hpcn2", 1)], watch_interval=0.1)
     start = time.monotonic()
-    code = sup.launch(["sleep", "60"])
-    assert code == -signal.SIGTERM and time.monotonic() - start < 20, code
-    events = [json.loads(x) for x in (tmp_path / "elastic" / "events.jsonl").open()]
+    code = supervisor.Supervisor(opts, None).launch(argv)
+    events = tmp_path / "elastic" / "events.jsonl"
+    events = [json.loads(x) for x in events.open()] if events.exists() else []
+    return code, time.monotonic() - start, events
+
+
+def test_a_host_silent_while_the_job_runs_ends_the_attempt(tmp_path, monkeypatch):
+    """The watch: a host that answered as the attempt started and then misses two probes
+    in a row ends it (an srun step would otherwise wait for SLURM's SlurmdTimeout); one
+    missed probe alone does not."""
+    answers = [True, True, False, True, True, False, False]  # at launch, then each probe
+    code, took, events = _watched_attempt(tmp_path, monkeypatch, answers, ["sleep", "60"])
+    assert code == -signal.SIGTERM and took < 20, (code, took)
     assert [e["event"] for e in events] == ["lost_while_running"], events
-    assert list(events[0]["lost"]) == ["lost-node.invalid"], events
+    assert list(events[0]["lost"]) == ["hpcn2"], events
+
+
+def test_a_host_that_never_answered_is_left_out_of_the_watch(tmp_path, monkeypatch):
+    """A probe port a firewall drops never answers: such a host is named once and not
+    watched, instead of ending every attempt."""
+    code, _, events = _watched_attempt(tmp_path, monkeypatch, [False], ["sleep", "1"])
+    assert code == 0 and [e["event"] for e in events] == ["unwatched"], events
 
 
 @pytest.mark.parametrize(

@@ -80,9 +80,10 @@ def register(sub) -> dict:
         type=float,
         default=30.0,
         metavar="SECONDS",
-        help="probe the running job's hosts this often (TCP); a host that misses two probes "
-        "in a row ends the attempt, which is restarted without it (default 30; 0: only "
-        "after a failure). srun alone would wait for SLURM's SlurmdTimeout",
+        help="probe the running job's hosts this often (TCP; those that answer as it "
+        "starts); a host that misses two probes in a row ends the attempt, which is "
+        "restarted without it (default 30; 0: only after a failure). srun alone would "
+        "wait for SLURM's SlurmdTimeout",
     )
     p.add_argument("train", nargs=argparse.REMAINDER, help="-- train [train options]")
     return {"elastic": run}

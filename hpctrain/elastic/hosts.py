@@ -166,6 +166,8 @@ def is_this_host(name: str) -> bool:
 
 def probe(hosts: list[Host], port: int, timeout: float, agent: list[str] | None) -> dict:
     """{host name: None (alive) or the reason it is lost}, all probed at once."""
+    if not hosts:
+        return {}
 
     def one(host: Host) -> str | None:
         if is_this_host(host.name):

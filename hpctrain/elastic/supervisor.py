@@ -136,10 +136,13 @@ class Supervisor:
             self.proc = None
 
     def _wait(self) -> int:
-        """The attempt's exit code. Every watch interval its hosts are probed; one that
-        misses two probes in a row (the second at once) ends the attempt, which then
-        fails and is restarted like any other failure."""
-        interval = self.opts.watch_interval or None
+        """The attempt's exit code. Its hosts that answer a probe as it starts are probed
+        every watch interval; one that misses two probes in a row (the second at once)
+        ends the attempt, which then fails and is restarted like any other failure."""
+        interval = self.opts.watch_interval
+        if not interval:
+            return self.proc.wait()
+        watched = self._answering(self.hosts)
         while True:
             try:
                 return self.proc.wait(timeout=interval)
@@ -147,7 +150,7 @@ class Supervisor:
                 pass
             if self.stop_signal is not None:  # a stop is under way: let it checkpoint
                 continue
-            lost = self._silent(self.hosts)
+            lost = self._silent(watched)
             if lost:
                 for name, why in lost.items():
                     say(f"host {name} stopped answering while the job ran ({why}): ending it")
@@ -155,9 +158,23 @@ class Supervisor:
                 self._end_attempt()
                 return self.proc.wait()
 
+    def _answering(self, hosts: list[Host]) -> list[Host]:
+        """The hosts that answer a probe now, as the attempt starts: only they can be
+        seen to stop. A host whose probe port never answers (a firewall that drops it)
+        is left out of the watch, named once, instead of ending every attempt."""
+        o = self.opts
+        first = probe(hosts, o.probe_port, o.probe_timeout, None)
+        silent = {name: why for name, why in first.items() if why is not None}
+        if silent:
+            say(f"the watch leaves out {', '.join(silent)}: no answer as the job starts")
+            self.event("unwatched", hosts=silent)
+        return [h for h in hosts if h.name not in silent]
+
     def _silent(self, hosts: list[Host]) -> dict:
         """{host: why} of the hosts that missed a TCP probe and then a second one."""
         o = self.opts
+        if not hosts:
+            return {}
         first = probe(hosts, o.probe_port, o.probe_timeout, None)
         missed = [h for h in hosts if first[h.name] is not None]
         if not missed:
