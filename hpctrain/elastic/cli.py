@@ -31,9 +31,9 @@ def register(sub) -> dict:
         "elastic",
         help="train with restarts: relaunch from the newest checkpoint on the hosts left",
         description="Launch `hpctrain train` with mpirun over the hosts of --hostfile and, "
-        "when the job fails or one of its hosts stops answering, probe the hosts, leave out the ones that do not answer and "
-        "relaunch from the newest checkpoint that verifies, at a world size within --np, "
-        "at most --max-restarts times.",
+        "when the job fails or one of its hosts stops answering, probe the hosts, leave "
+        "out the ones that do not answer and relaunch from the newest checkpoint that "
+        "verifies, at a world size within --np, at most --max-restarts times.",
         epilog=EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )

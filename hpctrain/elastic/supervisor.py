@@ -187,8 +187,8 @@ class Supervisor:
         step reaches its tasks on the nodes that answer at once (srun itself would wait
         for the lost node until slurmctld marks it DOWN); scancel waits for the lost
         node's slurmd for SLURM's MessageTimeout (10 s by default), so it runs on in
-        the background while srun goes and the next attempt starts (with --overlap). mpirun: SIGTERM (it ends its ranks
-        and daemons), SIGKILL 10 s later."""
+        the background while srun goes and the next attempt starts (with --overlap).
+        mpirun: SIGTERM (it ends its ranks and daemons), SIGKILL 10 s later."""
         if self.opts.launcher == "srun":
             for step in _steps_named():
                 with contextlib.suppress(OSError):  # no scancel: srun goes all the same
