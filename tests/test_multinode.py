@@ -16,6 +16,7 @@ import json
 import os
 import re
 import shlex
+import subprocess
 import time
 import uuid
 from pathlib import Path
@@ -762,8 +763,9 @@ def _check_restart(run: Path, events: list, down_at: float, batch: int, layout: 
 
 @pytest.mark.timeout(600)
 def test_elastic_srun_step_finishes_on_the_node_left_when_a_node_is_lost(two_nodes, tmp_path):
-    """`hpctrain elastic --launcher srun` in an `sbatch --nodes=2 --no-kill` job: hpcn2's
-    link goes down mid-run; the supervisor's watch finds hpcn2 silent, ends the step,
+    """The elastic template (`hpctrain slurm render elastic`: `hpctrain elastic --launcher
+    srun` in an `sbatch --nodes=2 --no-kill` job) on the two nodes: hpcn2's link goes
+    down mid-run; the supervisor's watch finds hpcn2 silent, ends the step,
     and runs a new step on hpcn1 alone (global batch kept by grad_accum 2) from the
     newest checkpoint; the job ends with an uninterrupted run's accuracy (within 1 point).
 
@@ -777,25 +779,35 @@ def test_elastic_srun_step_finishes_on_the_node_left_when_a_node_is_lost(two_nod
         slurm = emulated.start_slurm_on(two_nodes, tmp_path / "slurm")
     except SlurmUnavailable as exc:
         pytest.skip(f"SLURM on the emulated nodes: {exc}")
-    run, log, reference = tmp_path / "run", tmp_path / "elastic.out", tmp_path / "ref"
-    events_file = run / "elastic" / "events.jsonl"
+    reference = tmp_path / "ref"
     try:
         if "data_parallel" not in _UNINTERRUPTED:  # else the mpirun test's run of this job
             ref = mpirun(2, HPCTRAIN, "train", "--run-dir", str(reference), *ELASTIC_SETS)
             assert ref.returncode == 0, ref.output
             _UNINTERRUPTED["data_parallel"] = _final_accuracy(reference)
-        script = tmp_path / "elastic.sbatch"
-        script.write_text(
-            "#!/bin/bash\n#SBATCH --nodes=2\n#SBATCH --ntasks-per-node=1\n#SBATCH --no-kill\n"
-            f"#SBATCH --time=00:08:00\n#SBATCH --output={log}\n"
-            "export HPCTRAIN_FAULT_STEP_SLEEP=0:0.03\n"
-            f"{HPCTRAIN} elastic --launcher srun --launcher-args=--mpi=pmix --max-restarts 2 "
-            f"--probe-timeout {PROBE_TIMEOUT} --watch-interval 2 -- train --run-dir {run} "
-            f"{shlex.join(ELASTIC_SETS + LOST_NODE_SETS)}\n"
-        )
-        sub = slurm.run("sbatch", "--parsable", str(script), cwd=tmp_path, timeout=60)
+        # The job is the elastic template as a user renders it (`hpctrain slurm render
+        # elastic`), with the supervisor's options and a step slow-down in its environment
+        config, script = tmp_path / "empty.yaml", tmp_path / "elastic.sbatch"
+        config.write_text("{}\n")
+        render = [HPCTRAIN, "slurm", "render", "elastic", "--nodes", "2", "--ntasks-per-node"]
+        render += ["1", "--time", "8", "--config", str(config), "--job-name", "lost-node"]
+        render += ["--log-dir", str(tmp_path), "--run-root", str(tmp_path / "runs")]
+        render += ["--hpctrain", HPCTRAIN, "-o", str(script)]
+        for o in ELASTIC_SETS[1::2] + LOST_NODE_SETS[1::2]:
+            render += ["--set", o]
+        made = subprocess.run(render, capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0, made.stderr
+        env = {
+            "HPCTRAIN_FAULT_STEP_SLEEP": "0:0.03",
+            "HPCTRAIN_ELASTIC_ARGS": f"--max-restarts 2 --probe-timeout {PROBE_TIMEOUT} "
+            "--watch-interval 2",
+        }
+        sub = slurm.run("sbatch", "--parsable", str(script), cwd=tmp_path, timeout=60, env=env)
         assert sub.returncode == 0, sub.stderr
         job_id = sub.stdout.strip().split(";")[0]
+        run = tmp_path / "runs" / f"lost-node-{job_id}"
+        events_file = run / "elastic" / "events.jsonl"
+        log = tmp_path / f"lost-node-{job_id}.err"  # the supervisor's lines (stderr)
         t0 = time.monotonic()
         while '"step": 110,' not in _read(run / "metrics.jsonl"):
             assert time.monotonic() - t0 < 240, (

@@ -140,7 +140,12 @@ def test_every_template_renders_to_valid_bash(name, config_file, tmp_path, monke
         assert f"#SBATCH {directive}\n" in text, directive
     assert re.search(r"^#SBATCH --output=\./%x-%(j|A_%a)\.out$", text, re.M)
     assert "--gres" not in text and "--partition" not in text  # only when asked
-    assert 'srun --mpi="$MPI_PLUGIN"' in text and "MPI_PLUGIN=${MPI_PLUGIN:-pmix}" in text
+    if name == "elastic":  # the supervisor runs srun, with the script's srun options
+        assert '"$HPCTRAIN" elastic --launcher srun --launcher-args=' in text
+        assert '    --mpi="$MPI_PLUGIN"\n' in text and "#SBATCH --no-kill\n" in text
+    else:
+        assert 'srun --mpi="$MPI_PLUGIN"' in text
+    assert "MPI_PLUGIN=${MPI_PLUGIN:-pmix}" in text
     assert '--cpus-per-task="$SLURM_CPUS_PER_TASK"' in text
     assert "export OMP_NUM_THREADS=${SLURM_CPUS_PER_TASK:-1}" in text
     assert "# module load" in text and "HPCTRAIN_EXTRA_ARGS" in text
@@ -231,7 +236,7 @@ SITE_OPTIONS = [
 ]
 
 
-@pytest.mark.parametrize("name", ["train", "pipeline", "ps", "moe", "sweep"])
+@pytest.mark.parametrize("name", ["train", "pipeline", "ps", "moe", "sweep", "elastic"])
 def test_site_options_become_sbatch_directives_in_every_template(name, config_file, tmp_path):
     sets = {"pipeline": ["strategy=pipeline"], "moe": MOE_MODEL}.get(name, [])
     args = render_args(name, config_file, *SITE_OPTIONS)
@@ -319,7 +324,7 @@ def test_render_refuses_world_sizes_the_config_cannot_run(
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
 
 
-@pytest.mark.parametrize("template", ["train", "pipeline", "ps", "moe"])
+@pytest.mark.parametrize("template", ["train", "pipeline", "ps", "moe", "elastic"])
 @pytest.mark.parametrize(
     "extra, expected",
     [
@@ -348,8 +353,9 @@ def test_templates_keep_resume_auto_whatever_the_extra_arguments(
     assert hpctrain(*args, "-o", str(script)).returncode == 0
     shim = tmp_path / "bin"
     shim.mkdir()
-    (shim / "srun").write_text('#!/bin/bash\nfor a in "$@"; do echo "ARG $a"; done\n')
-    (shim / "srun").chmod(0o755)
+    for fake in ("srun", "hpctrain"):  # hpctrain: the elastic template runs it
+        (shim / fake).write_text('#!/bin/bash\nfor a in "$@"; do echo "ARG $a"; done\n')
+        (shim / fake).chmod(0o755)
     env = {
         "PATH": f"{shim}:/usr/bin:/bin",
         "SLURM_JOB_ID": "77",
@@ -492,7 +498,18 @@ def _srun_shim(tmp_path: Path) -> Path:
         '#!/bin/bash\necho "OMP $OMP_NUM_THREADS"\nfor a in "$@"; do echo "ARG $a"; done\n'
     )
     (shim / "srun").chmod(0o755)
+    (shim / "hpctrain").write_text((shim / "srun").read_text())  # the elastic template's
+    (shim / "hpctrain").chmod(0o755)
     return shim
+
+
+def _srun_options(argv: list[str], name: str) -> list[str]:
+    """The srun options a script's launch gave (elastic: those it hands the supervisor
+    for every attempt's srun, which adds --nodes, --ntasks and --nodelist itself)."""
+    if name != "elastic":
+        return argv
+    assert argv[:3] == ["elastic", "--launcher", "srun"], argv
+    return argv[3].removeprefix("--launcher-args=").split()
 
 
 def _run_script(script: Path, tmp_path: Path, **env: str):
@@ -571,13 +588,11 @@ def test_gpu_options_reach_sbatch_and_srun_alike(name, gpu_install, config_file,
     assert run.returncode == 0, run.stderr
     argv = [line[4:] for line in run.stdout.splitlines() if line.startswith("ARG ")]
     assert "OMP 8" in run.stdout.splitlines()  # one rank's GPU's CPUs
-    assert argv[:5] == [
-        "--mpi=pmix",
-        "--ntasks=8",
-        "--cpus-per-gpu=8",
-        "--gpus-per-task=1",
-        "--gpu-bind=closest",
-    ], argv
+    expected = ["--mpi=pmix", "--ntasks=8", "--cpus-per-gpu=8", "--gpus-per-task=1"]
+    expected.append("--gpu-bind=closest")
+    if name == "elastic":
+        expected.remove("--ntasks=8")
+    assert _srun_options(argv, name)[: len(expected)] == expected, argv
     if name in ("pipeline", "ps", "moe"):  # these strategies keep their ranks on CPUs
         assert any("ranks would stay on CPUs" in w for w in rendered.warnings), rendered.warnings
 
@@ -691,8 +706,9 @@ def test_docs_list_every_render_option():
 def test_render_names_unknown_templates_and_placeholders(config_file, tmp_path):
     result = hpctrain(*render_args("trian", config_file))
     assert result.returncode == 2
-    assert "template 'trian': not a file and not one of moe, pipeline, ps, sweep, train" in (
-        result.stderr
+    assert (
+        "template 'trian': not a file and not one of elastic, moe, pipeline, ps, sweep, train"
+        in (result.stderr)
     )
     custom = tmp_path / "mine.sbatch"
     custom.write_text("#!/bin/bash\n#SBATCH --nodes={{nodes}}\nsrun {{hpctrain}} {{nodez}}\n")
@@ -705,6 +721,13 @@ def test_template_strategy_must_match_the_config(config_file):
     result = hpctrain(*render_args("pipeline", config_file))
     assert result.returncode == 2
     assert "strategy" in result.stderr and "pipeline" in result.stderr, result.stderr
+
+
+def test_the_elastic_template_needs_checkpoints(config_file):
+    """It restarts from checkpoints: a config without them is refused at render time."""
+    result = hpctrain(*render_args("elastic", config_file, "--set", "checkpoint.enabled=false"))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "template elastic.sbatch restarts from checkpoints" in result.stderr, result.stderr
 
 
 def test_submit_without_sbatch_says_where_to_run_it(config_file, tmp_path):

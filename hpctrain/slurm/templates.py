@@ -321,6 +321,11 @@ def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str):
                 f"template {template} runs strategy {wanted!r} but the config has "
                 f"strategy {cfg['strategy']!r} (set `strategy: {wanted}` in {path})"
             )
+    if "checkpoints" in meta.get("needs", []) and not cfg.checkpoint["enabled"]:
+        raise ConfigError(
+            f"template {template} restarts from checkpoints, but the config has "
+            "checkpoint.enabled false (set it true, or use the train template)"
+        )
     if "moe" in meta.get("needs", []) and not has_moe(cfg.model):
         raise ConfigError(
             f"template {template} trains mixture-of-experts models, but the config's model "
