@@ -907,9 +907,14 @@ def _final_model(run_dir: Path) -> dict:
 
 @pytest.mark.timeout(600)
 # One node's case of test_multinode.py's two-node preemption and requeue (which runs in
-# `make test` with the same checks); 18 s, so it runs in `make test-extended`.
+# `make test` with the same checks); 18-22 s per template, so it runs in `make
+# test-extended`. The elastic template's ranks get SLURM's SIGUSR1 as the train
+# template's do (not the supervisor, the batch shell): they checkpoint and requeue.
 @pytest.mark.extended
-def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(slurm, tmp_path):
+@pytest.mark.parametrize("template", ["train", "elastic"])  # elastic: its ranks get the signal
+def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identically(
+    slurm, tmp_path, template
+):
     import numpy as np
     from mpirun import mpirun
 
@@ -923,7 +928,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     args = [
         "slurm",
         "submit",
-        "train",
+        template,
         "--nodes",
         "1",
         "--ntasks-per-node",
@@ -942,7 +947,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     submitted = hpctrain(*args, cwd=tmp_path, env=env)
     assert submitted.returncode == 0, submitted.stderr
     job_id = submitted.stdout.strip()
-    metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+    metrics = runs / f"hpctrain-{template}-{job_id}" / "metrics.jsonl"
     try:
         deadline = time.monotonic() + 240
         steps = 0
@@ -961,7 +966,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         # Once the first run has ended and the job is pending again, let it start now
         # (a requeued job otherwise waits ~2 minutes, Reason=BeginTime).
         slurm.start_requeued_now(job_id, timeout=240)
-        out_file = logs / f"hpctrain-train-{job_id}.out"
+        out_file = logs / f"hpctrain-{template}-{job_id}.out"
         deadline = time.monotonic() + 360
         info, rerun = {}, False
         while time.monotonic() < deadline:
@@ -988,7 +993,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     assert summaries[0]["preempted"] == "SIGUSR1" and summaries[-1]["preempted"] is None
     assert summaries[-1]["resumed_from"]
     ref_step, ref_model = _final_model(ref)
-    step, model = _final_model(runs / f"hpctrain-train-{job_id}")
+    step, model = _final_model(runs / f"hpctrain-{template}-{job_id}")
     assert step == ref_step == 3 * 65536 // 128
     for k in ref_model:
         np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)
