@@ -793,7 +793,7 @@ def test_elastic_srun_step_finishes_on_the_node_left_when_a_node_is_lost(two_nod
         render += ["1", "--time", "8", "--config", str(config), "--job-name", "lost-node"]
         render += ["--log-dir", str(tmp_path), "--run-root", str(tmp_path / "runs")]
         render += ["--hpctrain", HPCTRAIN, "-o", str(script)]
-        for o in ELASTIC_SETS[1::2] + LOST_NODE_SETS[1::2]:
+        for o in ELASTIC + LOST_NODE_SETS[1::2]:  # the overrides, without their --set
             render += ["--set", o]
         made = subprocess.run(render, capture_output=True, text=True, timeout=120)
         assert made.returncode == 0, made.stderr
