@@ -20,6 +20,7 @@ import os
 from pathlib import Path
 
 import pytest
+import shared_runs
 
 collect_ignore = [] if "OMPI_COMM_WORLD_SIZE" in os.environ else ["mpi", "scripts"]
 
@@ -117,6 +118,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(trylast=True)  # after `-m`/`-k` deselected: torch only for gpu tests kept
 def pytest_collection_finish(session):
+    # the shared runs only extended tests need are trained only when one is selected
+    shared_runs.EXTENDED_SELECTED = any(i.get_closest_marker("extended") for i in session.items)
     gpu = [item for item in session.items if item.get_closest_marker("gpu")]
     if gpu and not _cuda_visible():
         for item in gpu:

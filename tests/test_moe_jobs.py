@@ -63,13 +63,19 @@ share, shared_run = _SHARED.share, _SHARED.get  # (weights, step lines) of a run
 
 BACKENDS = ["torch", "tensorflow"]
 CF = 1.25
+# TensorFlow's cases of this test and of the checkpoint test below are in `make
+# test-extended` (18 s): the routing, capacity and balancing loss are framework-neutral
+# code, and `make test` has TensorFlow's experts dropping and balancing like data-parallel
+# MoE (test_tensor_parallel_jobs.py, tensorflow-zero3) and its MoE checkpoints resuming
+# as one process (test_moe_checkpoints_with_tensor_parallelism_or_zero_resume_...).
+BACKEND_CASES = ["torch", pytest.param("tensorflow", marks=pytest.mark.extended)]
 for _b in BACKENDS:
     share(2, _b, "trains", f"model.moe={{experts: 4, top_k: 2, capacity_factor: {CF}, "
           "min_capacity: 0}", "train.max_steps=40", "train.epochs=2", "train.batch_size=16",
-          "optimizer.name=adam", "optimizer.lr=0.003")  # fmt: skip
+          "optimizer.name=adam", "optimizer.lr=0.003", extended=_b == "tensorflow")  # fmt: skip
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_moe_transformer_trains_and_respects_capacity(tmp_path_factory, backend):
     cf = CF
     _, steps = shared_run(tmp_path_factory, 2, backend, "trains")
@@ -192,12 +198,13 @@ CKPT = [
     "train.epochs=1",
 ]
 for _b in BACKENDS:
-    share(1, _b, "ckpt-np1", *CKPT, "train.batch_size=16", "train.max_steps=6")
-    share(2, _b, "ckpt-np2", *CKPT, "train.batch_size=8", "train.max_steps=6")
-    share(2, _b, "ckpt-part1", *CKPT, "train.batch_size=8", "train.max_steps=3")
+    _ext = _b == "tensorflow"  # its test is extended (above)
+    share(1, _b, "ckpt-np1", *CKPT, "train.batch_size=16", "train.max_steps=6", extended=_ext)
+    share(2, _b, "ckpt-np2", *CKPT, "train.batch_size=8", "train.max_steps=6", extended=_ext)
+    share(2, _b, "ckpt-part1", *CKPT, "train.batch_size=8", "train.max_steps=3", extended=_ext)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", BACKEND_CASES)
 def test_moe_checkpoints_resume_bit_for_bit_and_on_another_expert_layout(
     tmp_path, tmp_path_factory, backend
 ):

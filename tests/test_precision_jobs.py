@@ -8,7 +8,12 @@ from demo_runs import SHORT, demo_accuracy
 from test_trainer_jobs import BACKENDS, share, shared_run
 
 
-@pytest.mark.parametrize("backend", ["torch", "tensorflow"])
+# TensorFlow's case (two demo runs, 14 s) is in `make test-extended`: `make test` shows
+# its bf16 steps follow torch's (test_bf16_backends_agree_and_keep_float32_master_weights)
+# and its bf16 transformer ending within 2% of float32 (the last test here).
+@pytest.mark.parametrize(
+    "backend", ["torch", pytest.param("tensorflow", marks=pytest.mark.extended)]
+)
 def test_bf16_reaches_float32_accuracy_on_the_demo(tmp_path_factory, backend):
     # 6 of the demo's 12 epochs, float32 shared with the compression tests; measured
     # (torch) 0.810 with bf16 vs 0.809 in float32 at 6 epochs, 0.810 vs 0.811 at 4.

@@ -3,6 +3,7 @@
 import platform
 import re
 
+import pytest
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
 
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -74,6 +75,10 @@ def test_doctor_shows_four_ranks_and_both_frameworks():
     assert "doctor: all checks passed" in job.output
 
 
+# `make test-extended` (11 s: two fresh launches, doctor importing every framework):
+# `make test` has the same broken package on one of two emulated nodes, where doctor
+# and train must also name the node (test_multinode.py).
+@pytest.mark.extended
 def test_a_missing_package_is_named_by_doctor_and_refuses_train_in_one_line(tmp_path):
     """h5py unimportable on every rank (a broken install): `doctor` still runs and names
     it with the node; `train` stops with one line, said once (by the node's first rank), never a traceback."""

@@ -34,7 +34,7 @@ def test_early_warning_names_the_missing_rank_before_the_deadline():
         2,
         PYTHON,
         SCRIPT,
-        env={"MODE": "skip", "SKIP_RANK": "1", "TIMEOUT": "8", "STALL_WARNING": "2"},
+        env={"MODE": "skip", "SKIP_RANK": "1", "TIMEOUT": "5", "STALL_WARNING": "2"},
         timeout=120,
     )
     assert job.returncode != 0

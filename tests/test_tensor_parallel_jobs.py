@@ -86,6 +86,9 @@ LAYOUTS = {  # id: (np, overrides); global batch 16 everywhere
 }
 
 
+# TensorFlow's layouts that its canonical-checkpoint cases below also train (3 steps in
+# the layout, then ending equal to one process) run here only in `make test-extended`.
+TF_EXTENDED = {"zero2-data2-tensor2", "pipe2-tensor2", "zero1-data2-pipe2"}
 BACKEND_LAYOUTS = [("torch", k) for k in LAYOUTS] + [
     ("tensorflow", k)
     for k in (
@@ -100,10 +103,19 @@ BACKEND_LAYOUTS = [("torch", k) for k in LAYOUTS] + [
 for _b in ("torch", "tensorflow"):
     share(1, _b, "ref", "train.batch_size=16")
 for _b, _layout in BACKEND_LAYOUTS:
-    share(LAYOUTS[_layout][0], _b, _layout, *LAYOUTS[_layout][1])
+    _ext = _b == "tensorflow" and _layout in TF_EXTENDED
+    share(LAYOUTS[_layout][0], _b, _layout, *LAYOUTS[_layout][1], extended=_ext)
 
 
-@pytest.mark.parametrize("backend, layout", BACKEND_LAYOUTS)
+@pytest.mark.parametrize(
+    "backend, layout",
+    [
+        pytest.param(
+            b, k, marks=[pytest.mark.extended] if b == "tensorflow" and k in TF_EXTENDED else []
+        )
+        for b, k in BACKEND_LAYOUTS
+    ],
+)
 def test_tensor_parallel_equals_one_process(tmp_path_factory, backend, layout):
     np_, overrides = LAYOUTS[layout]
     ref, ref_losses, ref_counts, _ = shared_run(tmp_path_factory, 1, backend, "ref")
