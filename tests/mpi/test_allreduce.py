@@ -31,22 +31,31 @@ def _mpi_reference(local, average):
     return out
 
 
+# Each fixture shuts its Horovod down after this module: an initialised Horovod's
+# background thread keeps rank 0 busy (a whole core while idle, measured), which cost the
+# modules after this one 8 s of the np-2 job's 27. (hpctrain itself never shuts Horovod
+# down: with its fusion threshold and cycle time both set, Horovod 0.28.1 crashes in the
+# next init, docs/limits.md; neither is set here, and nothing here inits it again.)
 @pytest.fixture(scope="module")
 def hvd_torch():
     import horovod.torch as hvd
 
     if not hvd.is_initialized():
         hvd.init(comm=world().comm)
-    return hvd
+    yield hvd
+    hvd.shutdown()
 
 
 @pytest.fixture(scope="module")
 def hvd_tf():
+    if world().size > 2:  # TensorFlow's import in 4 ranks on 2 cores: 9.6 s of 25
+        pytest.skip("TensorFlow's Horovod runs in the np-2 job; torch's covers 4 ranks")
     import horovod.tensorflow as hvd
 
     if not hvd.is_initialized():
         hvd.init(comm=world().comm)
-    return hvd
+    yield hvd
+    hvd.shutdown()
 
 
 def _tol(dtype, size):
