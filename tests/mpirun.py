@@ -135,6 +135,19 @@ class WarmJob:
                 cwd=ROOT,
                 start_new_session=True,
             )
+        if spare:
+            self.set_group_nice(19)
+
+    def set_group_nice(self, value: int) -> None:
+        """The nice value of the job's session: with the kernel's autogroups (each session
+        a scheduling group, weighed against the others whatever its processes' own nice),
+        a spare niced by `nice` alone took an equal share beside the suite's launches."""
+        with contextlib.suppress(OSError):
+            Path(f"/proc/{self.proc.pid}/autogroup").write_text(f"{value}\n")
+
+    def ready(self) -> bool:
+        """Serving: its rank 0 listens once the ranks have imported what they preload."""
+        return self.alive() and os.path.exists(self.socket)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -277,8 +290,11 @@ def _start_spare(np: int) -> None:
 
 
 def _take_spare(np: int, env: dict) -> WarmJob | None:
+    """The spare for `np` ranks if it has finished importing (one still importing, taken
+    at its priority, would cost the launch more than a cold start: TensorFlow too)."""
     spare = _spares.pop(np, None)
-    if spare is not None and spare.alive() and _same_env(spare.env, env):
+    if spare is not None and spare.ready() and _same_env(spare.env, env):
+        spare.set_group_nice(0)  # its ranks' threads are reniced by their first request
         return spare
     if spare is not None:
         spare.close()
@@ -297,9 +313,6 @@ def _warm_job(np: int, env: dict, launcher: list[str] | None) -> WarmJob:
             _warm.pop(next(iter(_warm))).close()
         job = (_take_spare(np, env) if launcher is None else None) or WarmJob(np, env, launcher)
         _warm[key] = job
-        if launcher is None:
-            for size in SPARE_SIZES:  # the first warm job starts them; a taken one is replaced
-                _start_spare(size)
     else:
         _warm[key] = _warm.pop(key)  # most recently used last
     return job
@@ -357,6 +370,9 @@ def mpirun(
                     job.runs += 1
                     if not job.alive():
                         _warm.pop((np, tuple(launcher) if launcher else None), None)
+                    if launcher is None:  # after a launch, not beside it: a taken one replaced
+                        for size in SPARE_SIZES:
+                            _start_spare(size)
                     if result is not None:
                         return _logged(
                             result, np, cmd, warm=job.runs, spare=job.spare and job.runs == 1

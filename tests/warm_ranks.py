@@ -183,6 +183,7 @@ def serve(socket_path: str) -> None:
         _preload()
         gc.collect()
         gc.freeze()
+        _quiet_barrier()  # rank 0 listens (the job is ready) once every rank has imported
     if RANK == 0:
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         server.bind(socket_path)
