@@ -102,9 +102,34 @@ def _mpirun_args(np: int) -> list[str]:
     return ["mpirun", "-np", str(np), *(["--oversubscribe"] if np > 2 else [])]
 
 
+# Variables the test process's own imports set in os.environ as the session goes on
+# (TensorFlow's, torch's inductor cache, hpctrain's NCCL error handling), which every rank
+# sets for itself when it imports the same: not a reason to end a warm job. (Measured:
+# test_devices.py's in-process tests ended every warm job and spare started before them.)
+_SET_BY_IMPORTS = frozenset(
+    {
+        "PYTEST_CURRENT_TEST",
+        "TF_CPP_MIN_LOG_LEVEL",
+        "TF2_BEHAVIOR",
+        "GRPC_VERBOSITY",
+        "ENABLE_RUNTIME_UPTIME_TELEMETRY",
+        "TPU_ML_PLATFORM",
+        "TPU_ML_PLATFORM_VERSION",
+        "HDF5_PLUGIN_PATH",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING",
+    }
+)
+
+
+def _env_changes(a: dict, b: dict) -> list[str]:
+    """The variables that differ between two launch environments, but those above."""
+    keys = (set(a) | set(b)) - _SET_BY_IMPORTS
+    return sorted(k for k in keys if a.get(k) != b.get(k))
+
+
 def _same_env(a: dict, b: dict) -> bool:
-    skip = "PYTEST_CURRENT_TEST"
-    return {k: v for k, v in a.items() if k != skip} == {k: v for k, v in b.items() if k != skip}
+    return not _env_changes(a, b)
 
 
 class WarmJob:
@@ -269,19 +294,23 @@ MAX_WARM_RANKS = _max_warm_ranks()
 # one, started under `nice -n 19` with everything a launch imports preloaded: it takes
 # only CPU the suite leaves idle (a quarter of the suite's time: waits on deadlines,
 # SLURM, the emulated nodes), and the next launch of its size takes it over. Its ranks
-# (0.6 GiB each) count in a budget of their own, 16% of this machine's memory.
-SPARE_SIZES = (2, 4)
-MAX_SPARE_RANKS = _max_warm_ranks(per_rank_gib=0.6, share=0.16, most=6)
+# (0.6 GiB each) count in a budget of their own, 20% of this machine's memory (on 24 GiB:
+# 2, 4 and 1 ranks).
+SPARE_SIZES = (2, 4, 3, 1)  # in this order while the budget has room
+MAX_SPARE_RANKS = _max_warm_ranks(per_rank_gib=0.6, share=0.2, most=8)
 _spares: dict[int, WarmJob] = {}
+_ENDED_FOR: dict[int, list[str]] = {}  # np: the variables whose change ended its warm job
 
 
 def _start_spare(np: int) -> None:
     """A niced, preloaded job for the next launch of `np` ranks (where the budget has
     room and the suite asks for warm launches at all)."""
-    old = _spares.get(np)
-    if old is not None and old.alive():
+    old = _spares.pop(np, None)
+    if old is not None and old.alive() and _same_env(old.env, _launch_env(None)):
+        _spares[np] = old
         return
-    _spares.pop(np, None)
+    if old is not None:
+        old.close()
     if np not in SPARE_SIZES or os.environ.get("HPCTRAIN_TEST_SPARES") == "0":
         return
     if sum(j.np for j in _spares.values()) + np > MAX_SPARE_RANKS:
@@ -290,21 +319,26 @@ def _start_spare(np: int) -> None:
 
 
 def _take_spare(np: int, env: dict) -> WarmJob | None:
-    """The spare for `np` ranks if it has finished importing (one still importing, taken
-    at its priority, would cost the launch more than a cold start: TensorFlow too)."""
-    spare = _spares.pop(np, None)
-    if spare is not None and spare.ready() and _same_env(spare.env, env):
-        spare.set_group_nice(0)  # its ranks' threads are reniced by their first request
-        return spare
-    if spare is not None:
+    """The spare for `np` ranks if it has finished importing; one still importing stays a
+    spare for the next time (taken at its priority it would cost this launch more than a
+    cold start: TensorFlow too)."""
+    spare = _spares.get(np)
+    if spare is None or not spare.ready():
+        return None
+    del _spares[np]
+    if not _same_env(spare.env, env):
         spare.close()
-    return None
+        return None
+    spare.set_group_nice(0)  # its ranks' threads are reniced by their first request
+    return spare
 
 
 def _warm_job(np: int, env: dict, launcher: list[str] | None) -> WarmJob:
     key = (np, tuple(launcher) if launcher else None)
     job = _warm.get(key)
     if job is not None and (not job.alive() or not _same_env(job.env, env)):
+        if job.alive():  # said in the launch log (HPCTRAIN_TEST_LAUNCH_LOG)
+            _ENDED_FOR[np] = _env_changes(job.env, env)
         job.close()
         job = None
     if job is None:
@@ -395,6 +429,8 @@ def _logged(job: Job, np: int, cmd, warm: int | bool, spare: bool = False) -> Jo
             line = {"test": test, "np": np, "warm": warm, "cmd": what, "s": round(job.seconds, 2)}
             if spare:
                 line["spare"] = True
+            if warm == 1 and np in _ENDED_FOR:
+                line["env_changed"] = _ENDED_FOR.pop(np)
             log.write(json.dumps(line) + "\n")
     return job
 
