@@ -120,6 +120,11 @@ def pytest_collection_modifyitems(config, items):
 def pytest_collection_finish(session):
     # the shared runs only extended tests need are trained only when one is selected
     shared_runs.EXTENDED_SELECTED = any(i.get_closest_marker("extended") for i in session.items)
+    launches = any(i.get_closest_marker("slow") for i in session.items)
+    if launches and "OMPI_COMM_WORLD_SIZE" not in os.environ:  # not inside the mpi tier's ranks
+        from mpirun import start_spares
+
+        start_spares()  # niced warm jobs importing while the in-process tests run first
     gpu = [item for item in session.items if item.get_closest_marker("gpu")]
     if gpu and not _cuda_visible():
         for item in gpu:

@@ -293,7 +293,9 @@ MAX_WARM_RANKS = _max_warm_ranks()
 # restarts in a run of the suite). For these sizes a spare job is kept beside the warm
 # one, started under `nice -n 19` with everything a launch imports preloaded: it takes
 # only CPU the suite leaves idle (a quarter of the suite's time: waits on deadlines,
-# SLURM, the emulated nodes), and the next launch of its size takes it over. Its ranks
+# SLURM, the emulated nodes), and the next launch of its size takes it over (once it has
+# imported; tests/conftest.py starts them as the session begins, and a launch that took
+# one starts the next once it has ended). Its ranks
 # (0.6 GiB each) count in a budget of their own, 20% of this machine's memory (on 24 GiB:
 # 2, 4 and 1 ranks).
 SPARE_SIZES = (2, 4, 3, 1)  # in this order while the budget has room
@@ -316,6 +318,13 @@ def _start_spare(np: int) -> None:
     if sum(j.np for j in _spares.values()) + np > MAX_SPARE_RANKS:
         return
     _spares[np] = WarmJob(np, _launch_env(None), spare=True)
+
+
+def start_spares() -> None:
+    """Spares for every size in the budget (tests/conftest.py: once a session has selected
+    tests that launch jobs, so they import during the in-process tests that run first)."""
+    for size in SPARE_SIZES:
+        _start_spare(size)
 
 
 def _take_spare(np: int, env: dict) -> WarmJob | None:
@@ -405,8 +414,7 @@ def mpirun(
                     if not job.alive():
                         _warm.pop((np, tuple(launcher) if launcher else None), None)
                     if launcher is None:  # after a launch, not beside it: a taken one replaced
-                        for size in SPARE_SIZES:
-                            _start_spare(size)
+                        start_spares()
                     if result is not None:
                         return _logged(
                             result, np, cmd, warm=job.runs, spare=job.spare and job.runs == 1

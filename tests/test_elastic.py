@@ -203,13 +203,14 @@ STRATEGIES = {  # strategy: (settings, the rank killed at step 8)
 }
 
 
-# The parameter server's case (11 s) is in `make test-extended`: the supervisor's restart
-# is the same for every strategy (data parallel and the pipeline here), and the parameter
-# server's resume from its checkpoint bit for bit is test_ps.py's.
+# The pipeline's and the parameter server's cases (12 and 11 s) are in `make
+# test-extended`: the supervisor's restart is the same for every strategy (data parallel
+# here), and each one's resume from its checkpoint bit for bit is test_pipeline.py's and
+# test_ps.py's (and the supervisor's batch plan for a pipeline losing a node is above).
 @pytest.mark.parametrize(
     "strategy",
     [
-        pytest.param(s, marks=[pytest.mark.extended] if s == "parameter_server" else [])
+        pytest.param(s, marks=[pytest.mark.extended] if s != "data_parallel" else [])
         for s in STRATEGIES
     ],
 )
