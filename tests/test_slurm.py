@@ -999,6 +999,10 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)
 
 
+# `make test-extended` (13-18 s): `make test` has the supervisor's new srun step inside
+# the allocation (the elastic template on the emulated nodes, test_multinode.py) and a
+# killed rank's restart ending bit for bit under mpirun (test_elastic.py).
+@pytest.mark.extended
 @pytest.mark.timeout(420)
 def test_elastic_restarts_a_failed_srun_step_inside_the_allocation(slurm, tmp_path):
     """`hpctrain elastic --launcher srun` in a batch script: rank 1 is killed at step 8,
