@@ -293,11 +293,10 @@ MAX_WARM_RANKS = _max_warm_ranks()
 # restarts in a run of the suite). For these sizes a spare job is kept beside the warm
 # one, started under `nice -n 19` with everything a launch imports preloaded: it takes
 # only CPU the suite leaves idle (a quarter of the suite's time: waits on deadlines,
-# SLURM, the emulated nodes), and the next launch of its size takes it over (once it has
-# imported; tests/conftest.py starts them as the session begins, and a launch that took
-# one starts the next once it has ended). Its ranks
-# (0.6 GiB each) count in a budget of their own, 20% of this machine's memory (on 24 GiB:
-# 2, 4 and 1 ranks).
+# SLURM, the emulated nodes), and the next launch of its size takes it over once it has
+# imported (tests/conftest.py starts them as the session begins; a launch that took one
+# starts the next once it has ended). Its ranks (0.6 GiB each) count in a budget of their
+# own, 20% of this machine's memory (on 24 GiB: 2, 4 and 1 ranks).
 SPARE_SIZES = (2, 4, 3, 1)  # in this order while the budget has room
 MAX_SPARE_RANKS = _max_warm_ranks(per_rank_gib=0.6, share=0.2, most=8)
 _spares: dict[int, WarmJob] = {}
