@@ -300,7 +300,8 @@ MAX_WARM_RANKS = _max_warm_ranks()
 SPARE_SIZES = (2, 4, 3, 1)  # in this order while the budget has room
 MAX_SPARE_RANKS = _max_warm_ranks(per_rank_gib=0.6, share=0.2, most=8)
 _spares: dict[int, WarmJob] = {}
-_ENDED_FOR: dict[int, list[str]] = {}  # np: the variables whose change ended its warm job
+# a warm job's key: the variables whose change ended the job that had it
+_ENDED_FOR: dict[tuple[int, tuple[str, ...] | None], list[str]] = {}
 
 
 def _start_spare(np: int) -> None:
@@ -341,12 +342,17 @@ def _take_spare(np: int, env: dict) -> WarmJob | None:
     return spare
 
 
+def _key(np: int, launcher: list[str] | None) -> tuple[int, tuple[str, ...] | None]:
+    """A warm job's key: its ranks and its launcher (None: this machine's mpirun)."""
+    return np, tuple(launcher) if launcher else None
+
+
 def _warm_job(np: int, env: dict, launcher: list[str] | None) -> WarmJob:
-    key = (np, tuple(launcher) if launcher else None)
+    key = _key(np, launcher)
     job = _warm.get(key)
     if job is not None and (not job.alive() or not _same_env(job.env, env)):
         if job.alive():  # said in the launch log (HPCTRAIN_TEST_LAUNCH_LOG)
-            _ENDED_FOR[np] = _env_changes(job.env, env)
+            _ENDED_FOR[key] = _env_changes(job.env, env)
         job.close()
         job = None
     if job is None:
@@ -411,23 +417,24 @@ def mpirun(
                     result = job.run(list(cmd), Path(cwd or ROOT), timeout, env or {})
                     job.runs += 1
                     if not job.alive():
-                        _warm.pop((np, tuple(launcher) if launcher else None), None)
+                        _warm.pop(_key(np, launcher), None)
                     if launcher is None:  # after a launch, not beside it: a taken one replaced
                         start_spares()
                     if result is not None:
-                        return _logged(
-                            result, np, cmd, warm=job.runs, spare=job.spare and job.runs == 1
-                        )
+                        first = job.runs == 1
+                        changed = _ENDED_FOR.pop(_key(np, launcher), None) if first else None
+                        return _logged(result, np, cmd, job.runs, job.spare and first, changed)
             finally:
                 job.lock.release()
     args = (launcher or _mpirun_args(np)) + list(cmd)
     return _logged(_fresh(args, timeout, full_env, cwd), np, cmd, warm=False)
 
 
-def _logged(job: Job, np: int, cmd, warm: int | bool, spare: bool = False) -> Job:
+def _logged(job: Job, np: int, cmd, warm: int | bool, spare: bool = False, env_changed=None) -> Job:
     """HPCTRAIN_TEST_LAUNCH_LOG=FILE: one JSON line per launch (where the suite's time goes);
     warm: False for a launch of its own, else which run of its warm job it was (1: the
-    job started for it)."""
+    job started for it); spare: a spare took it; env_changed: the variables whose change
+    ended the warm job before it."""
     path = os.environ.get("HPCTRAIN_TEST_LAUNCH_LOG")
     if path:
         with open(path, "a") as log:
@@ -436,8 +443,8 @@ def _logged(job: Job, np: int, cmd, warm: int | bool, spare: bool = False) -> Jo
             line = {"test": test, "np": np, "warm": warm, "cmd": what, "s": round(job.seconds, 2)}
             if spare:
                 line["spare"] = True
-            if warm == 1 and np in _ENDED_FOR:
-                line["env_changed"] = _ENDED_FOR.pop(np)
+            if env_changed:
+                line["env_changed"] = env_changed
             log.write(json.dumps(line) + "\n")
     return job
 

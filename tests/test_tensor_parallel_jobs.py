@@ -102,17 +102,20 @@ BACKEND_LAYOUTS = [("torch", k) for k in LAYOUTS] + [
 ]
 for _b in ("torch", "tensorflow"):
     share(1, _b, "ref", "train.batch_size=16")
+
+
+def _extended(backend: str, layout: str) -> bool:
+    return backend == "tensorflow" and layout in TF_EXTENDED
+
+
 for _b, _layout in BACKEND_LAYOUTS:
-    _ext = _b == "tensorflow" and _layout in TF_EXTENDED
-    share(LAYOUTS[_layout][0], _b, _layout, *LAYOUTS[_layout][1], extended=_ext)
+    share(LAYOUTS[_layout][0], _b, _layout, *LAYOUTS[_layout][1], extended=_extended(_b, _layout))
 
 
 @pytest.mark.parametrize(
     "backend, layout",
     [
-        pytest.param(
-            b, k, marks=[pytest.mark.extended] if b == "tensorflow" and k in TF_EXTENDED else []
-        )
+        pytest.param(b, k, marks=[pytest.mark.extended] if _extended(b, k) else [])
         for b, k in BACKEND_LAYOUTS
     ],
 )
