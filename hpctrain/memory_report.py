@@ -2,7 +2,7 @@
 ZeRO stage, before anything is launched (no MPI, no model in memory).
 
 The terms are exchange/memory_plan.py's; the model's shapes and activations come from
-the torch backend on the meta device (backends/torch_plan.py); the baseline, what a rank
+the torch backend on fake tensors (backends/torch_plan.py); the baseline, what a rank
 holds before its model, is measured in this process after loading what a rank loads
 (torch, its thread pools, the optimizer's code), so run it where the job runs.
 """

@@ -209,19 +209,27 @@ BIG = [
 ]  # fmt: skip
 
 
+# bf16: autocast's dtypes and weight copies, traced on fake CPU tensors (CPU autocast's
+# op lists, not CUDA's: the case measures the difference); at 512 tokens the plan's
+# fused attention (no 512 x 512 scores) against the allocator's
+BF16_LONG = ("train.precision=bf16", "data.seq_len=512")
+
+
 @pytest.mark.parametrize(
-    "stage, offload",
+    "stage, offload, more",
     [
-        (0, "none"),
-        (1, "none"),
-        (2, "none"),
-        (3, "none"),
-        (2, "optimizer"),
-        (3, "optimizer"),
-        (3, "optimizer+params"),
+        (0, "none", ()),
+        (1, "none", ()),
+        (2, "none", ()),
+        (3, "none", ()),
+        (2, "optimizer", ()),
+        (3, "optimizer", ()),
+        (3, "optimizer+params", ()),
+        (0, "none", BF16_LONG),
+        (3, "none", BF16_LONG),
     ],  # fmt: skip
 )
-def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypatch):
+def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, more, monkeypatch):
     """The plan a GPU rank checks before its model exists (exchange/memory_plan.py with
     gpu=True, offload subtracted) against the CUDA allocator's peak over three steps of
     one process: within 10% (the CPU suite's bound for host RSS)."""
@@ -235,7 +243,7 @@ def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypat
     from hpctrain.data import benchmark_input_spec
 
     monkeypatch.setenv("HPCTRAIN_GPU_UNTESTED", "1")  # ZeRO on GPU ranks: gated
-    cfg = Config.load(None, [*BIG, f"train.zero={stage}", f"train.offload={offload}"])
+    cfg = Config.load(None, [*BIG, f"train.zero={stage}", f"train.offload={offload}", *more])
     inp = benchmark_input_spec(cfg.data)
     _, plans, _ = plan_stages(cfg, inp, ModelGroups(), 1, (stage,), gpu=True)
     # cuBLAS's workspaces (one per thread and stream: the forward's and autograd's) are
@@ -263,7 +271,7 @@ def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, monkeypat
 def test_a_model_too_big_for_the_gpu_is_refused_before_it_is_built(tmp_path):
     """Twice the GPU's memory of model state at ZeRO-0 (each layer of d_model 8192 holds
     805 M parameters, 12.9 GB with Adam's slots: 14 layers on an 80 GB H100, 24 on a
-    141 GB H200): refused from the plan, on the meta device, naming the GPU and its
+    141 GB H200): refused from the plan, on fake tensors, naming the GPU and its
     free memory, before a byte is allocated."""
     import torch
     from mpirun import PYTHON, mpirun

@@ -1,5 +1,5 @@
 """The memory plan's arithmetic (exchange/memory_plan.py) against the ZeRO paper's
-accounting, the model shapes the torch backend counts on the meta device, and
+accounting, the model shapes the torch backend counts on fake tensors, and
 `hpctrain plan-memory` (no launch). The plan against measured peaks:
 test_memory_plan_jobs.py."""
 
@@ -130,6 +130,36 @@ def test_the_torch_backend_counts_parameters_per_layer_and_activations_on_meta()
     assert shape.activation_bytes > 0 and twice == pytest.approx(
         2 * shape.activation_bytes, rel=0.01
     )
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu-attention", "gpu-attention"])
+def test_the_plan_counts_what_a_real_forward_saves(precision, fused):
+    """The plan's forward on fake tensors keeps for backward what a real forward of the
+    same model keeps (the same hook on real tensors, under torch's autocast on this CPU):
+    bf16's dtypes and the weights' bf16 copies, and a GPU rank's fused attention, which
+    keeps no sequence x sequence scores. On the meta device bf16 changed nothing."""
+    import torch
+
+    from hpctrain.backends.groups import ModelGroups
+    from hpctrain.backends.torch_model import ZooNet
+    from hpctrain.backends.torch_plan import _forward_bytes, plan_shape
+    from hpctrain.config import Config
+    from hpctrain.data import benchmark_input_spec
+    from hpctrain.models import zoo
+
+    cfg = Config.load(None, ["model.name=transformer", "data.task=tokens", "data.seq_len=64"])
+    inp = benchmark_input_spec(cfg.data)
+    planned = plan_shape(cfg.model, inp, ModelGroups(), 4, precision=precision, gpu=fused)
+    model = ZooNet(zoo.build_layers(cfg.model, inp), fused_attention=fused)
+    x = torch.zeros((4, *inp.shape), dtype=torch.long)
+    real = _forward_bytes(model, x, x, precision)
+    # within 1%: the fake layer norm's statistics are bf16 where the CPU kernel's are float32
+    assert planned.activation_bytes == pytest.approx(real, rel=0.01)
+    fp32 = plan_shape(cfg.model, inp, ModelGroups(), 4, gpu=fused).activation_bytes
+    unfused = plan_shape(cfg.model, inp, ModelGroups(), 4, precision=precision).activation_bytes
+    assert (planned.activation_bytes != fp32) == (precision == "bf16")  # meta: always equal
+    assert (planned.activation_bytes < unfused) == fused  # no 4 x heads x 64 x 64 scores
 
 
 def test_plan_memory_prints_every_stage_without_launching(capsys):

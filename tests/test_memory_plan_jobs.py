@@ -42,7 +42,8 @@ def _plan(stage: int, np_: int, overrides=()) -> dict:
 
     cfg = Config.load(None, [*MODEL, f"train.zero={stage}", *overrides])
     t = cfg.train
-    shape = plan_shape(cfg.model, benchmark_input_spec(cfg.data), ModelGroups(), t["batch_size"])
+    inp = benchmark_input_spec(cfg.data)
+    shape = plan_shape(cfg.model, inp, ModelGroups(), t["batch_size"], precision=t["precision"])
     unit, bucket = int(t["zero_unit_mb"] * MIB), int(t["bucket_mb"] * MIB)
     return plan_stage(shape, np_, stage, cfg.optimizer, unit, bucket)
 
@@ -73,6 +74,8 @@ RECOMPUTED = [
     "model.checkpoint_activations=true",
 ]
 
+BF16 = ["train.precision=bf16"]
+
 
 @pytest.mark.parametrize(
     "stage, env, tol, more",
@@ -82,8 +85,10 @@ RECOMPUTED = [
         (2, None, 0.10, ()),
         (3, None, 0.10, ()),
         (0, None, 0.10, RECOMPUTED),
+        (0, None, 0.10, BF16),
+        (3, None, 0.10, BF16),
     ],
-    ids=["0", "1", "2", "3", "0-checkpointed-activations"],
+    ids=["0", "1", "2", "3", "0-checkpointed-activations", "0-bf16", "3-bf16"],
 )
 def test_the_plan_matches_the_measured_peak(tmp_path, stage, env, tol, more):
     steps = _events(tmp_path / "run", [*MODEL, f"train.zero={stage}", *more], env)

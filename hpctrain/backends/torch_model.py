@@ -35,13 +35,14 @@ def _child(root: nn.Module, dotted: str) -> nn.Module:
     return node
 
 
-def _causal_attention(qkv, heads: int):
+def _causal_attention(qkv, heads: int, fused: bool | None = None):
     """Masked self-attention of `heads` heads from the packed q, k, v projections
-    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]."""
+    [n, t, 3 * heads * dh]; returns [n, t, heads * dh]. `fused` (None: on GPU ranks)
+    picks torch's fused kernel over the explicit softmax."""
     n, t, width = qkv.shape[0], qkv.shape[1], qkv.shape[-1] // 3
     dh = width // heads
     q, k, v = (z.reshape(n, t, heads, dh).transpose(1, 2) for z in qkv.split(width, -1))
-    if qkv.is_cuda:  # torch's fused (flash / memory-efficient) kernels on GPU ranks
+    if qkv.is_cuda if fused is None else fused:  # flash / memory-efficient kernels
         att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
         return att.transpose(1, 2).reshape(n, t, width)
     scores = (q @ k.transpose(-2, -1)) / float(np.sqrt(dh))
@@ -61,9 +62,13 @@ def _unallocated(shape, device) -> torch.Tensor:
 
 
 class _Layer(nn.Module):
-    def __init__(self, spec: zoo.LayerSpec, groups: ModelGroups | None = None, lazy_on=None):
+    def __init__(
+        self, spec: zoo.LayerSpec, groups: ModelGroups | None = None, lazy_on=None,
+        fused_attention: bool | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.spec = spec
+        self.fused_attention = fused_attention  # None: torch's fused kernel on GPU ranks
         self.groups = groups or ModelGroups()  # tensor axis and experts of this model
         self.p: dict[str, torch.Tensor] = {}
         for name, shape in spec.params.items():
@@ -131,7 +136,9 @@ class _Layer(nn.Module):
         p, heads = self.p, self.spec.attrs["n_heads"]
         d = x.shape[-1]
         h = F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS)
-        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
+        y = _causal_attention(
+            F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads, self.fused_attention
+        )
         x = x + F.linear(y, p["attn.proj.weight"], p["attn.proj.bias"])
         h = F.layer_norm(x, (d,), p["ln2.weight"], p["ln2.bias"], zoo.LN_EPS)
         if "moe" in self.spec.attrs:  # mixture-of-experts feed-forward: torch_moe.py
@@ -151,7 +158,9 @@ class _Layer(nn.Module):
         h = torch_tensor.copy_to_tensor_axis(
             F.layer_norm(x, (d,), p["ln1.weight"], p["ln1.bias"], zoo.LN_EPS), tp
         )
-        y = _causal_attention(F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads)
+        y = _causal_attention(
+            F.linear(h, p["attn.qkv.weight"], p["attn.qkv.bias"]), heads, self.fused_attention
+        )
         out = torch_tensor.reduce_from_tensor_axis(F.linear(y, p["attn.proj.weight"]), tp)
         x = x + out + p["attn.proj.bias"]
         h = torch_tensor.copy_to_tensor_axis(
@@ -169,15 +178,18 @@ class _Layer(nn.Module):
 
 
 class ZooNet(nn.Module):
-    """A zoo model: the layers in order, parameters under their canonical names."""
+    """A zoo model: the layers in order, parameters under their canonical names.
+    `fused_attention` (None: where the tensors are on a GPU) is for the memory plan,
+    whose fake CPU tensors trace a GPU rank's step (backends/torch_plan.py)."""
 
     def __init__(
-        self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None, lazy_on=None
-    ):
+        self, layers: list[zoo.LayerSpec], groups: ModelGroups | None = None, lazy_on=None,
+        fused_attention: bool | None = None,
+    ):  # fmt: skip
         super().__init__()
         self.seq = []
         for spec in layers:
-            layer = _Layer(spec, groups, lazy_on)
+            layer = _Layer(spec, groups, lazy_on, fused_attention)
             if "." in spec.name:
                 parent, leaf = spec.name.rsplit(".", 1)
                 _child(self, parent).add_module(leaf, layer)

@@ -11,6 +11,7 @@ CPU ranks, NCCL on GPU ranks), else as numpy buffers over MPI.
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ..tensor.parallel import TensorGroup, split_kind
 from .base import split_square_sums
@@ -18,7 +19,7 @@ from .torch_arrays import clip_grads_
 
 
 def _allreduce(x: torch.Tensor, group: TensorGroup, what: str) -> torch.Tensor:
-    if x.is_meta:  # the memory plan's forward on the meta device: shapes only
+    if is_fake(x):  # the memory plan's forward (backends/torch_plan.py): shapes only
         return torch.empty_like(x)
     if group.transport is not None:  # on the device: no copy to the host
         buf = x.detach().to(torch.float32, copy=True).contiguous()

@@ -15,7 +15,7 @@ state on top):
   largest unit's gradient + the largest gradient being copied;
 - optimizer state: 4 s Psi (stage 0) or 4 s Psi/N;
 - activations: what autograd saves for backward in one micro-batch (counted by the
-  backend on torch's meta device: no memory, exact shapes);
+  backend on torch's fake tensors: no memory, the step's shapes and dtypes);
 - transients, the larger of: the optimizer step's temporaries (torch's fused Adam
   makes none; SGD one the size of what it steps, with weight decay) and the exchange's
   scratch (Open MPI's reduce-scatter allocates about twice the segment it reduces; an

@@ -55,30 +55,6 @@ def current_rss_bytes() -> int:
     return resident * os.sysconf("SC_PAGE_SIZE")
 
 
-def reusable_heap_bytes() -> int:
-    """Bytes glibc's malloc holds free for reuse (mallinfo2's fordblks): resident, but the
-    next allocations take them before asking the kernel (`runtime.malloc_keep_freed`
-    keeps freed tensors this way). 0 where glibc or mallinfo2 (glibc >= 2.33) is absent."""
-    import ctypes
-
-    class Mallinfo2(ctypes.Structure):
-        _fields_ = [
-            (name, ctypes.c_size_t)
-            for name in (
-                "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
-                "uordblks", "fordblks", "keepcost",
-            )
-        ]  # fmt: skip
-
-    try:
-        libc = ctypes.CDLL(None)
-        fn = libc.mallinfo2
-    except (OSError, AttributeError):
-        return 0
-    fn.restype = Mallinfo2
-    return int(fn().fordblks)
-
-
 def _read_limit(path: Path) -> int | None:
     try:
         text = path.read_text().strip()

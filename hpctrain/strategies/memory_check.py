@@ -4,7 +4,7 @@ A rank that outgrows its cgroup is SIGKILLed by the kernel mid-step: the job end
 a lost rank and no reason. Parameters, gradients and optimizer state are known once the
 model and optimizer are built (the ZeRO paper's accounting, per rank, after ZeRO and
 tensor-parallel sharding), so the check adds what is still to come to what is resident
-now (less the heap malloc keeps free for reuse) and compares it with the limit the
+now (the freed heap given back first) and compares it with the limit the
 kernel will enforce. Activations and temporaries
 are not counted: a run within 15% of its limit gets a warning instead of a refusal.
 
@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..exchange.memory_plan import HOST, TERMS
 from ..models.zoo import is_zoo_model
 from ..runtime import allocator
-from ..runtime.memory import current_rss_bytes, rank_memory_limit, reusable_heap_bytes
+from ..runtime.memory import current_rss_bytes, rank_memory_limit
 from .checkpoint_memory import checkpoint_hint
 
 MIB = 1 << 20
@@ -211,7 +211,11 @@ def check_built(
     if gpu is not None:
         error, warning = gpu_memory_problem(memory_plan(), gpu, hints)
     elif found is not None:
-        resident = current_rss_bytes() - reusable_heap_bytes()  # freed memory is reused
+        # the freed heap given back first: what stays resident is held. (RSS less
+        # glibc's free bytes undercounted after any trim: trimmed chunks stay counted as
+        # free without pages; the torch backend trims once built. Cost: one malloc_trim.)
+        allocator.give_back_freed()
+        resident = current_rss_bytes()
         error, warning = memory_problem(memory_plan(), resident, found[0], found[1], hints, saves)
     if warning is not None:
         log.warning(where + warning)

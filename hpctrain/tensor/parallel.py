@@ -66,7 +66,7 @@ class TensorGroup:
     @classmethod
     def planned(cls, size: int) -> TensorGroup:
         """Tensor rank 0 of `size` ranks, without a communicator: the shapes the memory
-        plan needs (its forward runs on torch's meta device and never sums)."""
+        plan needs (its forward runs on torch's fake tensors and never sums)."""
         group = cls(None)
         group.size = size
         return group
