@@ -14,8 +14,8 @@ The synthetic data cache (<run-dir>/data/) and any file hpctrain did not write (
 notes in tb/, say) are kept in every case.
 
 Nothing of another run is touched: a config.yaml hpctrain did not write (it writes a
-header line; an earlier version's is exactly the YAML dump of its values) makes the
-directory refused whatever the flags, and a `checkpoint.dir`
+header line; an earlier version's is exactly the YAML dump of a whole configuration)
+makes the directory refused whatever the flags, and a `checkpoint.dir`
 outside the run directory records its run (CHECKPOINT_OWNER): a run in another
 directory pointed at it is refused before it reads, moves or deletes anything there.
 
@@ -54,6 +54,11 @@ RUN_FILES = ("metrics.jsonl", "config.yaml")
 TB_EVENTS = "events.out.tfevents."  # TensorBoard's event files (tb/); nothing else in tb/
 # The first line of the config.yaml a run writes: a config.yaml without it is the user's.
 CONFIG_HEADER = "# Written by hpctrain: the configuration of the run in this directory.\n"
+# The sections every version's whole configuration has: an earlier version's config.yaml
+# (no header) was their dump. A user's short file in the same form is not a run's.
+LEGACY_SECTIONS = frozenset(
+    ("backend", "strategy", "model", "data", "optimizer", "train", "horovod", "runtime", "metrics")
+)
 # In a checkpoint.dir outside the run directory: the run directory whose checkpoints these are.
 DEFAULT_CHECKPOINTS = "checkpoints"  # <run-dir>/checkpoints unless checkpoint.dir
 CHECKPOINT_OWNER = ".hpctrain-run"
@@ -120,8 +125,8 @@ def _tb_events(run_dir: Path) -> list[Path]:
 
 def _read_config(path: Path) -> tuple[dict | None, str | None]:
     """(the config.yaml's values or None, why it is not hpctrain's or None). hpctrain's
-    has its header line, or (an earlier version's) is exactly the YAML dump of its values;
-    a file a user wrote (comments, another key order) is neither."""
+    has its header line, or (an earlier version's) is exactly the YAML dump of a whole
+    configuration; a file a user wrote (comments, another key order, a few keys) is not."""
     try:
         text = path.read_text()
     except FileNotFoundError:
@@ -134,7 +139,9 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
         values = None
     if not isinstance(values, dict):
         return {}, "was not written by hpctrain (it is not a mapping of keys)"
-    if text.startswith(CONFIG_HEADER) or text == yaml.safe_dump(values, sort_keys=True):
+    if text.startswith(CONFIG_HEADER):
+        return values, None
+    if LEGACY_SECTIONS <= values.keys() and text == yaml.safe_dump(values, sort_keys=True):
         return values, None
     return values, "was not written by hpctrain (it has no header line)"
 

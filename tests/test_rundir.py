@@ -217,6 +217,15 @@ def test_a_config_yaml_hpctrain_did_not_write_is_never_replaced(tmp_path):
     for flags in ({"overwrite": True}, {"new": True}):
         with pytest.raises(ConfigError, match="not written by hpctrain"):
             plan_run_dir(legacy, _cfg(), **flags)
+    # a user's short file in the dump's own form (sorted keys, no comment) is the user's:
+    # it was taken for an earlier version's and replaced by a run without flags
+    short = tmp_path / "short"
+    short.mkdir()
+    (short / "config.yaml").write_text("train:\n  epochs: 3\n")
+    assert (short / "config.yaml").read_text() == yaml.safe_dump({"train": {"epochs": 3}})
+    for flags in ({}, {"overwrite": True}):
+        with pytest.raises(ConfigError, match="not written by hpctrain"):
+            plan_run_dir(short, _cfg(), **flags)
     (legacy / "config.yaml").unlink()
     (legacy / "config.yaml").mkdir()
     with pytest.raises(ConfigError, match="config.yaml cannot be read"):
