@@ -64,7 +64,8 @@ def _check_core() -> tuple[list[tuple[str, str]], list[str]]:
             (
                 "h5py",
                 f"{h5py.__version__}; HDF5 {h5py.version.hdf5_version}; "
-                f"parallel HDF5 {'yes' if cfg.mpi else 'no (serial; rank 0 writes)'}",
+                f"parallel HDF5 {'yes' if cfg.mpi else 'no'} (not needed: each rank "
+                "writes its own shard file)",
             )
         )
     except Exception as exc:  # noqa: BLE001

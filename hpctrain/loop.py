@@ -134,8 +134,8 @@ class TrainingLoop:
         self._write_config()  # only now: a refused resume leaves the earlier run's file
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch
-        total = self.checkpoints.steps_to_go(self.steps_per_epoch * tcfg["epochs"])
-        self.total_steps = min(total, tcfg["max_steps"]) if tcfg["max_steps"] else total
+        epochs = self.steps_per_epoch * tcfg["epochs"]
+        self.total_steps = self.checkpoints.steps_to_go(epochs, tcfg["max_steps"])
         self.schedule = self.checkpoints.schedule(self.total_steps)  # lr per step (resume: said)
         self.metrics = MetricsWriter(
             self.run_dir, w.is_root, cfg.metrics["jsonl"], cfg.metrics["tensorboard"]

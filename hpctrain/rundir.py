@@ -141,7 +141,7 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
         return {}, "was not written by hpctrain (it is not a mapping of keys)"
     if text.startswith(CONFIG_HEADER):
         return values, None
-    if LEGACY_SECTIONS <= values.keys() and text == yaml.safe_dump(values, sort_keys=True):
+    if values.keys() >= LEGACY_SECTIONS and text == yaml.safe_dump(values, sort_keys=True):
         return values, None
     return values, "was not written by hpctrain (it has no header line)"
 

@@ -50,6 +50,7 @@ def test_inspect_shows_what_is_inside(tmp_path, capsys):
     for text in (
         "verified    yes",
         "step        40",
+        "strategy    data_parallel",  # from the config: a data-parallel run's has no attribute
         "backend     torch",
         "world size  2",
         "hpctrain-ckpt-2",
@@ -61,6 +62,21 @@ def test_inspect_shows_what_is_inside(tmp_path, capsys):
     ):
         assert text in out, f"{text!r} not in:\n{out}"
     assert re.search(r"model/conv1\.weight +float32 +\(4, 3, 3, 3\) +0\.4 kB", out), out
+
+
+def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
+    """`hpctrain ckpt inspect F | head`: the reader leaves, the command ends with
+    128 + SIGPIPE like a shell tool, not with a crash report."""
+    path, _, _ = zoo_checkpoint(tmp_path, *CNN)
+    job = subprocess.Popen(
+        [str(HPCTRAIN), "ckpt", "inspect", str(path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    job.stdout.close()  # before it writes: its first write finds no reader
+    err = job.stderr.read().decode()
+    assert job.wait(timeout=120) == 141, err
+    assert "Traceback" not in err and "uncaught" not in err, err
 
 
 def test_verify_one_line_per_file_and_exit_status(tmp_path, capsys):

@@ -388,10 +388,17 @@ def test_a_resume_at_a_larger_global_batch_still_trains_every_epoch(tmp_path):
         1, HPCTRAIN, "train", "--run-dir", str(run), *sets, "--set", "train.max_steps=30"
     )
     assert first.returncode == 0, first.output
+    capped = tmp_path / "capped"  # the same resume under train.max_steps: said as such
+    shutil.copytree(run, capped)
+    job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(capped), *sets, "--resume", "auto",
+                 "--set", "train.max_steps=33")  # fmt: skip
+    assert job.returncode == 0 and "done: steps=33," in job.output, job.output
+    assert "end at step 55" in job.output and "spans 33 (train.max_steps) steps" in job.output
     job = mpirun(2, HPCTRAIN, "train", "--run-dir", str(run), *sets, "--resume", "auto")
     assert job.returncode == 0, job.output
     assert "trained at global batch 16 at global batch 32" in job.output, job.output
     assert "the epochs left end at step 55" in job.output, job.output
+    assert "the lr schedule spans these 55 steps" in job.output, job.output
     lines = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     assert "done: steps=55, epochs=2," in job.output, job.output
     assert [x["epoch"] for x in lines if x["event"] == "epoch"][-2:] == [0, 1], lines

@@ -107,6 +107,20 @@ def _verify(args) -> int:
     return 1 if bad else 0
 
 
+def _configured_strategy(config: str | None) -> str:
+    """The strategy a checkpoint's run had: data-parallel ones record it only in their
+    config (the pipeline and the parameter server also as an attribute)."""
+    import yaml
+
+    try:
+        values = yaml.safe_load(config or "")
+    except yaml.YAMLError:
+        values = None
+    if isinstance(values, dict):
+        return str(values.get("strategy", "data_parallel"))
+    return "not recorded"
+
+
 def _inspect(args) -> int:
     try:
         ck = reader.load(args.file)
@@ -129,6 +143,7 @@ def _inspect(args) -> int:
     if shards:
         rows.append(("shards", f"{shards} files in {sharded.shards_dir(ck.path)}, verified"))
     config = a.pop("config_yaml", None)
+    rows.append(("strategy", a.pop("strategy", None) or _configured_strategy(config)))
     for key in ("backend", "framework", "horovod", "world_size"):
         if key in a:
             rows.append((key.replace("_", " "), a.pop(key)))

@@ -349,8 +349,9 @@ class RunCheckpoints:
         )
         return chosen
 
-    def steps_to_go(self, total: int) -> int:
-        """The run's last step (its budget before train.max_steps) in this run's steps.
+    def steps_to_go(self, total: int, max_steps: int | None = None) -> int:
+        """The run's last step in this run's steps, `max_steps` (train.max_steps, a step
+        number) applied.
 
         The step counter goes on from the checkpoint's, counted in its global batch; the
         data position is in samples. Resumed at another global batch (another world size
@@ -366,7 +367,7 @@ class RunCheckpoints:
         saved, data = self._saved_batch, t.data
         changed = bool(saved) and data is not None and saved != data.global_batch
         if not t.world.any_flag(changed, what="agree on the resumed step budget"):
-            return total
+            return min(total, max_steps) if max_steps else total
         left = 0
         if data is not None:
             epochs = t.cfg.train["epochs"]
@@ -374,12 +375,14 @@ class RunCheckpoints:
         budget = st.step + max(0, left)
         budget = int(t.world.allreduce_array([budget], op="max", what="resumed step budget")[0])
         self._saved_schedule = None  # in the other batch's steps: the budget's instead
+        last = min(budget, max_steps) if max_steps else budget
         if t.world.is_root:
+            spans = f"these {last}" if last == budget else f"{last} (train.max_steps)"
             log.warning(
                 "resuming a checkpoint trained at global batch %d at global batch %d: its "
                 "step %d counts the old batch's steps, so the epochs left end at step %d "
-                "(train.epochs=%d gives %d steps of this batch); the lr schedule spans these "
-                "%d steps (keep the global batch with train.grad_accum, as hpctrain elastic "
+                "(train.epochs=%d gives %d steps of this batch); the lr schedule spans %s "
+                "steps (keep the global batch with train.grad_accum, as hpctrain elastic "
                 "does, to follow the saved schedule exactly)",
                 saved,
                 data.global_batch if data is not None else 0,
@@ -387,9 +390,9 @@ class RunCheckpoints:
                 budget,
                 t.cfg.train["epochs"],
                 total,
-                budget,
+                spans,
             )
-        return budget
+        return last
 
     def schedule(self, total_steps: int) -> Schedule:
         """The lr schedule of this run, `total_steps` long. Resumed with another length

@@ -30,6 +30,7 @@ from .world import world_if_started
 EXIT_USER_ERROR = 2  # every rank agreed: the same run would fail the same way again
 EXIT_RANK_ERROR = 3  # one rank's own user error (MPI_Abort): a restart may get past it
 EXIT_INTERRUPTED = 130
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE: what a shell tool reading into `| head` returns
 
 
 def _rank_tag() -> str:
@@ -64,6 +65,18 @@ def user_error_text(exc: HpctrainError, verbose: bool) -> str:
     return f"{text}\n{_traceback_of(exc)}" if verbose else text
 
 
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null: the interpreter's flush at exit would hit the closed
+    pipe again and print a traceback (the recipe of Python's signal module docs)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+    except (OSError, ValueError):  # no file descriptor behind stdout: nothing to flush
+        pass
+
+
 def run_fail_together(fn, *args, **kwargs) -> int:
     """Run `fn`; agreed user errors exit 2 on each rank, anything else aborts the job."""
     threading.excepthook = _thread_excepthook
@@ -71,6 +84,7 @@ def run_fail_together(fn, *args, **kwargs) -> int:
         set_verbose(True)
     try:
         result = fn(*args, **kwargs)
+        sys.stdout.flush()  # a closed pipe is found here, inside the handlers below
         return 0 if result is None else int(result)
     except HpctrainError as exc:
         w = world_if_started()
@@ -89,6 +103,12 @@ def run_fail_together(fn, *args, **kwargs) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _abort_with("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
+    except BrokenPipeError:  # stdout's reader left (`hpctrain ckpt inspect F | head`)
+        w = world_if_started()
+        if w is None or w.size == 1:  # nothing waits for this process: end quietly
+            _discard_stdout()
+            return EXIT_BROKEN_PIPE
+        _abort_with("standard output closed by its reader (broken pipe)")
     except SystemExit:
         raise
     except BaseException:  # noqa: BLE001 - any crash must end every rank

@@ -167,7 +167,13 @@ def _add_job(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--hpctrain", metavar="CMD", help="hpctrain command the job runs (default: this one)"
     )
-    p.add_argument("--output", "-o", metavar="FILE", help="write the script here (chmod +x)")
+    p.add_argument(
+        "--output",
+        "-o",
+        metavar="FILE",
+        help="write the script here (chmod +x); submit's default: "
+        "<log-dir>/<job name>-<UTC time>.sbatch",
+    )
 
 
 def register(subparsers) -> dict:
