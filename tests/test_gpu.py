@@ -211,8 +211,10 @@ BIG = [
 
 # bf16: autocast's dtypes and weight copies, traced on fake CPU tensors (CPU autocast's
 # op lists, not CUDA's: the case measures the difference); at 512 tokens the plan's
-# fused attention (no 512 x 512 scores) against the allocator's
+# fused attention (no 512 x 512 scores) against the allocator's; with a vocabulary of
+# 16,384 the loss's logits and their gradients (4 x 1,024 tokens: 0.25 GiB a copy)
 BF16_LONG = ("train.precision=bf16", "data.seq_len=512")
+BF16_VOCAB = ("train.precision=bf16", "data.seq_len=1024", "data.vocab=16384")
 
 
 @pytest.mark.parametrize(
@@ -227,6 +229,7 @@ BF16_LONG = ("train.precision=bf16", "data.seq_len=512")
         (3, "optimizer+params", ()),
         (0, "none", BF16_LONG),
         (3, "none", BF16_LONG),
+        (0, "none", BF16_VOCAB),
     ],  # fmt: skip
 )
 def test_the_gpu_plan_matches_the_cuda_allocators_peak(stage, offload, more, monkeypatch):

@@ -1,28 +1,53 @@
 """What the memory plan needs of a torch zoo model, without allocating it: the model is
 built of torch's fake tensors (shapes and dtypes, no memory), its parameters counted per
-layer, and one micro-batch run forward with a saved-tensors hook that adds up what
-autograd keeps for backward (the activations; parameters excluded). With activation
-checkpointing the hook sees only each block's input; backward then recomputes one block
-at a time, whose whole saved set is alive beside its gradients: `_recompute_bytes` adds
-that.
+layer, and one micro-batch run through forward, loss and backward (_step_bytes).
+
+The activations term is counted for the allocator that will hold them:
+- a GPU rank: the most the micro-batch's tensors take at once, every tensor counted
+  from the op that makes it to its last reference (_LiveBytes): what autograd holds
+  for backward plus the temporaries beside it (the loss's over the logits, the
+  gradients of activations, a checkpointed block's recomputation). That is the CUDA
+  allocator's allocated figure, block for block.
+- a CPU rank: what autograd saves, summed tensor by tensor, plus an allowance for a
+  checkpointed block's recomputation (_recompute_bytes), the form measured against the
+  peak RSS (tests/test_memory_plan_jobs.py, within 3-6%). RSS is glibc's heap, which
+  keeps freed blocks for speed (runtime/allocator.py): its high-water mark lies above
+  the live bytes wherever temporaries are large (measured in one process: a 6-block
+  transformer of d_model 256 at 16 x 256 tokens peaked 715-731 MiB above its state with
+  525 MiB live at most; with its blocks checkpointed 438-498 against 148 live; with
+  freed blocks returned, MALLOC_MMAP_THRESHOLD_=4194304, 527 and 161). The saved sum
+  counts views of one storage once each and so lands near the heap's mark (778 and
+  429 there), where the live count would be 27-70% low.
 
 Fake tensors rather than the meta device: they are CPU tensors to torch's dispatcher, so
-`train.precision` bf16/fp16 runs the forward under torch's own autocast, as the step
-does, and what the hook sees has the step's dtypes: half-size activations, and the
-half-precision copies of the weights the matmuls save (autocast's cast cache, alive
-until backward). On the meta device autocast does nothing: a bf16 plan counted float32
-activations and no weight copies (measured, 50 M transformer, one process: plan
-1,107 MiB against a peak of 1,239, 11% low). A GPU rank's plan runs the attention its
-step runs there (torch's fused kernel, which keeps no sequence x sequence scores: the
-CPU step's explicit softmax does). The one difference left on a GPU rank: the dtypes
-follow CPU autocast's op lists (CUDA's keeps layer norms in float32; CPU's runs them in
-bf16): a few bytes per token and channel per layer norm."""
+`train.precision` bf16/fp16 runs under torch's own autocast, as the step does, with the
+step's dtypes: half-size activations, and the half-precision copies of the weights the
+matmuls keep until backward (on the meta device a bf16 plan was float32's: 11% low on
+the 50 M transformer, one process). A GPU rank's plan runs the attention its step runs
+there (torch's fused kernel, which keeps no sequence x sequence scores: the CPU step's
+explicit softmax does). The one difference left on a GPU rank: the dtypes follow CPU
+autocast's op lists (CUDA's keeps layer norms in float32; CPU's runs them in bf16): a
+few bytes per token and channel per layer norm.
+
+On an H100 the 100 M-parameter bf16 transformer of benchmarks/gpu_bench.py
+(micro-batch 16 x 1,024 tokens, vocabulary 16,384) peaked at 9.90 GiB allocated
+(20261128T024600Z-gpu-h100), where the meta device's plan said 27.2 GiB (float32, the
+CPU attention's scores) and saved tensors alone at bf16 with the fused attention 8.1
+(the loss's float32 logits and their gradients missing); the live count says 8.8, for
+the step that no longer holds the logits through backward (that run's did: 1.5 GiB of
+its peak). The GPU check's plan test (tests/test_gpu.py) measures it again.
+"""
 
 from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from ..exchange.memory_plan import ModelShape, plan_stage
 from ..models import zoo
@@ -51,30 +76,14 @@ def plan_shape(
         named = list(model.named_parameters())
         dense = [p for n, p in named if not is_expert_param(n)]
         # routing needs values, so a fake forward cannot run MoE layers: not counted
-        saved = 0 if zoo.has_moe(model_cfg) else _saved_bytes(model, inp, batch, precision)
+        moe = zoo.has_moe(model_cfg)
+        saved = 0 if moe else _activation_bytes(model, inp, batch, precision, gpu)
     return ModelShape(
         sizes=[p.numel() for p in dense],
         layers=module_params(model, dense),  # ZeRO-3's grouping of them into units
         expert_elements=sum(p.numel() for n, p in named if is_expert_param(n)),
         activation_bytes=saved,
     )
-
-
-def _recompute_bytes(model, x, precision: str) -> int:
-    """Activation checkpointing's backward: one block recomputed at a time, its saved
-    set alive with the gradients flowing through it and the backward's temporaries, each
-    about as many bytes: three times the largest checkpointed block's saved bytes (0
-    without checkpointing). Measured against the peak RSS (tests/test_memory_plan_jobs.py):
-    twice left the plan 11-17% low on a 4-block transformer at micro-batch 8 and 16.
-    Called inside the plan's FakeTensorMode."""
-    worst = 0
-    for layer in model.seq:
-        if layer.spec.attrs.get("recompute"):
-            here = x.detach().requires_grad_(True)
-            worst = max(worst, _forward_bytes(layer, here, precision=precision))
-        with torch.no_grad(), compute_precision(precision):
-            x = layer(x)
-    return 3 * worst
 
 
 def _fake_batch(inp: zoo.InputSpec, batch: int):
@@ -86,19 +95,92 @@ def _fake_batch(inp: zoo.InputSpec, batch: int):
     return x, torch.zeros((batch,), dtype=torch.long)
 
 
-def _saved_bytes(model, inp: zoo.InputSpec, batch: int, precision: str) -> int:
-    """Bytes autograd saves for backward in a forward of `batch` samples and the loss,
-    and what checkpointed blocks hold while backward recomputes them."""
+def _activation_bytes(model, inp: zoo.InputSpec, batch: int, precision: str, gpu: bool) -> int:
+    """The activations term of a micro-batch of `batch` samples: on a GPU rank the most
+    its tensors take at once (the CUDA allocator's figure); on a CPU rank what autograd
+    saves and what checkpointed blocks take while recomputed (the module doc says why)."""
     x, y = _fake_batch(inp, batch)
-    return _forward_bytes(model, x, y, precision) + _recompute_bytes(model, x, precision)
+    counted = _step_bytes(model, x, y, precision)
+    return counted.peak if gpu else counted.saved + _recompute_bytes(model, x, precision)
 
 
-def _forward_bytes(model, x, y=None, precision: str = "fp32") -> int:
-    """Bytes a forward of `x` (fake tensors) keeps for backward: what autograd saves
-    (and the loss on `y` saves: a whole model's or a last stage's), and, for a
-    pipeline stage that is not the last (`y` None), its output, held until the next
-    stage's gradient comes back; a stage's input that requires grad is held too. The
-    forward under `precision`'s autocast and the loss in float32, as the step."""
+def _recompute_bytes(model, x, precision: str) -> int:
+    """A CPU rank's allowance for activation checkpointing's backward: one block
+    recomputed at a time, its saved set alive with the gradients flowing through it and
+    the backward's temporaries, each about as many bytes: three times the largest
+    checkpointed block's saved bytes (0 without checkpointing). Measured against the
+    peak RSS (tests/test_memory_plan_jobs.py): twice left the plan 11-17% low on a
+    4-block transformer at micro-batch 8 and 16. Called inside the plan's
+    FakeTensorMode."""
+    worst = 0
+    for layer in model.seq:
+        if layer.spec.attrs.get("recompute"):
+            here = x.detach().requires_grad_(True)
+            worst = max(worst, _step_bytes(layer, here, precision=precision).saved)
+        with torch.no_grad(), compute_precision(precision):
+            x = layer(x)
+    return 3 * worst
+
+
+class _LiveBytes(TorchDispatchMode):
+    """The bytes of the tensors made while it is on, alive at once: each op's outputs
+    counted by storage (a view shares its base's) until the last tensor on that storage
+    is gone; `peak` is the most at the end of any op. Fake tensors are tensor
+    subclasses, whose Python objects live as long as autograd holds them, so a tensor's
+    end is its storage's. The same on real tensors (the test compares the two).
+    Tensors on the storages of `existing` (a parameter's transpose) are not counted."""
+
+    def __init__(self, existing=()):
+        super().__init__()
+        # storages made before (parameters, buffers, the input): views of them are free
+        self.existing = {t.untyped_storage()._cdata for t in existing}
+        self.refs: dict[int, int] = {}  # storage -> tensors on it
+        self.sizes: dict[int, int] = {}
+        self.live = self.peak = 0
+
+    def _gone(self, key: int) -> None:
+        self.refs[key] -= 1
+        if not self.refs[key]:
+            del self.refs[key]
+            self.live -= self.sizes.pop(key)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = storage._cdata
+                if key in self.existing:
+                    continue
+                if key not in self.refs:
+                    self.refs[key], self.sizes[key] = 0, storage.nbytes()
+                    self.live += self.sizes[key]
+                self.refs[key] += 1
+                weakref.finalize(t, self._gone, key)
+        self.peak = max(self.peak, self.live)
+        return out
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """One micro-batch through a model, in bytes (_step_bytes)."""
+
+    saved: int  # what autograd saves, summed tensor by tensor (views too): a CPU rank's
+    held: int  # alive after the forward, until its backward (storages counted once)
+    peak: int  # the most alive at once over forward, loss and backward: a GPU rank's
+
+
+def _step_bytes(model, x, y=None, precision: str = "fp32") -> StepBytes:
+    """One micro-batch of `x` (fake tensors) through `model`: its forward under
+    `precision`'s autocast, the loss on `y` in float32 (a whole model or a last stage;
+    `y` None: a pipeline stage whose output is held until the next stage's gradient
+    comes back), and its backward. `saved` sums what autograd saves for backward, the
+    loss's, a stage's output; `held` and `peak` are _LiveBytes' counts: what the
+    forward leaves alive, and the most alive at once: `held` plus the temporaries
+    beside it (the loss's over the logits, the gradients of activations, a
+    checkpointed block's recomputation) and one parameter's gradient at a time (each
+    is dropped as it lands: the plan's gradients term counts them). A stage's input
+    that requires grad is added to all three."""
     params = {id(p) for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -111,17 +193,33 @@ def _forward_bytes(model, x, y=None, precision: str = "fp32") -> int:
             keep(t)
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        with compute_precision(precision):
-            out = model(x)
-        out = out.float()
-        if y is None:
-            keep(out)
-        else:
-            F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    if x.requires_grad:
+    drops = [
+        p.register_post_accumulate_grad_hook(lambda p: setattr(p, "grad", None))
+        for p in model.parameters()
+        if p.requires_grad
+    ]
+    live = _LiveBytes([*model.parameters(), *model.buffers(), x])
+    try:
+        with live:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                with compute_precision(precision):
+                    out = model(x)
+                root = out = out.float()
+                if y is None:  # held until the next stage's gradient comes back
+                    keep(out)
+                else:  # the step keeps the loss only
+                    root = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+                    del out
+            held = live.live
+            root.backward(None if y is not None else torch.ones_like(root))
+    finally:
+        for handle in drops:
+            handle.remove()
+    inputs = 0
+    if x.requires_grad:  # once, if autograd saved it too
         keep(x)
-    return sum(seen.values())
+        inputs = x.numel() * x.element_size()
+    return StepBytes(sum(seen.values()), held + inputs, live.peak + inputs)
 
 
 def plan_pipeline_stage(
@@ -151,11 +249,15 @@ def plan_pipeline_stage(
             x.requires_grad_(True)
         net = ZooNet(local, groups, fused_attention=gpu)
         dense = list(net.parameters())
-        held = _forward_bytes(net, x, y if last else None, precision)
+        counted = _step_bytes(net, x, y if last else None, precision)
+        if gpu:  # the other micro-batches in flight hold theirs beside one's whole step
+            activations = (in_flight - 1) * counted.held + counted.peak
+        else:
+            activations = in_flight * counted.saved + _recompute_bytes(net, x, precision)
         shape = ModelShape(
             sizes=[p.numel() for p in dense],
             layers=module_params(net, dense),
-            activation_bytes=in_flight * held + _recompute_bytes(net, x, precision),
+            activation_bytes=activations,
         )
     prepare_process(threads, t["deterministic"], t["seed"] + rank)
     unit, bucket = int(t["zero_unit_mb"] * 2**20), int(t["bucket_mb"] * 2**20)

@@ -14,8 +14,10 @@ state on top):
   the largest segment + the largest gradient being copied; stage 3: 4 Psi/N + the
   largest unit's gradient + the largest gradient being copied;
 - optimizer state: 4 s Psi (stage 0) or 4 s Psi/N;
-- activations: what autograd saves for backward in one micro-batch (counted by the
-  backend on torch's fake tensors: no memory, the step's shapes and dtypes);
+- activations: the most one micro-batch's tensors take at once over its forward, loss
+  and backward: what autograd holds for backward, the temporaries beside it and one
+  parameter's gradient as it lands (counted by the backend on torch's fake tensors: no
+  memory, the step's shapes and dtypes);
 - transients, the larger of: the optimizer step's temporaries (torch's fused Adam
   makes none; SGD one the size of what it steps, with weight decay) and the exchange's
   scratch (Open MPI's reduce-scatter allocates about twice the segment it reduces; an
@@ -52,7 +54,7 @@ HOST = "offloaded"  # host bytes a GPU rank's offload holds, outside `total`
 class ModelShape:
     """What the plan needs of a model: its dense parameters' elements on this rank
     (registration order), which of them each layer holds (forward order), the experts'
-    elements and the activations one micro-batch saves for backward (bytes)."""
+    elements and the most bytes one micro-batch takes at once (its activations)."""
 
     sizes: list[int]
     layers: list[list[int]] = field(default_factory=list)
