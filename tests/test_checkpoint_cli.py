@@ -77,6 +77,14 @@ def test_inspect_into_a_closed_pipe_ends_quietly(tmp_path):
     err = job.stderr.read().decode()
     assert job.wait(timeout=120) == 141, err
     assert "Traceback" not in err and "uncaught" not in err, err
+    # a pipe or socket of its own that breaks is a crash like any other, reported
+    code = (
+        "import sys\nfrom hpctrain.runtime.failfast import run_fail_together\n"
+        "def broken():\n    raise BrokenPipeError(32, 'a worker went away')\n"
+        "sys.exit(run_fail_together(broken))\n"
+    )
+    crash = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert crash.returncode == 1 and "a worker went away" in crash.stderr, crash.stderr
 
 
 def test_verify_one_line_per_file_and_exit_status(tmp_path, capsys):

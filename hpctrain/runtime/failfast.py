@@ -65,6 +65,19 @@ def user_error_text(exc: HpctrainError, verbose: bool) -> str:
     return f"{text}\n{_traceback_of(exc)}" if verbose else text
 
 
+def _stdout_has_no_reader() -> bool:
+    """Whether stdout is a pipe whose reading end is closed (poll reports an error on
+    the writing end), so that a BrokenPipeError from elsewhere stays a crash."""
+    import select
+
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _discard_stdout() -> None:
     """Point stdout at /dev/null: the interpreter's flush at exit would hit the closed
     pipe again and print a traceback (the recipe of Python's signal module docs)."""
@@ -103,7 +116,9 @@ def run_fail_together(fn, *args, **kwargs) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _abort_with("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
-    except BrokenPipeError:  # stdout's reader left (`hpctrain ckpt inspect F | head`)
+    except BrokenPipeError:  # stdout's reader left (`hpctrain ckpt inspect F | head`)?
+        if not _stdout_has_no_reader():  # another pipe or socket broke: a crash
+            _abort_with("uncaught exception:\n" + traceback.format_exc().rstrip())
         w = world_if_started()
         if w is None or w.size == 1:  # nothing waits for this process: end quietly
             _discard_stdout()
