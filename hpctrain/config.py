@@ -471,7 +471,20 @@ SCHEMA: dict[str, Any] = {
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2 floats: PyYAML (YAML 1.1) reads `1e-4` as a string."""
+    """YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads `1e-4` as a string) and no
+    duplicate keys (PyYAML keeps the last silently: a second `train:` section dropped
+    the first's settings)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=True)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 _Loader.add_implicit_resolver(
@@ -635,9 +648,14 @@ class Config:
             path = Path(path)
             source = str(path)
             try:
-                text = path.read_text()
+                text = path.read_text(encoding="utf-8")
             except FileNotFoundError:
                 raise ConfigError(f"config file not found: {path}") from None
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"{path}: not a UTF-8 text file (byte {exc.start}: {exc.reason}); "
+                    "--config takes a YAML file"
+                ) from None
             except OSError as exc:
                 raise ConfigError(f"cannot read config file {path}: {exc}") from None
             try:

@@ -128,11 +128,13 @@ def _read_config(path: Path) -> tuple[dict | None, str | None]:
     has its header line, or (an earlier version's) is exactly the YAML dump of a whole
     configuration; a file a user wrote (comments, another key order, a few keys) is not."""
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         return None, None
     except OSError as exc:
         return {}, f"cannot be read ({exc.strerror or exc})"
+    except UnicodeDecodeError:
+        return {}, "was not written by hpctrain (it is not UTF-8 text)"
     try:
         values = yaml.safe_load(text)
     except yaml.YAMLError:

@@ -265,6 +265,17 @@ def test_resume_choices(tmp_path):
         fh.write(b"XXXX")
     with pytest.raises(CheckpointError, match="x.h5: file digest mismatch"):
         resume_checkpoint(CheckpointPolicy({"resume": str(tmp_path / "x.h5")}))
+    # auto with checkpoints none of which verifies: refused (a fresh start would write
+    # over them), the files left as they were; the newest damaged beside a good one: the
+    # good one
+    auto = CheckpointPolicy({"dir": str(tmp_path), "resume": "auto"})
+    newest = tmp_path / "ckpt-00000020.h5"
+    newest.write_bytes(b"damaged")
+    assert resume_checkpoint(auto).step == 10
+    (tmp_path / "ckpt-00000010.h5").write_bytes(b"damaged too")
+    with pytest.raises(CheckpointError, match=r"none of the 2 checkpoint\(s\) .* verifies"):
+        resume_checkpoint(auto)
+    assert newest.read_bytes() == b"damaged"
 
 
 def test_a_resume_says_which_compressor_state_starts_afresh(caplog):

@@ -58,6 +58,16 @@ def test_missing_and_malformed_files(tmp_path):
     bad.write_text("train: [1, 2\n")
     with pytest.raises(ConfigError, match="not valid YAML"):
         Config.load(bad)
+    # an HDF5 file given by tab completion, a Latin-1 comment: one line, not a traceback
+    binary = tmp_path / "data.h5"
+    binary.write_bytes(b"\x89HDF\r\n\x1a\n" + bytes(64))
+    with pytest.raises(ConfigError, match="data.h5: not a UTF-8 text file"):
+        Config.load(binary)
+    # a second section of the same name dropped the first's settings silently
+    twice = tmp_path / "twice.yaml"
+    twice.write_text("train:\n  epochs: 2\ntrain:\n  max_steps: 3\n")
+    with pytest.raises(ConfigError, match="duplicate key 'train'"):
+        Config.load(twice)
 
 
 def test_override_parsing():

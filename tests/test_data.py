@@ -206,6 +206,7 @@ def test_float_x_for_a_language_model_and_integer_x_for_a_user_model_are_refused
         (np.r_[np.zeros(39, int), 7], "/y row 39 holds 7, outside 0..2 (3 classes, the file's"),
         (np.eye(3)[np.arange(40) % 3], "looks one-hot"),
         (np.zeros(40, int), "training needs at least two classes"),
+        (np.r_[np.arange(39) % 3, 10**9], "the largest label is 1,000,000,000, which makes"),
     ],
 )
 def test_bad_labels_are_named_by_file_dataset_row_and_value(tmp_path, y, message):
@@ -214,6 +215,22 @@ def test_bad_labels_are_named_by_file_dataset_row_and_value(tmp_path, y, message
     with pytest.raises(DataError) as err:
         inspect_dataset(path)
     assert message in str(err.value) and str(path) in str(err.value)
+
+
+@pytest.mark.parametrize(
+    "x, y, message",
+    [
+        (np.zeros(40), np.arange(40) % 2, "/x holds one value per sample (shape (40,))"),
+        (np.float64(3.0), np.arange(40) % 2, "/x holds a single value"),
+        (np.zeros((40, 4)), np.int64(1), "/y is a single value"),
+    ],
+)
+def test_samples_that_are_not_arrays_are_refused_before_a_step(tmp_path, x, y, message):
+    """A 1-D or scalar /x passed the checks and failed in the first step (a matmul's
+    shape error; an IndexError for a scalar): refused when the file is opened."""
+    path = _file(tmp_path / "d.h5", x=x, y=y)
+    with pytest.raises(DataError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        inspect_dataset(path)
 
 
 def test_labels_as_whole_floats_and_column_vectors_are_accepted(tmp_path):

@@ -223,10 +223,22 @@ class Checkpointer:
 def resume_checkpoint(policy: CheckpointPolicy) -> reader.Checkpoint | None:
     """What `checkpoint.resume` asks for: the newest valid file (auto), none, or one file.
 
-    An explicitly named file must verify; 'auto' skips damaged files with a warning.
+    An explicitly named file must verify; 'auto' skips damaged files with a warning,
+    and refuses when there are checkpoints and none verifies: starting afresh would
+    write over them (a sharded one whose shard folder was not copied along verifies
+    again once it is back).
     """
     if policy.resume == "never":
         return None
     if policy.resume == "auto":
-        return reader.find_latest_valid(policy.dir)
+        found = reader.find_latest_valid(policy.dir)
+        there = reader.list_checkpoints(policy.dir)
+        if found is None and there:
+            raise CheckpointError(
+                f"--resume auto: none of the {len(there)} checkpoint(s) in {policy.dir} "
+                "verifies (each one's reason above), and starting afresh would write over "
+                "them: restore what is missing (a sharded checkpoint's ckpt-<step>.shards/ "
+                "folder), or start afresh with --new (moves them to previous/) or --overwrite"
+            )
+        return found
     return reader.load(policy.resume)

@@ -121,6 +121,20 @@ class DatasetInfo:
         )
 
 
+def _check_ranks(path, x_name: str, x, y_name: str, y) -> None:
+    """Samples are arrays (a row of features, a sequence of tokens, an image) and labels
+    one per sample at least: a scalar or a 1-D x passed every later check and failed in
+    the first step, as a framework's shape error."""
+    if y.ndim == 0:
+        raise DataError(f"{path}: {y_name} is a single value, not one label per sample")
+    if x.ndim < 2:
+        what = "a single value" if x.ndim == 0 else f"one value per sample (shape {x.shape})"
+        raise DataError(
+            f"{path}: {x_name} holds {what}: samples must be arrays, shape (N, features) "
+            "or more (one feature: reshape it to (N, 1))"
+        )
+
+
 def held_out_rows(n: int, fraction: float, seed: int) -> tuple[np.ndarray, np.ndarray]:
     """(train rows, val rows), sorted: a random `fraction` of n rows, from `seed` only.
 
@@ -154,6 +168,7 @@ def open_dataset(path: str | Path, options: DataOptions | None = None) -> Datase
         with h5py.File(path, "r") as f:
             keys = resolve_keys(f, path, options.keys)
             tx, ty = f[keys.train_x], f[keys.train_y]
+            _check_ranks(path, keys.train_x, tx, keys.train_y, ty)
             if tx.shape[0] != ty.shape[0]:
                 raise DataError(
                     f"{path}: {keys.train_x} has {tx.shape[0]} rows but {keys.train_y} "
@@ -247,6 +262,12 @@ def _check_val(path, keys, tx, vx, vy, casts, kind, options) -> None:
         )
 
 
+# Classes (or a vocabulary) read off the labels beyond this are a damaged label, not a
+# task: one label of 1e9 made a 1e9-wide output layer and a 474 GiB allocation. The
+# largest vocabularies in use are ~256 K; a file's `classes` attribute is taken as given.
+MAX_INFERRED_CLASSES = 1 << 24
+
+
 def scan_dataset(info: DatasetInfo) -> int:
     """Check every label (and token id) against the classes; return the classes.
 
@@ -277,6 +298,13 @@ def scan_dataset(info: DatasetInfo) -> int:
     except OSError as exc:
         raise DataError(f"cannot read dataset {info.path}: {exc}") from None
     classes = known if known is not None else top + 1
+    if known is None and classes > MAX_INFERRED_CLASSES:
+        raise DataError(
+            f"{where}: the largest {'token id' if casts.tokens else 'label'} is {top:,}, "
+            f"which makes {classes:,} {what}: more than {MAX_INFERRED_CLASSES:,} is taken "
+            f"for a damaged value (an output layer {classes:,} wide); if it is right, give "
+            "the file the attribute `classes`"
+        )
     if classes < 2 and not casts.tokens:
         raise DataError(
             f"{where}: every label in {keys.train_y} is {top}: training needs at least two "

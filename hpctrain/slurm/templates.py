@@ -399,7 +399,10 @@ def sbatch_directives(lines: list[str]) -> str | None:
 def render(spec: JobSpec) -> Rendered:
     """Validate every value of `spec`, then fill its template. Raises ConfigError."""
     template = find_template(spec.template)
-    text = template.read_text()
+    try:
+        text = template.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise ConfigError(f"template {template}: not a text file (not UTF-8)") from None
     warnings: list[str] = []
     nodes = positive_int("--nodes", spec.nodes)
     per_node = positive_int("--ntasks-per-node", spec.ntasks_per_node)
