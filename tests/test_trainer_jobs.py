@@ -127,6 +127,16 @@ def test_missing_dataset_file_is_reported_on_every_rank(tmp_path):
     )  # agreed: said once, naming every rank that had it
 
 
+def test_a_split_smaller_than_one_global_batch_is_agreed_not_aborted_rank_by_rank(tmp_path):
+    """Every rank finds it alike: one line and exit 2 (an error raised by each rank on
+    its own ended the job rank by rank with exit 3, which hpctrain elastic restarts)."""
+    args = [HPCTRAIN, "train", "--run-dir", str(tmp_path / "run")]
+    job = mpirun(2, *args, "--set", "data.train_samples=100", timeout=120)
+    assert job.returncode == 2, job.output
+    said = "rank(s) 0-1: " in job.output and "do not fill one global batch of 128" in job.output
+    assert said and "MPI_ABORT" not in job.output, job.output
+
+
 def test_dataset_present_on_only_some_ranks_is_reported_on_every_rank(tmp_path):
     good = tmp_path / "data-0.h5"
     job = mpirun(

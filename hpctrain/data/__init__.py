@@ -17,7 +17,7 @@ from .dataset import (
     scan_dataset,
     with_classes,
 )
-from .sharded import BenchmarkData, ShardedTrainData, iterate_val
+from .sharded import BenchmarkData, ShardedTrainData, batch_problem, iterate_val
 from .synthetic import estimated_bytes, generate_from_config, synthetic_name, write_dataset
 
 __all__ = [
@@ -25,6 +25,7 @@ __all__ = [
     "DataOptions",
     "DatasetInfo",
     "ShardedTrainData",
+    "batch_problem",
     "expand_path",
     "inspect_dataset",
     "iterate_val",

@@ -61,6 +61,20 @@ def _read_rows(ds: h5py.Dataset, rows: np.ndarray) -> np.ndarray:
     return out
 
 
+def batch_problem(info, size: int, batch: int, accum: int, accum_key: str) -> str | None:
+    """Why the training split cannot make one step, or None. The same on every rank
+    (the strategy agrees it before any rank builds its data: an error raised in each
+    rank on its own ended the job rank by rank, exit 3, which elastic restarts)."""
+    global_batch = batch * accum * size
+    if info.train_size >= global_batch:
+        return None
+    return (
+        f"{info.path}: {info.train_size} training samples do not fill one global batch "
+        f"of {global_batch} (train.batch_size {batch} x {accum_key} {accum} x {size} "
+        "data-parallel replica(s))"
+    )
+
+
 class ShardedTrainData:
     """Per-rank micro-batches of the training split, in step order, prefetched."""
 
@@ -81,12 +95,9 @@ class ShardedTrainData:
         self.batch, self.accum, self.seed = batch_size, grad_accum, seed
         self.global_batch = batch_size * grad_accum * size
         self.steps_per_epoch = info.train_size // self.global_batch
-        if self.steps_per_epoch == 0:
-            raise DataError(
-                f"{info.path}: {info.train_size} training samples do not fill one global batch "
-                f"of {self.global_batch} (train.batch_size {batch_size} x {accum_key} "
-                f"{grad_accum} x {size} data-parallel replica(s))"
-            )
+        problem = batch_problem(info, size, batch_size, grad_accum, accum_key)
+        if problem is not None:
+            raise DataError(problem)
         self.prefetch = prefetch
         # Read now, before the model: the memory check's resident baseline includes it.
         # With `node_group` (a GuardedComm of the ranks that read this data, all calling

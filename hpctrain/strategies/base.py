@@ -16,7 +16,14 @@ from typing import Protocol
 import numpy as np
 
 from ..backends.base import StepStats
-from ..data import BenchmarkData, ShardedTrainData, benchmark_input_spec, prepare_dataset
+from ..data import (
+    BenchmarkData,
+    ShardedTrainData,
+    batch_problem,
+    benchmark_input_spec,
+    prepare_dataset,
+)
+from ..errors import DataError
 from ..runtime.comm import GuardedComm
 from ..runtime.grid import ProcessGrid
 
@@ -143,6 +150,8 @@ class StrategyBase:
             steps = max(1, cfg.data["train_samples"] // (b * accum * shards))
             return None, BenchmarkData(inp, b, accum, shards, tcfg["seed"] + shard, steps), inp
         dataset = prepare_dataset(cfg, self.world, self.run_dir)
+        key = accum_key or "train.grad_accum"
+        self.world.agree(batch_problem(dataset, shards, b, accum, key), error_type=DataError)
         data = ShardedTrainData(
             dataset,
             shard,
@@ -153,7 +162,7 @@ class StrategyBase:
             cfg.data["prefetch"] if prefetch else 0,
             in_memory_bytes=int(cfg.data["in_memory_mb"] * (1 << 20)),
             node_group=self.world,  # every rank reads: one copy per node
-            accum_key=accum_key or "train.grad_accum",
+            accum_key=key,
         )
         return dataset, data, dataset.input_spec
 
