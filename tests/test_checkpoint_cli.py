@@ -141,6 +141,16 @@ def test_export_torch_loads_with_weights_only(tmp_path, capsys):
     assert cli_main(["ckpt", "export", str(path), "--to", "keras", str(path)]) == 2
     assert "is an hpctrain checkpoint and an export would replace it" in capsys.readouterr().err
     assert path.read_bytes() == before
+    # any other existing file only with --force (a dataset given by a slip was replaced)
+    mine = tmp_path / "mydata.h5"
+    mine.write_bytes(b"a user's file")
+    assert cli_main(["ckpt", "export", str(path), "--to", "torch", str(mine)]) == 2
+    assert "mydata.h5 exists: --force replaces it" in capsys.readouterr().err
+    assert mine.read_bytes() == b"a user's file"
+    assert cli_main(["ckpt", "export", str(path), "--to", "torch", str(mine), "--force"]) == 0
+    for where in (str(tmp_path), ""):  # a directory, an empty name: one line each
+        assert cli_main(["ckpt", "export", str(path), "--to", "torch", where]) == 2
+        assert "Traceback" not in capsys.readouterr().err
 
 
 def _keras():

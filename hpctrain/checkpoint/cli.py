@@ -75,7 +75,12 @@ def register(subparsers) -> dict:
         choices=("torchscript", "keras-model", "torch", "keras"),
         help="output kind (below)",
     )
-    s.add_argument("out", metavar="OUT", help="file to write (replaced atomically)")
+    s.add_argument(
+        "out", metavar="OUT", help="file to write (atomically; an existing one needs --force)"
+    )
+    s.add_argument(
+        "--force", action="store_true", help="replace OUT if it exists (never a checkpoint)"
+    )
     s.add_argument(
         "--keep-layout",
         action="append",
@@ -172,6 +177,20 @@ def _inspect(args) -> int:
     return 0
 
 
+def _check_out(out: str, force: bool) -> None:
+    """OUT is a file path; an existing file is replaced only with --force (a dataset or
+    a config given by a slip of tab completion was replaced without a word), and never
+    when it is a checkpoint."""
+    path = Path(out)
+    if not out.strip() or path.name in ("", ".", ".."):
+        raise CheckpointError(f"OUT {out!r}: give a file name to write")
+    if path.is_dir():
+        raise CheckpointError(f"OUT {out} is a directory: give a file name in it")
+    _refuse_replacing_a_checkpoint(path)
+    if path.exists() and not force:
+        raise CheckpointError(f"{out} exists: --force replaces it, or choose another OUT")
+
+
 def _refuse_replacing_a_checkpoint(out: Path) -> None:
     """An export never replaces a checkpoint (its own input, say): OUT is for weights."""
     try:
@@ -189,7 +208,7 @@ def _refuse_replacing_a_checkpoint(out: Path) -> None:
 def _export(args) -> int:
     from ..backends import export
 
-    _refuse_replacing_a_checkpoint(Path(args.out))
+    _check_out(args.out, args.force)
     ck = reader.load(args.file)
     weights = ck.model_weights()
     if not weights:
