@@ -82,6 +82,35 @@ def prepare_process(cfg: Config):
     )
 
 
+def agree_on_config(world, cfg: Config) -> None:
+    """Every rank runs the configuration rank 0 runs. Ranks given different ones (an
+    mpirun with another --set per app context, a config file that differs between the
+    nodes' copies) went on until their first collective of another size failed with
+    MPI_ERR_TRUNCATE. Rank 0's values are broadcast (a few kB: a tree, O(log N)
+    latency at 1,024 or 4,096 ranks, once) and each rank names what differs."""
+    mine = cfg.to_dict()
+    root = world.bcast_object(mine if world.is_root else None, what="agree on the config")
+    differ = _differences(root, mine)
+    shown = "; ".join(f"{k}: {a!r} on rank 0, {b!r} here" for k, a, b in differ[:3])
+    more = f" and {len(differ) - 3} more" if len(differ) > 3 else ""
+    world.agree(
+        f"another configuration than rank 0's ({shown}{more}): give every rank the same"
+        if differ
+        else None,
+        error_type=ConfigError,
+    )
+
+
+def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
+    """(dotted key, a's value, b's value) where two configurations differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        out = []
+        for key in sorted(set(a) | set(b), key=str):
+            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+        return out
+    return [] if a == b else [(prefix.rstrip("."), a, b)]
+
+
 class TrainingLoop:
     """Builds the run (world, grid, strategy, checkpoints, metrics); `fit()` trains."""
 
@@ -110,6 +139,7 @@ class TrainingLoop:
         self.faults = Faults.none() if faults is None else faults
         self.world = w = prepare_process(cfg)
         runtime.setup_logging(w.rank, w.size, verbose)
+        agree_on_config(w, cfg)
         log.debug("allocator: %s", allocator.status())
         chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
         self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))

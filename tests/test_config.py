@@ -222,3 +222,30 @@ def test_a_bare_yaml_argument_is_pointed_to_config(capsys):
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "unrecognized arguments: configs/demo.yaml (give a configuration file as " in err
+
+
+def test_a_rank_given_another_configuration_than_rank_zeros_says_what_differs():
+    """loop.agree_on_config: rank 0's values broadcast, each rank names what differs
+    (ranks launched with different --set went on to an MPI_ERR_TRUNCATE traceback)."""
+    from hpctrain.loop import agree_on_config
+
+    class RankOne:
+        is_root = False
+
+        def __init__(self, root):
+            self.root, self.said = root, "not called"
+
+        def bcast_object(self, obj, what=""):
+            return self.root
+
+        def agree(self, error, error_type=None):
+            self.said = error
+
+    zero = Config.load(None, ["model.hidden=[64]"])
+    same = RankOne(zero.to_dict())
+    agree_on_config(same, Config.load(None, ["model.hidden=[64]"]))
+    assert same.said is None
+    other = RankOne(zero.to_dict())
+    agree_on_config(other, Config.load(None, ["model.hidden=[32]", "train.epochs=7"]))
+    assert other.said.startswith("another configuration than rank 0's (model.hidden: [64]")
+    assert "train.epochs: " in other.said and "7 here" in other.said
