@@ -190,7 +190,7 @@ def _add_data_command(sub) -> None:
     )
     s.add_argument("--task", choices=("vectors", "images", "tokens"), default="vectors")
     s.add_argument("--train", type=int, default=8192, help="training samples")
-    s.add_argument("--val", type=int, default=2048, help="validation samples")
+    s.add_argument("--val", type=int, default=2048, help="validation samples (0: none)")
     s.add_argument("--seed", type=int, default=1234)
     s.add_argument("--classes", type=int, default=10)
     s.add_argument("--features", type=int, default=32)
@@ -265,25 +265,12 @@ def _cmd_config(args) -> int:
 
 def _cmd_data(args) -> int:
     from .data.synthetic import generate, write_dataset
-    from .errors import ConfigError, DataError
+    from .errors import DataError
 
     if not _first_on_its_node():
         return 0  # under a launcher each node's first rank writes (node-local paths too)
+    _check_synth_args(args)
     _refuse_existing_output(Path(args.output), args.force)
-    for name in (
-        "train",
-        "val",
-        "classes",
-        "features",
-        "image_size",
-        "channels",
-        "seq_len",
-        "vocab",
-    ):
-        if getattr(args, name) < (0 if name == "val" else 1):
-            raise ConfigError(
-                f"--{name.replace('_', '-')} must be positive, got {getattr(args, name)}"
-            )
     splits, attrs = generate(
         args.task,
         args.train,
@@ -311,6 +298,33 @@ def _cmd_data(args) -> int:
         f"shape {shape}, {attrs['classes']} classes{extra}"
     )
     return 0
+
+
+def _check_synth_args(args) -> None:
+    """`data synth`'s numbers, checked before anything is generated or written: counts,
+    the seed's range, two classes or more, and arrays that fit in this machine's memory."""
+    from .data.synthetic import MAX_SEED, memory_bytes, physical_memory
+    from .errors import ConfigError
+    from .runtime.diskspace import human
+
+    lowest = dict.fromkeys(("train", "features", "image_size", "channels", "seq_len"), 1)
+    lowest.update(val=0, vocab=1, classes=2 if args.task != "tokens" else 1)
+    for name, least in lowest.items():
+        value = getattr(args, name)
+        if value < least:
+            need = "0 or more (0: no validation split)" if name == "val" else f"{least} or more"
+            raise ConfigError(f"--{name.replace('_', '-')} {value}: expected {need}")
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed {args.seed}: expected an integer from 0 to {MAX_SEED}")
+    dcfg = {name: getattr(args, name) for name in ("task", *lowest)}
+    dcfg.update(train_samples=args.train, val_samples=args.val)
+    need, have = memory_bytes(dcfg), physical_memory()
+    if have is not None and need > have:
+        raise ConfigError(
+            f"--train {args.train} --val {args.val}: the {args.task} data set needs about "
+            f"{human(need)} of memory to generate, this machine has {human(have)}: ask for "
+            "fewer samples"
+        )
 
 
 def _refuse_existing_output(path: Path, force: bool) -> None:

@@ -24,6 +24,8 @@ from ..errors import DataError
 from ..runtime import diskspace
 
 FORMAT = "hpctrain-dataset-1"
+# numpy takes any seed >= 0; the file's `seed` attribute holds at most a uint64
+MAX_SEED = 2**64 - 1
 
 
 def _vectors(rng, n, features, classes):
@@ -126,7 +128,9 @@ def write_dataset(path: str | Path, splits: dict, attrs: dict, chunk_rows: int =
         for split, (x, y) in splits.items():
             g = f.create_group(split)
             for name, arr in (("x", x), ("y", y)):
-                chunks = (min(chunk_rows, max(1, len(arr))), *arr.shape[1:])
+                # An empty split (`data synth --val 0`) is stored unchunked: HDF5 refuses
+                # a chunk larger than the data.
+                chunks = (min(chunk_rows, len(arr)), *arr.shape[1:]) if len(arr) else None
                 g.create_dataset(name, data=arr, chunks=chunks)
     data = image.getbuffer()
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -160,6 +164,28 @@ def estimated_bytes(dcfg: dict) -> int:
     else:
         row = dcfg["seq_len"] * 8 * 2
     return n * row + 64 * 1024  # plus HDF5 metadata
+
+
+def memory_bytes(dcfg: dict) -> int:
+    """About the most memory generating and writing the data set of `dcfg` holds at once:
+    the arrays, the HDF5 image built in memory beside them, and the generator's largest
+    temporary per sample (float64 draws, the teacher's hidden layer, the Markov rows)."""
+    n = dcfg["train_samples"] + dcfg["val_samples"]
+    if dcfg["task"] == "vectors":
+        temporary = max(dcfg["features"], 64 * 2 + dcfg["classes"]) * 8
+    elif dcfg["task"] == "images":
+        temporary = dcfg["channels"] * dcfg["image_size"] ** 2 * 8
+    else:
+        temporary = dcfg["vocab"] * 9
+    return 2 * estimated_bytes(dcfg) + n * temporary
+
+
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
 
 
 SYNTHETIC_PREFIX = "synthetic-"  # the cache's file names (a refused run's cache goes)

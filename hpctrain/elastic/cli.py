@@ -160,6 +160,18 @@ def _np_range(text: str | None) -> tuple[int, int | None]:
     return np_min, np_max
 
 
+def _split(option: str, text: str) -> list[str]:
+    """`text` split as the shell would, or a ConfigError naming `option` (an unbalanced
+    quote, a trailing backslash)."""
+    try:
+        return shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(
+            f"{option} {text!r}: {str(exc).lower()}: expected one shell-quoted string "
+            "(every quote closed, no trailing backslash)"
+        ) from None
+
+
 def _hpctrain_command() -> list[str]:
     beside = Path(sys.executable).parent / "hpctrain"
     if beside.exists():
@@ -192,13 +204,14 @@ def run(args) -> int:
         raise ConfigError(
             "hpctrain elastic restarts from checkpoints, but checkpoint.enabled is false"
         )
-    _check_start(args, words, Path(t.run_dir))
-    mpirun_args = shlex.split(args.mpirun_args)
-    agent = shlex.split(args.rsh_agent) if args.rsh_agent else None
+    option = "--launcher-args" if args.launcher == "srun" else "--mpirun-args"
+    mpirun_args = _split(option, args.mpirun_args)
+    agent = _split("--rsh-agent", args.rsh_agent) if args.rsh_agent else None
     if agent is None and "plm_rsh_agent" in mpirun_args:
         i = mpirun_args.index("plm_rsh_agent")
         if i + 1 < len(mpirun_args):
-            agent = shlex.split(mpirun_args[i + 1])
+            agent = _split(f"{option} plm_rsh_agent", mpirun_args[i + 1])
+    _check_start(args, words, Path(t.run_dir))
     np_min, np_max = _np_range(args.np)
     first = []
     if t.resume:

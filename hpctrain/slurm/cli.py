@@ -345,7 +345,28 @@ def _render_to_file(path: Path, log_dir: Path, rendered: Rendered) -> None:
     )
 
 
+# the options that name a path, and what they name
+PATH_OPTIONS = {
+    "log_dir": "directory",
+    "run_root": "directory",
+    "results_dir": "directory",
+    "output": "file",
+}
+
+
+def _refuse_empty_paths(args) -> None:
+    """An empty (or blank) path is refused, not taken for one: --run-root '' would put
+    every run directory at the filesystem root (''/<job name>-<job id>)."""
+    for name, kind in PATH_OPTIONS.items():
+        value = getattr(args, name)
+        if value is not None and not value.strip():
+            raise ConfigError(
+                f"--{name.replace('_', '-')} {value!r}: expected a {kind} path, not an empty one"
+            )
+
+
 def _cmd_slurm(args) -> int:
+    _refuse_empty_paths(args)
     rendered = render(_spec(args))
     for note in rendered.warnings:
         print(f"[hpctrain] warning: {note}", file=sys.stderr)
