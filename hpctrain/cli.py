@@ -142,6 +142,7 @@ def _add_train_commands(sub) -> None:
         p.add_argument(
             "--run-dir",
             metavar="DIR",
+            type=_directory_arg,
             help="output directory (default runs/<config name>-<UTC time>)",
         )
         p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
@@ -254,6 +255,14 @@ def _cmd_train(args) -> int:
     # Interrupted (Ctrl-C, or mpirun's SIGTERM outside SLURM) after its checkpoint: the
     # shell's convention, 128 + the signal's number (130 for SIGINT).
     return interrupt_exit_code(summary.get("preempted"))
+
+
+def _directory_arg(text: str) -> str:
+    """--run-dir: an empty value (`--run-dir "$UNSET"`) trained into the current
+    directory; refused instead."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("expected a directory path, not an empty one")
+    return text
 
 
 def _cmd_config(args) -> int:

@@ -9,6 +9,9 @@ holds before its model, is measured in this process after loading what a rank lo
 
 from __future__ import annotations
 
+import argparse
+import math
+
 MIB = 1 << 20
 
 
@@ -175,6 +178,17 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
 
 
+def _mib(text: str) -> float:
+    """A memory size in MiB for --limit-mb / --gpu-mb: a positive, finite number."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected MiB, a number, got {text!r}") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive number of MiB, got {text!r}")
+    return value
+
+
 def register(sub, add_config_args) -> dict:
     p = sub.add_parser(
         "plan-memory",
@@ -189,11 +203,14 @@ def register(sub, add_config_args) -> dict:
     add_config_args(p)
     p.add_argument("--np", type=int, required=True, help="the job's world size (ranks)")
     p.add_argument(
-        "--limit-mb", type=float, default=None, help="mark each stage's fit against MiB per rank"
+        "--limit-mb",
+        type=_mib,
+        default=None,
+        help="mark each stage's fit against MiB per rank",
     )
     p.add_argument(
         "--gpu-mb",
-        type=float,
+        type=_mib,
         default=None,
         help="GPU ranks: mark each stage's GPU peak against this many MiB per rank "
         "(--limit-mb then marks the host's); implied columns with runtime.device=cuda "

@@ -306,3 +306,15 @@ def test_a_pipeline_stage_plan_counts_what_the_stage_holds():
     b, d = cfg.train["batch_size"], cfg.model["d_model"]
     edge = 4 * b * cfg.data["seq_len"] * d  # the stage's input, and its output, float32
     assert held > 2 * edge
+
+
+@pytest.mark.parametrize("value", ["0", "-5", "nan", "inf", "abc"])
+def test_plan_memory_refuses_a_limit_that_is_not_a_positive_number(value, capsys):
+    """--limit-mb 0, -5 or nan was accepted (nan then read "over the limit")."""
+    from hpctrain.cli import main
+
+    for option in ("--limit-mb", "--gpu-mb"):
+        with pytest.raises(SystemExit) as end:
+            main(["plan-memory", "--np", "1", option, value])
+        assert end.value.code == 2
+        assert f"argument {option}: expected" in capsys.readouterr().err

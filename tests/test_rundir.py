@@ -353,3 +353,13 @@ def test_two_runs_claiming_one_checkpoint_dir_at_once_cannot_both(tmp_path, monk
     other = tmp_path / "other-ckpts"
     claim_checkpoint_dir(run_b, other)  # no hard links there: an exclusive create
     assert (other / CHECKPOINT_OWNER).read_text().strip() == str(run_b.resolve())
+
+
+def test_an_empty_run_dir_option_is_refused_not_the_current_directory(capsys):
+    """`--run-dir "$UNSET"` trained into the current directory, without a word."""
+    from hpctrain.cli import main
+
+    with pytest.raises(SystemExit) as end:
+        main(["train", "--run-dir", " "])
+    assert end.value.code == 2
+    assert "--run-dir: expected a directory path" in capsys.readouterr().err
