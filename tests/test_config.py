@@ -249,3 +249,10 @@ def test_a_rank_given_another_configuration_than_rank_zeros_says_what_differs():
     agree_on_config(other, Config.load(None, ["model.hidden=[32]", "train.epochs=7"]))
     assert other.said.startswith("another configuration than rank 0's (model.hidden: [64]")
     assert "train.epochs: " in other.said and "7 here" in other.said
+
+
+def test_seeds_beyond_what_torch_takes_are_refused_when_the_config_loads():
+    """train.seed above 2^63 failed in torch.manual_seed after the run had started."""
+    with pytest.raises(ConfigError, match="train.seed: expected 0 to"):
+        Config.load(None, ["train.seed=99999999999999999999"])
+    assert Config.load(None, ["train.seed=4611686018427387904"]).train["seed"] == 2**62

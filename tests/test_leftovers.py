@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+from pathlib import Path
 
 import pytest
 from mpirun import HPCTRAIN, ROOT
@@ -33,6 +34,8 @@ def test_set_variables_expand_and_a_literal_dollar_that_exists_is_kept(tmp_path)
     odd = tmp_path / "a$b.h5"  # a file whose name has a dollar in it
     odd.write_bytes(b"")
     assert expand_path(str(odd), "data.path", env) == odd
+    # a leading ~, as a shell reads it (reported "not found" for a file that exists)
+    assert expand_path("~/train.h5", "data.path", env) == Path.home() / "train.h5"
 
 
 # --- the run directory of a refused run -------------------------------------------------

@@ -38,8 +38,8 @@ _VAR = re.compile(r"\$(?:(\w+)|\{([^}]*)\})", re.ASCII)  # as os.path.expandvars
 
 
 def expand_path(text: str, key: str, env=None) -> Path:
-    """`text` with its $VARS / ${VARS} expanded from this process's environment (per
-    rank: node-local paths like $TMPDIR/train.h5 work on clusters).
+    """`text` with its $VARS / ${VARS} and a leading ~ expanded from this process's
+    environment (per rank: node-local paths like $TMPDIR/train.h5 work on clusters).
 
     A variable that is not set stays as written (as os.path.expandvars leaves it), which
     would then be reported as a missing file; when the path does not exist, DataError
@@ -55,7 +55,7 @@ def expand_path(text: str, key: str, env=None) -> Path:
         unset.append(name)
         return m.group(0)
 
-    expanded = _VAR.sub(value, text)
+    expanded = os.path.expanduser(_VAR.sub(value, text))  # ~/x.h5 as a shell reads it
     unset = list(dict.fromkeys(unset))
     if unset and not os.path.exists(expanded):
         names = ", ".join(f"${name}" for name in unset)
