@@ -169,7 +169,12 @@ def claim_checkpoint_dir(run_dir: str | Path, checkpoint_dir: str | Path | None)
         return
     marker = ckpt_dir / CHECKPOINT_OWNER
     missing = [d for d in (ckpt_dir, *ckpt_dir.parents) if not d.exists()]
-    ckpt_dir.mkdir(parents=True, exist_ok=True)
+    if ckpt_dir.exists() and not ckpt_dir.is_dir():
+        raise ConfigError(f"checkpoint.dir {ckpt_dir} is a file, not a directory")
+    try:
+        ckpt_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # a file on its path, say: the option, not the run directory
+        raise ConfigError(f"checkpoint.dir {ckpt_dir}: {exc.strerror or exc}") from None
     here, temp = run_dir.resolve(), ckpt_dir / f"{CHECKPOINT_OWNER}.tmp-{os.getpid()}"
     temp.write_text(f"{here}\n")
     try:  # whole or not at all, and only if no run claimed it first (an array job's tasks)

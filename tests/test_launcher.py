@@ -59,6 +59,13 @@ def test_threads_come_from_the_launcher_or_the_cores():
     assert threads_per_rank(2, {"SLURM_CPUS_ON_NODE": "8"}) == (4, "8 cores / 2 local ranks")
     n, why = threads_per_rank(10**6, {})
     assert n == 1 and "local ranks" in why
+    # set but not a count: passed over, and said so where the number is shown
+    n, why = threads_per_rank(2, {"HPCTRAIN_THREADS": "abc", "OMP_NUM_THREADS": "0",
+                                  "SLURM_CPUS_ON_NODE": "8"})  # fmt: skip
+    assert n == 4 and why == (
+        "8 cores / 2 local ranks; ignored, not a positive whole number: "
+        "HPCTRAIN_THREADS='abc', OMP_NUM_THREADS='0'"
+    )
 
 
 def test_horovod_gloo_switches_are_refused_before_hvd_init(monkeypatch):

@@ -363,3 +363,13 @@ def test_an_empty_run_dir_option_is_refused_not_the_current_directory(capsys):
         main(["train", "--run-dir", " "])
     assert end.value.code == 2
     assert "--run-dir: expected a directory path" in capsys.readouterr().err
+
+
+def test_a_checkpoint_dir_that_is_a_file_is_named_as_the_option(tmp_path):
+    """It was reported as a problem of the run directory ("File exists")."""
+    taken = tmp_path / "afile"
+    taken.write_text("mine")
+    for where, said in ((taken, "is a file, not a directory"), (taken / "sub", "Not a directory")):
+        with pytest.raises(ConfigError, match=f"checkpoint.dir {where}.*{said}"):
+            claim_checkpoint_dir(tmp_path / "run", where)
+    assert taken.read_text() == "mine"

@@ -23,19 +23,32 @@ def usable_cores() -> int:
 def threads_per_rank(local_size: int, env: dict | None = None) -> tuple[int, str]:
     """(threads, where the number came from) for one of `local_size` ranks on a node."""
     env = os.environ if env is None else env
-    for var in ("HPCTRAIN_THREADS", "SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
+    ignored: list[str] = []  # set, but not a count: said where the number is shown
+
+    def count(var: str) -> int | None:
         value = env.get(var, "")
         if value.isdigit() and int(value) > 0:
-            return int(value), var
+            return int(value)
+        if value.strip():
+            ignored.append(f"{var}={value!r}")
+        return None
+
+    for var in ("HPCTRAIN_THREADS", "SLURM_CPUS_PER_TASK", "OMP_NUM_THREADS"):
+        if (threads := count(var)) is not None:
+            return threads, var + _ignored(ignored)
     # Open MPI binds each rank to a core when ranks <= cores, so affinity already says 1;
     # count the node's cores instead of trusting a per-rank affinity mask.
     cores = os.cpu_count() or 1
     for var in ("HPCTRAIN_NODE_CORES", "SLURM_CPUS_ON_NODE"):
-        value = env.get(var, "")
-        if value.isdigit() and int(value) > 0:
-            cores = int(value)
+        if (found := count(var)) is not None:
+            cores = found
             break
-    return max(1, cores // max(1, local_size)), f"{cores} cores / {local_size} local ranks"
+    where = f"{cores} cores / {local_size} local ranks" + _ignored(ignored)
+    return max(1, cores // max(1, local_size)), where
+
+
+def _ignored(ignored: list[str]) -> str:
+    return f"; ignored, not a positive whole number: {', '.join(ignored)}" if ignored else ""
 
 
 def limit_blas_threads(threads: int) -> None:
