@@ -27,13 +27,26 @@ def data_ranks(cfg, world_size: int) -> int:
     return world_size // tensor
 
 
+def input_spec(cfg):
+    """What the model is built for: the synthetic task's input, or an HDF5 file's (its
+    metadata, and its labels read once for the classes unless the file says them: the
+    output layer's width; it was planned as the synthetic task's whatever data.path
+    held). Raises DataError for a file a run would refuse."""
+    from .data import DataOptions, benchmark_input_spec, expand_path
+    from .data.dataset import open_dataset, scan_dataset, with_classes
+
+    if cfg.data["source"] != "hdf5":
+        return benchmark_input_spec(cfg.data)
+    info = open_dataset(expand_path(cfg.data["path"], "data.path"), DataOptions.from_config(cfg))
+    return with_classes(info, scan_dataset(info)).input_spec
+
+
 def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | None = None) -> str:
     """The report: the model, the world, and the table of stages (peak per rank). GPU
     ranks (runtime.device=cuda, train.offload, or a GPU memory given) get the GPU's
     peak and the host's in separate columns."""
     from .backends.groups import ModelGroups
     from .backends.torch_plan import plan_stages
-    from .data import benchmark_input_spec
     from .errors import ConfigError
     from .exchange.memory_plan import STAGES, table
     from .tensor.parallel import TensorGroup
@@ -56,7 +69,7 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
     if cfg.strategy == "pipeline":
         return _plan_pipeline(cfg, world_size, groups, limit_mb, gpu_mb, gpu)
     n = data_ranks(cfg, world_size)
-    planned = plan_stages(cfg, benchmark_input_spec(cfg.data), groups, n, STAGES, gpu=gpu)
+    planned = plan_stages(cfg, input_spec(cfg), groups, n, STAGES, gpu=gpu)
     if planned is None:
         raise ConfigError(
             f"model {cfg.model['name']!r}: plan-memory plans zoo models; a user's model "
@@ -93,10 +106,9 @@ def _checkpoint_note(cfg, world_size: int, gpu: bool, gathered: bool) -> str:
     """Rank 0's host copy for a gathered checkpoint, outside the table (its other ranks
     do not hold it): strategies/checkpoint_memory.py. `gathered`: every row's state is
     gathered for a save (tensor parallelism, a pipeline), not only ZeRO's."""
-    from .data import benchmark_input_spec
     from .strategies.checkpoint_memory import checkpoint_host_bytes
 
-    inp = benchmark_input_spec(cfg.data)
+    inp = input_spec(cfg)
     zero = checkpoint_host_bytes(cfg, inp, 0, world_size, gpu, gathers=True)
     if not zero:
         return (
@@ -124,7 +136,6 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     1), each rank of the stage holding its layers' state and the activations of the
     micro-batches its schedule keeps at once (backends/torch_plan.plan_pipeline_stage)."""
     from .backends.torch_plan import plan_pipeline_stage
-    from .data import benchmark_input_spec
     from .errors import ConfigError
     from .exchange.memory_plan import table
     from .models import zoo
@@ -139,7 +150,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
         problem = f"model {cfg.model['name']!r}: plan-memory plans zoo models"
     if problem:
         raise ConfigError(problem)
-    p, inp = cfg.pipeline, benchmark_input_spec(cfg.data)
+    p, inp = cfg.pipeline, input_spec(cfg)
     layers = zoo.build_layers(cfg.model, inp)
     problem = check_partition(p["partition"], len(layers), p["stages"])
     if problem:

@@ -318,3 +318,22 @@ def test_plan_memory_refuses_a_limit_that_is_not_a_positive_number(value, capsys
             main(["plan-memory", "--np", "1", option, value])
         assert end.value.code == 2
         assert f"argument {option}: expected" in capsys.readouterr().err
+
+
+def test_plan_memory_plans_the_model_for_the_data_file_it_will_train_on(tmp_path, capsys):
+    """data.source=hdf5: the model's input and classes are the file's (64 features, 100
+    classes here), not the synthetic task's (plan-memory ignored data.path); a missing
+    file is the run's one line."""
+    from hpctrain.cli import main
+    from hpctrain.data.synthetic import generate, write_dataset
+
+    path = tmp_path / "d.h5"
+    splits, attrs = generate("vectors", 256, 64, seed=0, classes=100, features=64)
+    write_dataset(path, splits, attrs)
+    given = ["--set", "data.source=hdf5", "--set", f"data.path={path}"]
+    assert main(["plan-memory", "--np", "1", *given]) == 0
+    psi = 64 * 128 + 128 + 128 * 128 + 128 + 128 * 100 + 100  # the mlp's [128, 128]
+    assert f"{psi:,} dense parameters" in capsys.readouterr().out
+    assert main(["plan-memory", "--np", "1", "--set", "data.source=hdf5",
+                 "--set", f"data.path={tmp_path}/none.h5"]) == 2  # fmt: skip
+    assert "dataset file not found" in capsys.readouterr().err
