@@ -142,7 +142,6 @@ def _add_train_commands(sub) -> None:
         p.add_argument(
             "--run-dir",
             metavar="DIR",
-            type=_directory_arg,
             help="output directory (default runs/<config name>-<UTC time>)",
         )
         p.add_argument("--verbose", "-v", action="store_true", help="log from every rank")
@@ -226,10 +225,13 @@ def _load_config_everywhere(args):
 
 def _cmd_train(args) -> int:
     from . import rundir
+    from .errors import require_path
     from .loop import TrainingLoop
     from .runtime.faults import Faults
     from .runtime.preemption import interrupt_exit_code
 
+    if args.run_dir is not None:
+        require_path("--run-dir", args.run_dir, "directory")
     if args.command == "ps":
         args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
@@ -255,14 +257,6 @@ def _cmd_train(args) -> int:
     # Interrupted (Ctrl-C, or mpirun's SIGTERM outside SLURM) after its checkpoint: the
     # shell's convention, 128 + the signal's number (130 for SIGINT).
     return interrupt_exit_code(summary.get("preempted"))
-
-
-def _directory_arg(text: str) -> str:
-    """--run-dir: an empty value (`--run-dir "$UNSET"`) trained into the current
-    directory; refused instead."""
-    if not text.strip():
-        raise argparse.ArgumentTypeError("expected a directory path, not an empty one")
-    return text
 
 
 def _cmd_config(args) -> int:

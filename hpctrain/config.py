@@ -41,7 +41,7 @@ def _f(default, types, doc, **kw) -> Field:
     return Field(default, types, doc, **kw)
 
 
-MAX_SEED = 2**62  # torch.manual_seed takes a signed 64-bit seed; ranks add theirs
+TORCH_MAX_SEED = 2**62  # torch.manual_seed takes a signed 64-bit seed; ranks add theirs
 POS_INT = {"minimum": 1}
 NONNEG = {"minimum": 0}
 
@@ -700,9 +700,11 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(
             f"checkpoint.every_steps: expected a positive integer, auto or null, got {every!r}"
         )
-    for section in ("train", "data"):  # torch seeds are 64-bit, and ranks add their rank
-        if v[section]["seed"] > MAX_SEED:
-            problems.append(f"{section}.seed: expected 0 to {MAX_SEED}, got {v[section]['seed']}")
+    from .data.synthetic import MAX_SEED  # the synthetic file's seed attribute: a uint64
+
+    for key, most in (("train", TORCH_MAX_SEED), ("data", MAX_SEED)):
+        if v[key]["seed"] > most:
+            problems.append(f"{key}.seed: expected 0 to {most}, got {v[key]['seed']}")
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")

@@ -66,3 +66,12 @@ def rank_ranges(ranks: list[int]) -> str:
     if start is not None:
         out.append(f"{start}-{prev}" if prev != start else f"{start}")
     return ",".join(out)
+
+
+def require_path(option: str, value: str, kind: str = "file") -> str:
+    """`value` of a path option, or a ConfigError naming it: an empty (or blank) one is
+    refused, not taken for the current directory (`--run-dir "$UNSET"`) or the
+    filesystem's root (`--run-root ''` made run directories at ''/<job>)."""
+    if not value.strip():
+        raise ConfigError(f"{option} {value!r}: expected a {kind} path, not an empty one")
+    return value

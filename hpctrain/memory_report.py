@@ -32,13 +32,12 @@ def input_spec(cfg):
     metadata, and its labels read once for the classes unless the file says them: the
     output layer's width; it was planned as the synthetic task's whatever data.path
     held). Raises DataError for a file a run would refuse."""
-    from .data import DataOptions, benchmark_input_spec, expand_path
-    from .data.dataset import open_dataset, scan_dataset, with_classes
+    from .data import DataOptions, benchmark_input_spec, expand_path, inspect_dataset
 
     if cfg.data["source"] != "hdf5":
         return benchmark_input_spec(cfg.data)
-    info = open_dataset(expand_path(cfg.data["path"], "data.path"), DataOptions.from_config(cfg))
-    return with_classes(info, scan_dataset(info)).input_spec
+    path = expand_path(cfg.data["path"], "data.path")
+    return inspect_dataset(path, DataOptions.from_config(cfg)).input_spec
 
 
 def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | None = None) -> str:
@@ -69,7 +68,8 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
     if cfg.strategy == "pipeline":
         return _plan_pipeline(cfg, world_size, groups, limit_mb, gpu_mb, gpu)
     n = data_ranks(cfg, world_size)
-    planned = plan_stages(cfg, input_spec(cfg), groups, n, STAGES, gpu=gpu)
+    inp = input_spec(cfg)
+    planned = plan_stages(cfg, inp, groups, n, STAGES, gpu=gpu)
     if planned is None:
         raise ConfigError(
             f"model {cfg.model['name']!r}: plan-memory plans zoo models; a user's model "
@@ -98,17 +98,16 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
         f"({cfg.data['in_memory_mb']:g} MiB; one copy per node, on its first rank)"
     )
     gpu_limit = None if gpu_mb is None else gpu_mb * MIB
-    notes += _checkpoint_note(cfg, world_size, gpu, tensor > 1)
+    notes += _checkpoint_note(cfg, inp, world_size, gpu, tensor > 1)
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])
 
 
-def _checkpoint_note(cfg, world_size: int, gpu: bool, gathered: bool) -> str:
+def _checkpoint_note(cfg, inp, world_size: int, gpu: bool, gathered: bool) -> str:
     """Rank 0's host copy for a gathered checkpoint, outside the table (its other ranks
     do not hold it): strategies/checkpoint_memory.py. `gathered`: every row's state is
     gathered for a save (tensor parallelism, a pipeline), not only ZeRO's."""
     from .strategies.checkpoint_memory import checkpoint_host_bytes
 
-    inp = input_spec(cfg)
     zero = checkpoint_host_bytes(cfg, inp, 0, world_size, gpu, gathers=True)
     if not zero:
         return (
@@ -183,7 +182,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
         "stage's rank holds its layers' parameters, gradients and optimizer state, and "
         "the activations of the micro-batches held (1F1B: at most P - s; GPipe: all)."
     )
-    notes += _checkpoint_note(cfg, world_size, gpu, True)
+    notes += _checkpoint_note(cfg, inp, world_size, gpu, True)
     limit = None if limit_mb is None else limit_mb * MIB
     gpu_limit = None if gpu_mb is None else gpu_mb * MIB
     return "\n".join([head, table(plans, baseline, limit, gpu, gpu_limit), notes])

@@ -76,8 +76,9 @@ def plan_shape(
         named = list(model.named_parameters())
         dense = [p for n, p in named if not is_expert_param(n)]
         # routing needs values, so a fake forward cannot run MoE layers: not counted
-        moe = zoo.has_moe(model_cfg)
-        saved = 0 if moe else _activation_bytes(model, inp, batch, precision, gpu)
+        saved = 0
+        if not zoo.has_moe(model_cfg):
+            saved = _activation_bytes(model, *_fake_batch(inp, batch), precision, gpu)
     return ModelShape(
         sizes=[p.numel() for p in dense],
         layers=module_params(model, dense),  # ZeRO-3's grouping of them into units
@@ -95,13 +96,16 @@ def _fake_batch(inp: zoo.InputSpec, batch: int):
     return x, torch.zeros((batch,), dtype=torch.long)
 
 
-def _activation_bytes(model, inp: zoo.InputSpec, batch: int, precision: str, gpu: bool) -> int:
-    """The activations term of a micro-batch of `batch` samples: on a GPU rank the most
-    its tensors take at once (the CUDA allocator's figure); on a CPU rank what autograd
-    saves and what checkpointed blocks take while recomputed (the module doc says why)."""
-    x, y = _fake_batch(inp, batch)
+def _activation_bytes(model, x, y, precision: str, gpu: bool, in_flight: int = 1) -> int:
+    """The activations term of `in_flight` micro-batches like `x` held at once (a
+    pipeline schedule's; 1 otherwise): on a GPU rank the others' held sets beside the
+    most one micro-batch's tensors take at once (the CUDA allocator's figure); on a CPU
+    rank what autograd saves for each and what checkpointed blocks take while
+    recomputed (the module doc says why). `y` None: a pipeline stage before the last."""
     counted = _step_bytes(model, x, y, precision)
-    return counted.peak if gpu else counted.saved + _recompute_bytes(model, x, precision)
+    if gpu:
+        return (in_flight - 1) * counted.held + counted.peak
+    return in_flight * counted.saved + _recompute_bytes(model, x, precision)
 
 
 def _recompute_bytes(model, x, precision: str) -> int:
@@ -249,15 +253,12 @@ def plan_pipeline_stage(
             x.requires_grad_(True)
         net = ZooNet(local, groups, fused_attention=gpu)
         dense = list(net.parameters())
-        counted = _step_bytes(net, x, y if last else None, precision)
-        if gpu:  # the other micro-batches in flight hold theirs beside one's whole step
-            activations = (in_flight - 1) * counted.held + counted.peak
-        else:
-            activations = in_flight * counted.saved + _recompute_bytes(net, x, precision)
         shape = ModelShape(
             sizes=[p.numel() for p in dense],
             layers=module_params(net, dense),
-            activation_bytes=activations,
+            activation_bytes=_activation_bytes(
+                net, x, y if last else None, precision, gpu, in_flight
+            ),
         )
     prepare_process(threads, t["deterministic"], t["seed"] + rank)
     unit, bucket = int(t["zero_unit_mb"] * 2**20), int(t["bucket_mb"] * 2**20)

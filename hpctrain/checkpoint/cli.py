@@ -9,7 +9,7 @@ import argparse
 import textwrap
 from pathlib import Path
 
-from ..errors import CheckpointError, rank_ranges
+from ..errors import CheckpointError, rank_ranges, require_path
 from . import reader, sharded
 from .format import MAGIC
 
@@ -181,10 +181,8 @@ def _check_out(out: str, force: bool) -> None:
     """OUT is a file path; an existing file is replaced only with --force (a dataset or
     a config given by a slip of tab completion was replaced without a word), and never
     when it is a checkpoint."""
-    path = Path(out)
-    if not out.strip() or path.name in ("", ".", ".."):
-        raise CheckpointError(f"OUT {out!r}: give a file name to write")
-    if path.is_dir():
+    path = Path(require_path("OUT", out))
+    if path.is_dir() or path.name in ("", ".", ".."):
         raise CheckpointError(f"OUT {out} is a directory: give a file name in it")
     _refuse_replacing_a_checkpoint(path)
     if path.exists() and not force:

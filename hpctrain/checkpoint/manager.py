@@ -232,8 +232,7 @@ def resume_checkpoint(policy: CheckpointPolicy) -> reader.Checkpoint | None:
         return None
     if policy.resume == "auto":
         found = reader.find_latest_valid(policy.dir)
-        there = reader.list_checkpoints(policy.dir)
-        if found is None and there:
+        if found is None and (there := reader.list_checkpoints(policy.dir)):
             raise CheckpointError(
                 f"--resume auto: none of the {len(there)} checkpoint(s) in {policy.dir} "
                 "verifies (each one's reason above), and starting afresh would write over "

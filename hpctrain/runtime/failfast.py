@@ -116,16 +116,16 @@ def run_fail_together(fn, *args, **kwargs) -> int:
         return EXIT_USER_ERROR
     except KeyboardInterrupt:
         _abort_with("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
-    except BrokenPipeError:  # stdout's reader left (`hpctrain ckpt inspect F | head`)?
-        if not _stdout_has_no_reader():  # another pipe or socket broke: a crash
-            _abort_with("uncaught exception:\n" + traceback.format_exc().rstrip())
-        w = world_if_started()
-        if w is None or w.size == 1:  # nothing waits for this process: end quietly
-            _discard_stdout()
-            return EXIT_BROKEN_PIPE
-        _abort_with("standard output closed by its reader (broken pipe)")
     except SystemExit:
         raise
-    except BaseException:  # noqa: BLE001 - any crash must end every rank
+    except BaseException as exc:  # noqa: BLE001 - any crash must end every rank
+        # stdout's reader left (`hpctrain ckpt inspect F | head`); another pipe or
+        # socket that broke is a crash like any other
+        if isinstance(exc, BrokenPipeError) and _stdout_has_no_reader():
+            w = world_if_started()
+            if w is None or w.size == 1:  # nothing waits for this process: end quietly
+                _discard_stdout()
+                return EXIT_BROKEN_PIPE
+            _abort_with("standard output closed by its reader (broken pipe)")
         _abort_with("uncaught exception:\n" + traceback.format_exc().rstrip())
     return 1

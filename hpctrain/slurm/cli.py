@@ -15,7 +15,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from ..errors import ConfigError, LaunchError
+from ..errors import ConfigError, LaunchError, require_path
 from .templates import MPI_PLUGINS, JobSpec, Rendered, describe_seconds, render, template_names
 
 SBATCH_TIMEOUT_S = 60
@@ -355,14 +355,10 @@ PATH_OPTIONS = {
 
 
 def _refuse_empty_paths(args) -> None:
-    """An empty (or blank) path is refused, not taken for one: --run-root '' would put
-    every run directory at the filesystem root (''/<job name>-<job id>)."""
+    """An empty (or blank) path is refused (errors.require_path)."""
     for name, kind in PATH_OPTIONS.items():
-        value = getattr(args, name)
-        if value is not None and not value.strip():
-            raise ConfigError(
-                f"--{name.replace('_', '-')} {value!r}: expected a {kind} path, not an empty one"
-            )
+        if getattr(args, name) is not None:
+            require_path(f"--{name.replace('_', '-')}", getattr(args, name), kind)
 
 
 def _cmd_slurm(args) -> int:

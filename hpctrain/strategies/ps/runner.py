@@ -30,8 +30,8 @@ import numpy as np
 from ...backends import versions, worker_class
 from ...backends.base import OPTIMIZER_SLOTS, StepStats
 from ...backends.gradient_engine import average_array, join_words
-from ...data import ShardedTrainData, iterate_val, prepare_dataset
-from ...errors import CheckpointError, ConfigError
+from ...data import ShardedTrainData, batch_problem, iterate_val, prepare_dataset
+from ...errors import CheckpointError, ConfigError, DataError
 from ...models import zoo
 from ...runtime import p2p
 from ...runtime.grid import ProcessGrid
@@ -91,13 +91,10 @@ class ParameterServer(StrategyBase):
         self.plan = plan_shards(self.shapes, self.n_servers, cfg.ps["chunk_bytes"])
         global_batch = shape.global_batch(tcfg["batch_size"], tcfg["grad_accum"])
         self._steps_per_epoch = self.dataset.train_size // global_batch
-        w.agree(
-            None
-            if self._steps_per_epoch
-            else f"{self.dataset.train_size} training samples do not fill one global batch of "
-            f"{global_batch} ({self.n_workers} workers)",
-            error_type=ConfigError,
+        problem = batch_problem(
+            self.dataset, self.n_workers, tcfg["batch_size"], tcfg["grad_accum"], "train.grad_accum"
         )
+        w.agree(problem, error_type=DataError)
         self.sync = cfg.ps["mode"] == "sync"
         self.report_comm = self.role if (self.sync and not self.is_server) else None
         self.lr_replicas = self.n_workers
