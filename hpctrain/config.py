@@ -280,15 +280,15 @@ SCHEMA: dict[str, Any] = {
         "collective_timeout": _f(
             600.0,
             (int, float),
-            "seconds before the watchdog ends a stuck collective",
-            minimum=0,
-            exclusive_min=True,
+            "seconds before the watchdog ends a stuck collective (at least 1: its monitor "
+            "looks once a second)",
+            minimum=1,
         ),
         "stall_warning": _f(
             60.0,
             (int, float),
             "seconds a collective may wait before the watchdog warns, naming the ranks "
-            "that have not arrived (0: never)",
+            "that have not arrived (0: never; else at least 1, the monitor's poll)",
             minimum=0,
         ),
         "max_requeues": _f(
@@ -705,6 +705,11 @@ def _cross_checks(v: dict) -> list[str]:
     for key, most in (("train", TORCH_MAX_SEED), ("data", MAX_SEED)):
         if v[key]["seed"] > most:
             problems.append(f"{key}.seed: expected 0 to {most}, got {v[key]['seed']}")
+    warn = v["runtime"]["stall_warning"]
+    if 0 < warn < 1:  # every collective would probe every rank
+        problems.append(
+            f"runtime.stall_warning: expected 0 (never) or at least 1 s, got {warn!r}"
+        )
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")

@@ -1,5 +1,7 @@
 """Config validation names every offending key; overrides parse like YAML."""
 
+import re
+
 import pytest
 
 from hpctrain.config import Config, parse_override
@@ -256,3 +258,17 @@ def test_seeds_beyond_what_torch_takes_are_refused_when_the_config_loads():
     with pytest.raises(ConfigError, match="train.seed: expected 0 to"):
         Config.load(None, ["train.seed=99999999999999999999"])
     assert Config.load(None, ["train.seed=4611686018427387904"]).train["seed"] == 2**62
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
+        ("runtime.collective_timeout=0.001", "runtime.collective_timeout: must be >= 1"),
+        ("runtime.stall_warning=0.5", "runtime.stall_warning: expected 0 (never) or at least 1"),
+    ],
+)
+def test_watchdog_deadlines_below_its_poll_are_refused(override, said):
+    """The monitor looks once a second: a 1 ms deadline ended healthy jobs blaming MPI."""
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        Config.load(None, [override])
+    assert Config.load(None, ["runtime.collective_timeout=1", "runtime.stall_warning=0"])
