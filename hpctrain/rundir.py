@@ -41,7 +41,7 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE
+from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, step_of_entry
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
 
@@ -377,8 +377,8 @@ def _requeued_resume(prev: PreviousRun, resume: str, requeued: bool) -> tuple[st
 
 def _step_in_name(path: Path) -> int:
     """The step a ckpt-<step>.h5 (or .shards) name says; -1 for any other name."""
-    m = NAME_RE.match(path.name) or SHARDS_RE.match(path.name)
-    return int(m.group(1)) if m else -1
+    step = step_of_entry(path.name)
+    return -1 if step is None else step
 
 
 def _resume_from_file(prev: PreviousRun, chosen: Path) -> RunDirPlan:

@@ -266,16 +266,41 @@ def test_resume_choices(tmp_path):
     with pytest.raises(CheckpointError, match="x.h5: file digest mismatch"):
         resume_checkpoint(CheckpointPolicy({"resume": str(tmp_path / "x.h5")}))
     # auto with checkpoints none of which verifies: refused (a fresh start would write
-    # over them), the files left as they were; the newest damaged beside a good one: the
-    # good one
-    auto = CheckpointPolicy({"dir": str(tmp_path), "resume": "auto"})
+    # over them), the files left as they were
+    auto = CheckpointPolicy({"dir": str(tmp_path), "resume": "auto"}, run_dir=tmp_path)
     newest = tmp_path / "ckpt-00000020.h5"
     newest.write_bytes(b"damaged")
-    assert resume_checkpoint(auto).step == 10
+    (tmp_path / "ckpt-00000010.h5").rename(tmp_path / "good")
     (tmp_path / "ckpt-00000010.h5").write_bytes(b"damaged too")
     with pytest.raises(CheckpointError, match=r"none of the 2 checkpoint\(s\) .* verifies"):
         resume_checkpoint(auto)
     assert newest.read_bytes() == b"damaged"
+
+
+def test_auto_past_a_damaged_newest_sets_it_aside(tmp_path, caplog):
+    """The newest damaged beside a good one: the good one, and the newer files (a sharded
+    checkpoint whose shard folder was lost, a shard folder without its commit) move to
+    <run-dir>/previous/<UTC>/, where this run's own save of their step cannot replace
+    them."""
+    import logging
+
+    ckpts = tmp_path / "checkpoints"
+    ckpts.mkdir()
+    save(ckpts, 10, state(10))
+    (ckpts / "ckpt-00000020.h5").write_bytes(b"damaged")
+    (ckpts / "ckpt-00000030.shards").mkdir()
+    (ckpts / "ckpt-00000030.shards" / "shard.h5").write_bytes(b"a rank's part")
+    (ckpts / "notes.txt").write_text("the user's")
+    auto = CheckpointPolicy({"resume": "auto"}, run_dir=tmp_path)
+    with caplog.at_level(logging.WARNING, logger="hpctrain.checkpoint"):
+        assert resume_checkpoint(auto).step == 10
+    assert sorted(p.name for p in ckpts.iterdir()) == ["ckpt-00000010.h5", "notes.txt"]
+    (aside,) = (tmp_path / "previous").iterdir()
+    assert (aside / "ckpt-00000020.h5").read_bytes() == b"damaged"
+    assert (aside / "ckpt-00000030.shards" / "shard.h5").read_bytes() == b"a rank's part"
+    assert "resuming from step 10; the 2 newer file(s) that do not verify" in caplog.text
+    assert resume_checkpoint(auto).step == 10  # nothing newer: nothing moves
+    assert len(list((tmp_path / "previous").iterdir())) == 1
 
 
 def test_a_resume_says_which_compressor_state_starts_afresh(caplog):

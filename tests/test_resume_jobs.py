@@ -314,6 +314,10 @@ def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tm
     resumed_line = [x for x in job.output.splitlines() if "resumed from" in x]
     assert resumed_line and "ckpt-00000010.h5" in resumed_line[0], job.output
     assert "ckpt-00000020.h5" in job.output  # the warning names the damaged file
+    # ... and it is kept aside, not replaced by this run's own save of step 20
+    (aside,) = (run / "previous").iterdir()
+    assert (aside / "ckpt-00000020.h5").read_bytes() == bytes(raw)
+    assert (run / "checkpoints" / "ckpt-00000020.h5").read_bytes() != bytes(raw)
 
 
 @pytest.mark.parametrize("direction", ["torch->tensorflow", "tensorflow->torch"])

@@ -92,6 +92,12 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def step_of_entry(name: str) -> int | None:
+    """The step of a checkpoint file or shard folder name (ckpt-<step>.h5/.shards)."""
+    m = NAME_RE.match(name) or SHARDS_RE.match(name)
+    return int(m.group(1)) if m else None
+
+
 def temp_name(final_name: str, pid: int) -> str:
     """Hidden, per-process name in the same directory, so os.replace stays atomic."""
     return f".{final_name}.tmp-{pid}"

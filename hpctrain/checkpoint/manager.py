@@ -14,11 +14,15 @@ a GPU is still filling come with `ready`, which that thread calls before it read
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 import threading
+from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import CheckpointError
 from ..runtime.faults import NO_FAULTS, Faults
+from . import format as fmt
 from . import reader, sharded, writer
 from .policy import CheckpointPolicy, Entry
 from .staging import Staging
@@ -239,5 +243,33 @@ def resume_checkpoint(policy: CheckpointPolicy) -> reader.Checkpoint | None:
                 "them: restore what is missing (a sharded checkpoint's ckpt-<step>.shards/ "
                 "folder), or start afresh with --new (moves them to previous/) or --overwrite"
             )
+        if found is not None:
+            _set_aside_newer(policy, found.step)
         return found
     return reader.load(policy.resume)
+
+
+def _set_aside_newer(policy: CheckpointPolicy, step: int) -> None:
+    """'auto' went back past newer checkpoints that do not verify: they (and their shard
+    folders) move to <run-dir>/previous/<UTC>/, never deleted, so that this run's saves
+    of those steps, keep_last's pruning and a later --resume auto leave them alone."""
+    newer = []
+    for entry in os.scandir(policy.dir):
+        at = fmt.step_of_entry(entry.name)
+        if at is not None and at > step:
+            newer.append(Path(entry.path))
+    if not newer:
+        return
+    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
+    target = policy.run_dir / "previous" / stamp
+    target.mkdir(parents=True, exist_ok=True)
+    for path in sorted(newer):
+        shutil.move(path, target / path.name)  # the run directory may be on another FS
+    log.warning(
+        "--resume auto: resuming from step %d; the %d newer file(s) that do not verify "
+        "(%s) moved to %s, where a restored shard folder makes them usable again",
+        step,
+        len(newer),
+        ", ".join(p.name for p in sorted(newer)),
+        target,
+    )

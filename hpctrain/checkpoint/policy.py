@@ -114,7 +114,8 @@ class CheckpointPolicy:
             raise ConfigError("invalid checkpoint configuration:\n  " + "\n  ".join(problems))
         merged = {k: values.get(k, default) for k, (default, _) in DEFAULTS.items()}
         self.enabled: bool = merged["enabled"]
-        self.dir = Path(merged["dir"]) if merged["dir"] else Path(run_dir) / "checkpoints"
+        self.run_dir = Path(run_dir)  # where checkpoints set aside go: <run-dir>/previous/
+        self.dir = Path(merged["dir"]) if merged["dir"] else self.run_dir / "checkpoints"
         # every_steps: auto starts with one save at AUTO_FIRST_STEP to measure its cost,
         # then `young_daly` sets the interval after every save.
         self.auto = merged["every_steps"] == "auto"
