@@ -306,9 +306,8 @@ def _cmd_data(args) -> int:
 def _check_synth_args(args) -> None:
     """`data synth`'s numbers, checked before anything is generated or written: counts,
     the seed's range, two classes or more, and arrays that fit in this machine's memory."""
-    from .data.synthetic import MAX_SEED, memory_bytes, physical_memory
+    from .data.synthetic import MAX_SEED, memory_problem
     from .errors import ConfigError
-    from .runtime.diskspace import human
 
     lowest = dict.fromkeys(("train", "features", "image_size", "channels", "seq_len"), 1)
     lowest.update(val=0, vocab=1, classes=2 if args.task != "tokens" else 1)
@@ -321,13 +320,9 @@ def _check_synth_args(args) -> None:
         raise ConfigError(f"--seed {args.seed}: expected an integer from 0 to {MAX_SEED}")
     dcfg = {name: getattr(args, name) for name in ("task", *lowest)}
     dcfg.update(train_samples=args.train, val_samples=args.val)
-    need, have = memory_bytes(dcfg), physical_memory()
-    if have is not None and need > have:
-        raise ConfigError(
-            f"--train {args.train} --val {args.val}: the {args.task} data set needs about "
-            f"{human(need)} of memory to generate, this machine has {human(have)}: ask for "
-            "fewer samples"
-        )
+    problem = memory_problem(dcfg, f"--train {args.train} --val {args.val}")
+    if problem:
+        raise ConfigError(problem)
 
 
 def _refuse_existing_output(path: Path, force: bool) -> None:

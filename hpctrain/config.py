@@ -707,9 +707,7 @@ def _cross_checks(v: dict) -> list[str]:
             problems.append(f"{key}.seed: expected 0 to {most}, got {v[key]['seed']}")
     warn = v["runtime"]["stall_warning"]
     if 0 < warn < 1:  # every collective would probe every rank
-        problems.append(
-            f"runtime.stall_warning: expected 0 (never) or at least 1 s, got {warn!r}"
-        )
+        problems.append(f"runtime.stall_warning: expected 0 (never) or at least 1 s, got {warn!r}")
     betas = v["optimizer"]["betas"]
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")

@@ -67,6 +67,18 @@ def test_data_synth_val_0_writes_an_empty_validation_split(tmp_path, capsys):
     assert (info.train_size, info.val_size) == (64, 0)
 
 
+def test_a_training_run_refuses_a_synthetic_task_too_big_to_generate(tmp_path, capsys):
+    """The config's data.train_samples gets `data synth`'s memory check: 1e10 samples
+    ran rank 0 out of memory while generating."""
+    run = tmp_path / "run"
+    argv = ["train", "--run-dir", str(run), "--set", f"data.train_samples={10**10}"]
+    code, text = _cli(capsys, *argv)
+    assert code == 2 and "Traceback" not in text, text
+    assert f"data.train_samples {10**10} + data.val_samples" in text
+    assert "of memory to generate" in text
+    assert not run.exists()  # the refused run's directory is taken back
+
+
 @pytest.mark.parametrize(
     "options, option",
     [

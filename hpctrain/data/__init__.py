@@ -18,7 +18,13 @@ from .dataset import (
     with_classes,
 )
 from .sharded import BenchmarkData, ShardedTrainData, batch_problem, iterate_val
-from .synthetic import estimated_bytes, generate_from_config, synthetic_name, write_dataset
+from .synthetic import (
+    estimated_bytes,
+    generate_from_config,
+    memory_problem,
+    synthetic_name,
+    write_dataset,
+)
 
 __all__ = [
     "BenchmarkData",
@@ -95,9 +101,14 @@ def prepare_dataset(cfg, world, run_dir: Path) -> DatasetInfo:
     if dcfg["source"] == "synthetic":
         path = Path(run_dir) / "data" / synthetic_name(dcfg)
         if world.rank == 0 and not path.exists():
-            # a full disk is refused before generating (the write checks again)
+            # too little memory or disk is refused before generating (the write checks
+            # the disk again)
+            asked = f"data.train_samples {dcfg['train_samples']} + data.val_samples "
+            too_big = memory_problem(dcfg, asked + str(dcfg["val_samples"]))
             full = check_room(path.parent, estimated_bytes(dcfg))
             try:
+                if too_big:
+                    raise DataError(too_big)
                 if full:
                     raise DataError(f"cannot write synthetic dataset {path}: {full}")
                 splits, attrs = generate_from_config(dcfg)

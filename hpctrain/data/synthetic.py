@@ -188,6 +188,21 @@ def physical_memory() -> int | None:
         return None
 
 
+def memory_problem(dcfg: dict, asked: str) -> str | None:
+    """Why generating the data set of `dcfg` cannot fit in this machine's memory (`asked`
+    names the sample counts as the user gave them), or None. Checked before generating:
+    a 1e10-sample task otherwise ran out of memory, or into the OOM killer, on rank 0."""
+    from ..runtime.diskspace import human
+
+    need, have = memory_bytes(dcfg), physical_memory()
+    if have is None or need <= have:
+        return None
+    return (
+        f"{asked}: the {dcfg['task']} data set needs about {human(need)} of memory to "
+        f"generate, this machine has {human(have)}: ask for fewer samples"
+    )
+
+
 SYNTHETIC_PREFIX = "synthetic-"  # the cache's file names (a refused run's cache goes)
 
 
