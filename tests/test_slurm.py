@@ -310,6 +310,22 @@ def test_site_options_are_checked(change, message, config_file):
             "parallel.expert=3 does not divide the 4 ranks",
         ),
         ("sweep", ["strategy=pipeline"], 1, 4, "sweep point 0 (1 rank(s) on 1 node(s))"),
+        (
+            "train",
+            ["data.train_samples=100", "train.batch_size=16"],
+            2,
+            4,
+            "data.train_samples: 100 training samples do not fill one global batch of 128 "
+            "(train.batch_size 16 x train.grad_accum 1 x 8 data-parallel replica(s)) at "
+            "--nodes 2 x --ntasks-per-node 4",
+        ),
+        (
+            "pipeline",
+            ["strategy=pipeline", "data.train_samples=100", "train.batch_size=16"],
+            1,
+            4,
+            "global batch of 128 (train.batch_size 16 x pipeline.microbatches 4 x 2 data",
+        ),
     ],
 )
 def test_render_refuses_world_sizes_the_config_cannot_run(
@@ -322,6 +338,26 @@ def test_render_refuses_world_sizes_the_config_cannot_run(
     result = hpctrain(*args)
     assert result.returncode == 2, result.stdout
     assert message in result.stderr and "Traceback" not in result.stderr, result.stderr
+
+
+def test_render_checks_an_hdf5_training_split_it_can_open(config_file, tmp_path):
+    """A file this machine can open is checked before the job queues (its metadata, with
+    the validation rows held out); one it cannot see is left to the job's own check."""
+    import h5py
+    import numpy as np
+
+    path = tmp_path / "small.h5"
+    with h5py.File(path, "w") as f:
+        f["x"] = np.zeros((100, 8), np.float32)
+        f["y"] = np.zeros(100, np.int64)
+    args = ["slurm", "render", "train", "--nodes", "2", "--ntasks-per-node", "2", "--time"]
+    args += ["10", "--config", str(config_file), "--set", "data.source=hdf5"]
+    args += ["--set", "train.batch_size=32", "--set"]
+    result = hpctrain(*args, f"data.path={path}")
+    assert result.returncode == 2, result.stdout
+    assert f"{path}: 90 training samples do not fill one global batch of 128" in result.stderr
+    result = hpctrain(*args, f"data.path={tmp_path / 'on-the-cluster-only.h5'}")
+    assert result.returncode == 0, result.stderr
 
 
 @pytest.mark.parametrize("template", ["train", "pipeline", "ps", "moe", "elastic"])

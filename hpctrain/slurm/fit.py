@@ -5,20 +5,50 @@ The same rules the strategies apply when the job starts, checked before it queue
   so a multiple of a replica's ranks, at least one replica (`JobShape`);
 - parameter server: at least one worker beside the ps.servers servers;
 - mixture of experts (`model.moe`): experts split evenly over each expert-parallel
-  group (`parallel.expert` ranks, the whole job when unset), and groups tile the job.
+  group (`parallel.expert` ranks, the whole job when unset), and groups tile the job;
+- the training split fills one global batch (batch x accumulation x replicas), when
+  the split is known before the job: the synthetic task's data.train_samples, or an
+  HDF5 data.path this machine can open (its metadata only). A file this machine cannot
+  see is left to the job, which checks it at start.
 """
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
+from ..data import DataOptions, batch_problem, expand_path, open_dataset
+from ..errors import DataError
 from ..models.zoo import has_moe
 from ..moe.options import moe_options
 from ..shape import JobShape
 
 
-def world_size_problems(cfg, ranks: int, where: str) -> list[str]:
-    """Why `ranks` ranks cannot run `cfg`; `where` says how the ranks were asked for."""
+def training_split(cfg):
+    """(where, training samples) of the split the job will train on, or None when this
+    machine cannot tell (the benchmark source, an HDF5 file it cannot open)."""
+    data = cfg.data
+    if data["source"] == "synthetic":
+        return SimpleNamespace(path="data.train_samples", train_size=data["train_samples"])
+    if data["source"] != "hdf5":
+        return None
+    try:
+        return open_dataset(expand_path(data["path"], "data.path"), DataOptions.from_config(cfg))
+    except DataError:
+        return None
+
+
+def world_size_problems(cfg, ranks: int, where: str, split=None) -> list[str]:
+    """Why `ranks` ranks cannot run `cfg`; `where` says how the ranks were asked for;
+    `split`: training_split(cfg), whose size must fill one global batch."""
     problems = []
     shape = JobShape.of(cfg, ranks)
+    if split is not None and shape.tiles:
+        pipeline = cfg["strategy"] == "pipeline"
+        key = "pipeline.microbatches" if pipeline else "train.grad_accum"
+        accum = cfg.pipeline["microbatches"] if pipeline else cfg.train["grad_accum"]
+        problem = batch_problem(split, shape.replicas, cfg.train["batch_size"], accum, key)
+        if problem:
+            problems.append(f"{problem} at {where}")
     if not shape.tiles and shape.servers:
         servers = shape.servers
         problems.append(

@@ -337,7 +337,7 @@ def _check_config(spec: JobSpec, meta: dict[str, list[str]], template: str):
 
 def _check_world_size(cfg, nodes: int, per_node: int, sweep: list | None) -> None:
     """ConfigError when the ranks asked for (each sweep point's, for sweeps) do not fit."""
-    from .fit import world_size_problems
+    from .fit import training_split, world_size_problems
 
     if sweep is None:
         asked = [(nodes * per_node, f"--nodes {nodes} x --ntasks-per-node {per_node}")]
@@ -345,7 +345,8 @@ def _check_world_size(cfg, nodes: int, per_node: int, sweep: list | None) -> Non
         asked = [
             (r, f"sweep point {i} ({r} rank(s) on {n} node(s))") for i, (n, r) in enumerate(sweep)
         ]
-    problems = [p for ranks, where in asked for p in world_size_problems(cfg, ranks, where)]
+    split = training_split(cfg)  # once: an HDF5 file's metadata
+    problems = [p for r, where in asked for p in world_size_problems(cfg, r, where, split)]
     if problems:
         raise ConfigError("; ".join(problems))
 
