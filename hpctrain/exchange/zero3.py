@@ -68,8 +68,7 @@ class UnitGather:
         self._pending: dict[int, object] = {}  # unit -> PendingArray
         self._lock = threading.Lock()
         self._wake = threading.Event()
-        self._stop = False
-        self._thread = None
+        self._thread = None  # ends when this gather is freed (weakref.finalize)
         self.gathers = 0  # gathers started (for the tests: prefetch on vs off)
         self.waited = 0.0  # seconds spent waiting for gathers
 
@@ -163,10 +162,6 @@ class UnitGather:
                 self._wake.clear()
         return busy
 
-    def close(self) -> None:
-        self._stop = True
-        self._wake.set()
-
 
 def _poll(gather_ref: weakref.ref, wake: threading.Event, poll_s: float) -> None:
     """Test a gather's outstanding allgathers every poll_s while there is one (no
@@ -176,7 +171,7 @@ def _poll(gather_ref: weakref.ref, wake: threading.Event, poll_s: float) -> None
     while True:
         wake.wait()
         gather = gather_ref()
-        if gather is None or gather._stop:
+        if gather is None:
             return
         busy = gather._busy()
         del gather
