@@ -161,7 +161,9 @@ class TrainingLoop:
         # A test's lost rank (die_at_step: elastic restart) and slow first run (step_sleep:
         # time to unplug a node) act on the first run only; its restart runs at full speed.
         self._step_faults = Faults.none() if self.resumed_from else self.faults
-        self._write_config()  # only now: a refused resume leaves the earlier run's file
+        # only now, every check passed: a refused run leaves the earlier run as it was
+        self._apply_run_dir_plan()
+        self._write_config()
         tcfg = cfg.train
         self.steps_per_epoch = self.strategy.steps_per_epoch
         epochs = self.steps_per_epoch * tcfg["epochs"]
@@ -195,6 +197,7 @@ class TrainingLoop:
         the --resume to use (a requeued job's FILE gives way to the run's newer ones)."""
         w, cfg = self.world, self.cfg
         error, message, chosen = None, None, None
+        self._run_dir_plan = None
         if w.is_root:
             try:
                 plan = rundir.plan_run_dir(
@@ -207,11 +210,11 @@ class TrainingLoop:
                     requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0,
                 )
                 chosen = plan.resume
-                rundir.apply_plan(plan)
+                self._run_dir_plan = plan  # applied once the run passed every check
                 rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
                 if cfg.checkpoint["enabled"]:
                     rundir.claim_checkpoint_dir(self.run_dir, cfg.checkpoint["dir"])
-                message = plan.message
+                message = plan.message if not plan.remove else None
             except HpctrainError as exc:
                 error = str(exc)
             except OSError as exc:
@@ -222,6 +225,21 @@ class TrainingLoop:
         chosen = w.bcast_object(chosen, what="agree on what to resume from")
         return chosen or resume
 
+    def _apply_run_dir_plan(self) -> None:
+        """What --overwrite deletes, --new moves and --resume FILE sets aside, done after
+        the data, the model and the checkpoint to resume passed their checks (a typo in
+        the new config used to cost the earlier run); rank 0, agreed."""
+        plan, error = self._run_dir_plan, None
+        if plan is None or not plan.remove:
+            self.world.agree(None, error_type=ConfigError)
+            return
+        try:
+            rundir.apply_plan(plan)
+        except OSError as exc:
+            error = f"run directory {self.run_dir}: {exc}"
+        self.world.agree(error, error_type=ConfigError)
+        log.info("%s", plan.message)
+
     def _write_config(self) -> None:
         """config.yaml as run: the configuration plus what hpctrain found in the data."""
         if not self.world.is_root:
@@ -231,7 +249,7 @@ class TrainingLoop:
         if dataset is not None and hasattr(dataset, "describe"):
             values["data"]["inferred"] = dataset.describe()
         text = rundir.CONFIG_HEADER + yaml.safe_dump(values, sort_keys=True)
-        (self.run_dir / "config.yaml").write_text(text)
+        rundir.write_config_text(self.run_dir, text)
 
     def _lr_text(self) -> str:
         o, n = self.cfg.optimizer, self.strategy.lr_replicas

@@ -456,6 +456,18 @@ def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
     return tuple(paths)
 
 
+def write_config_text(run_dir: Path, text: str) -> None:
+    """<run-dir>/config.yaml, whole or not at all (a torn file, from a full disk or a
+    crash, blocked every later run in the directory as not hpctrain's)."""
+    target = Path(run_dir) / "config.yaml"
+    temp = target.with_name(f".config.yaml.tmp-{os.getpid()}")
+    try:
+        temp.write_text(text)
+        os.replace(temp, target)
+    finally:
+        temp.unlink(missing_ok=True)
+
+
 def apply_plan(plan: RunDirPlan) -> None:
     """Clear (--overwrite) or move away (--new) the earlier run; call on one rank only."""
     for path in plan.remove:
@@ -464,7 +476,7 @@ def apply_plan(plan: RunDirPlan) -> None:
             target = plan.archive_to / ("tb" if under_tb else "") / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(path, target)  # the checkpoint directory may be on another file system
-        elif path.is_dir():
+        elif path.is_dir() and not path.is_symlink():  # a link goes, never its target
             shutil.rmtree(path)
         else:
             path.unlink(missing_ok=True)

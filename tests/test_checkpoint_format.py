@@ -481,3 +481,28 @@ def test_a_filesystem_refusing_o_direct_midway_still_gets_every_byte(tmp_path, m
     assert len(refused) == 1  # refused once, then buffered for the rest of the file
     for k, v in state.items():
         np.testing.assert_array_equal(load(path).state[k], v, err_msg=k)
+
+
+def test_damaged_hdf5_metadata_is_named_never_a_crash(tmp_path):
+    """A checkpoint whose last 64 bytes (HDF5 metadata) were overwritten: the diagnosis
+    after the digest mismatch once opened it in-process, and the HDF5 library crashed
+    the rank with a segmentation fault. Now one CheckpointError naming the file."""
+    path = save(tmp_path, 3, {"model/w": np.arange(4096, dtype=np.float32)}, TRAINER)
+    raw = path.read_bytes()
+    path.write_bytes(raw[:-64] + b"x" * 64)
+    with pytest.raises(CheckpointError, match=f"{path}.*digest mismatch") as caught:
+        load(path)
+    assert "HDF5" in str(caught.value) or "dataset" in str(caught.value), caught.value
+
+
+def test_a_diagnosis_that_crashes_is_reported_as_damaged_metadata(tmp_path, monkeypatch):
+    """The child that reads a damaged file may die of a segmentation fault: said, and
+    this process goes on."""
+    from hpctrain.checkpoint import reader
+
+    crash = tmp_path / "python"
+    crash.write_text("#!/bin/sh\nkill -SEGV $$\n")
+    crash.chmod(0o755)
+    monkeypatch.setattr(reader.sys, "executable", str(crash))
+    said = reader._diagnose(tmp_path / "ckpt-00000003.h5", fmt.FORMAT)
+    assert said == "HDF5 metadata damaged (the HDF5 library crashed reading it)"

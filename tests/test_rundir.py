@@ -371,3 +371,67 @@ def test_a_checkpoint_dir_that_is_a_file_is_named_as_the_option(tmp_path):
         with pytest.raises(ConfigError, match=f"checkpoint.dir {where}.*{said}"):
             claim_checkpoint_dir(tmp_path / "run", where)
     assert taken.read_text() == "mine"
+
+
+def _train(capsys, run, *extra: str) -> tuple[int, str]:
+    from hpctrain.cli import main as cli_main
+
+    argv = ["train", "--run-dir", str(run), "--set", "data.train_samples=256"]
+    argv += ["--set", "data.val_samples=64", "--set", "model.hidden=[8]"]
+    for item in extra:
+        argv += [item] if item.startswith("--") else ["--set", item]
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    captured = capsys.readouterr()
+    return code, captured.out + captured.err
+
+
+def _contents(run) -> dict:
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and "data" not in p.parts
+    }
+
+
+def test_a_refused_run_leaves_the_earlier_run_whole(tmp_path, capsys):
+    """--overwrite and --resume FILE act only once the run passed its checks: a typo in
+    the new config's data.path deleted the earlier run, and a damaged FILE moved the
+    later checkpoints aside before it was refused."""
+    run = tmp_path / "run"
+    code, text = _train(capsys, run, "train.max_steps=3", "checkpoint.every_steps=1")
+    assert code == 0, text
+    before = _contents(run)
+    assert "checkpoints/ckpt-00000003.h5" in before
+    code, text = _train(
+        capsys, run, "--overwrite", "data.source=hdf5", f"data.path={tmp_path / 'typo.h5'}"
+    )
+    assert code == 2 and "dataset file not found" in text, text
+    assert _contents(run) == before
+    second = run / "checkpoints" / "ckpt-00000002.h5"
+    second.write_bytes(second.read_bytes()[:-64] + b"x" * 64)
+    code, text = _train(capsys, run, f"--resume={second}", "train.max_steps=4")
+    assert code == 2 and "digest mismatch" in text, text
+    assert not (run / "previous").exists()
+    assert (run / "checkpoints" / "ckpt-00000003.h5").read_bytes() == before[
+        "checkpoints/ckpt-00000003.h5"
+    ]
+    code, text = _train(capsys, run, "--overwrite", "train.max_steps=1")
+    assert code == 0 and "--overwrite: clearing" in text, text
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-00000001.h5"]
+
+
+def test_overwrite_removes_a_linked_shard_folder_never_its_target(tmp_path):
+    """A symlinked ckpt-<step>.shards made --overwrite stop halfway (rmtree refuses
+    links), after the metrics and config were gone."""
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "shard-00000-of-00002.h5").write_bytes(b"s")
+    (run / "checkpoints" / "ckpt-00000020.shards").symlink_to(elsewhere)
+    apply_plan(plan_run_dir(run, _cfg(), overwrite=True))
+    assert list((run / "checkpoints").iterdir()) == []
+    assert (elsewhere / "shard-00000-of-00002.h5").read_bytes() == b"s"

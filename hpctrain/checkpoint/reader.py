@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 import logging
 import os
+import subprocess
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -318,8 +320,37 @@ def _read_shards(commit: Path, step: int, table: dict, keep: bool) -> tuple[dict
     return (out if keep else {}), len(joined), nbytes
 
 
+_DIAGNOSE_TIMEOUT_S = 60.0
+
+
 def _diagnose(path: Path, version: str) -> str:
-    """After a whole-file digest mismatch: which part is damaged, if HDF5 can still tell."""
+    """After a whole-file digest mismatch: which part is damaged, if HDF5 can still tell.
+
+    Read in a child process (the interpreter alone, no MPI): the HDF5 library can crash
+    with a segmentation fault on damaged metadata (a checkpoint's last 64 bytes
+    overwritten did), which ended the rank instead of naming the file. Failure path
+    only: about 0.3 s once, for the child's imports."""
+    code = "import sys; from hpctrain.checkpoint import reader; print(reader._diagnose_here(*sys.argv[1:]))"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", code, str(path), version],
+            capture_output=True,
+            text=True,
+            timeout=_DIAGNOSE_TIMEOUT_S,
+        )
+    except subprocess.TimeoutExpired:
+        return f"HDF5 metadata damaged (reading it did not end within {_DIAGNOSE_TIMEOUT_S:g} s)"
+    except OSError as exc:
+        return f"(which part is damaged was not looked at: {exc})"
+    if done.returncode != 0 or not done.stdout.strip():
+        how = "crashed" if done.returncode < 0 else "failed"
+        return f"HDF5 metadata damaged (the HDF5 library {how} reading it)"
+    return done.stdout.strip()
+
+
+def _diagnose_here(path: str | Path, version: str) -> str:
+    """_diagnose's reading, in this process."""
+    path = Path(path)
     try:
         with h5py.File(path, "r", locking=False) as f:
             _read_open(path, f, keep=False, version=version)
