@@ -58,8 +58,12 @@ class TrainState:
 
 
 def default_run_dir(cfg: Config) -> Path:
+    """runs/<config name>-<UTC>, made now and this run's alone (rank 0): two runs started
+    in the same second (a sweep's) get -2, -3, ... instead of sharing one directory."""
     stem = Path(cfg.source).stem if cfg.source != "<defaults>" else "run"
-    return Path("runs") / f"{stem}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    return rundir.make_new_run_dir(
+        Path("runs") / f"{stem}-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
+    )
 
 
 def prepare_process(cfg: Config):
@@ -141,8 +145,15 @@ class TrainingLoop:
         runtime.setup_logging(w.rank, w.size, verbose)
         agree_on_config(w, cfg)
         log.debug("allocator: %s", allocator.status())
-        chosen = str(run_dir) if run_dir is not None else str(default_run_dir(cfg))
-        self.run_dir = Path(w.bcast_object(chosen, what="agree on the run directory"))
+        chosen, error = run_dir, None
+        if run_dir is None and w.is_root:
+            try:
+                chosen = default_run_dir(cfg)
+            except OSError as exc:
+                error = f"cannot create a run directory under runs/: {exc}"
+        w.agree(error, error_type=ConfigError)
+        chosen = w.bcast_object(str(chosen), what="agree on the run directory")
+        self.run_dir = Path(chosen)
         w.set_report_dir(self.run_dir)  # stall reports land beside the run's metrics
         resume = self._claim_run_dir(resume, overwrite, new)
         threads = cfg.runtime["threads"]

@@ -32,6 +32,7 @@ one rank, whatever the number of ranks.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import shutil
@@ -496,13 +497,36 @@ _claimed: list[tuple[Path, str | None, list[Path]]] = []
 def make_run_dir(run_dir: str | Path) -> None:
     """`mkdir -p run_dir` (rank 0), remembering which directories this created."""
     run_dir = Path(run_dir)
+    missing = _missing(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if missing or not _created or _created[0] != run_dir:  # keep make_new_run_dir's record
+        _created[:] = missing
+
+
+def make_new_run_dir(base: Path) -> Path:
+    """Create `base`, or base-2, base-3, ... when it exists (an exclusive mkdir: two
+    processes never get the same one); remembered as make_run_dir's are."""
+    missing = _missing(base.parent)
+    base.parent.mkdir(parents=True, exist_ok=True)
+    for n in itertools.count(1):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            continue
+        _created[:] = [candidate, *missing]
+        return candidate
+    raise AssertionError("unreachable")
+
+
+def _missing(path: Path) -> list[Path]:
+    """`path` and its parents that do not exist, deepest first."""
     missing = []
-    for d in (run_dir, *run_dir.parents):
+    for d in (path, *path.parents):
         if d.exists():
             break
         missing.append(d)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    _created[:] = missing
+    return missing
 
 
 def remove_unused_run_dir() -> list[Path]:

@@ -435,3 +435,17 @@ def test_overwrite_removes_a_linked_shard_folder_never_its_target(tmp_path):
     apply_plan(plan_run_dir(run, _cfg(), overwrite=True))
     assert list((run / "checkpoints").iterdir()) == []
     assert (elsewhere / "shard-00000-of-00002.h5").read_bytes() == b"s"
+
+
+def test_default_run_dirs_started_in_the_same_second_are_two(tmp_path):
+    """A sweep's runs started together shared runs/<config>-<UTC> (one-second names) and
+    wrote over each other's checkpoints; a refused one still takes its own back."""
+    from hpctrain.rundir import make_new_run_dir
+
+    base = tmp_path / "runs" / "sweep-20261206-120000"
+    first = make_new_run_dir(base)
+    keep_run_dir()
+    second = make_new_run_dir(base)
+    assert (first, second) == (base, base.with_name(base.name + "-2"))
+    assert remove_unused_run_dir() == [second]
+    assert first.is_dir() and not second.exists()
