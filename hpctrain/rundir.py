@@ -339,18 +339,24 @@ def plan_run_dir(
         )
     note, chosen = _requeued_resume(prev, resume, requeued)
     resume = chosen or resume
+    differences = config_differences(prev.config, config) if prev.config is not None else []
+    shown = "; ".join(differences[:SHOWN_DIFFERENCES])
+    more = len(differences) - SHOWN_DIFFERENCES
+    shown += f"; and {more} more" if more > 0 else ""
     if resume != "auto":
+        if differences:  # its checkpoints would be pruned as this run's, config.yaml replaced
+            raise ConfigError(
+                f"--resume {resume}: {there} with another configuration ({shown}): resume "
+                "into another --run-dir (the file is read from anywhere), or move that run "
+                "away first"
+            )
         return _resume_from_file(prev, Path(resume))
     if prev.config is None:
         raise ConfigError(
             f"--resume auto: {there} but no config.yaml, so hpctrain cannot tell whether "
             "it is this run; pass --resume FILE, --overwrite or another --run-dir"
         )
-    differences = config_differences(prev.config, config)
     if differences:
-        shown = "; ".join(differences[:SHOWN_DIFFERENCES])
-        more = len(differences) - SHOWN_DIFFERENCES
-        shown += f"; and {more} more" if more > 0 else ""
         raise ConfigError(
             f"--resume auto: {there} with another configuration ({shown}): use another "
             "--run-dir, --new or --overwrite, or resume that run with its own config.yaml"
@@ -429,17 +435,24 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
     # a run records itself in a checkpoint.dir outside its directory (claim_checkpoint_dir)
     # before it writes there: unrecorded checkpoints are another run's (its default
     # <run-dir>/checkpoints, say), whatever this run directory holds
-    if prev.checkpoints and owner is None and (resume is None or resume == "auto"):
-        newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
-        holder = ckpt.parent if (ckpt.parent / "config.yaml").is_file() else None
-        whose = (
-            f"that the run in {holder} wrote (its <run-dir>/checkpoints)"
-            if holder is not None and ckpt.name == DEFAULT_CHECKPOINTS
-            else f"that no run in {prev.run_dir} recorded as its own (no {CHECKPOINT_OWNER})"
-        )
+    if not prev.checkpoints or owner is not None:
+        return
+    newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
+    holder = ckpt.parent if (ckpt.parent / "config.yaml").is_file() else None
+    if holder is not None and ckpt.name == DEFAULT_CHECKPOINTS:
+        # another run's own <run-dir>/checkpoints: never written into, whatever --resume
+        # says (this run would prune that run's checkpoints and mix its timeline in)
         raise ConfigError(
             f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) up to step "
-            f"{newest} {whose}: give this run its own checkpoint.dir (--set "
+            f"{newest} that the run in {holder} wrote (its <run-dir>/checkpoints): give "
+            "this run its own checkpoint.dir (--set checkpoint.dir=...); to start from one "
+            "of them, --resume FILE reads it from there"
+        )
+    if resume is None or resume == "auto":
+        raise ConfigError(
+            f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) up to step "
+            f"{newest} that no run in {prev.run_dir} recorded as its own (no "
+            f"{CHECKPOINT_OWNER}): give this run its own checkpoint.dir (--set "
             "checkpoint.dir=...), or continue from one of them with --resume FILE"
         )
 

@@ -272,13 +272,14 @@ def test_wrong_architecture_and_corrupt_checkpoints_are_refused_on_every_rank(tm
     run = tmp_path / "run"
     _run(tmp_path, "a", 2, run, "train.max_steps=20")
     ckpt = run / "checkpoints" / "ckpt-00000020.h5"
-    # A different model: one line naming the file and the mismatching tensors.
+    # A different model (in a run directory of its own: `run` holds the [32] run): one
+    # line naming the file and the mismatching tensors.
     job = mpirun(
         2,
         HPCTRAIN,
         "train",
         "--run-dir",
-        str(run),
+        str(tmp_path / "wider"),
         "--resume",
         str(ckpt),
         "--set",

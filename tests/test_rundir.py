@@ -108,8 +108,24 @@ def test_resume_auto_without_the_earlier_config_is_refused(tmp_path):
 def test_an_explicit_checkpoint_file_is_the_users_choice(tmp_path):
     run = tmp_path / "run"
     _earlier_run(run, _cfg("model.hidden=[64]"))
-    plan = plan_run_dir(run, _cfg(), resume=str(run / "checkpoints" / "ckpt-00000010.h5"))
+    chosen = str(run / "checkpoints" / "ckpt-00000010.h5")
+    plan = plan_run_dir(run, _cfg("model.hidden=[64]", "optimizer.lr=0.3"), resume=chosen)
     assert plan.action == "resume"
+
+
+def test_resume_file_into_a_directory_holding_another_run_is_refused(tmp_path):
+    """--resume FILE skipped the configuration check: keep_last then pruned the run
+    already there (another model) as this run's, and its config.yaml was replaced."""
+    run, other = tmp_path / "run", tmp_path / "other"
+    _earlier_run(run, _cfg("model.hidden=[256, 256]"), steps=(1, 2, 3, 4))
+    _earlier_run(other, _cfg("model.hidden=[64]"), steps=(6,))
+    chosen = str(other / "checkpoints" / "ckpt-00000006.h5")
+    with pytest.raises(ConfigError, match=r"with another configuration \(model.hidden: \[256"):
+        plan_run_dir(run, _cfg("model.hidden=[64]"), resume=chosen)
+    assert len(list((run / "checkpoints").iterdir())) == 4
+    assert plan_run_dir(tmp_path / "fresh", _cfg("model.hidden=[64]"), resume=chosen).action == (
+        "resume"
+    )
 
 
 def test_overwrite_clears_the_earlier_run_but_keeps_the_data_cache(tmp_path):
@@ -275,7 +291,8 @@ def test_another_runs_default_checkpoint_dir_is_never_cleared_or_moved(tmp_path)
     _earlier_run(run_a, _cfg(), steps=(3,))
     _earlier_run(run_b, _cfg(), steps=(1,))
     theirs = run_a / "checkpoints"
-    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
+    chosen = {"resume": str(theirs / "ckpt-00000003.h5")}  # its own message's advice was this
+    for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}, chosen):
         with pytest.raises(ConfigError, match=f"up to step 3 that the run in {run_a} wrote"):
             plan_run_dir(run_b, _cfg(), checkpoint_dir=theirs, **flags)
     assert sorted(p.name for p in theirs.iterdir()) == ["ckpt-00000003.h5"]
