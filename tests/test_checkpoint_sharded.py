@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from types import SimpleNamespace
 
@@ -352,3 +353,18 @@ def test_the_reserved_bytes_cover_a_commit_with_a_large_shard_table(tmp_path):
     path = writer.write(tmp_path, snap)
     assert path.stat().st_size <= writer.estimated_bytes(snap)
     assert path.stat().st_size > 512 * 1024  # the table is what makes it big
+
+
+def test_a_shard_file_is_not_taken_for_a_checkpoint(tmp_path):
+    """A file picked out of ckpt-<step>.shards/ verified, exported flattened tensors and
+    was resumed into a shape mismatch: it is refused, pointing at its commit file."""
+    commit = _write_sharded(tmp_path, 5, _state(), 2)
+    assert verify(commit).step == 5
+    shard = tmp_path / fmt.shards_dir_name(5) / fmt.shard_name(1, 2)
+    expected = (
+        f"{shard} is rank 1's shard file of the sharded checkpoint of step 5, not a "
+        "checkpoint: pass its commit file, ckpt-00000005.h5"
+    )
+    for read in (verify, load):
+        with pytest.raises(CheckpointError, match=re.escape(expected)):
+            read(shard)

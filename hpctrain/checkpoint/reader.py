@@ -373,6 +373,7 @@ def _open_and_read(path: str | Path, keep: bool):
         raise CheckpointError(f"{path}: the HDF5 library cannot open it ({exc})") from None
     with f:
         arrays, attrs, count, nbytes, table = _read_open(path, f, keep, version)
+    _refuse_a_part(path, attrs)
     if table is not None:
         joined, more, size = _read_shards(path, int(attrs.get("step", -1)), table, keep)
         if set(joined) & set(arrays):
@@ -380,6 +381,19 @@ def _open_and_read(path: str | Path, keep: bool):
         arrays.update(joined)
         count, nbytes = count + more, nbytes + size
     return path, (arrays, attrs, count, nbytes, table)
+
+
+def _refuse_a_part(path: Path, attrs: dict) -> None:
+    """A file of a ckpt-<step>.shards/ folder verifies like a checkpoint but holds one
+    rank's flattened pieces: exported or resumed, it gave tensors of the wrong shape."""
+    for key, what in (("shard", "shard file"), ("rank", "private state file")):
+        if key in attrs:
+            step = int(attrs.get("step", -1))
+            raise CheckpointError(
+                f"{path} is rank {int(attrs[key])}'s {what} of the sharded checkpoint of step "
+                f"{step}, not a checkpoint: pass its commit file, {fmt.checkpoint_name(step)} "
+                f"beside the {fmt.shards_dir_name(step)}/ folder"
+            )
 
 
 def verify(path: str | Path) -> Summary:
