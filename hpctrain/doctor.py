@@ -38,7 +38,8 @@ def _check_core() -> tuple[list[tuple[str, str]], list[str]]:
         import mpi4py
         from mpi4py import MPI
 
-        lib = MPI.Get_library_version().strip().splitlines()[0]
+        # Open MPI's string ends in a NUL, which made `hpctrain doctor | grep` see binary
+        lib = MPI.Get_library_version().replace("\x00", "").strip().splitlines()[0]
         threads = {
             MPI.THREAD_MULTIPLE: "multiple",
             MPI.THREAD_SERIALIZED: "serialized",

@@ -64,7 +64,8 @@ def register(sub) -> dict:
         default="",
         metavar="ARGS",
         help="more launcher arguments, one shell-quoted string (mpirun: e.g. "
-        '"--mca btl self,vader,tcp"; srun: e.g. "--mpi=pmix")',
+        '--mpirun-args "--mca btl self,vader,tcp"; srun: --launcher-args=--mpi=pmix, with '
+        "the = when the string starts with a dash and holds no space)",
     )
     p.add_argument(
         "--rsh-agent",
