@@ -168,7 +168,8 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     t = cfg.train
     head = (
         f"model {cfg.model['name']}: pipeline of {p['stages']} stages x "
-        f"{cfg.parallel['tensor']} tensor x {replicas} replicas = {world_size} rank(s), "
+        f"{cfg.parallel['tensor']} tensor x {replicas} replica{'s' if replicas != 1 else ''} "
+        f"= {world_size} rank(s), "
         f"{p['schedule']} schedule, {p['microbatches']} micro-batches of {t['batch_size']}, "
         f"ZeRO-{t['zero']} over each stage's replicas; optimizer {cfg.optimizer['name']}; "
         "MiB per rank:"
@@ -180,7 +181,7 @@ def _plan_pipeline(cfg, world_size: int, groups, limit_mb, gpu_mb, gpu: bool) ->
     ) + (
         "Stages cut by parameters (pipeline.partition=time is measured at launch). Each "
         "stage's rank holds its layers' parameters, gradients and optimizer state, and "
-        "the activations of the micro-batches held (1F1B: at most P - s; GPipe: all)."
+        "the activations of the micro-batches held (1F1B: at most P - s; GPipe: all)"
     )
     notes += _checkpoint_note(cfg, inp, world_size, gpu, True)
     limit = None if limit_mb is None else limit_mb * MIB
