@@ -112,9 +112,11 @@ class DataParallel(StrategyBase):
 
     def describe(self) -> str:
         b, g = self.backend, self.grid
+        device = getattr(b, "device", None)  # the torch backend's, with why (auto's choice)
+        where = f"on {device} ({b.device_reason}), " if device is not None else ""
         return (
             f"data parallel: {self.cfg.backend} backend, model {self.cfg.model['name']}, "
-            f"gradients by {b.engine} ({b.engine_reason}), global batch "
+            f"{where}gradients by {b.engine} ({b.engine_reason}), global batch "
             f"{self.data.global_batch}, {settings_text(self.cfg, replica_axis(g), g.num_replicas)}"
         )
 
