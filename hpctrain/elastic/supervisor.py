@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..errors import ConfigError
 from .batch import plan_batch, ranks_per_replica, replicas_of
 from .hosts import Host, probe, write_hostfile
 
@@ -215,9 +216,8 @@ class Supervisor:
             signal.signal(sig, self._forward)
         hosts = list(o.hosts)
         n = self.world_size(hosts)
-        if not self.enough(n):
-            say(f"the hostfile gives {n} ranks, below the minimum {self.minimum()}")
-            return 1
+        if not self.enough(n):  # the user's input, before any launch: one line, exit 2
+            raise ConfigError(f"the hostfile gives {n} ranks, below the minimum {self.minimum()}")
         first = replicas_of(self.cfg, n)
         self.event(
             "start",
@@ -264,6 +264,7 @@ class Supervisor:
                 )
                 self.event("gave_up", reason="restart budget used up", exit_code=code)
                 return code
+            say(f"the job failed ({_exit_text(code)}): probing its hosts before a restart")
             t0 = time.monotonic()
             problems = probe(hosts, o.probe_port, o.probe_timeout, o.agent)
             lost = {name: why for name, why in problems.items() if why is not None}
@@ -283,6 +284,16 @@ class Supervisor:
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
             attempt += 1
+
+
+def _exit_text(code: int | None) -> str:
+    """'exit code 137, SIGKILL': a launcher reports a rank killed by a signal as 128 + it."""
+    if code is None:
+        return "not started"
+    if code > 128:
+        with contextlib.suppress(ValueError):
+            return f"exit code {code}, {signal.Signals(code - 128).name}"
+    return f"exit code {code}"
 
 
 STEP_NAME = "hpctrain-elastic"  # srun --job-name of each attempt's step
