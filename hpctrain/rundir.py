@@ -435,6 +435,16 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
     # a run records itself in a checkpoint.dir outside its directory (claim_checkpoint_dir)
     # before it writes there: unrecorded checkpoints are another run's (its default
     # <run-dir>/checkpoints, say), whatever this run directory holds
+    here = prev.run_dir.resolve()
+    moved = owner is not None and owner.resolve() != here
+    if moved and prev.checkpoints and not (prev.run_dir / "config.yaml").is_file():
+        # the recorded run directory is gone, and this one holds no run: not its new name
+        raise ConfigError(
+            f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) of the run "
+            f"recorded in {owner} (its {CHECKPOINT_OWNER}), which is no longer there: if "
+            "that run moved, pass its new directory as --run-dir; otherwise give this run "
+            "its own checkpoint.dir (--set checkpoint.dir=...)"
+        )
     if not prev.checkpoints or owner is not None:
         return
     newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))

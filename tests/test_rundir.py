@@ -266,6 +266,10 @@ def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_pat
     # its own run may replace them; a run directory moved away leaves them to its successor
     assert plan_run_dir(run_a, _cfg(), checkpoint_dir=shared, resume="auto").action == "resume"
     run_a.rename(tmp_path / "A-moved")
+    # ... but a new directory is not its successor: --overwrite there wiped them
+    for flags in ({}, {"overwrite": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match=f"recorded in {run_a.resolve()} .* no longer"):
+            plan_run_dir(tmp_path / "C", _cfg(), checkpoint_dir=shared, **flags)
     plan = plan_run_dir(tmp_path / "A-moved", _cfg(), checkpoint_dir=shared, overwrite=True)
     apply_plan(plan)
     assert sorted(p.name for p in shared.iterdir()) == [CHECKPOINT_OWNER]
