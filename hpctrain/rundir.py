@@ -304,8 +304,7 @@ def plan_run_dir(
     checkpoints (`--resume auto`) instead of going back to FILE every time.
 
     --resume FILE on a run that holds later checkpoints abandons them: they move to
-    <run-dir>/previous/<UTC>/, so that a later `--resume auto` (a requeue, an elastic
-    restart) and keep_last's pruning see this run's own timeline only.
+    <run-dir>/previous/<UTC>/ (a later --resume auto and keep_last see one timeline).
     """
     run_dir = Path(run_dir)
     resume = None if resume in (None, "", "never") else resume
@@ -339,12 +338,9 @@ def plan_run_dir(
         )
     note, chosen = _requeued_resume(prev, resume, requeued)
     resume = chosen or resume
-    differences = config_differences(prev.config, config) if prev.config is not None else []
-    shown = "; ".join(differences[:SHOWN_DIFFERENCES])
-    more = len(differences) - SHOWN_DIFFERENCES
-    shown += f"; and {more} more" if more > 0 else ""
+    shown = _differences_text(prev, config)
     if resume != "auto":
-        if differences:  # its checkpoints would be pruned as this run's, config.yaml replaced
+        if shown:  # its checkpoints would be pruned as this run's, config.yaml replaced
             raise ConfigError(
                 f"--resume {resume}: {there} with another configuration ({shown}): resume "
                 "into another --run-dir (the file is read from anywhere), or move that run "
@@ -356,7 +352,7 @@ def plan_run_dir(
             f"--resume auto: {there} but no config.yaml, so hpctrain cannot tell whether "
             "it is this run; pass --resume FILE, --overwrite or another --run-dir"
         )
-    if differences:
+    if shown:
         raise ConfigError(
             f"--resume auto: {there} with another configuration ({shown}): use another "
             "--run-dir, --new or --overwrite, or resume that run with its own config.yaml"
@@ -370,6 +366,15 @@ def plan_run_dir(
     return RunDirPlan(
         "resume", f"{note}--resume auto: continuing the run in {run_dir}", resume=chosen
     )
+
+
+def _differences_text(prev: PreviousRun, config: dict) -> str:
+    """The first few identity keys the earlier run's config.yaml and this one differ in
+    ('' when the same, or when there is no config.yaml to compare with)."""
+    differences = config_differences(prev.config, config) if prev.config is not None else []
+    shown = "; ".join(differences[:SHOWN_DIFFERENCES])
+    more = len(differences) - SHOWN_DIFFERENCES
+    return shown + (f"; and {more} more" if more > 0 else "")
 
 
 def _requeued_resume(prev: PreviousRun, resume: str, requeued: bool) -> tuple[str, str | None]:
