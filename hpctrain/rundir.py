@@ -395,8 +395,16 @@ def _step_in_name(path: Path) -> int:
 
 def _resume_from_file(prev: PreviousRun, chosen: Path) -> RunDirPlan:
     """--resume FILE: the run's checkpoints after FILE's step belong to the timeline it
-    leaves; they move aside (never deleted). A FILE named otherwise moves nothing."""
+    leaves; they move aside (never deleted). FILE's step is its name's, or for a copy
+    named otherwise (best.h5) the one it records, read once it verifies (a damaged one
+    moves nothing: the run refuses it)."""
     run_dir, step = prev.run_dir, _step_in_name(chosen)
+    if step < 0:
+        from .checkpoint.reader import verify
+        from .errors import CheckpointError
+
+        with contextlib.suppress(CheckpointError):
+            step = verify(chosen).step
     later = []
     if step >= 0 and prev.checkpoint_dir.is_dir():
         later = [

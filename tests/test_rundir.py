@@ -470,3 +470,22 @@ def test_default_run_dirs_started_in_the_same_second_are_two(tmp_path):
     assert (first, second) == (base, base.with_name(base.name + "-2"))
     assert remove_unused_run_dir() == [second]
     assert first.is_dir() and not second.exists()
+
+
+def test_resume_from_a_copy_named_otherwise_reads_its_step(tmp_path):
+    """best.h5, a copy of ckpt-2: its step came from its name (none), so steps 3 and 4
+    stayed and the run wrote over them."""
+    import numpy as np
+
+    from hpctrain.checkpoint import save
+
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg(), steps=())
+    for step in (2, 3, 4):
+        save(run / "checkpoints", step, {"model/w": np.full(4, step, np.float32)}, {"step": step})
+    best = tmp_path / "best.h5"
+    best.write_bytes((run / "checkpoints" / "ckpt-00000002.h5").read_bytes())
+    plan = plan_run_dir(run, _cfg(), resume=str(best))
+    assert "(steps 3-4) move to" in plan.message, plan.message
+    best.write_bytes(best.read_bytes()[:-8] + b"damaged!")  # refused by the run: moves nothing
+    assert plan_run_dir(run, _cfg(), resume=str(best)).remove == ()
