@@ -201,7 +201,12 @@ def test_render_says_when_it_replaced_a_script_and_how_to_create_the_log_dir(con
     assert first.stdout.startswith(f"wrote {out} (time limit 1 d 2 h;"), first.stdout
     assert first.stdout.endswith(f"submit with: mkdir -p {logs} && sbatch {out})\n")
     assert not logs.exists()  # render writes only the script
-    out.write_text(out.read_text() + "# edited by hand\n")  # still a rendered script
+    rendered = out.read_text()
+    out.write_text(rendered + "# edited by hand\n")  # edits: render would lose them
+    refused = hpctrain(*args)
+    assert refused.returncode == 2 and "was edited since" in refused.stderr, refused.stderr
+    assert out.read_text().endswith("# edited by hand\n")
+    out.write_text(rendered)  # as rendered: re-rendering replaces it
     logs.mkdir()
     second = hpctrain(*args)
     assert second.returncode == 0, second.stderr

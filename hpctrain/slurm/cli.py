@@ -9,6 +9,7 @@ submit ...)` works in scripts).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import shlex
 import subprocess
 import sys
@@ -275,20 +276,40 @@ def _command_line(args) -> str:
 RENDERED_MARK = "# rendered by: hpctrain"  # the templates' line 3-9 (`generated`)
 
 
+DIGEST_MARK = "# hpctrain render digest: "  # a written script's last line: its text's
+_MOST_READ = 1 << 20  # a rendered script is a few kB
+
+
+def _digest_line(text: str) -> str:
+    return f"{DIGEST_MARK}{hashlib.sha256(text.encode()).hexdigest()[:16]}\n"
+
+
 def _refuse_replacing_what_was_not_rendered(path: Path) -> None:
-    """-o replaces a script an earlier render wrote (re-rendering is how one changes),
-    never another file: a config, a hand-written sbatch script."""
+    """-o replaces a script an earlier render wrote and nobody edited since (re-rendering
+    is how one changes), never another file (a config, a hand-written sbatch script) nor
+    a rendered script edited by hand: its last line holds the digest of what render
+    wrote (a script from before the digest, or one printed to stdout, has none and is
+    replaced as before)."""
     try:
         with path.open(errors="replace") as f:
-            head = [next(f, "") for _ in range(12)]
+            text = f.read(_MOST_READ)
     except FileNotFoundError:
         return
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc}") from None
-    if not any(line.startswith(RENDERED_MARK) for line in head):
+    lines = text.splitlines(keepends=True)
+    if not any(line.startswith(RENDERED_MARK) for line in lines[:12]):
         raise ConfigError(
             f"{path} exists and is not a script `hpctrain slurm render` wrote (no "
             f"'{RENDERED_MARK}' line): choose another -o FILE, or move that file away"
+        )
+    marks = [i for i, line in enumerate(lines) if line.startswith(DIGEST_MARK)]
+    body = "".join(line for i, line in enumerate(lines) if i not in marks[-1:])
+    if marks and lines[marks[-1]].strip() != _digest_line(body).strip():
+        raise ConfigError(
+            f"{path} was edited since `hpctrain slurm render` wrote it (its digest line "
+            "no longer matches), and rendering again would lose the edits: choose another "
+            "-o FILE, or move that file away"
         )
 
 
@@ -296,7 +317,7 @@ def _write(path: Path, rendered: Rendered) -> Path:
     _refuse_replacing_what_was_not_rendered(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(rendered.text)
+        path.write_text(rendered.text + _digest_line(rendered.text))
         path.chmod(0o755)
     except OSError as exc:
         raise ConfigError(f"cannot write {path}: {exc}") from None
