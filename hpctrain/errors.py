@@ -5,6 +5,8 @@ Anything derived from HpctrainError is a problem with the user's input or enviro
 rank and exits with status 2; any other exception is a bug and aborts the whole job.
 """
 
+import re
+
 
 class HpctrainError(Exception):
     """A problem the user can fix; printed without a traceback.
@@ -40,15 +42,27 @@ class RankErrors(HpctrainError):
     """Errors reported by one or more ranks, gathered so that every rank can print them all.
 
     Identical messages are grouped ("rank(s) 0-511: ..."), so a large job stays readable.
+    With `merge_figures`, so are messages that differ in their figures only (the ranks of
+    one data-parallel model each plan it with their own baseline): the lowest rank's is
+    shown, and the ranks that gave other figures are named.
     """
 
-    def __init__(self, errors: dict[int, str]):
+    def __init__(self, errors: dict[int, str], merge_figures: bool = False):
         self.errors = dict(sorted(errors.items()))
-        groups: dict[str, list[int]] = {}
+        groups: dict[str, list[tuple[int, str]]] = {}
         for rank, msg in self.errors.items():
-            groups.setdefault(msg, []).append(rank)
-        lines = [f"rank(s) {rank_ranges(ranks)}: {msg}" for msg, ranks in groups.items()]
+            key = _FIGURES.sub("#", msg) if merge_figures else msg
+            groups.setdefault(key, []).append((rank, msg))
+        lines = []
+        for said in groups.values():
+            first = said[0][1]
+            other = [r for r, msg in said if msg != first]
+            note = f" (rank(s) {rank_ranges(other)}: the same with other figures)" if other else ""
+            lines.append(f"rank(s) {rank_ranges([r for r, _ in said])}: {first}{note}")
         super().__init__(lines[0] if len(lines) == 1 else "\n  " + "\n  ".join(lines))
+
+
+_FIGURES = re.compile(r"\d+(?:[.,]\d+)*")
 
 
 def rank_ranges(ranks: list[int]) -> str:

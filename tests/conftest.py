@@ -62,6 +62,7 @@ QUICK_MODULES = frozenset(
         "test_no_module_state",
         "test_preemption",
         "test_protocols",
+        "test_rank_errors",
         "test_rundir",
         "test_tiers",
         "test_zero_layout",

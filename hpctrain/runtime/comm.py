@@ -119,6 +119,7 @@ class GuardedComm(HostArrays):
         error_type=RankErrors,
         timeout: float | None = None,
         what: str = "agree on errors",
+        merge_figures: bool = False,
     ) -> None:
         """Every rank passes its own error (or None); if any rank has one, every rank raises.
 
@@ -126,7 +127,8 @@ class GuardedComm(HostArrays):
         node, a NaN on one replica) become one clear message on every rank, without a
         rank left waiting in a later collective. `timeout`: this wait's deadline instead
         of the collective timeout (after a rank's longer work, such as a file write),
-        then named with the option that sets it in `what`.
+        then named with the option that sets it in `what`. `merge_figures`: messages
+        that differ in their numbers only are one line (RankErrors).
         """
         flag = np.array([0 if error is None else 1], dtype=np.int32)
         if self.size > 1:
@@ -136,7 +138,7 @@ class GuardedComm(HostArrays):
             return
         errors = self.comm.allgather(error) if self.size > 1 else [error]
         by_rank = {r: prefix + e for r, e in enumerate(errors) if e is not None}
-        exc = RankErrors(by_rank)
+        exc = RankErrors(by_rank, merge_figures)
         if error_type is not RankErrors:
             exc = error_type(str(exc))
         exc.agreed = True

@@ -156,7 +156,9 @@ def check_memory_plan(
         if warning is not None:
             note = heap_note(cfg.train["zero"], allocator.keeps_freed(), cfg.strategy == "pipeline")
             log.warning(where + warning + note)
-    world.agree(None if error is None else where + error)
+    # one model on every rank (no `where`): N ranks' refusals, each with its own
+    # baseline, are one line
+    world.agree(None if error is None else where + error, merge_figures=not where)
     return (found is None and gpu is None) or planned is not None
 
 
