@@ -328,7 +328,7 @@ class TrainingLoop:
             return
         st = self.state
         st.step, st.epoch, st.position = end.step, end.epoch, end.position
-        self.last_eval = dict(end.metrics)
+        self.last_eval = {**self.last_eval, **end.metrics}  # the last epoch's loss stays
         if end.preempted:
             self.preempted = self.checkpoints.preempt(
                 self.pre, self.progress, self.last_eval, end.label
