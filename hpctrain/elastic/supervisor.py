@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ..checkpoint.reader import list_checkpoints
 from ..errors import ConfigError
 from .batch import plan_batch, ranks_per_replica, replicas_of
 from .hosts import Host, probe, write_hostfile
@@ -209,6 +210,18 @@ class Supervisor:
             # the launcher passes SIGUSR1 on and waits: the ranks checkpoint, then stop
             self.proc.send_signal(signum if again else signal.SIGUSR1)
 
+    def _kept(self) -> str:
+        """What a run that gave up leaves: its newest checkpoint, or none written yet."""
+        o = self.opts
+        where = Path(self.cfg.checkpoint["dir"] or Path(o.run_dir) / "checkpoints")
+        found = list_checkpoints(where)
+        if not found:
+            return f"it wrote no checkpoint in {where} yet"
+        return (
+            f"its newest checkpoint (step {found[-1][0]}) stays in {where} (resume with "
+            "--resume auto)"
+        )
+
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
         o = self.opts
@@ -259,8 +272,7 @@ class Supervisor:
             if attempt >= o.max_restarts:
                 say(
                     f"the job failed (exit code {code}) and the restart budget of "
-                    f"{o.max_restarts} is used up; its newest checkpoint stays in "
-                    f"{o.run_dir} (resume with --resume auto)"
+                    f"{o.max_restarts} is used up; {self._kept()}"
                 )
                 self.event("gave_up", reason="restart budget used up", exit_code=code)
                 return code
@@ -279,7 +291,7 @@ class Supervisor:
                 say(
                     f"the job failed (exit code {code}); the hosts that still answer "
                     f"({', '.join(h.name for h in hosts) or 'none'}) give {n} ranks, below "
-                    f"the minimum {self.minimum()}; its newest checkpoint stays in {o.run_dir}"
+                    f"the minimum {self.minimum()}; {self._kept()}"
                 )
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
