@@ -24,6 +24,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -552,7 +553,9 @@ def main() -> None:
     (args.out / "gpu_report.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     try:  # last: the report above is kept if this runs out of the check's time
-        report["checkpoint"] = bench_checkpoint_stall("base", args.out / "ckpt")
+        # a folder of its own (the bench removes it after): never one already in --out
+        ckpt_dir = Path(tempfile.mkdtemp(prefix="ckpt-", dir=args.out))
+        report["checkpoint"] = bench_checkpoint_stall("base", ckpt_dir)
     except Exception as exc:  # noqa: BLE001 - reported, the figures above kept
         report["checkpoint"] = {"error": f"{type(exc).__name__}: {exc}"}
     (args.out / "gpu_bench.json").write_text(json.dumps(report, indent=1))

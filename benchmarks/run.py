@@ -187,6 +187,10 @@ def main(argv=None) -> int:
         return render_only(args.render_only)
     started = datetime.now(timezone.utc)
     out = args.out or common.BENCH / "results" / started.strftime("%Y%m%dT%H%M%SZ")
+    if args.out is not None and out.exists() and (not out.is_dir() or any(out.iterdir())):
+        # results.json, report.md and the PNGs would land among (or over) what is there
+        print(f"[bench] error: --out {out} exists and is not an empty folder: name a new one")
+        return 2
     out.mkdir(parents=True, exist_ok=True)
     ctx = common.Context(
         out=out,
