@@ -87,12 +87,18 @@ class PreviousRun:
         """The checkpoints live outside the run directory (checkpoint.dir)."""
         return not _inside(self.checkpoint_dir, self.run_dir)
 
+    @property
+    def newest_step(self) -> int | None:
+        """The step of the newest checkpoint file (by name; not verified), or None."""
+        return _step_in_name(self.checkpoints[-1]) if self.checkpoints else None
+
     def describe(self) -> str:
         parts = []
         if self.checkpoints:
-            newest = NAME_RE.match(self.checkpoints[-1].name).group(1)
             where = f" in {self.checkpoint_dir}" if self.outside else ""
-            parts.append(f"{len(self.checkpoints)} checkpoint(s) up to step {int(newest)}{where}")
+            parts.append(
+                f"{len(self.checkpoints)} checkpoint(s) up to step {self.newest_step}{where}"
+            )
         if self.metrics_lines:
             parts.append(f"metrics.jsonl with {self.metrics_lines} line(s)")
         if self.tensorboard:
@@ -460,7 +466,7 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
         )
     if not prev.checkpoints or owner is not None:
         return
-    newest = int(NAME_RE.match(prev.checkpoints[-1].name).group(1))
+    newest = prev.newest_step
     holder = ckpt.parent if (ckpt.parent / "config.yaml").is_file() else None
     if holder is not None and ckpt.name == DEFAULT_CHECKPOINTS:
         # another run's own <run-dir>/checkpoints: never written into, whatever --resume

@@ -40,8 +40,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checkpoint.reader import list_checkpoints
 from ..errors import ConfigError
+from ..rundir import find_previous_run
 from .batch import plan_batch, ranks_per_replica, replicas_of
 from .hosts import Host, probe, write_hostfile
 
@@ -212,14 +212,12 @@ class Supervisor:
 
     def _kept(self) -> str:
         """What a run that gave up leaves: its newest checkpoint, or none written yet."""
-        o = self.opts
-        where = Path(self.cfg.checkpoint["dir"] or Path(o.run_dir) / "checkpoints")
-        found = list_checkpoints(where)
-        if not found:
-            return f"it wrote no checkpoint in {where} yet"
+        prev = find_previous_run(self.opts.run_dir, self.cfg.checkpoint["dir"])
+        if prev.newest_step is None:
+            return f"it wrote no checkpoint in {prev.checkpoint_dir} yet"
         return (
-            f"its newest checkpoint (step {found[-1][0]}) stays in {where} (resume with "
-            "--resume auto)"
+            f"its newest checkpoint (step {prev.newest_step}) stays in {prev.checkpoint_dir} "
+            "(resume with --resume auto)"
         )
 
     # --- the loop -----------------------------------------------------------------------
