@@ -238,7 +238,9 @@ def test_a_restart_budget_of_zero_ends_with_a_clear_message(tmp_path):
     job = _elastic(tmp_path, tmp_path / "run", env=KILL_RANK_1_AT_STEP_8, restarts=0)
     assert job.returncode != 0, job.output
     assert "the restart budget of 0 is used up" in job.output, job.output
-    assert "its newest checkpoint (step " in job.output and "resume with --resume auto" in job.output
+    assert (
+        "its newest checkpoint (step " in job.output and "resume with --resume auto" in job.output
+    )
     kinds = [e["event"] for e in _events(tmp_path / "run")]
     assert kinds == ["start", "launch", "failure", "gave_up"], kinds
 
