@@ -9,41 +9,23 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from .checkpoint.policy import SCHEMA as CHECKPOINT_SCHEMA
+from .checkpoint.policy import every_steps_problem
 from .errors import ConfigError
 from .exchange import compression as compression_methods
+from .fields import NONNEG, POS_INT, check_value, field
 from .strategies import STRATEGIES, composition
 
-
-@dataclass(frozen=True)
-class Field:
-    """One configuration key: its default, accepted types and constraints."""
-
-    default: Any
-    types: tuple
-    doc: str
-    choices: tuple | None = None
-    minimum: float | None = None
-    exclusive_min: bool = False
-    nullable: bool = False
-    free_form: bool = False  # a mapping whose keys are checked elsewhere (model options)
-
-
-def _f(default, types, doc, **kw) -> Field:
-    types = types if isinstance(types, tuple) else (types,)
-    return Field(default, types, doc, **kw)
+_f = field
 
 
 TORCH_MAX_SEED = 2**62  # torch.manual_seed takes a signed 64-bit seed; ranks add theirs
-POS_INT = {"minimum": 1}
-NONNEG = {"minimum": 0}
 
 SCHEMA: dict[str, Any] = {
     "backend": _f("torch", str, "deep-learning framework", choices=("torch", "tensorflow")),
@@ -401,68 +383,7 @@ SCHEMA: dict[str, Any] = {
             **POS_INT,
         ),
     },
-    "checkpoint": {
-        "enabled": _f(True, bool, "write checkpoints at all"),
-        "dir": _f(None, str, "checkpoint directory (default <run-dir>/checkpoints)", nullable=True),
-        "every_steps": _f(
-            None,
-            (int, str),
-            "save every N optimizer steps; auto: the Young/Daly interval sqrt(2 x save stall "
-            "x checkpoint.mtbf_hours), measured",
-            nullable=True,
-            **POS_INT,
-        ),
-        "mtbf_hours": _f(
-            24.0,
-            (int, float),
-            "mean time between failures of the job, for every_steps: auto",
-            minimum=0,
-            exclusive_min=True,
-        ),
-        "every_minutes": _f(
-            30.0,
-            (int, float),
-            "save when N minutes passed since the last save",
-            nullable=True,
-            minimum=0,
-            exclusive_min=True,
-        ),
-        "at_epoch_end": _f(True, bool, "save at the end of every epoch"),
-        "keep_last": _f(
-            3, int, "keep the newest N checkpoints (null: keep all)", nullable=True, **POS_INT
-        ),
-        "keep_best": _f(0, int, "also keep the best N by checkpoint.best_metric", **NONNEG),
-        "best_metric": _f("val_loss", str, "metric that ranks checkpoints for keep_best"),
-        "best_mode": _f("min", str, "which end of best_metric is best", choices=("min", "max")),
-        "async": _f(False, bool, "write in a background thread; the step only copies the arrays"),
-        "sharded": _f(
-            True,
-            bool,
-            "every rank writes what it owns (replicated slice, ZeRO shard, stage, experts, "
-            "tensor slices) to its own file, rank 0 commits; false, async or the parameter "
-            "server: rank 0 writes one file",
-        ),
-        "shard_min_mb": _f(
-            1.0,
-            (int, float),
-            "replicated state is not cut into shard files smaller than this (caps the file "
-            "count at scale)",
-            minimum=0,
-            exclusive_min=True,
-        ),
-        "write_timeout": _f(
-            3600.0,
-            (int, float),
-            "seconds the other ranks wait for a checkpoint's write (rank 0's file, the "
-            "slowest rank's shard) before the job ends as a stall naming the writer; "
-            "runtime.collective_timeout does not cover it",
-            minimum=0,
-            exclusive_min=True,
-        ),
-        "resume": _f(
-            "never", str, "auto: newest valid checkpoint in dir | never | a file (--resume)"
-        ),
-    },
+    "checkpoint": CHECKPOINT_SCHEMA,
     "metrics": {
         "jsonl": _f(True, bool, "write <run-dir>/metrics.jsonl"),
         "tensorboard": _f(True, bool, "write TensorBoard scalars under <run-dir>/tb"),
@@ -523,26 +444,6 @@ def _merge(base: dict, override: dict) -> dict:
     return out
 
 
-def _check_value(key: str, spec: Field, value: Any) -> str | None:
-    if value is None:
-        return None if spec.nullable else f"{key}: must not be null"
-    ok_type = isinstance(value, spec.types) and not (
-        isinstance(value, bool) and bool not in spec.types
-    )
-    if not ok_type:
-        names = "/".join(t.__name__ for t in spec.types)
-        return f"{key}: expected {names}, got {type(value).__name__} {value!r}"
-    if spec.choices is not None and value not in spec.choices:
-        return f"{key}: {value!r} is not one of {', '.join(map(str, spec.choices))}"
-    if spec.minimum is not None and isinstance(value, (int, float)):
-        if isinstance(value, float) and not math.isfinite(value):
-            return f"{key}: must be finite, got {value!r}"
-        if value < spec.minimum or (spec.exclusive_min and value == spec.minimum):
-            op = ">" if spec.exclusive_min else ">="
-            return f"{key}: must be {op} {spec.minimum:g}, got {value!r}"
-    return None
-
-
 def _validate(schema: dict, values: dict, prefix: str, problems: list[str]) -> None:
     for key in values:
         if key not in schema:
@@ -557,7 +458,7 @@ def _validate(schema: dict, values: dict, prefix: str, problems: list[str]) -> N
             else:
                 _validate(spec, value, full + ".", problems)
         else:
-            problem = _check_value(full, spec, value)
+            problem = check_value(full, spec, value)
             if problem:
                 problems.append(problem)
 
@@ -695,11 +596,7 @@ def _cross_checks(v: dict) -> list[str]:
     """Values that only make sense together: the config's own (checkpoint, optimizer,
     data, model x task), then the rules of composition (strategies/composition.py)."""
     problems = []
-    every = v["checkpoint"]["every_steps"]
-    if isinstance(every, str) and every != "auto":
-        problems.append(
-            f"checkpoint.every_steps: expected a positive integer, auto or null, got {every!r}"
-        )
+    problems += every_steps_problem(v["checkpoint"]["every_steps"])
     from .data.synthetic import MAX_SEED  # the synthetic file's seed attribute: a uint64
 
     for key, most in (("train", TORCH_MAX_SEED), ("data", MAX_SEED)):

@@ -21,7 +21,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from hpctrain.config import SCHEMA, Field, describe_schema  # noqa: E402
+from hpctrain.config import SCHEMA, describe_schema  # noqa: E402
+from hpctrain.fields import Field  # noqa: E402
 from hpctrain.models.zoo import MODEL_OPTIONS  # noqa: E402
 from hpctrain.moe.options import MOE_DEFAULTS  # noqa: E402
 

@@ -8,47 +8,45 @@ Rank 0 saves what every rank contributed; any process can verify and load:
     latest = find_latest_valid(ckpt.policy.dir)   # None, or a verified Checkpoint
 """
 
-from .format import FORMAT, checkpoint_name, step_of
-from .manager import Checkpointer, resume_checkpoint
-from .policy import DEFAULTS, CheckpointPolicy, Entry
-from .reader import (
-    Checkpoint,
-    Mismatch,
-    Summary,
-    check_compatible,
-    find_latest_valid,
-    list_checkpoints,
-    load,
-    require_compatible,
-    verify,
-)
-from .rng import capture_process_rng, restore_process_rng, rng_from_bytes, rng_to_bytes
-from .sharded import split_replicated
-from .writer import save, snapshot
+import importlib
 
-__all__ = [
-    "DEFAULTS",
-    "FORMAT",
-    "Checkpoint",
-    "CheckpointPolicy",
-    "Checkpointer",
-    "Entry",
-    "Mismatch",
-    "Summary",
-    "capture_process_rng",
-    "check_compatible",
-    "checkpoint_name",
-    "find_latest_valid",
-    "list_checkpoints",
-    "load",
-    "require_compatible",
-    "restore_process_rng",
-    "rng_from_bytes",
-    "rng_to_bytes",
-    "resume_checkpoint",
-    "save",
-    "snapshot",
-    "split_replicated",
-    "step_of",
-    "verify",
-]
+# name -> the module that defines it, imported on first use (PEP 562): the config schema
+# reads policy.py's `checkpoint:` fields, and `hpctrain config` or `--help` should not
+# pay for h5py (0.1 s) to import them
+_EXPORTS = {
+    "FORMAT": "format",
+    "checkpoint_name": "format",
+    "step_of": "format",
+    "Checkpointer": "manager",
+    "resume_checkpoint": "manager",
+    "CheckpointPolicy": "policy",
+    "Entry": "policy",
+    "Checkpoint": "reader",
+    "Mismatch": "reader",
+    "Summary": "reader",
+    "check_compatible": "reader",
+    "find_latest_valid": "reader",
+    "list_checkpoints": "reader",
+    "load": "reader",
+    "require_compatible": "reader",
+    "verify": "reader",
+    "capture_process_rng": "rng",
+    "restore_process_rng": "rng",
+    "rng_from_bytes": "rng",
+    "rng_to_bytes": "rng",
+    "split_replicated": "sharded",
+    "save": "writer",
+    "snapshot": "writer",
+}
+
+
+def __getattr__(name: str):
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_EXPORTS)

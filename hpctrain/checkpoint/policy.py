@@ -12,24 +12,68 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..fields import NONNEG, POS_INT, POSITIVE, Field, check_value, field
 
-# key: (default, doc); the config schema mirrors this table.
-DEFAULTS: dict[str, tuple] = {
-    "enabled": (True, "write checkpoints at all"),
-    "dir": (None, "checkpoint directory (default <run-dir>/checkpoints)"),
-    "every_steps": (None, "save every N optimizer steps (null: off; auto: Young/Daly)"),
-    "mtbf_hours": (24.0, "mean time between failures of the job (every_steps: auto)"),
-    "every_minutes": (30.0, "save when this many minutes passed since the last save (null: off)"),
-    "at_epoch_end": (True, "save at the end of every epoch"),
-    "keep_last": (3, "keep the newest N checkpoints (null: keep all)"),
-    "keep_best": (0, "also keep the best N by best_metric"),
-    "best_metric": ("val_loss", "metric that ranks checkpoints for keep_best"),
-    "best_mode": ("min", "min or max: which end of best_metric is best"),
-    "async": (False, "write in a background thread (the caller only copies the arrays)"),
-    "sharded": (True, "every rank writes its part to its own file; rank 0 commits (sharded.py)"),
-    "shard_min_mb": (1.0, "replicated state is not cut into shard files smaller than this"),
-    "write_timeout": (3600.0, "seconds the other ranks wait for a checkpoint write"),
-    "resume": ("never", "auto: continue from the newest valid checkpoint in dir; never; or a file"),
+# The `checkpoint:` section, declared once: the config schema takes it as it is (types,
+# docs, `--set`), and CheckpointPolicy checks a section given to it directly (a library
+# user's dict) with the same fields.
+SCHEMA: dict[str, Field] = {
+    "enabled": field(True, bool, "write checkpoints at all"),
+    "dir": field(None, str, "checkpoint directory (default <run-dir>/checkpoints)", nullable=True),
+    "every_steps": field(
+        None,
+        (int, str),
+        "save every N optimizer steps; auto: the Young/Daly interval sqrt(2 x save stall "
+        "x checkpoint.mtbf_hours), measured",
+        nullable=True,
+        **POS_INT,
+    ),
+    "mtbf_hours": field(
+        24.0,
+        (int, float),
+        "mean time between failures of the job, for every_steps: auto",
+        **POSITIVE,
+    ),
+    "every_minutes": field(
+        30.0,
+        (int, float),
+        "save when N minutes passed since the last save",
+        nullable=True,
+        **POSITIVE,
+    ),
+    "at_epoch_end": field(True, bool, "save at the end of every epoch"),
+    "keep_last": field(
+        3, int, "keep the newest N checkpoints (null: keep all)", nullable=True, **POS_INT
+    ),
+    "keep_best": field(0, int, "also keep the best N by checkpoint.best_metric", **NONNEG),
+    "best_metric": field("val_loss", str, "metric that ranks checkpoints for keep_best"),
+    "best_mode": field("min", str, "which end of best_metric is best", choices=("min", "max")),
+    "async": field(False, bool, "write in a background thread; the step only copies the arrays"),
+    "sharded": field(
+        True,
+        bool,
+        "every rank writes what it owns (replicated slice, ZeRO shard, stage, experts, "
+        "tensor slices) to its own file, rank 0 commits; false, async or the parameter "
+        "server: rank 0 writes one file",
+    ),
+    "shard_min_mb": field(
+        1.0,
+        (int, float),
+        "replicated state is not cut into shard files smaller than this (caps the file "
+        "count at scale)",
+        **POSITIVE,
+    ),
+    "write_timeout": field(
+        3600.0,
+        (int, float),
+        "seconds the other ranks wait for a checkpoint's write (rank 0's file, the "
+        "slowest rank's shard) before the job ends as a stall naming the writer; "
+        "runtime.collective_timeout does not cover it",
+        **POSITIVE,
+    ),
+    "resume": field(
+        "never", str, "auto: newest valid checkpoint in dir | never | a file (--resume)"
+    ),
 }
 
 
@@ -53,55 +97,25 @@ class Entry:
     metric: float | None = None
 
 
-def _problem(key, value, want) -> str:
-    return f"checkpoint.{key}: expected {want}, got {value!r}"
+def every_steps_problem(value) -> list[str]:
+    """The one rule the fields cannot say: a string is only `auto`."""
+    if isinstance(value, str) and value != "auto":
+        return [f"checkpoint.every_steps: expected a positive integer, auto or null, got {value!r}"]
+    return []
 
 
 def _validate(values: dict) -> list[str]:
-    problems = []
-    for key in values:
-        if key not in DEFAULTS:
-            problems.append(f"checkpoint.{key}: unknown key (known: {', '.join(sorted(DEFAULTS))})")
-
-    def is_int(v):
-        return isinstance(v, int) and not isinstance(v, bool)
-
-    def is_positive_number(x):
-        return (
-            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-        )
-
-    v = values
-    for key in ("enabled", "at_epoch_end", "async", "sharded"):
-        if key in v and not isinstance(v[key], bool):
-            problems.append(_problem(key, v[key], "true or false"))
-    es = v.get("every_steps")
-    if es is not None and es != "auto" and not (is_int(es) and es > 0):
-        problems.append(_problem("every_steps", es, "a positive integer, auto or null"))
-    for key, what in (
-        ("mtbf_hours", "a positive number"),
-        ("write_timeout", "a positive number of seconds"),
-        ("shard_min_mb", "a positive number"),
-    ):
-        if key in v and not is_positive_number(v[key]):
-            problems.append(_problem(key, v[key], what))
-    em = v.get("every_minutes")
-    if em is not None and not (
-        isinstance(em, (int, float)) and not isinstance(em, bool) and math.isfinite(em) and em > 0
-    ):
-        problems.append(_problem("every_minutes", em, "a positive number or null"))
-    if v.get("keep_last") is not None and not (is_int(v["keep_last"]) and v["keep_last"] > 0):
-        problems.append(_problem("keep_last", v["keep_last"], "a positive integer or null"))
-    if "keep_best" in v and not (is_int(v["keep_best"]) and v["keep_best"] >= 0):
-        problems.append(_problem("keep_best", v["keep_best"], "an integer >= 0"))
-    if "best_mode" in v and v["best_mode"] not in ("min", "max"):
-        problems.append(_problem("best_mode", v["best_mode"], "min or max"))
-    for key in ("best_metric", "resume"):
-        if key in v and not (isinstance(v[key], str) and v[key]):
-            problems.append(_problem(key, v[key], "a non-empty string"))
-    if v.get("dir") is not None and not isinstance(v["dir"], str):
-        problems.append(_problem("dir", v["dir"], "a path or null"))
-    return problems
+    """Problems of a `checkpoint:` section given directly (the config checks its own
+    with the same fields)."""
+    problems = [
+        f"checkpoint.{key}: unknown key (known: {', '.join(sorted(SCHEMA))})"
+        for key in values
+        if key not in SCHEMA
+    ]
+    for key, value in values.items():
+        if key in SCHEMA and (problem := check_value(f"checkpoint.{key}", SCHEMA[key], value)):
+            problems.append(problem)
+    return problems + every_steps_problem(values.get("every_steps"))
 
 
 class CheckpointPolicy:
@@ -112,7 +126,7 @@ class CheckpointPolicy:
         problems = _validate(values)
         if problems:
             raise ConfigError("invalid checkpoint configuration:\n  " + "\n  ".join(problems))
-        merged = {k: values.get(k, default) for k, (default, _) in DEFAULTS.items()}
+        merged = {k: values.get(k, spec.default) for k, spec in SCHEMA.items()}
         self.enabled: bool = merged["enabled"]
         self.run_dir = Path(run_dir)  # where checkpoints set aside go: <run-dir>/previous/
         self.dir = Path(merged["dir"]) if merged["dir"] else self.run_dir / "checkpoints"
