@@ -270,7 +270,8 @@ SCHEMA: dict[str, Any] = {
             60.0,
             (int, float),
             "seconds a collective may wait before the watchdog warns, naming the ranks "
-            "that have not arrived (0: never; else at least 1, the monitor's poll)",
+            "that have not arrived (0: never; else at least 1, the monitor's poll); a wait "
+            "with a deadline of its own (a checkpoint write's) warns at half of it",
             minimum=0,
         ),
         "max_requeues": _f(

@@ -48,6 +48,21 @@ def test_early_warning_names_the_missing_rank_before_the_deadline():
     assert job.output.index("WARNING: watchdog") < job.output.index("FATAL")
 
 
+def test_a_wait_with_a_deadline_of_its_own_warns_at_half_of_it():
+    """A checkpoint write's wait (checkpoint.write_timeout) warned at runtime.stall_warning
+    that its writer never arrived, at every save longer than that."""
+    env = {"MODE": "skip", "SKIP_RANK": "1", "TIMEOUT": "60", "STALL_WARNING": "1"}
+    job = mpirun(2, PYTHON, SCRIPT, env={**env, "OWN_DEADLINE": "8"}, timeout=120)
+    assert job.returncode != 0
+    assert job.output.count("WARNING: watchdog") == 1, job.output
+    assert re.search(
+        r"'test write wait \(checkpoint.write_timeout\)' \(collective #\d+\) has waited 4 s, "
+        r"half its deadline: rank\(s\) 1 never arrived",
+        job.output,
+    ), job.output
+    assert "did not finish within 8 s" in job.output, job.output
+
+
 def test_no_warning_in_a_normal_run():
     job = mpirun(
         4,

@@ -116,9 +116,12 @@ class Watchdog:
         with self._lock:
             active = list(self._active.items())
         for seq, (what, entered, limit) in active:
+            # a wait with a deadline of its own (a checkpoint write's) warns at half of
+            # it: a 100 GB write warned at every save that its writer "never arrived"
+            warn = self.stall_warning if limit == self.timeout else limit / 2
             if now - entered >= limit:
                 self._stalled(seq, what, "deadline", limit)
-            elif 0 < self.stall_warning < limit and now - entered >= self.stall_warning:
+            elif self.stall_warning > 0 and warn < limit and now - entered >= warn:
                 self._stalled(seq, what, "warn", limit)
         if self._give_up_at and now >= self._give_up_at[0]:
             _, seq, what, limit = self._give_up_at
@@ -171,9 +174,14 @@ class Watchdog:
         members = self._world_ranks()
         verdict = stall.judge(seq, what, members, answers)
         if not deadline:
+            waited = (
+                f"{self.stall_warning:g} s (runtime.stall_warning)"
+                if limit == self.timeout
+                else f"{limit / 2:g} s, half its deadline"
+            )
             sys.stderr.write(
                 f"[rank 0] WARNING: watchdog: '{what}' (collective #{seq}) has waited "
-                f"{self.stall_warning:g} s (runtime.stall_warning): {verdict.summary()}\n"
+                f"{waited}: {verdict.summary()}\n"
             )
             sys.stderr.flush()
             return

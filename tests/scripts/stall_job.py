@@ -1,5 +1,6 @@
 """Watchdog stall jobs: MODE=skip (rank SKIP_RANK never enters a barrier) or MODE=normal
-(many quick collectives; a rank stopped inside a collective: stall_train.py). TIMEOUT,
+(many quick collectives; a rank stopped inside a collective: stall_train.py); with
+OWN_DEADLINE, the skipped wait has a deadline of its own (a checkpoint write's). TIMEOUT,
 STALL_WARNING and REPORT_DIR set the watchdog; the deadline and the warning apply only
 after the warm-up, to the collectives the tests measure, so that a slow start on a
 loaded machine cannot trip them."""
@@ -26,7 +27,11 @@ def main():
         if w.rank == int(os.environ.get("SKIP_RANK", "1")):
             time.sleep(120)
             return
-        w.barrier("test barrier")
+        if os.environ.get("OWN_DEADLINE"):  # a wait with a deadline of its own
+            limit = float(os.environ["OWN_DEADLINE"])
+            w.agree(None, timeout=limit, what="test write wait (checkpoint.write_timeout)")
+        else:
+            w.barrier("test barrier")
     else:
         for _ in range(int(os.environ.get("STEPS", "300"))):
             buf[:] = 1
