@@ -102,7 +102,7 @@ def _activation_bytes(model, x, y, precision: str, gpu: bool, in_flight: int = 1
     most one micro-batch's tensors take at once (the CUDA allocator's figure); on a CPU
     rank what autograd saves for each and what checkpointed blocks take while
     recomputed (the module doc says why). `y` None: a pipeline stage before the last."""
-    counted = _step_bytes(model, x, y, precision)
+    counted = _step_bytes(model, x, y, precision, backward=gpu)  # CPU: the saved sum
     if gpu:
         return (in_flight - 1) * counted.held + counted.peak
     return in_flight * counted.saved + _recompute_bytes(model, x, precision)
@@ -120,7 +120,7 @@ def _recompute_bytes(model, x, precision: str) -> int:
     for layer in model.seq:
         if layer.spec.attrs.get("recompute"):
             here = x.detach().requires_grad_(True)
-            worst = max(worst, _step_bytes(layer, here, precision=precision).saved)
+            worst = max(worst, _step_bytes(layer, here, precision=precision, backward=False).saved)
         with torch.no_grad(), compute_precision(precision):
             x = layer(x)
     return 3 * worst
@@ -174,7 +174,7 @@ class StepBytes:
     peak: int  # the most alive at once over forward, loss and backward: a GPU rank's
 
 
-def _step_bytes(model, x, y=None, precision: str = "fp32") -> StepBytes:
+def _step_bytes(model, x, y=None, precision: str = "fp32", backward: bool = True) -> StepBytes:
     """One micro-batch of `x` (fake tensors) through `model`: its forward under
     `precision`'s autocast, the loss on `y` in float32 (a whole model or a last stage;
     `y` None: a pipeline stage whose output is held until the next stage's gradient
@@ -184,7 +184,9 @@ def _step_bytes(model, x, y=None, precision: str = "fp32") -> StepBytes:
     beside it (the loss's over the logits, the gradients of activations, a
     checkpointed block's recomputation) and one parameter's gradient at a time (each
     is dropped as it lands: the plan's gradients term counts them). A stage's input
-    that requires grad is added to all three."""
+    that requires grad is added to all three. `backward` False: forward and loss only
+    (`saved` and `held` are known by then; `peak` is then the forward's), for CPU
+    ranks, which plan with `saved`: half the trace's time."""
     params = {id(p) for p in model.parameters()}
     seen: dict[int, int] = {}
 
@@ -215,7 +217,8 @@ def _step_bytes(model, x, y=None, precision: str = "fp32") -> StepBytes:
                     root = F.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
                     del out
             held = live.live
-            root.backward(None if y is not None else torch.ones_like(root))
+            if backward:
+                root.backward(None if y is not None else torch.ones_like(root))
     finally:
         for handle in drops:
             handle.remove()
