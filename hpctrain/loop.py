@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from . import rundir, runtime
+from . import run_marker, rundir, runtime
 from .checkpoint.session import RunCheckpoints
 from .config import Config
 from .errors import ConfigError, HpctrainError, TrainingDiverged
@@ -132,11 +132,18 @@ class TrainingLoop:
         # From the start: a SIGUSR1/SIGTERM while the run starts (MPI, the data, a resume)
         # is recorded, not fatal, and acted on at the first step (checkpoint, requeue).
         self.pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
+        self.marker = None  # <run-dir>/.hpctrain-running, rank 0's (run_marker.py)
         try:
             self._build(cfg, run_dir, verbose, resume, overwrite, new, faults)
         except BaseException:
             self.pre.uninstall()
+            self._release_marker()
             raise
+
+    def _release_marker(self) -> None:
+        if self.marker is not None:
+            self.marker.release()
+            self.marker = None
 
     def _build(self, cfg, run_dir, verbose, resume, overwrite, new, faults) -> None:
         self.cfg = cfg
@@ -211,6 +218,9 @@ class TrainingLoop:
         self._run_dir_plan = None
         if w.is_root:
             try:
+                rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
+                # first: two runs started at once must not both find it free
+                self.marker = run_marker.claim(self.run_dir)
                 plan = rundir.plan_run_dir(
                     self.run_dir,
                     cfg.to_dict(),
@@ -222,7 +232,6 @@ class TrainingLoop:
                 )
                 chosen = plan.resume
                 self._run_dir_plan = plan  # applied once the run passed every check
-                rundir.make_run_dir(self.run_dir)  # a refused run takes it back (cli.py)
                 if cfg.checkpoint["enabled"]:
                     rundir.claim_checkpoint_dir(self.run_dir, cfg.checkpoint["dir"])
                 message = plan.message if not plan.remove else None
@@ -297,10 +306,16 @@ class TrainingLoop:
                 self.checkpoints.maybe_save(st.step, final=True, metrics=self.last_eval)
             self.checkpoints.close()
             s.release()
+        except BaseException:
+            self._release_marker()
+            raise
         finally:
             pre.uninstall()
             self.progress.close()
-        summary = self._summary(time.perf_counter() - t_start)
+        try:
+            summary = self._summary(time.perf_counter() - t_start)
+        finally:
+            self._release_marker()  # the run's last write is the summary's
         if self.checkpoints.requeue_after_run(pre):  # last: SLURM ends the job now
             log.info("job requeued: it resumes from this checkpoint (--resume auto)")
         return summary

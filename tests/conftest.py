@@ -64,6 +64,7 @@ QUICK_MODULES = frozenset(
         "test_protocols",
         "test_rank_errors",
         "test_rundir",
+        "test_run_marker",
         "test_tiers",
         "test_zero_layout",
         "test_zoo_parity",

@@ -489,3 +489,23 @@ def test_resume_from_a_copy_named_otherwise_reads_its_step(tmp_path):
     assert "(steps 3-4) move to" in plan.message, plan.message
     best.write_bytes(best.read_bytes()[:-8] + b"damaged!")  # refused by the run: moves nothing
     assert plan_run_dir(run, _cfg(), resume=str(best)).remove == ()
+
+
+def test_a_run_directory_in_use_by_another_run_is_refused_untouched(tmp_path, capsys):
+    """The same sbatch submitted twice: both jobs resumed in one directory and wrote
+    over each other's checkpoints. The second is refused, naming the first."""
+    from hpctrain.run_marker import claim
+
+    run = tmp_path / "run"
+    code, text = _train(capsys, run, "train.max_steps=2")
+    assert code == 0, text
+    before = _contents(run)
+    running = claim(run, env={})  # as a run in progress holds it
+    try:
+        code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
+        assert code == 2 and f"{run} is in use by another run (host " in text, text
+        assert _contents(run) == {**before, ".hpctrain-running": running.text.encode()}
+    finally:
+        running.release()
+    code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
+    assert code == 0 and not (run / ".hpctrain-running").exists(), text

@@ -40,6 +40,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .. import run_marker
 from ..errors import ConfigError
 from ..rundir import find_previous_run
 from .batch import plan_batch, ranks_per_replica, replicas_of
@@ -293,6 +294,9 @@ class Supervisor:
                 )
                 self.event("gave_up", reason="too few ranks", np=n, exit_code=code)
                 return code
+            # the failed attempt has ended: its marker (a lost node's rank 0 left it
+            # fresh) must not refuse the restart
+            run_marker.clear(o.run_dir)
             attempt += 1
 
 

@@ -1,0 +1,177 @@
+"""One run at a time in a run directory: `<run-dir>/.hpctrain-running`, kept by rank 0.
+
+Why: the same sbatch script submitted twice, or one command started twice, ran two jobs
+in one directory (the templates always pass `--resume auto`): both wrote checkpoints of
+the same steps and pruned each other's, and the timeline was neither run's.
+
+The marker names its run (host, pid, SLURM job, start) and its modification time is a
+heartbeat, renewed every HEARTBEAT_S by a thread of rank 0. A run that finds a marker
+refuses to start, naming that run, unless it is gone:
+- its heartbeat stopped (older than STALE_S: its node was lost, or it was killed);
+- it ran on this host and its process no longer exists;
+- it is an earlier incarnation of this SLURM job (a requeue, an elastic restart's step).
+`hpctrain elastic` removes it before each restart: the attempt it belonged to has ended.
+
+File locks were not used: on NFS and Lustre a lock of a lost node can outlive it for
+minutes (or until that client reboots), which would refuse an elastic restart. Cost:
+one small file and a utime every 20 s on rank 0, whatever the number of ranks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+from .errors import ConfigError
+
+MARKER = ".hpctrain-running"
+HEARTBEAT_S = 20.0
+STALE_S = 90.0  # more than four missed heartbeats
+
+
+class RunMarker:
+    """This run's marker and its heartbeat; `release()` when the run is done."""
+
+    def __init__(self, path: Path, text: str, heartbeat_s: float = HEARTBEAT_S):
+        self.path, self.text = path, text
+        self._stop = threading.Event()
+        self._thread = threading.Thread(
+            target=self._beat, args=(heartbeat_s,), name="hpctrain-run-marker", daemon=True
+        )
+        self._thread.start()
+
+    def _ours(self) -> bool:
+        return _read_text(self.path) == self.text
+
+    def _beat(self, every: float) -> None:
+        while not self._stop.wait(every):
+            if not self._ours():  # taken over (this run hung past STALE_S): leave it
+                return
+            with contextlib.suppress(OSError):
+                os.utime(self.path)
+
+    def release(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+        if self._ours():
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def claim(run_dir: str | Path, env=None, now: float | None = None) -> RunMarker:
+    """Mark `run_dir` as this run's (rank 0, once the directory exists), or ConfigError
+    naming the run that uses it. A gone run's marker is taken over."""
+    env = os.environ if env is None else env
+    path = Path(run_dir) / MARKER
+    text = json.dumps(
+        {
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "job": env.get("SLURM_JOB_ID"),
+            "started": datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        }
+    )
+    for _ in range(3):
+        if _create_exclusive(path, text):
+            return RunMarker(path, text)
+        found = _read_text(path)
+        if found is None:  # removed meanwhile: try again
+            continue
+        gone = _why_gone(path, found, env, time.time() if now is None else now)
+        if gone is None:
+            raise ConfigError(_in_use(Path(run_dir), found, path))
+        _take_away(path, found)
+    raise ConfigError(f"{run_dir}: could not mark it as this run's ({path} kept changing)")
+
+
+def clear(run_dir: str | Path) -> None:
+    """Remove a run's marker: `hpctrain elastic`, once the attempt it belonged to ended."""
+    with contextlib.suppress(OSError):
+        (Path(run_dir) / MARKER).unlink()
+
+
+def _create_exclusive(path: Path, text: str) -> bool:
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    except FileExistsError:
+        return False
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return True
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _holder(text: str) -> dict:
+    try:
+        found = json.loads(text)
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
+def _why_gone(path: Path, text: str, env, now: float) -> str | None:
+    """Why the run that wrote `text` no longer uses the directory, or None (it does)."""
+    try:
+        age = now - path.stat().st_mtime
+    except OSError:
+        return "its marker is gone"
+    if age > STALE_S:
+        return f"its heartbeat stopped {age:.0f} s ago"
+    holder = _holder(text)
+    if not holder:
+        return None  # being written, or not hpctrain's: wait for STALE_S
+    if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
+        return f"its process {holder.get('pid')} is gone"
+    job = env.get("SLURM_JOB_ID")
+    if job and holder.get("job") == job and holder.get("pid") != os.getpid():
+        return f"it was an earlier run of SLURM job {job}"
+    return None
+
+
+def _alive(pid) -> bool:
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def _take_away(path: Path, judged: str) -> None:
+    """Move a gone run's marker aside, only if it is still the one judged (two runs
+    taking over at once: the second finds the first's new marker and stops)."""
+    aside = path.with_name(f"{MARKER}.gone-{os.getpid()}")
+    with contextlib.suppress(OSError):
+        os.replace(path, aside)
+        if _read_text(aside) != judged:  # another run's fresh marker: put it back
+            os.replace(aside, path)
+            return
+        aside.unlink()
+
+
+def _in_use(run_dir: Path, text: str, path: Path) -> str:
+    holder = _holder(text)
+    who = ", ".join(
+        f"{k} {holder[k]}" for k in ("host", "pid", "job", "started") if holder.get(k) is not None
+    )
+    return (
+        f"{run_dir} is in use by another run ({who or 'its marker ' + str(path)}; its "
+        f"heartbeat is fresh): wait for it to end, or choose another --run-dir. A run that "
+        f"was killed leaves {path.name}, which the next run takes over once it is "
+        f"{STALE_S:g} s old (at once on the same host)"
+    )
