@@ -12,11 +12,13 @@ Skipped, with the reason printed, where namespaces cannot be made (not root, no 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shlex
 import subprocess
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -498,16 +500,30 @@ def _read(path: Path) -> str:
 
 
 # --- failures on one node end the job on both --------------------------------------------
+def _environ(entry: Path, wait: float = 2.0) -> bytes:
+    """A process's environment, or b"" when it cannot be read within `wait`: reading
+    /proc/PID/environ takes the process's memory lock, and one process stuck in the
+    kernel under load held a scan for the test's whole 300 s (a daemon thread is left
+    blocked instead)."""
+    got: list[bytes] = []
+
+    def read():
+        with contextlib.suppress(OSError):
+            got.append((entry / "environ").read_bytes())
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(wait)
+    return got[0] if got else b""
+
+
 def _marked_processes(marker: str) -> dict[int, dict[str, str]]:
     """pid -> environment of every process carrying the job's marker variable."""
     found = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
-        try:
-            raw = (entry / "environ").read_bytes()
-        except OSError:
-            continue
+        raw = _environ(entry)
         if f"HPCTRAIN_TEST_JOB={marker}".encode() not in raw:
             continue
         env = dict(x.split("=", 1) for x in raw.decode(errors="replace").split("\0") if "=" in x)

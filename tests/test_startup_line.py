@@ -171,7 +171,9 @@ def runs(tmp_path_factory):
 
 def test_plain_data_parallel_says_zero_off_fp32_no_compression(runs):
     line, warnings, _ = runs["plain"]
-    assert line.startswith("data parallel: torch backend, model mlp, gradients by "), line
+    # the device and why (runtime.device auto), then the engine
+    device = r"on (cpu|cuda:\d+) \(auto: [^)]*\), "
+    assert re.match(f"data parallel: torch backend, model mlp, {device}gradients by ", line), line
     engine_reason = re.search(r"gradients by \w+ \((.*?)\), global batch 64, ", line)
     assert engine_reason, line
     for off in ("ZeRO", "tensor", "hierarchical", "local SGD"):
