@@ -33,6 +33,7 @@ from .errors import ConfigError
 MARKER = ".hpctrain-running"
 HEARTBEAT_S = 20.0
 STALE_S = 90.0  # more than four missed heartbeats
+EXIT_GRACE_S = 5.0  # a process of this host holding the marker may be exiting
 
 
 class RunMarker:
@@ -140,16 +141,36 @@ def _why_gone(path: Path, text: str, env, now: float) -> str | None:
     return None
 
 
-def _alive(pid) -> bool:
+def _alive(pid, grace_s: float = EXIT_GRACE_S) -> bool:
+    """Whether process `pid` of this host runs. One that is exiting (a killed rank's
+    teardown, a zombie not yet reaped: a job started right after was refused) gets
+    `grace_s` to go."""
     if not isinstance(pid, int) or pid <= 0:
         return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
+    if pid == os.getpid():
         return True
-    return True
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:  # another user's process: alive
+            return True
+        if _state(pid) in ("Z", "X"):  # exited, waiting for its parent
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.1)
+
+
+def _state(pid: int) -> str | None:
+    """The process state letter of /proc/PID/stat (R, S, D, Z, ...); None without /proc."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None
 
 
 def _take_away(path: Path, judged: str) -> None:

@@ -35,6 +35,13 @@ def test_a_gone_runs_marker_is_taken_over(tmp_path):
     here = socket.gethostname()
     _write(tmp_path, host=here, pid=int(done.stdout))  # killed on this host
     claim(tmp_path, env={}).release()
+    # killed, not yet reaped (a zombie): a warm test rank's job was refused the next run
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    while run_marker._state(exited.pid) not in ("Z", None):
+        time.sleep(0.05)
+    _write(tmp_path, host=here, pid=exited.pid)
+    claim(tmp_path, env={}).release()
+    exited.wait()
     _write(tmp_path, host="node7", pid=123, job="42")  # a lost node: heartbeat stopped
     old = time.time() - STALE_S - 5
     os.utime(tmp_path / MARKER, (old, old))
