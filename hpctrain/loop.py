@@ -242,23 +242,29 @@ class TrainingLoop:
         w.agree(error, error_type=ConfigError)
         if message:
             log.info("%s", message)
-        chosen = w.bcast_object(chosen, what="agree on what to resume from")
+        # with it, whether rank 0 has earlier files to remove or move once the run passed
+        # its checks: the ranks join that agreement only then (_apply_run_dir_plan)
+        plan = self._run_dir_plan
+        chosen, self._plan_acts = w.bcast_object(
+            (chosen, plan is not None and bool(plan.remove)), what="agree on what to resume from"
+        )
         return chosen or resume
 
     def _apply_run_dir_plan(self) -> None:
         """What --overwrite deletes, --new moves and --resume FILE sets aside, done after
         the data, the model and the checkpoint to resume passed their checks (a typo in
         the new config used to cost the earlier run); rank 0, agreed."""
-        plan, error = self._run_dir_plan, None
-        if plan is None or not plan.remove:
-            self.world.agree(None, error_type=ConfigError)
+        if not self._plan_acts:  # the same on every rank (broadcast with the resume)
             return
-        try:
-            rundir.apply_plan(plan)
-        except OSError as exc:
-            error = f"run directory {self.run_dir}: {exc}"
+        plan, error = self._run_dir_plan, None
+        if plan is not None:  # rank 0
+            try:
+                rundir.apply_plan(plan)
+            except OSError as exc:
+                error = f"run directory {self.run_dir}: {exc}"
         self.world.agree(error, error_type=ConfigError)
-        log.info("%s", plan.message)
+        if plan is not None:
+            log.info("%s", plan.message)
 
     def _write_config(self) -> None:
         """config.yaml as run: the configuration plus what hpctrain found in the data."""
