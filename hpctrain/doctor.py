@@ -6,15 +6,18 @@ layout every rank sees. Exits non-zero naming whatever is missing.
 
 The World is made first, so a broken launch (launcher variables that disagree with MPI,
 an MPI without thread support) is refused before anything heavy is imported. The
-frameworks are an install per node, so each node's first rank (and rank 0) imports and
-probes them; the others check only the core pieces. At 8 ranks a node that is 128
-imports of torch, TensorFlow and both Horovod builds at 1,024 ranks and 512 at 4,096,
-instead of one per rank (about 10 s of CPU and a burst of file-system metadata each).
+frameworks are an install per node, so each node probes them once: its first rank torch
+and its second TensorFlow, side by side (a node of one rank probes both). The others
+check only the core pieces, and import torch for the GPU column only on a node with an
+NVIDIA or AMD GPU device. At 8 ranks a node that is 128 imports of each framework at
+1,024 ranks and 512 at 4,096, instead of one per rank (about 5 s of CPU and a burst of
+file-system metadata each).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import platform
 import sys
 from importlib.metadata import PackageNotFoundError, version
@@ -87,8 +90,22 @@ def _check_backend(name: str) -> tuple[list[tuple[str, str]], list[str]]:
     return rows, missing
 
 
+BACKENDS = ("torch", "tensorflow")
+# What a GPU's kernel driver makes: without any of them torch's CUDA (or ROCm) sees none.
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/kfd")
+
+
+def _backends_to_probe(layout) -> tuple[str, ...]:
+    """The frameworks this rank probes: each once per node, over its first two ranks."""
+    if layout is None or layout.local_size == 1:
+        return BACKENDS if layout is None or layout.local_rank == 0 else ()
+    return BACKENDS[layout.local_rank : layout.local_rank + 1]
+
+
 def _gpu_of_rank(local_rank: int) -> str:
     """The GPU this rank computes on under runtime.device auto ("-": none)."""
+    if not any(os.path.exists(p) for p in GPU_DEVICE_FILES):
+        return "-"  # a CPU node: no torch import on every rank for an empty column
     try:
         from .backends.torch import gpu_of_rank
 
@@ -113,6 +130,17 @@ def _print_topology() -> None:
     print("\n  GPU topology (nvidia-smi topo -m, rank 0's node):")
     for line in out.splitlines()[:12]:
         print("    " + line)
+
+
+def _node_framework_rows(layouts: list[dict] | None, own: dict[str, list]) -> list:
+    """Rank 0's node's framework rows, in BACKENDS order, from whichever rank probed each."""
+    found = dict(own)
+    host = layouts[0]["hostname"] if layouts else None
+    for lay in layouts or []:
+        if lay["hostname"] == host:
+            for backend, rows in lay["framework_rows"].items():
+                found.setdefault(backend, rows)
+    return [row for backend in BACKENDS for row in found.get(backend, [])]
 
 
 def missing_by_host(layouts: list[dict] | None, failures: list[list[str]]) -> list[str]:
@@ -143,19 +171,20 @@ def run_doctor(quiet: bool = False) -> int:
 
     rows, missing = _check_core()
     w = world() if "mpi4py" not in missing else None
-    if w is None or w.is_root or w.layout.local_rank == 0:  # the node's install, once
-        for backend in ("torch", "tensorflow"):
-            r, m = _check_backend(backend)
-            rows += r
-            missing += m
+    framework_rows: dict[str, list] = {}
+    for backend in _backends_to_probe(w.layout if w is not None else None):
+        framework_rows[backend], m = _check_backend(backend)
+        missing += m
     if w is not None:
         mine = {**w.layout.as_dict(), "gpu": _gpu_of_rank(w.layout.local_rank)}
+        mine["framework_rows"] = framework_rows
         layouts = w.gather_object(mine, what="doctor: gather layouts")
         failures = w.gather_object(missing, what="doctor: gather problems")
     else:
         layouts, failures = None, [missing]
     if w is not None and not w.is_root:
         return 1 if missing else 0
+    rows += _node_framework_rows(layouts, framework_rows)
     width = max(len(k) for k, _ in rows)
     if not quiet:
         print("hpctrain doctor")
