@@ -177,7 +177,7 @@ def test_on_node_joins_the_nodes_cpuset_and_says_its_cores():
     argv = on_node("hpcn2", ["hostname"], cores)
     assert argv[:2] == ["env", "HPCTRAIN_NODE_CORES=1"]
     assert "/run/x/cpuset/hpctrain-cluster/hpcn2" in argv
-    assert argv[argv.index("ip") : argv.index("ip") + 4] == ["ip", "netns", "exec", "hpcn2"]
+    assert argv[argv.index("nsenter") + 1] == "--net=/run/netns/hpcn2"
     script = agent_script(["hpcn1", "hpcn2"], {"dir": "/d", "cores": {"hpcn1": [0], "hpcn2": [1]}})
     assert 'echo $$ > "/d/$host/cgroup.procs" || exit 255' in script
     assert "hpcn2) ncores=1;;" in script
@@ -185,7 +185,7 @@ def test_on_node_joins_the_nodes_cpuset_and_says_its_cores():
 
 def test_on_node_passes_arguments_without_a_shell():
     argv = on_node("hpcn2", ["echo", "a b", "[32]", "$HOME"])
-    assert argv[:4] == ["ip", "netns", "exec", "hpcn2"]
+    assert argv[:2] == ["nsenter", "--net=/run/netns/hpcn2"]
     assert argv[-4:] == ["echo", "a b", "[32]", "$HOME"]  # exec "$@": no word splitting
 
 

@@ -492,6 +492,10 @@ def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, t
         np.testing.assert_array_equal(final[k], whole[k], err_msg=k)
 
 
+def _cmdline(pid: int) -> str:
+    return _read(Path(f"/proc/{pid}/cmdline"))
+
+
 def _read(path: Path) -> str:
     try:
         return path.read_text()
@@ -600,6 +604,44 @@ def test_rank_killed_on_one_node_ends_every_rank_on_both(two_nodes, tmp_path):
     )
     assert ended_after < 30, f"the job took {ended_after:.0f} s to end after the kill"
     _assert_no_process_left(marker, within=15)
+
+
+def test_a_run_directory_in_use_on_one_node_is_refused_on_the_other(two_nodes, tmp_path):
+    """The run marker across hosts (run_marker.py): a run on hpcn1 holds the shared run
+    directory; a second started on hpcn2 is refused naming hpcn1. Once the first is
+    killed, hpcn2 still cannot tell its process is gone (another host; the heartbeat is
+    fresh) and refuses again, while hpcn1 sees the process gone and takes over.
+    Single-process runs: a spinning MPI job on a node's one core kept a second process
+    started into that node's cpuset from running for minutes on this VM (kernel 6.18)."""
+    run = tmp_path / "run"
+    train = [HPCTRAIN, "train", "--run-dir", str(run), "--resume", "auto"]
+    train += _sets("backend=torch", "checkpoint.enabled=false", "train.batch_size=8")
+    marker = uuid.uuid4().hex
+    holder = start(
+        two_nodes.on_node("hpcn1", *train, "--set", "train.max_steps=1000000"),
+        env={"HPCTRAIN_TEST_JOB": marker, "HPCTRAIN_FAULT_STEP_SLEEP": "0:0.05"},
+    )
+    try:
+        deadline = time.monotonic() + 120
+        while not (run / "metrics.jsonl").exists() or '"step"' not in _read(run / "metrics.jsonl"):
+            assert holder.poll() is None and time.monotonic() < deadline, holder.finish(5)
+            time.sleep(0.5)
+        refused = emulated.launch(two_nodes.on_node("hpcn2", *train), timeout=120)
+        ranks = [p for p in _marked_processes(marker) if "\0train\0" in _cmdline(p)]
+        (pid,) = ranks  # not the orted a singleton MPI_Init starts
+        os.kill(pid, 9)  # the marker is left behind
+        holder.finish(30)
+    finally:
+        if holder.poll() is None:
+            os.killpg(holder.pid, 9)
+    in_use = f"is in use by another run (host hpcn1, pid {pid}"
+    assert refused.returncode == 2 and in_use in refused.output, refused.output
+    assert (run / ".hpctrain-running").exists()
+    still = emulated.launch(two_nodes.on_node("hpcn2", *train), timeout=120)
+    assert still.returncode == 2 and in_use in still.output, still.output
+    taken = emulated.launch(two_nodes.on_node("hpcn1", *train, "--set", "train.max_steps=2"))
+    assert taken.returncode == 0, taken.output
+    assert not (run / ".hpctrain-running").exists()  # released at its end
 
 
 def test_link_down_mid_run_ends_the_job_within_the_collective_timeout(two_nodes, tmp_path):

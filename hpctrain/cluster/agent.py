@@ -10,6 +10,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+# Where `ip netns add` keeps a namespace. Entered with nsenter, not `ip netns exec`: that
+# one also makes a mount namespace and remounts /sys, and the unmount waits for an RCU
+# grace period: on this 2-core VM a node entered while MPI ranks spun on its core hung
+# there for over a minute (a second job started beside a running one never started).
+NETNS_DIR = "/run/netns"
+
 # Called by Open MPI like ssh. The command arrives as words for a remote shell to join
 # (ssh semantics); a daemon command alone is exec'ed so that `setpriv --pdeathsig`
 # ties it to mpirun: if mpirun dies, no daemon is left behind on the node.
@@ -28,7 +34,7 @@ esac
 cmd="$*"
 case "$cmd" in *';'*) ;; *) cmd="exec $cmd";; esac
 {cores}
-exec ip netns exec "$host" unshare --uts setpriv --pdeathsig KILL -- \\
+exec nsenter --net="{netns_dir}/$host" unshare --uts setpriv --pdeathsig KILL -- \\
     sh -c 'hostname "$0" && eval "$1"' "$host" "$cmd"
 """
 
@@ -49,7 +55,8 @@ def agent_script(node_names: list[str], cores: dict | None = None) -> str:
     if cores:
         cases = "\n".join(f"  {n}) ncores={len(c)};;" for n, c in cores["cores"].items())
         block = CORES_TEMPLATE.replace("{cases}", cases).replace("{dir}", cores["dir"])
-    return AGENT_TEMPLATE.replace("{nodes}", " ".join(node_names)).replace("{cores}", block)
+    script = AGENT_TEMPLATE.replace("{nodes}", " ".join(node_names)).replace("{cores}", block)
+    return script.replace("{netns_dir}", NETNS_DIR)
 
 
 def write_agent(path: Path, node_names: list[str], cores: dict | None = None) -> Path:
@@ -76,10 +83,8 @@ def on_node(node: str, argv: list[str], cores: dict | None = None) -> list[str]:
         ]
     return [
         *prefix,
-        "ip",
-        "netns",
-        "exec",
-        node,
+        "nsenter",
+        f"--net={NETNS_DIR}/{node}",
         "unshare",
         "--uts",
         "sh",

@@ -8,8 +8,9 @@ its cores; an emulated one now does too. Nodes get an even share of the cores th
 process may use; with fewer cores than nodes they share them round robin (`node_cores`).
 
 cgroup v1 (the cpuset hierarchy) or v2 (the cpuset controller). The cgroup file system is
-mounted a second time under the state directory, because `ip netns exec` remounts /sys
-and so hides /sys/fs/cgroup from the rsh agent, which runs inside the first node. Where
+mounted a second time under the state directory, a path the rsh agent (which runs inside
+the first node) reaches however the node was entered (`ip netns exec` remounts /sys and
+hides /sys/fs/cgroup; the cluster enters nodes with nsenter, agent.py). Where
 cpusets cannot be made (a container without them) the nodes share the machine's cores;
 `up` keeps the reason and `status` prints it.
 

@@ -20,6 +20,7 @@ TOOLS = {
     "ip": "iproute2",
     "tc": "iproute2",
     "unshare": "util-linux",
+    "nsenter": "util-linux",
     "setpriv": "util-linux",
     "hostname": "hostname",
 }
