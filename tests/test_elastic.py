@@ -246,7 +246,7 @@ def test_a_restart_budget_of_zero_ends_with_a_clear_message(tmp_path):
 
 
 def test_a_sigterm_to_the_supervisor_ends_the_job_with_its_checkpoint(tmp_path):
-    """A scheduler's SIGTERM to the supervisor: the ranks get SIGUSR1 and take their
+    """A SIGTERM to the supervisor: the ranks get a stop signal and take their
     checkpoint, here one whose write takes 1.5 s (mpirun itself would end the ranks 1 s
     after a SIGTERM of its own, and the checkpoint was lost); no restart follows."""
     hosts, run = tmp_path / "hosts", tmp_path / "run"
@@ -266,8 +266,10 @@ def test_a_sigterm_to_the_supervisor_ends_the_job_with_its_checkpoint(tmp_path):
     proc.send_signal(signal.SIGTERM)
     job = finish(proc, 120)
     assert job.returncode == 128 + signal.SIGTERM, job.output
-    stopped = re.search(r"SIGUSR1 received: stopped at step (\d+), checkpoint", job.output)
+    # outside SLURM a SIGTERM is a stop request: the ranks get SIGUSR2 (never requeued)
+    stopped = re.search(r"SIGUSR2 received: stopped at step (\d+), checkpoint", job.output)
     assert stopped and "stopped by SIGTERM (the job exited 0)" in job.output, job.output
+    assert "requeueing" not in job.output, job.output  # nothing to requeue: not said
     assert find_latest_valid(run / "checkpoints").step == int(stopped.group(1))
     kinds = [e["event"] for e in _events(run)]
     assert kinds == ["start", "launch", "stopped"], kinds
@@ -295,14 +297,30 @@ def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
         assert message in done.output and "Traceback" not in done.output
 
 
-def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, monkeypatch):
-    """SIGTERM/SIGINT to the supervisor become SIGUSR1 for the launcher (mpirun kills its
-    ranks 1 s after its own SIGTERM/SIGINT, before they could checkpoint); a second one
-    goes through as it is; a stop that came between attempts starts no new one."""
+@pytest.mark.parametrize(
+    "slurm, first, forwarded",
+    [
+        (True, "SIGTERM", "SIGUSR1"),  # a scheduler's preemption: checkpoint and requeue
+        (False, "SIGTERM", "SIGUSR2"),  # a stop request outside SLURM: nothing to requeue
+        (True, "SIGINT", "SIGUSR2"),  # Ctrl-C: the user's stop, never requeued
+        (True, "SIGUSR1", "SIGUSR1"),  # the time limit's warning
+    ],
+)
+def test_a_stop_reaches_the_job_as_a_signal_the_launcher_waits_for(
+    tmp_path, monkeypatch, slurm, first, forwarded
+):
+    """SIGTERM/SIGINT to the supervisor become SIGUSR1 or SIGUSR2 for the launcher (mpirun
+    kills its ranks 1 s after its own SIGTERM/SIGINT, before they could checkpoint); a
+    second one goes through as it is; a stop between attempts starts no new one."""
     import signal as sig
 
     from hpctrain.elastic import supervisor
 
+    if slurm:
+        monkeypatch.setenv("SLURM_JOB_ID", "7")
+    else:
+        monkeypatch.delenv("SLURM_JOB_ID", raising=False)
+    first, forwarded = sig.Signals[first], sig.Signals[forwarded]
     sent = []
 
     class Launcher:
@@ -317,7 +335,7 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
             sent.append(s)
 
         def wait(self, timeout=None):
-            sup._forward(sig.SIGTERM, None)
+            sup._forward(first, None)
             sup._forward(sig.SIGINT, None)
             return 0
 
@@ -325,9 +343,9 @@ def test_a_stop_reaches_the_job_as_sigusr1_and_none_starts_after_it(tmp_path, mo
     opts = supervisor.Options(["train"], [], tmp_path, [])
     sup = supervisor.Supervisor(opts, None)
     assert sup.launch(["mpirun"]) == 0
-    assert sent == [sig.SIGUSR1, sig.SIGINT] and sup.stop_signal == sig.SIGTERM
+    assert sent == [forwarded, sig.SIGINT] and sup.stop_signal == first
     assert sup.launch(["mpirun"]) is None  # stopped: not started again
-    assert sent == [sig.SIGUSR1, sig.SIGINT]
+    assert sent == [forwarded, sig.SIGINT]
 
 
 def _watched_attempt(tmp_path, monkeypatch, answers: list[bool], argv: list[str]):

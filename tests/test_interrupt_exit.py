@@ -44,6 +44,16 @@ def test_exit_code_after_a_clean_stop(name, env, code):
     assert (interrupt_reason(name, env) is not None) == (code != 0)
 
 
+def test_sigusr2_is_a_stop_never_requeued_that_exits_zero():
+    """`kill -USR2 <mpirun>` or `hpctrain elastic`'s Ctrl-C: mpirun forwards it and waits."""
+    for env in ({}, SLURM, MPIRUN):
+        assert interrupt_exit_code("SIGUSR2", env) == 0
+        assert "without requeue" in interrupt_reason("SIGUSR2", env)
+        with Preemption(env=env) as pre:
+            os.kill(os.getpid(), signal.SIGUSR2)
+            assert pre.requested and "SIGUSR2" in pre.requeue_blocker()
+
+
 def test_mpirun_sigterm_is_named_as_its_ctrl_c_and_its_exit_status_explained():
     why = interrupt_reason("SIGTERM", MPIRUN)
     assert "Ctrl-C" in why and "mpirun exits 1" in why
@@ -96,3 +106,14 @@ def test_ctrl_c_on_mpirun_is_an_interrupt_and_mpirun_exits_1(tmp_path):
     # Open MPI's mpirun ends 1 after Ctrl-C whatever its ranks return (its abort status);
     # the line above says so, so a clean, checkpointed stop is not mistaken for a crash.
     assert "mpirun exits 1" in out and rc == 1, (rc, out)
+
+
+def test_sigusr2_to_mpirun_stops_every_rank_with_a_checkpoint_and_exits_0(tmp_path):
+    """The stop to send mpirun for a model whose checkpoint outlasts mpirun's 1 s between
+    its own SIGTERM and SIGKILL: mpirun forwards SIGUSR2 and waits; never requeued."""
+    run = tmp_path / "run"
+    cmd = ["mpirun", "-np", "2", HPCTRAIN, "train", "--run-dir", str(run), *sets()]
+    rc, out = stop_after_steps(cmd, run, signal.SIGUSR2, group=False, cwd=ROOT)
+    _assert_checkpointed_stop(run, out, "SIGUSR2")
+    assert "interrupted (SIGUSR2, a stop without requeue), not requeued" in out, out
+    assert rc == 0, (rc, out)

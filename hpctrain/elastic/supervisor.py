@@ -133,7 +133,7 @@ class Supervisor:
         self.proc = subprocess.Popen(argv, start_new_session=True, preexec_fn=_die_with_parent)
         try:
             if self.stop_signal is not None:  # arrived while it started: pass it on now
-                self.proc.send_signal(signal.SIGUSR1)
+                self.proc.send_signal(self._stop_for_ranks())
             return self._wait()
         finally:
             self.proc = None
@@ -205,11 +205,20 @@ class Supervisor:
             os.killpg(self.proc.pid, signal.SIGKILL)
 
     def _forward(self, signum, frame) -> None:
-        again = self.stop_signal is not None and signum != signal.SIGUSR1
+        again = self.stop_signal is not None and signum not in (signal.SIGUSR1, signal.SIGUSR2)
         self.stop_signal = self.stop_signal or signum
         if self.proc is not None and self.proc.poll() is None:
-            # the launcher passes SIGUSR1 on and waits: the ranks checkpoint, then stop
-            self.proc.send_signal(signum if again else signal.SIGUSR1)
+            self.proc.send_signal(signum if again else self._stop_for_ranks())
+
+    def _stop_for_ranks(self) -> int:
+        """The signal that asks the ranks to checkpoint and stop; the launcher passes
+        SIGUSR1 and SIGUSR2 on and waits. SIGUSR1 (a requeue under SLURM) for a
+        scheduler's SIGTERM or SIGUSR1; SIGUSR2 (never requeued) for Ctrl-C, a SIGTERM
+        outside SLURM (a stop request: nothing to requeue) and SIGUSR2 itself."""
+        scheduler = self.stop_signal == signal.SIGUSR1 or (
+            self.stop_signal == signal.SIGTERM and bool(os.environ.get("SLURM_JOB_ID"))
+        )
+        return signal.SIGUSR1 if scheduler else signal.SIGUSR2
 
     def _kept(self) -> str:
         """What a run that gave up leaves: its newest checkpoint, or none written yet."""
@@ -224,7 +233,7 @@ class Supervisor:
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
         o = self.opts
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
+        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
             signal.signal(sig, self._forward)
         hosts = list(o.hosts)
         n = self.world_size(hosts)

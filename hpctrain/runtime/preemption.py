@@ -18,6 +18,11 @@ interrupt only outside SLURM (no SLURM_JOB_ID); under SLURM it is scancel or a
 preemption and the job is requeued. A second Ctrl-C ends the process at once, as
 Python's default does.
 
+SIGUSR2 is a stop without requeue that a launcher passes on untouched (mpirun ends its
+ranks 1 s after a SIGINT or SIGTERM of its own; SIGUSR1 and SIGUSR2 it forwards and
+waits): `kill -USR2 <mpirun's pid>`, or `hpctrain elastic` passing on a Ctrl-C. It is
+never requeued, even under SLURM, and exits 0 like SIGUSR1: the stop asked for is done.
+
 Nothing here imports MPI or a framework.
 """
 
@@ -29,7 +34,8 @@ import subprocess
 import sys
 import time
 
-DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGTERM, signal.SIGINT)
+DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
+STOP_SIGNALS = ("SIGUSR1", "SIGUSR2")  # stop and checkpoint, exit 0 (mpirun forwards both)
 DEFAULT_MAX_REQUEUES = 10  # runtime.max_requeues; a loop of failures stops here
 SCONTROL_TIMEOUT_S = 30
 
@@ -60,6 +66,8 @@ def interrupt_reason(signal_name: str | None, env: dict | os._Environ | None = N
     env = os.environ if env is None else env
     if signal_name == "SIGINT":
         return "Ctrl-C"
+    if signal_name == "SIGUSR2":
+        return "SIGUSR2, a stop without requeue"
     if signal_name == "SIGTERM" and not env.get("SLURM_JOB_ID"):
         if env.get("OMPI_COMM_WORLD_SIZE"):
             # Open MPI's mpirun exits 1 after Ctrl-C (its own abort status), whatever the
@@ -72,7 +80,10 @@ def interrupt_reason(signal_name: str | None, env: dict | os._Environ | None = N
 def interrupt_exit_code(signal_name: str | None, env: dict | os._Environ | None = None) -> int:
     """The exit status after a clean stop on `signal_name`: 128 + its number for an
     interrupt (130 for Ctrl-C, as a shell reports a program ended by SIGINT), else 0
-    (a preemption that was checkpointed and requeued, or a SIGUSR1 stop, finished its part)."""
+    (a preemption that was checkpointed and requeued, or a SIGUSR1/SIGUSR2 stop, finished
+    its part)."""
+    if signal_name in STOP_SIGNALS:
+        return 0
     if signal_name and interrupt_reason(signal_name, env) is not None:
         return 128 + int(signal.Signals[signal_name])
     return 0
