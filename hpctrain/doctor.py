@@ -98,7 +98,7 @@ GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/d
 def _backends_to_probe(layout) -> tuple[str, ...]:
     """The frameworks this rank probes: each once per node, over its first two ranks."""
     if layout is None or layout.local_size == 1:
-        return BACKENDS if layout is None or layout.local_rank == 0 else ()
+        return BACKENDS
     return BACKENDS[layout.local_rank : layout.local_rank + 1]
 
 

@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 # Where `ip netns add` keeps a namespace. Entered with nsenter, not `ip netns exec`: that
-# one also makes a mount namespace and remounts /sys, and the unmount waits for an RCU
-# grace period: on this 2-core VM a node entered while MPI ranks spun on its core hung
-# there for over a minute (a second job started beside a running one never started).
+# one also makes a mount namespace and remounts /sys on every entry, an unmount that
+# waits for an RCU grace period (a second job's entry was seen stuck there for over 30 s
+# beside a running job; with nsenter that job stalls later all the same, docs/cluster.md).
 NETNS_DIR = "/run/netns"
 
 # Called by Open MPI like ssh. The command arrives as words for a remote shell to join
