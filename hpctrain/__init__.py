@@ -4,14 +4,18 @@
     TrainingLoop(Config.load("configs/demo.yaml")).fit()
 
 Importing hpctrain starts neither MPI nor any framework; `TrainingLoop` does, when
-created. `Trainer` is the same class under its earlier name.
+created. `Trainer` is the same class under its earlier name. The package itself imports
+nothing but its version: the console script (entry.py) guards everything after it.
 """
 
-from .config import Config
 from .version import __version__
 
 
 def __getattr__(name):
+    if name == "Config":
+        from .config import Config
+
+        return Config
     if name in ("TrainingLoop", "Trainer"):
         from .loop import TrainingLoop
 

@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
@@ -116,7 +118,13 @@ def _differences(a, b, prefix: str = "") -> list[tuple[str, object, object]]:
 
 
 class TrainingLoop:
-    """Builds the run (world, grid, strategy, checkpoints, metrics); `fit()` trains."""
+    """Builds the run (world, grid, strategy, checkpoints, metrics); `fit()` trains, once.
+
+    Creating it claims the run directory (run_marker.py) and takes SIGUSR1/SIGTERM over;
+    `fit()` gives both back at its end. A loop that is not fitted gives them back on
+    `close()`, at the end of a `with` block, when it is collected, or at exit: until then
+    the directory is this process's (a notebook that built a loop and dropped it had
+    another loop for the same directory refused, and SIGTERM no longer ended it)."""
 
     def __init__(
         self,
@@ -133,12 +141,28 @@ class TrainingLoop:
         # is recorded, not fatal, and acted on at the first step (checkpoint, requeue).
         self.pre = Preemption(max_requeues=cfg.runtime["max_requeues"]).install()
         self.marker = None  # <run-dir>/.hpctrain-running, rank 0's (run_marker.py)
+        self._fitted = False
         try:
             self._build(cfg, run_dir, verbose, resume, overwrite, new, faults)
         except BaseException:
-            self.pre.uninstall()
-            self._release_marker()
+            self.close()
             raise
+        # a loop dropped unfitted gives the directory and the signals back (not self's
+        # methods: the finalizer must not keep the loop alive)
+        self._finalizer = weakref.finalize(self, _give_back, self.pre, self.marker)
+
+    def close(self) -> None:
+        """Give the run directory and the signal handlers back without training (fit()
+        does it itself). Idempotent; a closed loop cannot fit."""
+        self._fitted = True
+        _give_back(self.pre, self.marker)
+        self.marker = None
+
+    def __enter__(self) -> TrainingLoop:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def _release_marker(self) -> None:
         if self.marker is not None:
@@ -286,6 +310,12 @@ class TrainingLoop:
 
     # --- the loop ---------------------------------------------------------------
     def fit(self) -> dict:
+        if self._fitted:  # its marker and signal handlers are given back: a new loop resumes
+            raise ConfigError(
+                "this TrainingLoop has already fitted or been closed: create a new one "
+                "(with resume 'auto' it continues from the last checkpoint)"
+            )
+        self._fitted = True
         w, cfg, st, s = self.world, self.cfg, self.state, self.strategy
         self.t_start = t_start = time.perf_counter()
         self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "count": 0}
@@ -558,6 +588,15 @@ class TrainingLoop:
         if w.is_root:
             log.info("done: %s", ", ".join(f"{k}={_fmt(v)}" for k, v in summary.items()))
         return w.bcast_object(summary, what="agree on the run summary")
+
+
+def _give_back(pre: Preemption, marker) -> None:
+    """A loop's signal handlers (main thread only: signal.signal's rule; a collection in
+    another thread leaves them to the process's exit) and its run marker."""
+    if threading.current_thread() is threading.main_thread():
+        pre.uninstall()
+    if marker is not None:
+        marker.release()
 
 
 def _fmt(v):

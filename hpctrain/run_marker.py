@@ -187,6 +187,12 @@ def _take_away(path: Path, judged: str) -> None:
 
 def _in_use(run_dir: Path, text: str, path: Path) -> str:
     holder = _holder(text)
+    if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
+        return (
+            f"{run_dir} is in use by another TrainingLoop of this process that has not "
+            f"fitted: fit() it, or close() it first (`with TrainingLoop(...) as loop:` "
+            f"closes it at the block's end)"
+        )
     who = ", ".join(
         f"{k} {holder[k]}" for k in ("host", "pid", "job", "started") if holder.get(k) is not None
     )

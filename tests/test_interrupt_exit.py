@@ -24,6 +24,37 @@ SLURM = {"SLURM_JOB_ID": "42"}
 MPIRUN = {"OMPI_COMM_WORLD_SIZE": "2"}
 
 
+# --- before the CLI runs ----------------------------------------------------------------
+def test_ctrl_c_while_the_cli_is_imported_is_one_line_not_a_traceback(monkeypatch, capsys):
+    """The console script's guard (entry.py): a Ctrl-C in the imports before any handler
+    of ours printed a traceback of import machinery on every rank."""
+    import sys
+    import types
+
+    from hpctrain import entry
+
+    class Interrupted(types.ModuleType):
+        def __getattr__(self, name):
+            raise KeyboardInterrupt
+
+    monkeypatch.setitem(sys.modules, "hpctrain.cli", Interrupted("hpctrain.cli"))
+    assert entry.main() == 130
+    assert capsys.readouterr().err == "hpctrain: interrupted (Ctrl-C) while starting\n"
+
+
+def test_importing_the_package_imports_only_its_version():
+    """What stands before the console script's guard: the package's own __init__."""
+    import subprocess
+    import sys
+
+    code = "import sys, hpctrain; print(*sorted(m for m in sys.modules if m.startswith(('hpctrain', 'yaml'))))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.split() == ["hpctrain", "hpctrain.version"], out.stdout
+    check = "from hpctrain import Config, TrainingLoop, __version__; print(Config.__name__)"
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "Config"
+
+
 # --- which stops are interrupts ---------------------------------------------------------
 @pytest.mark.parametrize(
     "name,env,code",

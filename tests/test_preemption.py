@@ -52,6 +52,22 @@ def test_uninstall_restores_the_previous_handlers():
         signal.signal(signal.SIGUSR1, previous)
 
 
+def test_handlers_removed_out_of_order_leave_the_live_ones_and_then_the_first():
+    """Two loops of one process: the first closed while the second runs keeps the
+    second's handler, and the second then puts back what was there before both."""
+    before = signal.getsignal(signal.SIGTERM)
+    first = Preemption(signals=(signal.SIGTERM,)).install()
+    second = Preemption(signals=(signal.SIGTERM,)).install()
+    third = Preemption(signals=(signal.SIGTERM,)).install()
+    second.uninstall()  # in the middle
+    first.uninstall()  # the oldest
+    assert signal.getsignal(signal.SIGTERM) == third._handler
+    os.kill(os.getpid(), signal.SIGTERM)
+    assert third.requested and not first.requested and not second.requested
+    third.uninstall()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def test_only_the_chosen_signals_are_handled():
     with Preemption(signals=(signal.SIGUSR2,)) as pre:
         assert signal.getsignal(signal.SIGUSR1) is not pre._handler

@@ -19,8 +19,14 @@ def _write(run, **holder):
 
 
 def test_a_second_run_is_refused_while_the_first_holds_the_directory(tmp_path):
-    first = claim(tmp_path, env={})
+    import socket
+
+    _write(tmp_path, host=socket.gethostname(), pid=os.getppid())  # a live process here
     with pytest.raises(ConfigError, match=f"{tmp_path} is in use by another run \\(host "):
+        claim(tmp_path, env={})
+    (tmp_path / MARKER).unlink()
+    first = claim(tmp_path, env={})  # this process's: an unfitted TrainingLoop's
+    with pytest.raises(ConfigError, match="another TrainingLoop of this process .* close\\(\\)"):
         claim(tmp_path, env={})
     first.release()
     assert not (tmp_path / MARKER).exists()

@@ -1,6 +1,8 @@
 """A run directory holds one run: reuse needs --resume (matching config), --overwrite or --new."""
 
 import json
+import os
+import socket
 
 import pytest
 import yaml
@@ -409,6 +411,38 @@ def _train(capsys, run, *extra: str) -> tuple[int, str]:
     return code, captured.out + captured.err
 
 
+def test_a_training_loop_not_fitted_gives_the_directory_and_the_signals_back(tmp_path):
+    """A notebook that built a loop to look at it and dropped it (or built a second one
+    for the same directory) had the second refused as 'another run', and SIGTERM no
+    longer ended the process: the first loop's handlers recorded it for a fit that
+    never came."""
+    import gc
+    import signal
+
+    from hpctrain import TrainingLoop
+    from hpctrain.run_marker import MARKER
+
+    cfg = Config.load(None, ["data.train_samples=64", "data.val_samples=32", "model.hidden=[8]"])
+    run = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    first = TrainingLoop(cfg, run_dir=run)
+    assert (run / MARKER).exists() and signal.getsignal(signal.SIGTERM) == first.pre._handler
+    with pytest.raises(ConfigError, match="another TrainingLoop of this process"):
+        TrainingLoop(cfg, run_dir=run, resume="auto")
+    assert signal.getsignal(signal.SIGTERM) == first.pre._handler  # the refused one's gone
+    del first
+    gc.collect()
+    assert not (run / MARKER).exists() and signal.getsignal(signal.SIGTERM) is before
+    with TrainingLoop(cfg, run_dir=run, resume="auto") as loop:
+        assert (run / MARKER).exists()
+    assert not (run / MARKER).exists() and signal.getsignal(signal.SIGTERM) is before
+    with pytest.raises(ConfigError, match="already fitted or been closed: create a new one"):
+        loop.fit()
+    summary = TrainingLoop(cfg, run_dir=run, resume="auto").fit()
+    assert summary["steps"] == 1 and not (run / MARKER).exists()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
 def _contents(run) -> dict:
     return {
         str(p.relative_to(run)): p.read_bytes()
@@ -494,18 +528,16 @@ def test_resume_from_a_copy_named_otherwise_reads_its_step(tmp_path):
 def test_a_run_directory_in_use_by_another_run_is_refused_untouched(tmp_path, capsys):
     """The same sbatch submitted twice: both jobs resumed in one directory and wrote
     over each other's checkpoints. The second is refused, naming the first."""
-    from hpctrain.run_marker import claim
-
     run = tmp_path / "run"
     code, text = _train(capsys, run, "train.max_steps=2")
     assert code == 0, text
     before = _contents(run)
-    running = claim(run, env={})  # as a run in progress holds it
-    try:
-        code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
-        assert code == 2 and f"{run} is in use by another run (host " in text, text
-        assert _contents(run) == {**before, ".hpctrain-running": running.text.encode()}
-    finally:
-        running.release()
+    # as a run in progress holds it: a live process of this host (this one's parent)
+    running = json.dumps({"host": socket.gethostname(), "pid": os.getppid()}).encode()
+    (run / ".hpctrain-running").write_bytes(running)
+    code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
+    assert code == 2 and f"{run} is in use by another run (host " in text, text
+    assert _contents(run) == {**before, ".hpctrain-running": running}
+    (run / ".hpctrain-running").unlink()  # that run ended
     code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
     assert code == 0 and not (run / ".hpctrain-running").exists(), text

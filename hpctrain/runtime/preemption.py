@@ -131,10 +131,24 @@ class Preemption:
         return self
 
     def uninstall(self) -> None:
-        """Put back whatever handlers were there before `install()`."""
+        """Put back whatever handlers were there before `install()`, except where a later
+        Preemption installed its own (two loops of one process, the first one closed)."""
         for sig, previous in self._previous.items():
-            signal.signal(sig, previous)
+            later = getattr(signal.getsignal(sig), "__self__", None)
+            if isinstance(later, Preemption) and later is not self:
+                later._forget(sig, self, previous)  # it puts back what we replaced
+            else:
+                signal.signal(sig, previous)
         self._previous.clear()
+
+    def _forget(self, sig: int, gone: Preemption, previous) -> None:
+        """Where `gone`'s handler is what this one (or an earlier one) replaced, replace
+        `previous` instead: handlers of Preemptions removed out of order."""
+        owner = getattr(self._previous.get(sig), "__self__", None)
+        if owner is gone:
+            self._previous[sig] = previous
+        elif isinstance(owner, Preemption):
+            owner._forget(sig, gone, previous)
 
     def __enter__(self) -> Preemption:
         return self.install()
