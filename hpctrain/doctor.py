@@ -80,10 +80,9 @@ def _check_core() -> tuple[list[tuple[str, str]], list[str]]:
 
 def _check_backend(name: str) -> tuple[list[tuple[str, str]], list[str]]:
     """Versions and Horovod build of one framework backend (imports it)."""
-    module = importlib.import_module(f"hpctrain.backends.{name}")
     try:
-        info = module.probe()
-    except Exception as exc:  # noqa: BLE001
+        info = importlib.import_module(f"hpctrain.backends.{name}").probe()
+    except Exception as exc:  # noqa: BLE001 - not installed, or broken: named, not fatal
         return [(name, f"MISSING ({type(exc).__name__}: {exc})")], [name]
     rows = [(name, info["framework"]), (f"horovod[{name}]", info["horovod"])]
     missing = [f"{name}: {m}" for m in info.get("missing", [])]

@@ -31,6 +31,7 @@ import numpy as np
 import yaml
 
 from . import run_marker, rundir, runtime
+from .backends import framework_problem
 from .checkpoint.session import RunCheckpoints
 from .config import Config
 from .errors import ConfigError, HpctrainError, TrainingDiverged
@@ -175,6 +176,8 @@ class TrainingLoop:
         self.world = w = prepare_process(cfg)
         runtime.setup_logging(w.rank, w.size, verbose)
         agree_on_config(w, cfg)
+        # before the run directory, the data or any import of it: one line on every rank
+        w.agree(framework_problem(cfg.backend), error_type=ConfigError)
         log.debug("allocator: %s", allocator.status())
         chosen, error = run_dir, None
         if run_dir is None and w.is_root:

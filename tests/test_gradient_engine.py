@@ -44,3 +44,24 @@ def test_compression_beyond_fp16_needs_an_mpi_engine():
         Config.load(None, ["train.allreduce=horovod", "train.compression=topk"])
     engine, why = choose(_cfg(compression="powersgd"), local_ranks=1, threads=1, cores=8)
     assert engine == "mpi" and "powersgd" in why
+
+
+def test_without_horovod_auto_uses_mpi_and_an_explicit_horovod_is_refused(monkeypatch):
+    """A torch-only install (or OMP_NUM_THREADS=1 leaving a spare core): auto picked
+    Horovod and the run died on a ModuleNotFoundError traceback."""
+    import builtins
+
+    real_import = builtins.__import__
+
+    def no_horovod(name, *args, **kwargs):
+        if name == "horovod" or name.startswith("horovod."):
+            raise ModuleNotFoundError(f"No module named {name!r}")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_horovod)
+    monkeypatch.setattr("importlib.import_module", lambda name, *a: no_horovod(name))
+    engine, why = choose(_cfg(), local_ranks=2, threads=1, cores=4)
+    assert engine == "mpi" and why.startswith("auto: Horovod for torch is not installed here")
+    assert choose(_cfg(), local_ranks=2, threads=1, cores=2)[0] == "mpi"  # full: not asked
+    with pytest.raises(ConfigError, match="train.allreduce=horovod: Horovod for torch is not"):
+        choose(_cfg(allreduce="horovod"), local_ranks=2, threads=1, cores=2)

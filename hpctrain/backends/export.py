@@ -438,6 +438,9 @@ def write_keras_model(
             f"--to keras-model: {out}: the file name must end in .keras "
             "(Keras 3 saves and loads whole models only under that extension)"
         )
+    from . import require_framework
+
+    require_framework("tensorflow", "--to keras-model needs")
     spec = zoo_export(weights, config_yaml, "keras-model", source)
     from . import export_keras_model
 

@@ -14,10 +14,12 @@ Framework-free: both backends call `choose` and use `FlatMean` for the MPI engin
 
 from __future__ import annotations
 
+import importlib
 import os
 
 import numpy as np
 
+from ..errors import ConfigError
 from ..exchange import DenseMean
 from ..runtime.devices import exchange_features, mpi_only_features
 
@@ -44,6 +46,16 @@ def choose(
     """
     wanted = cfg.train["allreduce"]  # what it cannot carry: strategies/composition
     compression = cfg.train["compression"]
+    if wanted == "horovod":  # agreed: a node without it is named on every rank
+        problem = horovod_problem(cfg.backend)
+        problem = problem and (
+            f"train.allreduce=horovod: {problem}: build it with tools/build_horovod.sh "
+            "(`make install` does), or choose train.allreduce mpi, gloo or nccl"
+        )
+        if world is not None:
+            world.agree(problem, error_type=ConfigError)
+        elif problem:
+            raise ConfigError(problem)
     if wanted != "auto":
         return wanted, "train.allreduce"
     if device == "cuda" and cfg["strategy"] == "pipeline":  # links on a process group
@@ -65,14 +77,30 @@ def choose(
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads
     local_full = busy >= cores
-    full = local_full
+    missing = None if local_full else horovod_problem(cfg.backend)  # asked only if wanted
+    full = local_full or missing is not None
     if world is not None:
-        full = world.any_flag(local_full, "agree on the gradient engine")
+        full = world.any_flag(full, "agree on the gradient engine")
+    if missing:
+        return "mpi", f"auto: {missing}"
     if full and not local_full:
-        return "mpi", "auto: another node's ranks fill its cores (agreed over all ranks)"
+        return (
+            "mpi",
+            "auto: another node's ranks fill its cores or lack Horovod (agreed over all ranks)",
+        )
     if full:
         return "mpi", f"auto: {local_ranks} rank(s) x {threads} thread(s), {cores} cores"
     return "horovod", f"auto: {cores - busy} spare core(s) for Horovod's engine"
+
+
+def horovod_problem(framework: str) -> str | None:
+    """Why Horovod's engine cannot run for `framework` here (not installed, or built
+    without it), else None. Imports horovod.<framework>, as the engine would next."""
+    try:
+        importlib.import_module(f"horovod.{framework}")
+    except ImportError as exc:
+        return f"Horovod for {framework} is not installed here ({exc})"
+    return None
 
 
 def mpi_features(cfg) -> list[str]:
