@@ -610,6 +610,12 @@ def _cross_checks(v: dict) -> list[str]:
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
     problems += composition.refusals(v)
+    if v["strategy"] == "pipeline":  # the model's layer count is checked when it is built
+        from .pipeline.partition import spec_problem
+
+        problems += filter(
+            None, [spec_problem(v["pipeline"]["partition"], v["pipeline"]["stages"])]
+        )
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")
     from .data.keys import validate_keys_option

@@ -321,7 +321,9 @@ def plan_run_dir(
         raise ConfigError(f"{flag} and --resume {resume} contradict each other: choose one")
     if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
         what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
-        raise ConfigError(f"--resume {resume}: {what}; it takes a ckpt-<step>.h5 file or auto")
+        raise ConfigError(
+            f"--resume {resume}: {what}; it takes a ckpt-<step>.h5 file, auto or never"
+        )
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:
@@ -539,6 +541,10 @@ _claimed: list[tuple[Path, str | None, list[Path]]] = []
 def make_run_dir(run_dir: str | Path) -> None:
     """`mkdir -p run_dir` (rank 0), remembering which directories this created."""
     run_dir = Path(run_dir)
+    for part in (run_dir, *run_dir.parents):  # mkdir's own error is "[Errno 17] File exists"
+        if part.exists() and not part.is_dir():
+            what = "it is" if part == run_dir else f"{part} is"
+            raise ConfigError(f"--run-dir {run_dir}: {what} a file, not a directory")
     missing = _missing(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     if missing or not _created or _created[0] != run_dir:  # keep make_new_run_dir's record

@@ -147,6 +147,23 @@ def test_offload_is_refused_on_cpu_ranks_and_outside_gpu_zero_with_the_reason(mo
     assert Config.load(None, both).train["offload"] == "optimizer+params"
 
 
+@pytest.mark.parametrize(
+    "partition,expected",
+    [
+        ("foo", "pipeline.partition: 'foo' is not one of parameters, time or a list"),
+        ("[1,-2]", "every stage needs at least one layer, got [1, -2]"),
+        ("[1,2,3]", "3 entries for pipeline.stages=2"),
+    ],
+)
+def test_a_pipeline_partition_wrong_whatever_the_model_is_found_at_config_load(partition, expected):
+    """`hpctrain config` passed these; only the launched job refused them."""
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        Config.load(
+            None, ["strategy=pipeline", "pipeline.stages=2", f"pipeline.partition={partition}"]
+        )
+    Config.load(None, ["pipeline.partition=foo"])  # not a pipeline: not its business
+
+
 def test_the_pipeline_refuses_grad_accum_at_config_load():
     """It accumulates over its micro-batches; train.grad_accum would do nothing."""
     with pytest.raises(ConfigError, match="accumulates over pipeline.microbatches"):

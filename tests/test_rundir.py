@@ -386,6 +386,19 @@ def test_an_empty_run_dir_option_is_refused_not_the_current_directory(capsys):
     assert "--run-dir ' ': expected a directory path" in capsys.readouterr().err
 
 
+def test_a_run_dir_that_is_a_file_is_said_so_not_as_an_errno(tmp_path, capsys):
+    """It was `run directory X: [Errno 17] File exists: 'X'`."""
+    from hpctrain.cli import main
+
+    taken = tmp_path / "afile"
+    taken.write_text("mine")
+    assert main(["train", "--run-dir", str(taken)]) == 2
+    assert f"--run-dir {taken}: it is a file, not a directory" in capsys.readouterr().err
+    assert main(["train", "--run-dir", str(taken / "sub")]) == 2
+    assert f"--run-dir {taken}/sub: {taken} is a file" in capsys.readouterr().err
+    assert taken.read_text() == "mine"
+
+
 def test_a_checkpoint_dir_that_is_a_file_is_named_as_the_option(tmp_path):
     """It was reported as a problem of the run directory ("File exists")."""
     taken = tmp_path / "afile"

@@ -778,6 +778,13 @@ def test_submit_without_sbatch_says_where_to_run_it(config_file, tmp_path):
     result = hpctrain(*args, env=env)
     assert result.returncode == 2, result.stderr
     assert "sbatch not found on PATH" in result.stderr
+    # the default script is the record of what was submitted: nothing was, so none stays
+    assert "(nothing submitted; its script " in result.stderr, result.stderr
+    assert list((tmp_path / "logs").glob("*.sbatch")) == []
+    named = tmp_path / "job.sbatch"  # a script the user named stays where they asked
+    result = hpctrain(*args, "-o", str(named), env=env)
+    assert result.returncode == 2 and f"the script stays in {named})" in result.stderr
+    assert named.exists()
 
 
 # --- srun rank mapping ---------------------------------------------------------------------
@@ -1038,6 +1045,51 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     assert step == ref_step == 3 * 65536 // 128
     for k in ref_model:
         np.testing.assert_array_equal(model[k], ref_model[k], err_msg=k)
+
+
+# `make test-extended`: the way docs/slurm.md gives to end a job for good, checked on
+# the daemons (scancel's --signal reaches the steps' tasks, not through srun).
+@pytest.mark.extended
+def test_scancel_signal_usr2_stops_the_job_with_a_checkpoint_and_no_requeue(slurm, tmp_path):
+    config = tmp_path / "stop.yaml"
+    config.write_text(PREEMPT_CONFIG)
+    logs, runs = tmp_path / "logs", tmp_path / "runs"
+    args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2"]
+    args += ["--time", "00:10:00", "--config", str(config), "--log-dir", str(logs)]
+    submitted = hpctrain(*args, "--run-root", str(runs), cwd=tmp_path, env=slurm.env)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+    try:
+        deadline, steps = time.monotonic() + 240, 0
+        while time.monotonic() < deadline and steps < 20:
+            if metrics.exists():
+                steps = sum(1 for line in metrics.open() if '"event": "step"' in line)
+            time.sleep(0.2)
+        assert steps >= 20, _job_logs(logs)
+        sig = slurm.run("scancel", "--signal=USR2", job_id, timeout=20)
+        assert sig.returncode == 0, sig.stderr
+        deadline, info = time.monotonic() + 120, {}
+        while time.monotonic() < deadline:
+            info = slurm.job(job_id)
+            if info.get("JobState") in TERMINAL_STATES or not info:
+                break
+            time.sleep(0.25)
+        diagnosis = slurm.diagnose(job_id)
+    finally:
+        slurm.run("scancel", job_id, timeout=20)
+    out = _job_logs(logs)
+    assert info.get("JobState") == "COMPLETED" and info.get("ExitCode") == "0:0", (
+        info,
+        out,
+        diagnosis,
+    )
+    assert info.get("Restarts") == "0" and "job requeued" not in out, out
+    assert out.count("SIGUSR2 received: stopped at step") == 1, out  # rank 0's line
+    assert "not requeued" in out, out
+    summary = [json.loads(x) for x in metrics.open() if '"summary"' in x][-1]
+    assert summary["preempted"] == "SIGUSR2", summary
+    assert list((runs / f"hpctrain-train-{job_id}" / "checkpoints").glob("ckpt-*.h5")), out
 
 
 # `make test-extended` (13-18 s): `make test` has the supervisor's new srun step inside

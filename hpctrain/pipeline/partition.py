@@ -58,13 +58,9 @@ def parameter_partition(spec, layers, stages: int) -> list[int]:
     return balanced_counts([layer.param_count() for layer in layers], stages)
 
 
-def check_partition(spec, n_layers: int, stages: int) -> str | None:
-    """Why `pipeline.partition` cannot cut `n_layers` into `stages`, or None."""
-    if stages > n_layers:
-        return (
-            f"pipeline.stages={stages} is more than the model's {n_layers} layers: "
-            "every stage needs at least one layer"
-        )
+def spec_problem(spec, stages: int) -> str | None:
+    """What is wrong with `pipeline.partition` whatever the model (config.py checks it
+    with the rest of the configuration, so `hpctrain config` finds it), or None."""
     if isinstance(spec, str):
         if spec not in STRATEGIES:
             return f"pipeline.partition: {spec!r} is not one of {', '.join(STRATEGIES)} or a list"
@@ -77,6 +73,18 @@ def check_partition(spec, n_layers: int, stages: int) -> str | None:
         return f"pipeline.partition: {len(spec)} entries for pipeline.stages={stages}"
     if any(c < 1 for c in spec):
         return f"pipeline.partition: every stage needs at least one layer, got {spec}"
+    return None
+
+
+def check_partition(spec, n_layers: int, stages: int) -> str | None:
+    """Why `pipeline.partition` cannot cut `n_layers` into `stages`, or None."""
+    if stages > n_layers:
+        return (
+            f"pipeline.stages={stages} is more than the model's {n_layers} layers: "
+            "every stage needs at least one layer"
+        )
+    if (problem := spec_problem(spec, stages)) or isinstance(spec, str):
+        return problem
     if sum(spec) != n_layers:
         return f"pipeline.partition: {spec} sums to {sum(spec)} layers but the model has {n_layers}"
     return None

@@ -9,6 +9,7 @@ submit ...)` works in scripts).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import shlex
 import subprocess
@@ -351,6 +352,17 @@ def sbatch(script: Path, timeout: float = SBATCH_TIMEOUT_S) -> str:
     return job_id
 
 
+def _not_submitted(exc: Exception, script: Path, kept: bool) -> Exception:
+    """The error of a submission that failed. The default script is the record of what
+    was submitted (one per submission), so one that was not submitted is removed; a
+    script named with -o stays where the user asked for it."""
+    if kept:
+        return type(exc)(f"{exc} (nothing submitted; the script stays in {script})")
+    with contextlib.suppress(OSError):
+        script.unlink()
+    return type(exc)(f"{exc} (nothing submitted; its script {script} was removed)")
+
+
 def _render_to_file(path: Path, log_dir: Path, rendered: Rendered) -> None:
     """Write the script and say how to submit it: a script it replaced is named as such
     (re-rendering is the way to change one), and a missing --log-dir is created in the
@@ -405,8 +417,12 @@ def _cmd_slurm(args) -> int:
     try:
         log_dir.mkdir(parents=True, exist_ok=True)  # SLURM does not create --output dirs
     except OSError as exc:
-        raise ConfigError(f"--log-dir {log_dir}: cannot create it: {exc}") from None
-    job_id = sbatch(script)
+        exc = ConfigError(f"--log-dir {log_dir}: cannot create it: {exc}")
+        raise _not_submitted(exc, script, kept=args.output is not None) from None
+    try:
+        job_id = sbatch(script)
+    except LaunchError as exc:
+        raise _not_submitted(exc, script, kept=args.output is not None) from None
     print(f"[hpctrain] submitted {script} as job {job_id}", file=sys.stderr)
     print(job_id)
     return 0
