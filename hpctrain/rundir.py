@@ -321,9 +321,7 @@ def plan_run_dir(
         raise ConfigError(f"{flag} and --resume {resume} contradict each other: choose one")
     if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
         what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
-        raise ConfigError(
-            f"--resume {resume}: {what}; it takes a ckpt-<step>.h5 file, auto or never"
-        )
+        raise ConfigError(f"--resume {resume}: {what}; it takes a ckpt-<step>.h5, auto or never")
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:

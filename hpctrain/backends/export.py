@@ -36,6 +36,7 @@ import json
 import os
 from collections import OrderedDict
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import h5py
@@ -43,6 +44,7 @@ import numpy as np
 import yaml
 
 from ..models import zoo
+from . import require_framework
 
 KERAS_FORMAT = "hpctrain-keras-weights-1"
 # set_weights order inside a Keras layer: kernel/gamma first, then bias/beta, then stats
@@ -438,15 +440,10 @@ def write_keras_model(
             f"--to keras-model: {out}: the file name must end in .keras "
             "(Keras 3 saves and loads whole models only under that extension)"
         )
-    from . import require_framework
-
     require_framework("tensorflow", "--to keras-model needs")
     spec = zoo_export(weights, config_yaml, "keras-model", source)
     from . import export_keras_model
 
-    _write_atomically(
-        out,
-        lambda tmp: export_keras_model.save(spec.layers, weights, spec.inp, spec.name, tmp),
-        ".keras",  # Keras 3 saves whole models only under that extension
-    )
+    save = partial(export_keras_model.save, spec.layers, weights, spec.inp, spec.name)
+    _write_atomically(out, save, ".keras")  # Keras 3 saves whole models only as .keras
     return out, spec
