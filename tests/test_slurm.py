@@ -945,6 +945,16 @@ metrics: {tensorboard: false}
 """
 
 
+def _wait_for_steps(metrics: Path, steps: int, logs: Path, timeout: float = 240) -> None:
+    """Until a job's metrics.jsonl holds `steps` step records (its logs if it never does)."""
+    deadline, done = time.monotonic() + timeout, 0
+    while time.monotonic() < deadline and done < steps:
+        if metrics.exists():
+            done = sum(1 for line in metrics.open() if '"event": "step"' in line)
+        time.sleep(0.2)
+    assert done >= steps, _job_logs(logs)
+
+
 def _final_model(run_dir: Path) -> dict:
     from hpctrain.checkpoint import find_latest_valid
 
@@ -997,13 +1007,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
     job_id = submitted.stdout.strip()
     metrics = runs / f"hpctrain-{template}-{job_id}" / "metrics.jsonl"
     try:
-        deadline = time.monotonic() + 240
-        steps = 0
-        while time.monotonic() < deadline and steps < 40:
-            if metrics.exists():
-                steps = sum(1 for line in metrics.open() if '"event": "step"' in line)
-            time.sleep(0.2)
-        assert steps >= 40, _job_logs(logs)
+        _wait_for_steps(metrics, 40, logs)
         # What SLURM does 90 s before the time limit (--signal=USR1@90), sent now.
         sig = slurm.run("scancel", "--signal=USR1", job_id, timeout=20)
         assert sig.returncode == 0, sig.stderr
@@ -1061,12 +1065,7 @@ def test_scancel_signal_usr2_stops_the_job_with_a_checkpoint_and_no_requeue(slur
     job_id = submitted.stdout.strip()
     metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
     try:
-        deadline, steps = time.monotonic() + 240, 0
-        while time.monotonic() < deadline and steps < 20:
-            if metrics.exists():
-                steps = sum(1 for line in metrics.open() if '"event": "step"' in line)
-            time.sleep(0.2)
-        assert steps >= 20, _job_logs(logs)
+        _wait_for_steps(metrics, 20, logs)
         sig = slurm.run("scancel", "--signal=USR2", job_id, timeout=20)
         assert sig.returncode == 0, sig.stderr
         deadline, info = time.monotonic() + 120, {}
