@@ -94,9 +94,17 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="print the resolved configuration (after --set)",
         description="Validate a configuration and print it with defaults filled "
-        "in, without starting MPI.",
+        "in, without starting MPI. With --np N, check too that N ranks can run it (the "
+        "rules `hpctrain slurm render` checks: pipeline stages x tensor ranks, parameter "
+        "servers, experts, one global batch from the training split).",
     )
     _add_config_args(p)
+    p.add_argument(
+        "--np",
+        type=int,
+        metavar="N",
+        help="also check that a job of N ranks can run this configuration",
+    )
 
     _add_data_command(sub)
     for module_name in COMMAND_MODULES:
@@ -261,8 +269,18 @@ def _cmd_train(args) -> int:
 
 def _cmd_config(args) -> int:
     from .config import Config
+    from .errors import ConfigError
 
-    print(Config.load(args.config, args.overrides).to_yaml(), end="")
+    cfg = Config.load(args.config, args.overrides)
+    if args.np is not None and args.np < 1:
+        raise ConfigError(f"--np {args.np}: expected a number of ranks, 1 or more")
+    if args.np is not None:  # the same rules the job applies at start, before it queues
+        from .slurm.fit import training_split, world_size_problems
+
+        problems = world_size_problems(cfg, args.np, f"--np {args.np}", training_split(cfg))
+        if problems:
+            raise ConfigError("; ".join(problems))
+    print(cfg.to_yaml(), end="")
     return 0
 
 

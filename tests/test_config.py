@@ -243,6 +243,29 @@ def test_a_bare_yaml_argument_is_pointed_to_config(capsys):
     assert "unrecognized arguments: configs/demo.yaml (give a configuration file as " in err
 
 
+@pytest.mark.parametrize(
+    "args,says",
+    [
+        (
+            ["-c", "configs/pipeline.yaml", "--np", "3"],
+            "needs a multiple of 2 ranks (2, 4, 6, ...); --np 3 gives 3",
+        ),
+        (["-c", "configs/ps.yaml", "--np", "1"], "ps.servers=1 leaves no worker: --np 1 gives 1"),
+        (["--set", "data.train_samples=100", "--np", "4"], "do not fill one global batch of 256"),
+        (["--np", "0"], "--np 0: expected a number of ranks, 1 or more"),
+    ],
+)
+def test_config_with_np_checks_that_many_ranks_can_run_it(args, says, capsys):
+    """What a job refuses at start for its world size, found before it queues."""
+    from hpctrain.cli import main
+
+    assert main(["config", *args]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == "", captured.err
+    assert main(["config", "-c", "configs/pipeline.yaml", "--np", "4"]) == 0
+    assert "strategy: pipeline" in capsys.readouterr().out
+
+
 def test_a_rank_given_another_configuration_than_rank_zeros_says_what_differs():
     """loop.agree_on_config: rank 0's values broadcast, each rank names what differs
     (ranks launched with different --set went on to an MPI_ERR_TRUNCATE traceback)."""

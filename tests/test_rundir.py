@@ -329,7 +329,9 @@ def test_resume_from_an_earlier_file_moves_the_abandoned_timeline_aside(tmp_path
 def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_path):
     with pytest.raises(ConfigError, match="--resume .*missing.h5: no such checkpoint file"):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path / "missing.h5"))
-    with pytest.raises(ConfigError, match="is a directory; it takes a ckpt-<step>.h5, auto or never"):
+    with pytest.raises(
+        ConfigError, match="is a directory; it takes a ckpt-<step>.h5, auto or never"
+    ):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path))
 
 

@@ -58,7 +58,8 @@ A run is configured by a YAML file (see `configs/`) and `--set key=value` overri
 whose values parse as YAML (`1e-4`, `[64, 64]`, `null`). Every rank checks the whole
 configuration before any work: unknown keys, wrong types and impossible values are
 reported together, each naming its key. `hpctrain config --config FILE --set ...`
-prints the resolved configuration without starting MPI.
+prints the resolved configuration without starting MPI; with `--np N` it also checks
+that a job of N ranks can run it (as `hpctrain slurm render` does).
 
 This page is generated from the schema in `hpctrain/config.py`, so it lists exactly what
 the code accepts.
