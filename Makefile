@@ -89,7 +89,9 @@ clean:
 	rm -rf build site *.egg-info .pytest_cache .ruff_cache
 
 ## The prepared GPU check (issue 27) for a GPU machine whose Python has torch with CUDA,
-## h5py and mpi4py: GPU tests, the demo on one GPU, two ranks sharing it through the
-## host-staged engine, the GPU bench; report in gpu-check/<UTC>/report.md. No install here.
+## h5py and mpi4py: GPU tests, multi-rank GPU layouts, the demo on one GPU, two ranks
+## sharing it through the host-staged engine, the GPU bench, hierarchical allreduce on
+## 2 emulated nodes; report in gpu-check/<UTC>/report.md. No install here. One call:
+## 15 minutes at most (the script's default budget is one 10-minute call's).
 gpu-check:
-	bash tools/gpu_check.sh
+	GPU_CHECK_BUDGET=$${GPU_CHECK_BUDGET:-900} bash tools/gpu_check.sh

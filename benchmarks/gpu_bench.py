@@ -14,7 +14,7 @@ host-staged MPI engine's cost per MB, the data path's rate against the step's, a
 what an async checkpoint costs the steps around it (the state copied inside the save
 call against staged into pinned memory beside the next step).
 
-    python3 benchmarks/gpu_bench.py --out DIR [--steps 30] [--size base|large]
+    python3 benchmarks/gpu_bench.py --out DIR [--steps 30] [--sizes base,large] [--profile]
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ SCHEMA: dict[str, Any] = {
         "bucket_mb": _f(
             1.0,
             (int, float),
-            "overlap engine: MB of gradients per non-blocking allreduce",
+            "overlap, nccl and gloo engines: MB of gradients per allreduce started from backward",
             minimum=0,
             exclusive_min=True,
         ),

@@ -315,6 +315,8 @@ def _start_spare(np: int) -> None:
         old.close()
     if np not in SPARE_SIZES or os.environ.get("HPCTRAIN_TEST_SPARES") == "0":
         return
+    if os.environ.get("HPCTRAIN_TEST_FRESH_LAUNCHES") == "1":  # nothing would take one
+        return
     if sum(j.np for j in _spares.values()) + np > MAX_SPARE_RANKS:
         return
     _spares[np] = WarmJob(np, _launch_env(None), spare=True)

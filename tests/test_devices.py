@@ -56,6 +56,22 @@ def test_refusals_are_one_line_before_any_work(overrides, says):
         Config.load("configs/demo.yaml", overrides)
 
 
+def test_nccl_where_auto_keeps_the_ranks_on_the_cpu_says_why(monkeypatch):
+    """auto on a node without a usable GPU (or a layout gated on GPUs) kept the ranks on
+    the CPU, and the engine then said only 'NCCL needs GPU ranks'."""
+    import torch
+
+    from hpctrain.backends.torch_device import agreed_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    cfg = Config.load("configs/demo.yaml", ["train.allreduce=nccl"])
+    with pytest.raises(
+        ConfigError, match=r"nccl needs GPU ranks, and these are CPU ranks \(auto: "
+    ):
+        agreed_device(cfg, None)
+
+
 @pytest.mark.parametrize("engine", ["auto", "nccl", "gloo"])
 def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_process_groups(
     engine, monkeypatch

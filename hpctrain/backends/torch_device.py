@@ -77,6 +77,9 @@ def agreed_device(cfg, world):
         why = choice.reason
     except HpctrainError as exc:
         error = str(exc)
+    if error is None and device.type != "cuda" and cfg.train["allreduce"] == "nccl":
+        # said here with auto's reason: the engine's own refusal could not say why
+        error = f"train.allreduce=nccl needs GPU ranks, and these are CPU ranks ({why})"
     if world is not None and world.size > 1:
         world.agree(error, error_type=ConfigError)
         gpu = gpu_identity(device) if device.type == "cuda" else ""

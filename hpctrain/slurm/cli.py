@@ -259,6 +259,7 @@ def _command_line(args) -> str:
         "log_dir",
         "run_root",
         "results_dir",
+        "hpctrain",  # the command the job runs: a login node's own may be a CPU build
     ):
         value = getattr(args, option)
         if value is not None:
