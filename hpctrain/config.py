@@ -15,6 +15,7 @@ from typing import Any
 
 import yaml
 
+from .backends.horovod_env import DEFAULTS as HVD
 from .checkpoint.policy import SCHEMA as CHECKPOINT_SCHEMA
 from .checkpoint.policy import every_steps_problem
 from .errors import ConfigError
@@ -245,11 +246,20 @@ SCHEMA: dict[str, Any] = {
         ),
     },
     "horovod": {
-        "fusion_threshold_mb": _f(64, (int, float), "HOROVOD_FUSION_THRESHOLD", **NONNEG),
-        "cycle_time_ms": _f(1.0, (int, float), "HOROVOD_CYCLE_TIME", **NONNEG),
-        "hierarchical_allreduce": _f(False, bool, "HOROVOD_HIERARCHICAL_ALLREDUCE"),
-        "timeline": _f(None, str, "HOROVOD_TIMELINE file (Chrome trace)", nullable=True),
-        "autotune": _f(False, bool, "HOROVOD_AUTOTUNE"),
+        "fusion_threshold_mb": _f(
+            HVD["fusion_threshold_mb"], (int, float), "HOROVOD_FUSION_THRESHOLD", **NONNEG
+        ),
+        "cycle_time_ms": _f(HVD["cycle_time_ms"], (int, float), "HOROVOD_CYCLE_TIME", **NONNEG),
+        "hierarchical_allreduce": _f(
+            HVD["hierarchical_allreduce"], bool, "HOROVOD_HIERARCHICAL_ALLREDUCE"
+        ),
+        "timeline": _f(
+            HVD["timeline"],
+            str,
+            "HOROVOD_TIMELINE file (Chrome trace), written by rank 0: its directory must exist",
+            nullable=True,
+        ),
+        "autotune": _f(HVD["autotune"], bool, "HOROVOD_AUTOTUNE"),
     },
     "runtime": {
         "device": _f(
@@ -610,6 +620,11 @@ def _cross_checks(v: dict) -> list[str]:
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
     problems += composition.refusals(v)
+    timeline = v["horovod"]["timeline"]
+    if timeline and (Path(timeline).is_dir() or not Path(timeline).parent.is_dir()):
+        # Horovod says so in a C++ error line, writes nothing, and the run goes on
+        what = "is a directory" if Path(timeline).is_dir() else "its directory does not exist"
+        problems.append(f"horovod.timeline: {timeline} {what}: it names a file to write")
     if v["strategy"] == "pipeline":  # the model's layer count is checked when it is built
         from .pipeline.partition import spec_problem
 

@@ -38,6 +38,17 @@ class TrainingDiverged(HpctrainError):
     """The loss became NaN or infinite."""
 
 
+class StoppedBeforeStart(HpctrainError):
+    """A stop the user asked for (Ctrl-C, SIGUSR2, a SIGTERM outside SLURM) while a run
+    started: it ends before it changes anything, with the interrupt's exit status."""
+
+    label = "stopped"
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
 class RankErrors(HpctrainError):
     """Errors reported by one or more ranks, gathered so that every rank can print them all.
 
@@ -47,8 +58,12 @@ class RankErrors(HpctrainError):
     shown, and the ranks that gave other figures are named.
     """
 
-    def __init__(self, errors: dict[int, str], merge_figures: bool = False):
+    def __init__(self, errors: dict[int, str], merge_figures: bool = False, alone: bool = False):
+        """alone: the job has one rank, whose message needs no "rank(s) 0:"."""
         self.errors = dict(sorted(errors.items()))
+        if alone and len(self.errors) == 1:
+            super().__init__(next(iter(self.errors.values())))
+            return
         groups: dict[str, list[tuple[int, str]]] = {}
         for rank, msg in self.errors.items():
             key = _FIGURES.sub("#", msg) if merge_figures else msg

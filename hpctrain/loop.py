@@ -34,14 +34,15 @@ from . import run_marker, rundir, runtime
 from .backends import framework_problem
 from .checkpoint.session import RunCheckpoints
 from .config import Config
-from .errors import ConfigError, HpctrainError, TrainingDiverged
+from .errors import ConfigError, HpctrainError, StoppedBeforeStart, TrainingDiverged
 from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress
 from .runtime import allocator
+from .runtime.failfast import EXIT_INTERRUPTED
 from .runtime.faults import Faults
 from .runtime.memory import reset_peak_rss
 from .runtime.openmpi import OpenMpiDefaults
-from .runtime.preemption import Preemption
+from .runtime.preemption import Preemption, interrupt_exit_code, interrupt_reason
 from .step_reports import StepReducer
 from .strategies import strategy_class
 from .strategies.base import RunContext
@@ -207,6 +208,7 @@ class TrainingLoop:
         # time to unplug a node) act on the first run only; its restart runs at full speed.
         self._step_faults = Faults.none() if self.resumed_from else self.faults
         # only now, every check passed: a refused run leaves the earlier run as it was
+        self._stop_before_the_plan()
         self._apply_run_dir_plan()
         self._write_config()
         tcfg = cfg.train
@@ -276,6 +278,26 @@ class TrainingLoop:
             (chosen, plan is not None and bool(plan.remove)), what="agree on what to resume from"
         )
         return chosen or resume
+
+    def _stop_before_the_plan(self) -> None:
+        """A stop the user asked for while the run started (Ctrl-C, SIGUSR2, a SIGTERM
+        outside SLURM) ends it before what --overwrite deletes, --new moves or --resume
+        FILE sets aside is touched (it went on to delete, train and save): nothing has
+        trained, so nothing is saved. Agreed, as a signal may reach some ranks only. A
+        scheduler's stop is acted on at the first step, as before (checkpoint, requeue)."""
+        if not self._plan_acts:  # nothing to leave untouched (the same on every rank)
+            return
+        name = self.pre.signal_name
+        reason = interrupt_reason(name) if name else None
+        if self.world.any_flag(reason is not None, "agree on a stop during start-up"):
+            exc = StoppedBeforeStart(
+                f"{name or 'a stop signal on another rank'} during start-up"
+                f"{f' ({reason})' if reason else ''}: nothing trained, and nothing of the "
+                f"earlier run in {self.run_dir} was deleted or moved",
+                interrupt_exit_code(name) if reason else EXIT_INTERRUPTED,
+            )
+            exc.agreed = True  # every rank raises it; rank 0 says it
+            raise exc
 
     def _apply_run_dir_plan(self) -> None:
         """What --overwrite deletes, --new moves and --resume FILE sets aside, done after

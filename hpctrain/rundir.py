@@ -481,8 +481,10 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
         raise ConfigError(
             f"checkpoint.dir {ckpt} holds {len(prev.checkpoints)} checkpoint(s) up to step "
             f"{newest} that no run in {prev.run_dir} recorded as its own (no "
-            f"{CHECKPOINT_OWNER}): give this run its own checkpoint.dir (--set "
-            "checkpoint.dir=...), or continue from one of them with --resume FILE"
+            f"{CHECKPOINT_OWNER}): to start from one and leave them all as they are, "
+            "give this run its own checkpoint.dir (--set checkpoint.dir=...) and --resume "
+            "FILE; --resume FILE alone makes them this run's (later ones move to "
+            "previous/, and checkpoint.keep_last prunes the rest as the run saves)"
         )
 
 

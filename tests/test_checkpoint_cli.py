@@ -175,7 +175,7 @@ def test_export_keras_cnn_and_mlp_match_torch_predictions(tmp_path):
     rng = np.random.default_rng(1)
 
     path, model, _ = zoo_checkpoint(tmp_path / "cnn", *CNN)
-    out = tmp_path / "cnn.weights.h5"
+    out = tmp_path / "cnn-keras.h5"
     assert cli_main(["ckpt", "export", str(path), "--to", "keras", str(out)]) == 0
     # the zoo's torch padding is symmetric: explicit ZeroPadding2D + 'valid' convs
     kcnn = keras.Sequential(
@@ -201,7 +201,7 @@ def test_export_keras_cnn_and_mlp_match_torch_predictions(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
 
     path, model, _ = zoo_checkpoint(tmp_path / "mlp", *MLP)
-    out = tmp_path / "mlp.weights.h5"
+    out = tmp_path / "mlp-keras.h5"
     assert cli_main(["ckpt", "export", str(path), "--to", "keras", str(out)]) == 0
     kmlp = keras.Sequential(
         [keras.Input((8,)), L.Dense(16, activation="relu", name="fc1"), L.Dense(5, name="head")]
@@ -262,3 +262,22 @@ def test_zoo_embedding_detection_from_the_checkpoint_config(tmp_path):
     custom = {"enc.embedding.weight": np.zeros((3, 2)), "fc.weight": np.zeros((3, 2))}
     assert embedding_names(custom, None) == {"enc.embedding.weight"}
     assert embedding_names(custom, None, ["fc.*"]) == {"enc.embedding.weight", "fc.weight"}
+
+
+@pytest.mark.parametrize(
+    "to,out,extra,says",
+    [
+        ("keras", "model.keras", [], "--to keras writes hpctrain's per-layer weights"),
+        ("keras", "model.weights.h5", [], "name it otherwise (model-keras.h5)"),
+        ("torch", "model.pt", ["--keep-layout", "emb*"], "--keep-layout applies to --to keras"),
+    ],
+)
+def test_export_options_that_would_mislead_are_refused_before_reading(
+    tmp_path, to, out, extra, says, capsys
+):
+    """--to keras into a Keras model's or Keras weights' name loaded nowhere; --keep-layout
+    with another form did nothing."""
+    missing = tmp_path / "not-read.h5"  # refused before the checkpoint is opened
+    code = cli_main(["ckpt", "export", str(missing), "--to", to, str(tmp_path / out), *extra])
+    assert code == 2 and says in capsys.readouterr().err
+    assert not (tmp_path / out).exists()

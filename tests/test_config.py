@@ -312,3 +312,22 @@ def test_watchdog_deadlines_below_its_poll_are_refused(override, said):
     with pytest.raises(ConfigError, match=re.escape(said)):
         Config.load(None, [override])
     assert Config.load(None, ["runtime.collective_timeout=1", "runtime.stall_warning=0"])
+
+
+def test_horovod_settings_that_would_do_nothing_are_refused_or_named(tmp_path):
+    """A timeline Horovod cannot open was its C++ error line and a run without it; on
+    another engine the horovod.* keys did nothing without a word (the run warns now)."""
+    from hpctrain.backends.horovod_env import keys_set
+
+    for path, says in (
+        (tmp_path / "no" / "tl.json", "its directory does not exist"),
+        (tmp_path, "is a directory"),
+    ):
+        with pytest.raises(ConfigError, match=f"horovod.timeline: {path} {says}"):
+            Config.load(None, [f"horovod.timeline={path}"])
+    cfg = Config.load(None, [f"horovod.timeline={tmp_path / 'tl.json'}", "horovod.cycle_time_ms=5"])
+    assert keys_set(cfg.horovod) == [
+        "horovod.cycle_time_ms=5",
+        f"horovod.timeline={tmp_path / 'tl.json'}",
+    ]
+    assert keys_set(Config.load(None).horovod) == []

@@ -139,7 +139,7 @@ def test_exports_reload_in_plain_torch_and_keras_with_hpctrains_predictions(
         got = net(torch.from_numpy(x)).numpy()
     np.testing.assert_allclose(got, want, rtol=0, atol=1e-5)
 
-    out = tmp_path / "model.weights.h5"
+    out = tmp_path / "model-keras.h5"
     assert cli_main(["ckpt", "export", str(ckpt.path), "--to", "keras", str(out)]) == 0
     kmodel = _plain_keras(keras_names)
     layers = load_keras_export(kmodel, out)

@@ -65,3 +65,15 @@ def test_without_horovod_auto_uses_mpi_and_an_explicit_horovod_is_refused(monkey
     assert choose(_cfg(), local_ranks=2, threads=1, cores=2)[0] == "mpi"  # full: not asked
     with pytest.raises(ConfigError, match="train.allreduce=horovod: Horovod for torch is not"):
         choose(_cfg(allreduce="horovod"), local_ranks=2, threads=1, cores=2)
+
+
+@pytest.mark.parametrize("engine", ["overlap", "horovod"])
+def test_the_advice_names_only_engines_the_backend_runs(engine):
+    """TensorFlow was sent to gloo or nccl, which it refuses (torch's process groups)."""
+    overrides = [f"train.allreduce={engine}", "train.compression=topk"]
+    with pytest.raises(ConfigError) as tf:
+        Config.load(None, ["backend=tensorflow", *overrides])
+    assert "train.allreduce=mpi" in str(tf.value)
+    assert "gloo" not in str(tf.value) and "nccl" not in str(tf.value)
+    with pytest.raises(ConfigError, match="gloo"):
+        Config.load(None, overrides)

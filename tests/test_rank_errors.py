@@ -26,3 +26,9 @@ def test_one_models_refusals_differing_in_figures_only_are_one_line():
         "  rank(s) 3: dataset file not found: /data/x.h5",
     ]
     assert len(str(RankErrors(REFUSALS)).splitlines()) == 4  # a blank first line, then 3
+
+
+def test_a_one_rank_job_says_its_error_without_naming_rank_zero():
+    assert str(RankErrors({0: "dataset file not found: /x.h5"}, alone=True)) == (
+        "dataset file not found: /x.h5"
+    )

@@ -170,8 +170,13 @@ def test_a_checkpoint_directory_outside_the_run_directory_is_looked_at(tmp_path)
     run, ckpts = tmp_path / "run", tmp_path / "scratch" / "ckpts"
     ckpts.mkdir(parents=True)
     (ckpts / "ckpt-00000005.h5").write_bytes(b"x")
-    with pytest.raises(ConfigError, match="1 checkpoint"):
+    with pytest.raises(ConfigError, match="1 checkpoint") as refused:
         plan_run_dir(run, _cfg(), checkpoint_dir=ckpts)
+    # its advice says what --resume FILE alone does to them (it was "continue from one")
+    assert "its own checkpoint.dir (--set checkpoint.dir=...) and --resume FILE" in str(
+        refused.value
+    )
+    assert "keep_last prunes the rest" in str(refused.value)
 
 
 def test_inferred_data_facts_do_not_count_as_a_difference():
@@ -424,6 +429,34 @@ def _train(capsys, run, *extra: str) -> tuple[int, str]:
         code = exc.code
     captured = capsys.readouterr()
     return code, captured.out + captured.err
+
+
+@pytest.mark.parametrize("flag", ["--overwrite", "--new"])
+def test_ctrl_c_during_start_up_stops_before_the_earlier_run_is_touched(
+    flag, tmp_path, capsys, monkeypatch
+):
+    """A Ctrl-C while a run with --overwrite started was only recorded: the run went on
+    to delete the earlier run's checkpoints, trained and saved, then exited 130."""
+    import signal
+
+    from hpctrain import loop
+
+    run = tmp_path / "run"
+    code, text = _train(capsys, run, "train.max_steps=2")
+    assert code == 0, text
+    before = _contents(run)
+    real = loop.strategy_class
+
+    def interrupted_while_building(name):  # as a Ctrl-C while the data and model load
+        os.kill(os.getpid(), signal.SIGINT)
+        return real(name)
+
+    monkeypatch.setattr(loop, "strategy_class", interrupted_while_building)
+    code, text = _train(capsys, run, flag, "train.max_steps=4")
+    assert code == 130, text
+    assert "stopped: SIGINT during start-up (Ctrl-C): nothing trained, and nothing of " in text
+    assert "Traceback" not in text and _contents(run) == before
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 def test_a_training_loop_not_fitted_gives_the_directory_and_the_signals_back(tmp_path):

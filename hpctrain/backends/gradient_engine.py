@@ -50,7 +50,8 @@ def choose(
         problem = horovod_problem(cfg.backend)
         problem = problem and (
             f"train.allreduce=horovod: {problem}: build it with tools/build_horovod.sh "
-            "(`make install` does), or choose train.allreduce mpi, gloo or nccl"
+            f"(`make install` does), or choose train.allreduce mpi"
+            f"{', gloo or nccl' if cfg.backend == 'torch' else ''}"
         )
         if world is not None:
             world.agree(problem, error_type=ConfigError)

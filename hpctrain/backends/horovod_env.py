@@ -10,6 +10,20 @@ import os
 from ..errors import LaunchError
 
 GLOO_SWITCHES = ("HOROVOD_CONTROLLER", "HOROVOD_CPU_OPERATIONS")
+# the `horovod:` section's defaults (config.py's schema takes them from here)
+DEFAULTS = {
+    "fusion_threshold_mb": 64,
+    "cycle_time_ms": 1.0,
+    "hierarchical_allreduce": False,
+    "timeline": None,
+    "autotune": False,
+}
+
+
+def keys_set(hcfg: dict) -> list[str]:
+    """The horovod.* settings other than their defaults, as "horovod.key=value": said
+    where another engine averages the gradients, since they then do nothing."""
+    return [f"horovod.{k}={v}" for k, v in hcfg.items() if k in DEFAULTS and v != DEFAULTS[k]]
 
 
 def init_process_sets(hvd, comm, groups: list[list[int]], mine: int):

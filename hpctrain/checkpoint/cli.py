@@ -203,9 +203,26 @@ def _refuse_replacing_a_checkpoint(out: Path) -> None:
         )
 
 
+def _export_args_problem(args) -> str | None:
+    """Export options that would do nothing, or a name that promises another format."""
+    if args.keep_layout and args.to != "keras":
+        return f"--keep-layout applies to --to keras only, not --to {args.to}"
+    name = str(args.out)
+    if args.to == "keras" and name.endswith((".keras", ".weights.h5")):
+        return (
+            f"{args.out}: --to keras writes hpctrain's per-layer weights, read with h5py "
+            "(docs/checkpoint-format.md), which keras.models.load_model and Keras's "
+            "load_weights (its .keras and .weights.h5 names) cannot read: name it "
+            "otherwise (model-keras.h5), or write a whole model with --to keras-model"
+        )
+    return None
+
+
 def _export(args) -> int:
     from ..backends import export
 
+    if problem := _export_args_problem(args):
+        raise CheckpointError(problem)
     _check_out(args.out, args.force)
     ck = reader.load(args.file)
     weights = ck.model_weights()

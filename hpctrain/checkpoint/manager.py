@@ -267,7 +267,7 @@ def _set_aside_newer(policy: CheckpointPolicy, step: int) -> None:
         shutil.move(path, target / path.name)  # the run directory may be on another FS
     log.warning(
         "--resume auto: resuming from step %d; the %d newer file(s) that do not verify "
-        "(%s) moved to %s, where a restored shard folder makes them usable again",
+        "(%s) moved to %s, never deleted (`hpctrain ckpt verify` says what each lacks)",
         step,
         len(newer),
         ", ".join(p.name for p in sorted(newer)),

@@ -138,9 +138,9 @@ class GuardedComm(HostArrays):
             return
         errors = self.comm.allgather(error) if self.size > 1 else [error]
         by_rank = {r: prefix + e for r, e in enumerate(errors) if e is not None}
-        exc = RankErrors(by_rank, merge_figures)
-        if error_type is not RankErrors:  # alone, "rank(s) 0:" would say nothing
-            exc = error_type(str(exc) if self.size > 1 else prefix + error)
+        exc = RankErrors(by_rank, merge_figures, alone=self.size == 1)  # "rank(s) 0:" says nothing
+        if error_type is not RankErrors:
+            exc = error_type(str(exc))
         exc.agreed = True
         exc.rank, exc.size = self.rank, self.size  # for printing it once (failfast)
         raise exc

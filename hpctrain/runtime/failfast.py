@@ -61,7 +61,7 @@ def _traceback_of(exc: BaseException) -> str:
 
 def user_error_text(exc: HpctrainError, verbose: bool) -> str:
     """The one line (plus the traceback under --verbose) a user error prints."""
-    text = f"error: {exc}"
+    text = f"{getattr(exc, 'label', 'error')}: {exc}"
     return f"{text}\n{_traceback_of(exc)}" if verbose else text
 
 
@@ -113,7 +113,7 @@ def run_fail_together(fn, *args, **kwargs) -> int:
             tag = _rank_tag() if w is not None or rank is None else f"[rank {rank}/{exc.size}]"
             sys.stderr.write(f"{tag} {text}\n")
             sys.stderr.flush()
-        return EXIT_USER_ERROR
+        return getattr(exc, "exit_code", EXIT_USER_ERROR)
     except KeyboardInterrupt:
         _abort_with("interrupted (Ctrl-C)", EXIT_INTERRUPTED)
     except SystemExit:

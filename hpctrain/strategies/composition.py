@@ -121,15 +121,20 @@ def engine_rules(v: dict) -> list[str]:
     engine's hierarchical allreduce."""
     t, problems = v["train"], []
     engine, compression = t["allreduce"], t["compression"]
+    # the process-group engines are torch's: TensorFlow is not sent to them
+    groups = ["gloo", "nccl"] if v["backend"] == "torch" else []
     if engine == "overlap" and compression != "none":
+        others = [*groups, *(["horovod"] if compression == "fp16" else [])]
         problems.append(
             f"train.allreduce=overlap sends dense float32 buckets: train.compression="
-            f"{compression} runs on train.allreduce=mpi (after backward), gloo or nccl"
+            f"{compression} runs on train.allreduce=mpi (after backward)"
+            + "".join(f", {e}" for e in others[:-1])
+            + (f" or {others[-1]}" if others else "")
         )
     if engine == "horovod" and compression not in DENSE_COMPRESSION:
         problems.append(
             f"train.compression={compression}: Horovod compresses only to fp16; use "
-            "train.allreduce=mpi (or auto, gloo, nccl) for it"
+            f"train.allreduce=mpi (or {', '.join(['auto', *groups])}) for it"
         )
     if v["horovod"]["hierarchical_allreduce"]:
         problems.append(
