@@ -232,9 +232,18 @@ class Supervisor:
 
     # --- the loop -----------------------------------------------------------------------
     def run(self) -> int:
+        """Launch, watch and restart the job; the signal handlers it installs are put back
+        at its end (a supervisor run from Python must not leave them behind)."""
+        stops = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2)
+        previous = {sig: signal.signal(sig, self._forward) for sig in stops}
+        try:
+            return self._supervise()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _supervise(self) -> int:
         o = self.opts
-        for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(sig, self._forward)
         hosts = list(o.hosts)
         n = self.world_size(hosts)
         if not self.enough(n):  # the user's input, before any launch: one line, exit 2
