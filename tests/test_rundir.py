@@ -2,7 +2,6 @@
 
 import json
 import os
-import socket
 
 import pytest
 import yaml
@@ -581,8 +580,9 @@ def test_a_run_directory_in_use_by_another_run_is_refused_untouched(tmp_path, ca
     code, text = _train(capsys, run, "train.max_steps=2")
     assert code == 0, text
     before = _contents(run)
-    # as a run in progress holds it: a live process of this host (this one's parent)
-    running = json.dumps({"host": socket.gethostname(), "pid": os.getppid()}).encode()
+    # as a run in progress on another node holds it (one of this host would be given
+    # run_marker's 5 s of grace to exit)
+    running = json.dumps({"host": "node7", "pid": 123}).encode()
     (run / ".hpctrain-running").write_bytes(running)
     code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
     assert code == 2 and f"{run} is in use by another run (host " in text, text
