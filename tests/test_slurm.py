@@ -1068,12 +1068,7 @@ def test_scancel_signal_usr2_stops_the_job_with_a_checkpoint_and_no_requeue(slur
         _wait_for_steps(metrics, 20, logs)
         sig = slurm.run("scancel", "--signal=USR2", job_id, timeout=20)
         assert sig.returncode == 0, sig.stderr
-        deadline, info = time.monotonic() + 120, {}
-        while time.monotonic() < deadline:
-            info = slurm.job(job_id)
-            if info.get("JobState") in TERMINAL_STATES or not info:
-                break
-            time.sleep(0.25)
+        info = slurm.wait_job(job_id, timeout=120)
         diagnosis = slurm.diagnose(job_id)
     finally:
         slurm.run("scancel", job_id, timeout=20)
