@@ -199,6 +199,7 @@ class TrainingLoop:
         self.threads = threads
         runtime.limit_blas_threads(threads)
         self.strategy = strategy_class(cfg["strategy"])(cfg, w, self.run_dir, threads)
+        self.faults.at_start(w.rank)  # a test's Ctrl-C while the data and model load
         self.grid = self.strategy.grid
         self.data = self.strategy.data  # None on ranks that serve
         self.state = TrainState()

@@ -32,6 +32,7 @@ from mpirun import HPCTRAIN, mpirun
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.cluster.plan import mpirun_args
+from hpctrain.runtime.faults import fault_env
 
 SMALL = [
     "data.train_samples=512",
@@ -412,6 +413,38 @@ def test_checkpoint_in_a_shared_run_dir_resumes_bit_for_bit(two_nodes, tmp_path,
     for k in whole:
         np.testing.assert_array_equal(final[k], whole[k], err_msg=k)  # bit for bit
     assert _losses(run) == _losses(uninterrupted)
+
+
+def test_a_ctrl_c_on_one_node_while_a_run_starts_stops_both_before_overwrite(two_nodes, tmp_path):
+    """A Ctrl-C that reached hpcn2's rank only, while an --overwrite run loaded its data
+    and model: both ranks agree over the link and stop before anything of the earlier
+    run is deleted (exit 130, one line from rank 0, no traceback)."""
+    run = tmp_path / "run"
+    common = ["backend=torch", "train.allreduce=mpi"]
+    job = _train(two_nodes, run, 1, *common, "train.max_steps=2")
+    assert job.returncode == 0, job.output
+    before = _files(run)
+    assert "checkpoints/ckpt-00000002.h5" in before and "metrics.jsonl" in before
+    args = ["train", "--run-dir", str(run), "--overwrite", *_sets(*common, "train.batch_size=12")]
+    job = mpirun(
+        2,
+        HPCTRAIN,
+        *args,
+        env=fault_env("signal_at_start", 1, 2),  # rank 1, on hpcn2: SIGINT
+        launcher=two_nodes.mpirun(1),
+    )
+    assert job.returncode == 130, job.output
+    stopped = "stopped: a stop signal on another rank during start-up: nothing trained"
+    assert job.output.count(stopped) == 1 and "Traceback" not in job.output, job.output
+    assert _files(run) == before
+
+
+def _files(run: Path) -> dict[str, bytes]:
+    return {
+        str(p.relative_to(run)): p.read_bytes()
+        for p in sorted(run.rglob("*"))
+        if p.is_file() and "data" not in p.parts
+    }
 
 
 SLURM_CONFIG = """\

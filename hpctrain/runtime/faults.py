@@ -21,6 +21,9 @@ a parameter-server worker index, or 0 for faults with no key).
 - `step_sleep` (key: world rank): sleep `value` seconds after every step (first run only).
 - `eval_sleep` (key: world rank): sleep `value` seconds before every validation batch
   (a long evaluation; first run only).
+- `signal_at_start` (key: world rank): that rank sends itself signal `value` (2:
+  SIGINT) once its strategy is built, before the run directory is touched (a Ctrl-C
+  that reached one node only while the run started).
 - `ps_silent` (key: worker index): that worker stops sending anything from step `value`.
 - `ps_delay` (key: worker index): sleep `value` seconds before every push.
 - `ps_slow` (key: worker index): make each step `value` times as long.
@@ -54,6 +57,7 @@ class Faults:
     die_at_step: Fault | None = None
     step_sleep: Fault | None = None
     eval_sleep: Fault | None = None
+    signal_at_start: Fault | None = None
     ps_silent: Fault | None = None
     ps_delay: Fault | None = None
     ps_slow: Fault | None = None
@@ -96,6 +100,12 @@ class Faults:
         sleep = self.value("step_sleep", rank)
         if sleep:
             time.sleep(sleep)
+
+    def at_start(self, rank: int) -> None:
+        """The loop's hook while the run starts: `signal_at_start`."""
+        number = self.value("signal_at_start", rank)
+        if number is not None:
+            os.kill(os.getpid(), int(number))
 
     def kill_after_datasets(self) -> int | None:
         """`kill_during_save`: SIGKILL after this many datasets reached the temp file."""
