@@ -221,15 +221,16 @@ def test_preemption_checkpoints_through_the_shared_loop_and_resumes(
             assert sample(last, i) - sample(saved, i) == ran * 32, (i, saved, last)
 
 
-def _signal_during_evaluation(run, epochs: int, tag: str):
+def _signal_during_evaluation(run, epochs: int, tag: str, layout=()):
     """A 2-rank run of `epochs` epochs of 4 steps whose rank 0 takes 1 s a validation
-    batch (8 batches of 256 per rank), SIGUSR1 on rank 0 after the 4th step, i.e. during
-    the first epoch's evaluation: (its output, its exit code, its metrics.jsonl events,
-    the trainer state of its newest checkpoint, the overrides to resume it with)."""
+    batch (8 batches of 256 per rank; a pipeline of 2 micro-batches of 32: 1 s a chunk of
+    16 batches of 32, 8 chunks), SIGUSR1 on rank 0 after the 4th step, i.e. during the first epoch's
+    evaluation: (its output, its exit code, its metrics.jsonl events, the trainer state
+    of its newest checkpoint, the overrides to resume it with)."""
     from hpctrain.checkpoint import load
 
-    common = [f"train.epochs={epochs}", "data.train_samples=256", "train.batch_size=32"]
-    common += ["data.val_samples=4096"]
+    common = [*layout, f"train.epochs={epochs}", "data.train_samples=256"]
+    common += ["train.batch_size=32", "data.val_samples=4096"]
     proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
     out = _usr1_after_steps(proc, run, tag, steps=4)  # the epoch's 4th and last step
     events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
@@ -260,12 +261,15 @@ def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoc
     assert epochs[-1]["val_loss"] is not None, epochs
 
 
-def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tmp_path):
+@pytest.mark.parametrize("layout", [(), PIPE2], ids=["data_parallel", "pipeline"])
+def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tmp_path, layout):
     """The same signal during the last epoch's evaluation: nothing is left to train, so the
     run ends as finished (exit 0, its final save at the last step, not preempted: a
-    requeue would only start a finished job again), without the evaluation's figures."""
+    requeue would only start a finished job again), without the evaluation's figures.
+    A pipeline's evaluation went on to its end (its stages run staggered): it now stops
+    between chunks of batches."""
     out, code, events, saved, _ = _signal_during_evaluation(
-        tmp_path / "run", 1, f"{os.getpid()}-last-eval-signal"
+        tmp_path / "run", 1, f"{os.getpid()}-last-eval-signal", layout
     )
     assert code == 0, out
     assert "received: stopped at step" not in out, out

@@ -98,3 +98,25 @@ def run_inference(stage, link, batches, n_batches: int, batch_size: int):
         link.progress()
     link.flush()
     return outputs
+
+
+def chunk_batches(stages: int) -> int:
+    """Validation batches between two stop checks: the pipeline drains at each check (a
+    bubble of stages - 1 batches' forwards), so 8 x stages keeps it under 1/9 of the
+    evaluation while a signal waits at most that many forwards."""
+    return 8 * stages
+
+
+def run_inference_stoppable(stage, link, batches, n_batches: int, batch_size: int, stop, chunk):
+    """`run_inference` in chunks of `chunk` batches, asking `stop()` (a collective every
+    rank calls as often: n_batches is the same on every rank) before each: None once it
+    says stop, else the last stage's logits per batch."""
+    it = iter(batches) if batches is not None else None
+    outputs, done = [], 0
+    while done < n_batches:
+        if stop is not None and stop():
+            return None
+        k = min(chunk, n_batches - done)
+        outputs += run_inference(stage, link, it, k, batch_size)
+        done += k
+    return outputs

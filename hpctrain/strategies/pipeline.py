@@ -54,7 +54,7 @@ from ..checkpoint import split_replicated
 from ..data import iterate_val
 from ..models import zoo
 from ..moe import parallel as moe_parallel
-from ..pipeline.engine import run_inference, run_step
+from ..pipeline.engine import chunk_batches, run_inference_stoppable, run_step
 from ..pipeline.partition import (
     balanced_counts,
     check_partition,
@@ -424,10 +424,11 @@ class Pipeline(StrategyBase):
         return float(sq[0])
 
     def evaluate(self, stop=None) -> np.ndarray | None:
-        """Validation through the pipeline (eval mode), each replica on its own block.
-        `stop` is not asked: the stages run their batches staggered, so a signal is
-        acted on after the evaluation (a per-batch agreement would need all stages in
-        step)."""
+        """Validation through the pipeline (eval mode), each replica on its own block;
+        None when `stop()` says a rank was signalled. The stages run their batches
+        staggered, so `stop` is asked between chunks of batches, the pipeline drained
+        (engine.chunk_batches: a signal waits 8 x stages forwards at most, SLURM's 30 s
+        grace included; it was acted on only after the whole evaluation)."""
         if self.dataset is None or self.dataset.val_size == 0:
             return None
         g, b = self.grid, self.cfg.train["batch_size"]
@@ -435,7 +436,11 @@ class Pipeline(StrategyBase):
         # tokens between replicas inside each forward
         n_batches = math.ceil(math.ceil(self.dataset.val_size / g.num_replicas) / b)
         batches = iterate_val(self.dataset, g.replica, g.num_replicas, b) if g.first else None
-        outputs = run_inference(self.stage, self.link, batches, n_batches, b)
+        outputs = run_inference_stoppable(
+            self.stage, self.link, batches, n_batches, b, stop, chunk_batches(self.stages)
+        )
+        if outputs is None:
+            return None
         sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         if g.last and g.coord["tensor"] == 0:
             val = iterate_val(self.dataset, g.replica, g.num_replicas, b)
