@@ -17,7 +17,13 @@ from .dataset import (
     scan_dataset,
     with_classes,
 )
-from .sharded import BenchmarkData, ShardedTrainData, batch_problem, iterate_val
+from .sharded import (
+    BenchmarkData,
+    ShardedTrainData,
+    batch_problem,
+    iterate_val,
+    val_batch_count,
+)
 from .synthetic import (
     estimated_bytes,
     generate_from_config,
@@ -35,6 +41,7 @@ __all__ = [
     "expand_path",
     "inspect_dataset",
     "iterate_val",
+    "val_batch_count",
     "prepare_dataset",
     "benchmark_input_spec",
 ]

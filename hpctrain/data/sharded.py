@@ -252,6 +252,12 @@ def val_block(val_size: int, rank: int, size: int) -> tuple[int, int]:
     return int(bounds[rank]), int(bounds[rank + 1])
 
 
+def val_batch_count(val_size: int, size: int, batch_size: int) -> int:
+    """How many batches `iterate_val` yields on every one of `size` ranks."""
+    largest = -(-val_size // size)  # the largest rank's rows
+    return -(-largest // batch_size)
+
+
 def iterate_val(info: DatasetInfo, rank: int, size: int, batch_size: int):
     """This rank's validation rows in batches.
 
@@ -260,8 +266,7 @@ def iterate_val(info: DatasetInfo, rank: int, size: int, batch_size: int):
     run the same number of forwards; a rank with fewer rows gets slightly smaller batches.
     """
     start, stop = val_block(info.val_size, rank, size)
-    largest = -(-info.val_size // size)
-    n_batches = -(-largest // batch_size)
+    n_batches = val_batch_count(info.val_size, size, batch_size)
     bounds = np.linspace(start, stop, n_batches + 1).astype(np.int64) if n_batches else []
     with h5py.File(info.path, "r") as f:
         keys = info.keys

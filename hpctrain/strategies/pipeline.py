@@ -51,7 +51,7 @@ from ..backends.gradient_engine import choose as choose_engine
 from ..backends.groups import ModelGroups
 from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
-from ..data import iterate_val
+from ..data import iterate_val, val_batch_count
 from ..models import zoo
 from ..moe import parallel as moe_parallel
 from ..pipeline.engine import chunk_batches, run_inference_stoppable, run_step
@@ -434,7 +434,7 @@ class Pipeline(StrategyBase):
         g, b = self.grid, self.cfg.train["batch_size"]
         # as many batches on every replica (iterate_val's rule): MoE layers exchange
         # tokens between replicas inside each forward
-        n_batches = math.ceil(math.ceil(self.dataset.val_size / g.num_replicas) / b)
+        n_batches = val_batch_count(self.dataset.val_size, g.num_replicas, b)
         batches = iterate_val(self.dataset, g.replica, g.num_replicas, b) if g.first else None
         outputs = run_inference_stoppable(
             self.stage, self.link, batches, n_batches, b, stop, chunk_batches(self.stages)
