@@ -10,6 +10,7 @@ sequences as `val_samples` and tokens as `val_tokens`.
 
 import json
 import re
+from types import SimpleNamespace
 
 import pytest
 from dump_runs import TINY_TRANSFORMER
@@ -120,28 +121,52 @@ def test_settings_state_zero_with_its_axis_precision_and_compression():
     assert text.endswith("(ratio 0.1, error feedback, dense for the first 100 steps)")
     fp16 = _cfg({"compression": "fp16"}, compression={"warmup_steps": 100})
     assert settings_text(fp16).endswith("compression fp16")
-    (said,) = noop_warnings(fp16, _World(2), _Grid(2), 2, "")
+    (said,) = noop_warnings(fp16, _World(2), _Grid(2), 2, "", "mpi")
     assert said.startswith("compression.warmup_steps=100 does nothing with train.compression=fp16")
 
 
 def test_settings_that_do_nothing_in_the_layout_are_named():
     # np=1: compression, hierarchical allreduce and local SGD have nothing to exchange
     cfg = _cfg({"compression": "topk", "sync_every": 4})
-    (said,) = noop_warnings(cfg, _World(1), _Grid(1), 1, "")
+    (said,) = noop_warnings(cfg, _World(1), _Grid(1), 1, "", "mpi")
     assert said.startswith("train.compression=topk and train.sync_every=4 (local SGD) do nothing")
     assert "1 rank makes one data-parallel replica" in said and "launch 2 ranks" in said
     # hierarchical allreduce on one node, or with one rank per node
-    (said,) = noop_warnings(_cfg({"hierarchical": True}), _World(2), _Grid(2), 2, "")
+    (said,) = noop_warnings(_cfg({"hierarchical": True}), _World(2), _Grid(2), 2, "", "mpi")
     assert said.startswith("train.hierarchical does nothing here: all ranks run on one node")
-    (said,) = noop_warnings(_cfg({"hierarchical": True}), _World(2, nodes=2), _Grid(2), 2, "")
+    (said,) = noop_warnings(
+        _cfg({"hierarchical": True}), _World(2, nodes=2), _Grid(2), 2, "", "mpi"
+    )
     assert "every node runs one rank" in said
-    assert noop_warnings(_cfg({"hierarchical": True}), _World(4, nodes=2), _Grid(4), 4, "") == []
+    assert (
+        noop_warnings(_cfg({"hierarchical": True}), _World(4, nodes=2), _Grid(4), 4, "", "mpi")
+        == []
+    )
     # parallel.expert without experts
-    (said,) = noop_warnings(_cfg(parallel={"expert": 2}), _World(2), _Grid(2, expert=2), 2, "")
+    (said,) = noop_warnings(
+        _cfg(parallel={"expert": 2}), _World(2), _Grid(2, expert=2), 2, "", "mpi"
+    )
     assert said.startswith("parallel.expert=2 does nothing: model mlp has no mixture-of-experts")
+    # Horovod's knobs where another engine averages (data parallel and pipeline alike)
+    cfg = _cfg(horovod={"fusion_threshold_mb": 32})
+    (said,) = noop_warnings(cfg, _World(2), _Grid(2), 2, "", "gloo")
+    assert said == (
+        "horovod.fusion_threshold_mb=32: the gradients are averaged by gloo, not Horovod: "
+        "this does nothing"
+    )
+    assert noop_warnings(cfg, _World(2), _Grid(2), 2, "", "horovod") == []
+    # the parameter server: no allreduce at all
+    from hpctrain.strategies.ps.runner import ParameterServer
+
+    cfg = _cfg({"hierarchical": True}, horovod={"cycle_time_ms": 5.0}, ps={"backends": None})
+    server = SimpleNamespace(cfg=cfg, n_workers=2, n_servers=1)
+    (said,) = ParameterServer.layout_warnings(server)
+    assert said.startswith(
+        "train.hierarchical and horovod.cycle_time_ms=5.0 do nothing with the parameter server"
+    )
     # what is on and has work to do is not warned about
     cfg = _cfg({"zero": 1, "compression": "none"}, parallel={"tensor": 2})
-    assert noop_warnings(cfg, _World(4), _Grid(4, tensor=2), 2, "parallel.tensor=2") == []
+    assert noop_warnings(cfg, _World(4), _Grid(4, tensor=2), 2, "parallel.tensor=2", "mpi") == []
 
 
 # --- the lines of real runs (one launch) ------------------------------------------------

@@ -15,7 +15,7 @@ import numpy as np
 
 from ..backends import backend_class, gpu_memory_budget, plan_before_build, versions
 from ..backends.groups import ModelGroups
-from ..backends.horovod_env import apply_horovod_env, keys_set
+from ..backends.horovod_env import apply_horovod_env
 from ..checkpoint import split_replicated
 from ..data import iterate_val
 from ..errors import ConfigError
@@ -76,12 +76,6 @@ class DataParallel(StrategyBase):
         self.backend = backend_class(cfg.backend)(
             cfg, replicas, self.input_spec, threads, groups=self.groups
         )
-        if world.is_root and self.backend.engine != "horovod" and (set_ := keys_set(cfg.horovod)):
-            log.warning(
-                "%s: the gradients are averaged by %s, not Horovod: these do nothing",
-                ", ".join(set_),
-                self.backend.engine,
-            )
         self.report_comm = world
         self.step_sums_on_device = on_gpu(self.backend)  # agreed: one device for the job
         self.lr_replicas = JobShape.of(cfg, world.size).replicas
@@ -128,7 +122,8 @@ class DataParallel(StrategyBase):
 
     def layout_warnings(self) -> list[str]:
         tensor = f"parallel.tensor={self.tensor}" if self.tensor > 1 else ""
-        return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, tensor)
+        g, engine = self.grid, self.backend.engine
+        return noop_warnings(self.cfg, self.world, g, g.num_replicas, tensor, engine)
 
     # --- training -------------------------------------------------------------------
     def step(self, batch, lr: float, tally: bool = True):

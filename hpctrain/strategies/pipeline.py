@@ -227,7 +227,8 @@ class Pipeline(StrategyBase):
         per_replica = f"pipeline.stages={self.stages}"
         if self.tensor > 1:
             per_replica += f" x parallel.tensor={self.tensor}"
-        return noop_warnings(self.cfg, self.world, self.grid, self.grid.num_replicas, per_replica)
+        g = self.grid
+        return noop_warnings(self.cfg, self.world, g, g.num_replicas, per_replica, self.engine)
 
     def _device_text(self) -> str:
         device = getattr(self.stage, "device", None)

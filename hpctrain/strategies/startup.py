@@ -11,6 +11,7 @@ mixture-of-experts layers), each with what to change.
 from __future__ import annotations
 
 from ..backends.gradient_engine import join_words
+from ..backends.horovod_env import keys_set
 from ..exchange.compression import LOSSY
 from ..models import zoo
 
@@ -61,13 +62,18 @@ def compression_text(cfg) -> str:
     return f"{method} ({', '.join(options)})" if options else method
 
 
-def noop_warnings(cfg, world, grid, replicas: int, per_replica: str) -> list[str]:
+def noop_warnings(cfg, world, grid, replicas: int, per_replica: str, engine: str) -> list[str]:
     """What `cfg` turns on that does nothing in this layout, one sentence each.
 
     `replicas`: the dense replicas the gradients are averaged over (and ZeRO shards
     over); `per_replica`: the configuration keys that set the ranks of one replica
-    (e.g. 'parallel.tensor=2'), for the advice."""
+    (e.g. 'parallel.tensor=2'), for the advice; `engine`: the gradient engine chosen."""
     t, out = cfg.train, []
+    if engine != "horovod" and (horovod := keys_set(cfg.horovod)):
+        out.append(
+            f"{', '.join(horovod)}: the gradients are averaged by {engine}, not Horovod: "
+            f"{'this does' if len(horovod) == 1 else 'these do'} nothing"
+        )
     warmup = cfg["compression"]["warmup_steps"]
     if warmup and t["compression"] not in (*LOSSY, "none"):
         out.append(

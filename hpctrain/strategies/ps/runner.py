@@ -30,6 +30,7 @@ import numpy as np
 from ...backends import versions, worker_class
 from ...backends.base import OPTIMIZER_SLOTS, StepStats
 from ...backends.gradient_engine import average_array, join_words
+from ...backends.horovod_env import keys_set
 from ...data import ShardedTrainData, batch_problem, iterate_val, prepare_dataset
 from ...errors import CheckpointError, ConfigError, DataError
 from ...models import zoo
@@ -148,6 +149,7 @@ class ParameterServer(StrategyBase):
             )
             if on
         ]
+        ignored += keys_set(self.cfg.horovod)
         if ignored:
             out.append(
                 f"{join_words(ignored)} {'does' if len(ignored) == 1 else 'do'} nothing with "
