@@ -43,6 +43,7 @@ from pathlib import Path
 from .. import run_marker
 from ..errors import ConfigError
 from ..rundir import find_previous_run
+from ..stop_signals import interrupt_reason
 from .batch import plan_batch, ranks_per_replica, replicas_of
 from .hosts import Host, probe, write_hostfile
 
@@ -215,9 +216,7 @@ class Supervisor:
         SIGUSR1 and SIGUSR2 on and waits. SIGUSR1 (a requeue under SLURM) for a
         scheduler's SIGTERM or SIGUSR1; SIGUSR2 (never requeued) for Ctrl-C, a SIGTERM
         outside SLURM (a stop request: nothing to requeue) and SIGUSR2 itself."""
-        scheduler = self.stop_signal == signal.SIGUSR1 or (
-            self.stop_signal == signal.SIGTERM and bool(os.environ.get("SLURM_JOB_ID"))
-        )
+        scheduler = interrupt_reason(signal.Signals(self.stop_signal).name) is None
         return signal.SIGUSR1 if scheduler else signal.SIGUSR2
 
     def _kept(self) -> str:

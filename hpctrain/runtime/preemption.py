@@ -34,8 +34,11 @@ import subprocess
 import sys
 import time
 
+from ..stop_signals import STOP_SIGNALS, interrupt_exit_code, interrupt_reason
+
+__all__ = ["STOP_SIGNALS", "Preemption", "interrupt_exit_code", "interrupt_reason"]
+
 DEFAULT_SIGNALS = (signal.SIGUSR1, signal.SIGUSR2, signal.SIGTERM, signal.SIGINT)
-STOP_SIGNALS = ("SIGUSR1", "SIGUSR2")  # stop and checkpoint, exit 0 (mpirun forwards both)
 DEFAULT_MAX_REQUEUES = 10  # runtime.max_requeues; a loop of failures stops here
 SCONTROL_TIMEOUT_S = 30
 
@@ -54,39 +57,6 @@ def slurm_job_target(env: dict | os._Environ | None = None) -> str | None:
     if array_job and array_task:
         return f"{array_job}_{array_task}"
     return job
-
-
-def interrupt_reason(signal_name: str | None, env: dict | os._Environ | None = None) -> str | None:
-    """Why a stop on `signal_name` was asked for by the user (an interrupt), or None when
-    it is a scheduler's (preemption, time limit: requeue it).
-
-    SIGINT is Ctrl-C. A SIGTERM outside SLURM is a stop request: mpirun passes Ctrl-C (and
-    a kill of mpirun) on to its ranks as SIGTERM, and there is no scheduler to requeue for.
-    """
-    env = os.environ if env is None else env
-    if signal_name == "SIGINT":
-        return "Ctrl-C"
-    if signal_name == "SIGUSR2":
-        return "SIGUSR2, a stop without requeue"
-    if signal_name == "SIGTERM" and not env.get("SLURM_JOB_ID"):
-        if env.get("OMPI_COMM_WORLD_SIZE"):
-            # Open MPI's mpirun exits 1 after Ctrl-C (its own abort status), whatever the
-            # ranks return, and SIGKILLs ranks still running about a second later.
-            return "Ctrl-C or a kill of mpirun, which passes both on as SIGTERM; mpirun exits 1"
-        return "SIGTERM outside SLURM, a stop request"
-    return None
-
-
-def interrupt_exit_code(signal_name: str | None, env: dict | os._Environ | None = None) -> int:
-    """The exit status after a clean stop on `signal_name`: 128 + its number for an
-    interrupt (130 for Ctrl-C, as a shell reports a program ended by SIGINT), else 0
-    (a preemption that was checkpointed and requeued, or a SIGUSR1/SIGUSR2 stop, finished
-    its part)."""
-    if signal_name in STOP_SIGNALS:
-        return 0
-    if signal_name and interrupt_reason(signal_name, env) is not None:
-        return 128 + int(signal.Signals[signal_name])
-    return 0
 
 
 class Preemption:
