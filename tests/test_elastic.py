@@ -304,6 +304,7 @@ def test_elastic_refuses_a_job_it_could_not_restart(tmp_path):
         (False, "SIGTERM", "SIGUSR2"),  # a stop request outside SLURM: nothing to requeue
         (True, "SIGINT", "SIGUSR2"),  # Ctrl-C: the user's stop, never requeued
         (True, "SIGUSR1", "SIGUSR1"),  # the time limit's warning
+        (True, "SIGUSR2", "SIGUSR2"),  # a stop without requeue, even under SLURM
     ],
 )
 def test_a_stop_reaches_the_job_as_a_signal_the_launcher_waits_for(
