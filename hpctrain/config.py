@@ -16,8 +16,8 @@ from typing import Any
 import yaml
 
 from .backends.horovod_env import DEFAULTS as HVD
+from .checkpoint.policy import BEST_MODES, section_problems
 from .checkpoint.policy import SCHEMA as CHECKPOINT_SCHEMA
-from .checkpoint.policy import every_steps_problem
 from .errors import ConfigError
 from .exchange import compression as compression_methods
 from .fields import NONNEG, POS_INT, check_value, field
@@ -403,16 +403,49 @@ SCHEMA: dict[str, Any] = {
 }
 
 
+def timeline_problem(timeline: str | None) -> str | None:
+    """Why Horovod cannot write its timeline to `timeline`: a directory, or a missing one
+    (Horovod says so in a C++ error line, writes nothing, and the run goes on), or a file
+    that is not an earlier timeline (Horovod truncates it: a typo cost a user's file)."""
+    if not timeline:
+        return None
+    path = Path(timeline)
+    if path.is_dir() or not path.parent.is_dir():
+        what = "is a directory" if path.is_dir() else "its directory does not exist"
+        return f"horovod.timeline: {timeline} {what}: it names a file to write"
+    if path.exists():
+        try:
+            with path.open("rb") as f:
+                head = f.read(64).lstrip()
+        except OSError as exc:
+            return f"horovod.timeline: {timeline}: cannot read it ({exc.strerror})"
+        if head and not head.startswith(b"["):  # Horovod's timelines are JSON arrays
+            return (
+                f"horovod.timeline: {timeline} exists and is not a Horovod timeline: Horovod "
+                "would overwrite it; name a new file (an earlier timeline is overwritten)"
+            )
+    return None
+
+
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads `1e-4` as a string) and no
     duplicate keys (PyYAML keeps the last silently: a second `train:` section dropped
-    the first's settings)."""
+    the first's settings). Merge keys (`<<: *defaults`) work as in PyYAML: a key of
+    the mapping itself overrides a merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged by SafeLoader below (its keys may be overridden)
             key = self.construct_object(key_node, deep=True)
-            if key in seen:
+            try:
+                duplicate = key in seen
+            except TypeError:  # a list or mapping as a key (`? [1, 2]`)
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"a key must be a plain value, got {key!r}", key_node.start_mark
+                ) from None
+            if duplicate:
                 raise yaml.constructor.ConstructorError(
                     None, None, f"duplicate key {key!r}", key_node.start_mark
                 )
@@ -607,7 +640,13 @@ def _cross_checks(v: dict) -> list[str]:
     """Values that only make sense together: the config's own (checkpoint, optimizer,
     data, model x task), then the rules of composition (strategies/composition.py)."""
     problems = []
-    problems += every_steps_problem(v["checkpoint"]["every_steps"])
+    problems += section_problems(v["checkpoint"])
+    best = v["checkpoint"]["best_metric"]
+    if v["checkpoint"]["keep_best"] and best not in BEST_MODES:
+        problems.append(
+            f"checkpoint.best_metric: {best!r} is not a metric a run records "
+            f"({', '.join(BEST_MODES)}): keep_best would find it in no checkpoint and keep none"
+        )
     from .data.synthetic import MAX_SEED  # the synthetic file's seed attribute: a uint64
 
     for key, most in (("train", TORCH_MAX_SEED), ("data", MAX_SEED)):
@@ -620,11 +659,7 @@ def _cross_checks(v: dict) -> list[str]:
     if not (len(betas) == 2 and all(isinstance(b, (int, float)) and 0 <= b < 1 for b in betas)):
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
     problems += composition.refusals(v)
-    timeline = v["horovod"]["timeline"]
-    if timeline and (Path(timeline).is_dir() or not Path(timeline).parent.is_dir()):
-        # Horovod says so in a C++ error line, writes nothing, and the run goes on
-        what = "is a directory" if Path(timeline).is_dir() else "its directory does not exist"
-        problems.append(f"horovod.timeline: {timeline} {what}: it names a file to write")
+    problems += filter(None, [timeline_problem(v["horovod"]["timeline"])])
     if v["strategy"] == "pipeline":  # the model's layer count is checked when it is built
         from .pipeline.partition import spec_problem
 

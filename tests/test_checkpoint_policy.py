@@ -99,8 +99,25 @@ def test_every_steps_auto_measures_first_then_follows_young_daly():
         CheckpointPolicy({"every_steps": "auto", "mtbf_hours": 0})
 
 
+def test_keep_best_refuses_a_metric_never_recorded_and_the_wrong_end():
+    """A typo (val_acc) was accepted and found in no checkpoint, so every "best" one was
+    pruned; val_accuracy with the default best_mode min kept the worst."""
+    from hpctrain.config import Config
+
+    with pytest.raises(ConfigError, match="'val_acc' is not a metric a run records"):
+        Config.load(None, ["checkpoint.keep_best=1", "checkpoint.best_metric=val_acc"])
+    CheckpointPolicy({"keep_best": 1, "best_metric": "bleu", "best_mode": "max"})  # a library's
+    with pytest.raises(ConfigError, match="best_mode=min would keep the lowest val_accuracy"):
+        CheckpointPolicy({"keep_best": 1, "best_metric": "val_accuracy"})
+    CheckpointPolicy({"keep_best": 0, "best_metric": "val_accuracy"})  # ranks nothing
+    with pytest.raises(ConfigError, match="checkpoint.dir: ' ' is blank"):
+        CheckpointPolicy({"dir": " "})
+
+
 def test_retention_keeps_last_k_plus_best():
-    p = CheckpointPolicy({"keep_last": 2, "keep_best": 2, "best_mode": "max"})
+    p = CheckpointPolicy(
+        {"keep_last": 2, "keep_best": 2, "best_metric": "val_accuracy", "best_mode": "max"}
+    )
     metrics = [0.1, 0.9, None, 0.8, float("nan"), 0.2, 0.3]
     entries = [Entry(10 * i, Path(f"c{i}"), m) for i, m in enumerate(metrics)]
     kept = {e.path for e in entries} - set(p.to_delete(entries))

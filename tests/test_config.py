@@ -70,6 +70,25 @@ def test_missing_and_malformed_files(tmp_path):
     twice.write_text("train:\n  epochs: 2\ntrain:\n  max_steps: 3\n")
     with pytest.raises(ConfigError, match="duplicate key 'train'"):
         Config.load(twice)
+    # a list as a key was a TypeError traceback on every rank
+    listed = tmp_path / "listed.yaml"
+    listed.write_text("? [1, 2]\n: 3\n")
+    with pytest.raises(ConfigError, match=r"a key must be a plain value, got \[1, 2\]"):
+        Config.load(listed)
+    with pytest.raises(ConfigError, match="a key must be a plain value"):
+        Config.load(None, ["train.batch_size={[1]: 2}"])
+
+
+def test_yaml_merge_keys_work_and_a_key_of_the_mapping_overrides_a_merged_one(tmp_path):
+    """`<<:` was refused as 'could not determine a constructor' (the duplicate check built
+    the merge key before PyYAML merged it)."""
+    merged = tmp_path / "merged.yaml"
+    merged.write_text("train: {<<: {epochs: 2, batch_size: 16}, epochs: 3}\n")
+    cfg = Config.load(merged)
+    assert (cfg.train["epochs"], cfg.train["batch_size"]) == (3, 16)
+    merged.write_text("train: {epochs: 2, epochs: 3}\n")  # still a duplicate
+    with pytest.raises(ConfigError, match="duplicate key 'epochs'"):
+        Config.load(merged)
 
 
 def test_override_parsing():
@@ -325,6 +344,12 @@ def test_horovod_settings_that_would_do_nothing_are_refused_or_named(tmp_path):
     ):
         with pytest.raises(ConfigError, match=f"horovod.timeline: {path} {says}"):
             Config.load(None, [f"horovod.timeline={path}"])
+    # Horovod truncates the file it is given: a typo cost a user's file
+    (tmp_path / "notes.txt").write_text("mine\n")
+    with pytest.raises(ConfigError, match="notes.txt exists and is not a Horovod timeline"):
+        Config.load(None, [f"horovod.timeline={tmp_path / 'notes.txt'}"])
+    (tmp_path / "earlier.json").write_text('[\n{"name": "process_name", "ph": "M"},\n')
+    Config.load(None, [f"horovod.timeline={tmp_path / 'earlier.json'}"])  # its own: rewritten
     cfg = Config.load(None, [f"horovod.timeline={tmp_path / 'tl.json'}", "horovod.cycle_time_ms=5"])
     assert keys_set(cfg.horovod) == [
         "horovod.cycle_time_ms=5",

@@ -14,6 +14,12 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..fields import NONNEG, POS_INT, POSITIVE, Field, check_value, field
 
+# The metrics `hpctrain train` records with a checkpoint (an epoch's), with the end of each
+# that is best: a typo kept nothing (found in no checkpoint, every "best" one was pruned)
+# and val_accuracy with best_mode min kept the worst. A library user's own metrics
+# (`save(..., metrics=)`) are theirs to name.
+BEST_MODES = {"val_loss": "min", "val_accuracy": "max", "loss": "min"}
+
 # The `checkpoint:` section, declared once: the config schema takes it as it is (types,
 # docs, `--set`), and CheckpointPolicy checks a section given to it directly (a library
 # user's dict) with the same fields.
@@ -46,7 +52,12 @@ SCHEMA: dict[str, Field] = {
         3, int, "keep the newest N checkpoints (null: keep all)", nullable=True, **POS_INT
     ),
     "keep_best": field(0, int, "also keep the best N by checkpoint.best_metric", **NONNEG),
-    "best_metric": field("val_loss", str, "metric that ranks checkpoints for keep_best"),
+    "best_metric": field(
+        "val_loss",
+        str,
+        "metric that ranks checkpoints for keep_best (hpctrain train records val_loss, "
+        "val_accuracy and loss)",
+    ),
     "best_mode": field("min", str, "which end of best_metric is best", choices=("min", "max")),
     "async": field(False, bool, "write in a background thread; the step only copies the arrays"),
     "sharded": field(
@@ -97,11 +108,26 @@ class Entry:
     metric: float | None = None
 
 
-def every_steps_problem(value) -> list[str]:
-    """The one rule the fields cannot say: a string is only `auto`."""
-    if isinstance(value, str) and value != "auto":
-        return [f"checkpoint.every_steps: expected a positive integer, auto or null, got {value!r}"]
-    return []
+def section_problems(values: dict) -> list[str]:
+    """The rules the fields cannot say: every_steps' only string is `auto`; a directory
+    is not blank; keep_best ranks by its metric's own end."""
+    problems = []
+    every = values.get("every_steps")
+    if isinstance(every, str) and every != "auto":
+        problems.append(
+            f"checkpoint.every_steps: expected a positive integer, auto or null, got {every!r}"
+        )
+    where = values.get("dir")
+    if isinstance(where, str) and not where.strip():
+        problems.append(f"checkpoint.dir: {where!r} is blank: name a directory, or null")
+    metric = values.get("best_metric", SCHEMA["best_metric"].default)
+    mode = values.get("best_mode", SCHEMA["best_mode"].default)
+    if values.get("keep_best") and BEST_MODES.get(metric, mode) != mode:
+        problems.append(
+            f"checkpoint.best_mode={mode} would keep the {'lowest' if mode == 'min' else 'highest'}"
+            f" {metric}, the worst checkpoints: set checkpoint.best_mode={BEST_MODES[metric]}"
+        )
+    return problems
 
 
 def _validate(values: dict) -> list[str]:
@@ -115,7 +141,7 @@ def _validate(values: dict) -> list[str]:
     for key, value in values.items():
         if key in SCHEMA and (problem := check_value(f"checkpoint.{key}", SCHEMA[key], value)):
             problems.append(problem)
-    return problems + every_steps_problem(values.get("every_steps"))
+    return problems + section_problems(values)
 
 
 class CheckpointPolicy:
