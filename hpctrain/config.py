@@ -24,6 +24,7 @@ from .fields import NONNEG, POS_INT, check_value, field
 from .strategies import STRATEGIES, composition
 
 _f = field
+MAX_THREADS = 4096  # a node's hardware threads, with room (a huge value overflowed C)
 
 
 TORCH_MAX_SEED = 2**62  # torch.manual_seed takes a signed 64-bit seed; ranks add theirs
@@ -107,7 +108,7 @@ SCHEMA: dict[str, Any] = {
         "lr": _f(
             0.05, (int, float), "base learning rate (per-rank batch)", minimum=0, exclusive_min=True
         ),
-        "momentum": _f(0.9, (int, float), "SGD momentum", minimum=0),
+        "momentum": _f(0.9, (int, float), "SGD momentum", minimum=0, maximum=1, exclusive_max=True),
         "weight_decay": _f(0.0, (int, float), "L2 weight decay", minimum=0),
         "betas": _f([0.9, 0.999], list, "Adam betas"),
         "eps": _f(1e-8, (int, float), "Adam epsilon", minimum=0, exclusive_min=True),
@@ -233,6 +234,7 @@ SCHEMA: dict[str, Any] = {
             "topk/randomk: share of gradient entries sent, k = max(1, int(n x ratio))",
             minimum=0,
             exclusive_min=True,
+            maximum=1,
         ),
         "rank": _f(4, int, "powersgd: rank r of the low-rank approximation", **POS_INT),
         "error_feedback": _f(
@@ -297,6 +299,7 @@ SCHEMA: dict[str, Any] = {
             "compute threads per rank (default: launcher or cores/ranks)",
             nullable=True,
             **POS_INT,
+            maximum=MAX_THREADS,
         ),
         "mpi_yield_when_idle": _f(
             True, bool, "Open MPI yields the core while waiting (oversubscription)"

@@ -19,6 +19,8 @@ class Field:
     choices: tuple | None = None
     minimum: float | None = None
     exclusive_min: bool = False
+    maximum: float | None = None
+    exclusive_max: bool = False
     nullable: bool = False
     free_form: bool = False  # a mapping whose keys are checked elsewhere (model options)
 
@@ -51,4 +53,8 @@ def check_value(key: str, spec: Field, value: Any) -> str | None:
         if value < spec.minimum or (spec.exclusive_min and value == spec.minimum):
             op = ">" if spec.exclusive_min else ">="
             return f"{key}: must be {op} {spec.minimum:g}, got {value!r}"
+    top = spec.maximum if isinstance(value, (int, float)) else None
+    if top is not None and (value > top or (spec.exclusive_max and value == top)):
+        op = "<" if spec.exclusive_max else "<="
+        return f"{key}: must be {op} {top:g}, got {value!r}"
     return None

@@ -322,6 +322,21 @@ def test_seeds_beyond_what_torch_takes_are_refused_when_the_config_loads():
 @pytest.mark.parametrize(
     "override, said",
     [
+        # each failed after the run started: an IndexError at the first compressed step,
+        # a ctypes overflow setting the threads; momentum 1.5 diverged without a word
+        ("compression.ratio=1.5", "compression.ratio: must be <= 1, got 1.5"),
+        ("runtime.threads=10000000000000000000000", "runtime.threads: must be <= 4096"),
+        ("optimizer.momentum=1", "optimizer.momentum: must be < 1, got 1"),
+    ],
+)
+def test_values_past_a_keys_upper_bound_are_refused(override, said):
+    with pytest.raises(ConfigError, match=re.escape(said)):
+        Config.load(None, [override])
+
+
+@pytest.mark.parametrize(
+    "override, said",
+    [
         ("runtime.collective_timeout=0.001", "runtime.collective_timeout: must be >= 1"),
         ("runtime.stall_warning=0.5", "runtime.stall_warning: expected 0 (never) or at least 1"),
     ],

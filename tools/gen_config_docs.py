@@ -101,6 +101,8 @@ def _accepted(spec: Field) -> str:
         text = " or ".join(kinds)
         if spec.minimum is not None:
             text += f" {'>' if spec.exclusive_min else '≥'} {spec.minimum:g}"
+        if spec.maximum is not None:
+            text += f", {'<' if spec.exclusive_max else '≤'} {spec.maximum:g}"
     if spec.nullable:
         text += " or `null`"
     return text
