@@ -371,3 +371,14 @@ def test_horovod_settings_that_would_do_nothing_are_refused_or_named(tmp_path):
         f"horovod.timeline={tmp_path / 'tl.json'}",
     ]
     assert keys_set(Config.load(None).horovod) == []
+
+
+def test_experts_past_the_bound_and_in_no_block_are_refused():
+    """100,000 experts hung the start for minutes in silence; `every` past n_layers
+    trained a dense model without a word."""
+    lm = ["model.name=transformer", "data.task=tokens"]
+    with pytest.raises(ConfigError, match="model.moe.experts: at most 65536, got 100000"):
+        Config.load(None, [*lm, "model.moe={experts: 100000}"])
+    with pytest.raises(ConfigError, match=r"model.moe.every=3 puts experts in no block of the 2"):
+        Config.load(None, [*lm, "model.n_layers=2", "model.moe={every: 3}"])
+    assert Config.load(None, [*lm, "model.n_layers=2", "model.moe={every: 2}"])

@@ -257,3 +257,37 @@ def test_a_built_models_check_counts_what_is_held_after_freed_memory_goes_back()
     check_built(cfg, world, lambda: nothing, logging.getLogger("test"))
     assert world.error is not None and "the model will not fit" in world.error, world.error
     del held
+
+
+def test_where_no_limit_is_known_parameters_beyond_the_node_are_refused():
+    """No cgroup, SLURM grant or runtime.memory_limit_mb (a workstation, a bare mpirun):
+    a model was built as asked and failed in the allocator with a traceback, or in an
+    integer overflow. The bound counts float32 parameters alone, sharded over every rank
+    of the job: a model it refuses cannot fit however it is laid out."""
+    from hpctrain.strategies.memory_check import beyond_the_node
+
+    gib = 1 << 30
+    said = beyond_the_node(10**10, 1, 1, 8 * gib)
+    assert said.startswith(
+        "the model will not fit: its 10,000,000,000 parameters alone are 37.3 GiB in float32, "
+        "all on one rank, and the node has 8.0 GiB"
+    )
+    said = beyond_the_node(10**10, 2, 4, 8 * gib)  # 4 ranks on 2 nodes: 18.6 GiB each
+    assert "even sharded over all 4 ranks of the job, this node's 2 would hold 18.6 GiB" in said
+    assert beyond_the_node(10**10, 1, 8, 8 * gib) is None  # 4.7 GiB a node: may fit
+    assert beyond_the_node(None, 1, 1, 8 * gib) is None  # a user's model: not known
+    assert beyond_the_node(10**10, 1, 1, None) is None  # the system does not say
+
+
+def test_an_absurd_model_is_one_line_before_it_is_built(tmp_path, capsys):
+    from hpctrain.cli import main as cli_main
+
+    argv = ["train", "--run-dir", str(tmp_path / "run"), "--set", "data.train_samples=64"]
+    argv += ["--set", "data.val_samples=16", "--set", "model.hidden=[1000000000000000000000]"]
+    try:
+        code = cli_main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out = capsys.readouterr()
+    text = out.out + out.err
+    assert code != 0 and "the model will not fit" in text and "Traceback" not in text, text

@@ -22,6 +22,7 @@ import numpy as np
 
 from ..errors import DataError
 from ..runtime import diskspace
+from ..runtime.memory import physical_memory
 
 FORMAT = "hpctrain-dataset-1"
 # numpy takes any seed >= 0; the file's `seed` attribute holds at most a uint64
@@ -178,14 +179,6 @@ def memory_bytes(dcfg: dict) -> int:
     else:
         temporary = dcfg["vocab"] * 9
     return 2 * estimated_bytes(dcfg) + n * temporary
-
-
-def physical_memory() -> int | None:
-    """This machine's memory in bytes (None where the system does not say)."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
-        return None
 
 
 def memory_problem(dcfg: dict, asked: str) -> str | None:

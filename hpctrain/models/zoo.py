@@ -64,7 +64,7 @@ class LayerSpec:
     attrs: dict = field(default_factory=dict)
 
     def param_count(self) -> int:
-        return sum(int(np.prod(s)) for s in self.params.values())
+        return sum(math.prod(s) for s in self.params.values())  # exact past int64 too
 
 
 def is_zoo_model(name: str) -> bool:
@@ -137,12 +137,27 @@ def validate_model_options(model_cfg: dict) -> list[str]:
             "model.checkpoint_activations: not with model.moe (the router's balancing loss "
             "is recorded during the forward pass; recomputing it would count it twice)"
         )
+    moe = opts.get("moe")
+    if name == "transformer" and moe and moe.get("every", 1) > opts["n_layers"]:
+        problems.append(
+            f"model.moe.every={moe['every']} puts experts in no block of the "
+            f"{opts['n_layers']} (model.n_layers): the model would train dense; set every "
+            f"to at most {opts['n_layers']}, or model.moe: null"
+        )
     if name == "transformer" and opts["d_model"] % opts["n_heads"] != 0:
         problems.append(
             f"model.n_heads: d_model={opts['d_model']} is not divisible by "
             f"n_heads={opts['n_heads']}"
         )
     return problems
+
+
+def param_count(model_cfg: dict, inp: InputSpec) -> int | None:
+    """A zoo model's parameter count from its layer shapes (nothing allocated); None for
+    a user's model."""
+    if not is_zoo_model(model_cfg["name"]):
+        return None
+    return sum(spec.param_count() for spec in build_layers(model_cfg, inp))
 
 
 def build_layers(model_cfg: dict, inp: InputSpec) -> list[LayerSpec]:

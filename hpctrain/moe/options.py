@@ -21,6 +21,9 @@ MOE_DEFAULTS: dict = {
 }
 
 _INTS = {"experts": 1, "top_k": 1, "min_capacity": 0, "every": 1}  # key -> minimum
+# Past this, building the model's layer list alone took minutes in silence (1e5-1e9 were
+# tried); models with experts have up to hundreds of them.
+MAX_EXPERTS = 65536
 
 
 def _is_int(v) -> bool:
@@ -46,6 +49,8 @@ def validate_moe(value, prefix: str = "model.moe") -> list[str]:
     for key, minimum in _INTS.items():
         if not (_is_int(opts[key]) and opts[key] >= minimum):
             problems.append(f"{prefix}.{key}: expected an integer >= {minimum}, got {opts[key]!r}")
+    if _is_int(opts["experts"]) and opts["experts"] > MAX_EXPERTS:
+        problems.append(f"{prefix}.experts: at most {MAX_EXPERTS}, got {opts['experts']}")
     if not (_is_num(opts["capacity_factor"]) and opts["capacity_factor"] > 0):
         problems.append(
             f"{prefix}.capacity_factor: must be a number > 0, got {opts['capacity_factor']!r}"

@@ -165,7 +165,7 @@ def local_layers(layers: list, seed: int, group: ExpertGroup | None) -> list:
     group.axis.agree(problem, error_type=ConfigError)
     per_rank = experts // group.size
     first = group.rank * per_rank
-    mine = {f"moe.experts.{e}." for e in range(first, first + per_rank)}
+    mine = range(first, first + per_rank)
     out = []
     for spec in layers:
         if "moe" not in spec.attrs:
@@ -175,8 +175,8 @@ def local_layers(layers: list, seed: int, group: ExpertGroup | None) -> list:
         local.params = {
             k: s
             for k, s in spec.params.items()
-            if not k.startswith("moe.experts.") or any(k.startswith(m) for m in mine)
-        }
+            if not k.startswith("moe.experts.") or int(k.split(".")[2]) in mine
+        }  # each key once (it tried every local expert's prefix: E^2 / R steps)
         local.attrs = {
             **spec.attrs,
             "moe": {

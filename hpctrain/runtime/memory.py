@@ -124,6 +124,14 @@ def slurm_memory_limit(env: dict[str, str], ranks_on_node: int) -> tuple[int, st
     return None
 
 
+def physical_memory() -> int | None:
+    """This machine's memory in bytes (None where the system does not say)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
 def rank_memory_limit(node_comm, env: dict[str, str] | None = None) -> tuple[int, str] | None:
     """(bytes, where it comes from) this rank may hold, or None when nothing limits it.
 

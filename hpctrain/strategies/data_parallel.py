@@ -72,6 +72,7 @@ class DataParallel(StrategyBase):
             log,
             lambda: gpu_memory_budget(cfg, world),
             saves_of=self._checkpoint_bytes,
+            params=zoo.param_count(cfg.model, self.input_spec),
         )
         self.backend = backend_class(cfg.backend)(
             cfg, replicas, self.input_spec, threads, groups=self.groups

@@ -19,7 +19,7 @@ from __future__ import annotations
 from ..exchange.memory_plan import HOST, TERMS
 from ..models.zoo import is_zoo_model
 from ..runtime import allocator
-from ..runtime.memory import current_rss_bytes, rank_memory_limit
+from ..runtime.memory import current_rss_bytes, physical_memory, rank_memory_limit
 from .checkpoint_memory import checkpoint_hint
 
 MIB = 1 << 20
@@ -125,6 +125,7 @@ def check_memory_plan(
     where: str = "",
     always: bool = False,
     saves_of=lambda gpu: 0.0,
+    params: int | None = None,
 ) -> bool:
     """Before the model is built (collective): the plan of this rank's configured stage
     against its limits, errors agreed. `plan_of(on_gpu)`: (terms, baseline) or None
@@ -134,7 +135,9 @@ def check_memory_plan(
     pipeline stage), put before its error or warning. `always`: plan where no limit is
     known too (the pipeline reports the plan beside its measured peak). `saves_of(on_gpu)`:
     host bytes this rank holds for a gathered checkpoint (checkpoint_memory.py), not
-    part of the plan's terms. Returns whether the plan was checked."""
+    part of the plan's terms. `params`: the whole model's parameter count, for the
+    bound where no limit is known (`beyond_the_node`). Returns whether the plan was
+    checked."""
     if not cfg.runtime["memory_check"]:
         return True
     found = _limit(cfg, world)
@@ -156,10 +159,40 @@ def check_memory_plan(
         if warning is not None:
             note = heap_note(cfg.train["zero"], allocator.keeps_freed(), cfg.strategy == "pipeline")
             log.warning(where + warning + note)
+    if error is None and found is None and gpu is None:
+        error = beyond_the_node(params, world.local_size, world.size, physical_memory())
     # one model on every rank (no `where`): N ranks' refusals, each with its own
     # baseline, are one line
     world.agree(None if error is None else where + error, merge_figures=not where)
     return (found is None and gpu is None) or planned is not None
+
+
+def beyond_the_node(params: int | None, local: int, size: int, physical: int | None):
+    """Where no limit is known (no cgroup, no SLURM grant, no runtime.memory_limit_mb),
+    a model whose float32 parameters alone exceed this node's memory even sharded over
+    every rank of the job: a lower bound, so it never refuses a model that fits. Such a
+    model was an allocator's traceback (or an overflow) at its build on a workstation."""
+    if not params or not physical:
+        return None
+    share = 4 * params * local / size  # this node's ranks' part of the parameters
+    if share <= physical:
+        return None
+    held = (
+        f"even sharded over all {size} ranks of the job, this node's {local} would hold "
+        f"{_gib(share)} of them"
+        if size > 1
+        else "all on one rank"
+    )
+    return (
+        f"the model will not fit: its {params:,} parameters alone are {_gib(4 * params)} "
+        f"in float32, {held}, and the node has {_gib(physical)} (no cgroup or SLURM "
+        "limit is set; runtime.memory_limit_mb gives one to plan against): a smaller "
+        "model, or more nodes"
+    )
+
+
+def _gib(n: float) -> str:
+    return f"{n / (1 << 30):,.1f} GiB"
 
 
 def heap_note(stage: int, keeps_freed: bool, pipeline: bool = False) -> str:

@@ -277,8 +277,9 @@ class Pipeline(StrategyBase):
         def saves_of(gpu: bool):  # rank 0 gathers every stage's state for one file
             return checkpoint_host_bytes(cfg, inp, w.rank, w.size, gpu, gathers=True)
 
+        params = sum(spec.param_count() for spec in self.layers)  # the whole model's
         check_memory_plan(
-            cfg, w, plan_of, log, self._gpu_budget, self._memory_where, True, saves_of
+            cfg, w, plan_of, log, self._gpu_budget, self._memory_where, True, saves_of, params
         )
 
     def _check_built(self, inp) -> None:
