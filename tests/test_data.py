@@ -164,6 +164,27 @@ def test_ambiguous_layouts_are_refused_in_one_line(shape):
     assert decide_layout("f.h5", shape, "nhwc", "images") == "nhwc"
 
 
+def test_a_layout_the_file_declares_decides_what_the_shape_cannot(tmp_path):
+    """Synthetic images of side 4 with 3 channels, (3, 4, 4), were generated and then
+    refused as ambiguous: the generator knew they were channels first. A file's root
+    attribute `layout` now says it; data.layout set by the user still wins."""
+    splits, attrs = generate("images", 32, 8, seed=1, image_size=4, channels=3)
+    assert attrs["layout"] == "nchw"
+    path = tmp_path / "images.h5"
+    write_dataset(path, splits, attrs)
+    info = inspect_dataset(path, DataOptions(model="cnn"))
+    assert info.input_spec.shape == (3, 4, 4)
+    with h5py.File(path, "a") as f:
+        del f.attrs["layout"]
+    with pytest.raises(DataError, match="could be channels first or channels last"):
+        inspect_dataset(path, DataOptions(model="cnn"))
+    assert inspect_dataset(path, DataOptions(model="cnn", layout="nhwc")).input_spec.shape == (
+        4,
+        3,
+        4,
+    )
+
+
 @pytest.mark.parametrize(
     "x_dtype, model, tokens, scale, fed",
     [

@@ -204,14 +204,16 @@ def open_dataset(path: str | Path, options: DataOptions | None = None) -> Datase
                     else "none (data.val_fraction 0)"
                 )
             stored = tuple(tx.shape[1:])
-            how = layout.decide_layout(where, stored, options.layout, kind)
+            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
+            how = layout.decide_layout(
+                where, stored, layout.declared(options.layout, attrs.get("layout")), kind
+            )
             shape = layout.model_shape(stored, how)
             if kind == "images" and len(shape) != 3:
                 raise DataError(
                     f"{path}: model {options.model} needs images (C, H, W), (H, W, C) or "
                     f"(H, W); samples of {keys.train_x} have shape {stored}"
                 )
-            attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
             classes = int(attrs["classes"]) if "classes" in attrs else 0
             return DatasetInfo(
                 str(path),

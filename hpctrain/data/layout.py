@@ -7,6 +7,9 @@ channels are few (at most MAX_CHANNELS) or the two spatial sides are equal. So
 convolutional model; (3, 3, 3) or (16, 16, 16) are refused with the choice to make,
 rather than guessed (a wrong guess trains at chance level without any error).
 
+A file may declare its layout in a root attribute `layout` (`nchw` or `nhwc`), which
+`auto` then takes (hpctrain's synthetic images say `nchw`: (3, 4, 4) fits both readings).
+
 A model that flattens its input (zoo `mlp`) does not care, so no layout is decided.
 """
 
@@ -26,6 +29,16 @@ def _nchw_plausible(shape) -> bool:
 def _nhwc_plausible(shape) -> bool:
     h, w, c = shape
     return c <= MAX_CHANNELS or h == w
+
+
+def declared(option: str, attribute) -> str:
+    """data.layout, or under `auto` the layout the file declares in a root attribute
+    `layout` (nchw or nhwc: hpctrain's synthetic images say nchw)."""
+    if option == "auto" and isinstance(attribute, bytes):
+        attribute = attribute.decode("utf-8", "replace")
+    if option == "auto" and attribute in ("nchw", "nhwc"):
+        return attribute
+    return option
 
 
 def decide_layout(where: str, sample: tuple[int, ...], option: str, model_kind: str) -> str | None:

@@ -100,6 +100,7 @@ def generate(
             rng, n, classes, channels, image_size, _templates(rng, classes, channels, image_size)
         )
         attrs["classes"] = classes
+        attrs["layout"] = "nchw"  # (3, 4, 4) is either reading by its shape alone
     elif task == "tokens":
         probs = _markov(rng, vocab)
         x, y = _tokens(rng, n, seq_len, vocab, probs)
