@@ -8,6 +8,7 @@ one message that names each offending key, so a job never starts with a typo.
 from __future__ import annotations
 
 import copy
+import difflib
 import json
 import re
 from pathlib import Path
@@ -495,7 +496,9 @@ def _validate(schema: dict, values: dict, prefix: str, problems: list[str]) -> N
     for key in values:
         if key not in schema:
             known = ", ".join(sorted(schema))
-            problems.append(f"{prefix}{key}: unknown key (known here: {known})")
+            near = difflib.get_close_matches(str(key), list(schema), n=1, cutoff=0.7)
+            hint = f"did you mean {prefix}{near[0]}? " if near else ""
+            problems.append(f"{prefix}{key}: unknown key ({hint}known here: {known})")
     for key, spec in schema.items():
         full = f"{prefix}{key}"
         value = values.get(key)
@@ -515,7 +518,7 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     if "=" not in text:
         raise ConfigError(f"--set {text!r}: expected key=value")
     key, raw = text.split("=", 1)
-    parts = key.strip().split(".")
+    parts = [part.strip() for part in key.split(".")]  # `train. batch_size=4` too
     if not all(parts):
         raise ConfigError(f"--set {text!r}: empty key component")
     try:

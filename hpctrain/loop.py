@@ -259,6 +259,7 @@ class TrainingLoop:
                     new=new,
                     checkpoint_dir=cfg.checkpoint["dir"],
                     requeued=int(os.environ.get("SLURM_RESTART_COUNT") or 0) > 0,
+                    resume_option="--resume" if resume is not None else "checkpoint.resume",
                 )
                 chosen = plan.resume
                 self._run_dir_plan = plan  # applied once the run passed every check

@@ -300,6 +300,7 @@ def plan_run_dir(
     new: bool = False,
     checkpoint_dir: str | Path | None = None,
     requeued: bool = False,
+    resume_option: str = "--resume",
 ) -> RunDirPlan:
     """Decide what this run does with `run_dir`; ConfigError (one line) when refused.
 
@@ -308,6 +309,8 @@ def plan_run_dir(
     <run-dir>/checkpoints). requeued: a requeued job runs its first command line again
     (SLURM_RESTART_COUNT > 0); a --resume FILE then gives way to the run's own newer
     checkpoints (`--resume auto`) instead of going back to FILE every time.
+    resume_option: where `resume` was set, for the refusals (`checkpoint.resume` when
+    the configuration set it).
 
     --resume FILE on a run that holds later checkpoints abandons them: they move to
     <run-dir>/previous/<UTC>/ (a later --resume auto and keep_last see one timeline).
@@ -316,12 +319,13 @@ def plan_run_dir(
     resume = None if resume in (None, "", "never") else resume
     if overwrite and new:
         raise ConfigError("--overwrite and --new contradict each other: choose one")
+    asked = f"{resume_option}{' ' if resume_option.startswith('--') else '='}{resume}"
     if (overwrite or new) and resume is not None:
         flag = "--overwrite" if overwrite else "--new"
-        raise ConfigError(f"{flag} and --resume {resume} contradict each other: choose one")
+        raise ConfigError(f"{flag} and {asked} contradict each other: choose one")
     if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
         what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
-        raise ConfigError(f"--resume {resume}: {what}; it takes a ckpt-<step>.h5, auto or never")
+        raise ConfigError(f"{asked}: {what}; it takes a ckpt-<step>.h5, auto or never")
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:

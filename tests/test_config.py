@@ -218,7 +218,10 @@ def test_a_problem_from_a_set_override_names_the_override_not_the_file(tmp_path)
         Config.load(path, ["train.epoch=3", "optimizer.lr=-1"])
     text = str(err.value)
     assert text.startswith(f"invalid configuration ({path}):\n")
-    assert "train.epoch: unknown key (from --set train.epoch=3; known here: " in text
+    assert (
+        "train.epoch: unknown key (from --set train.epoch=3; did you mean train.epochs? known here: "
+        in text
+    )
     assert "optimizer.lr: must be > 0, got -1 (from --set optimizer.lr=-1)" in text
     bogus = next(line for line in text.splitlines() if "train.bogus" in line)
     assert bogus == "  train.bogus: unknown key (known here: " + bogus.split("here: ")[1]

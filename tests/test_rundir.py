@@ -337,6 +337,11 @@ def test_a_missing_resume_file_is_refused_before_the_run_writes_anything(tmp_pat
         ConfigError, match="is a directory; it takes a ckpt-<step>.h5, auto or never"
     ):
         plan_run_dir(tmp_path / "run", _cfg(), resume=str(tmp_path))
+    # set in the configuration, not on the command line: said so (it blamed --resume)
+    with pytest.raises(ConfigError, match="^checkpoint.resume=Auto: no such checkpoint file"):
+        plan_run_dir(tmp_path / "run", _cfg(), resume="Auto", resume_option="checkpoint.resume")
+    with pytest.raises(ConfigError, match="--new and checkpoint.resume=auto contradict"):
+        plan_run_dir(tmp_path / "run", _cfg(), "auto", new=True, resume_option="checkpoint.resume")
 
 
 def test_a_refused_run_takes_back_its_claim_of_a_checkpoint_dir(tmp_path):
