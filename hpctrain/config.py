@@ -469,6 +469,12 @@ _Loader.add_implicit_resolver(
     ),
     list("-+0123456789."),
 )
+# YAML 1.2 has no timestamps: `checkpoint.resume: 2024-01-01` (a file of that name) was
+# read as a date and refused as "expected str, got date"
+_Loader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    for first, resolvers in _Loader.yaml_implicit_resolvers.items()
+}
 
 
 def _yaml_load(text: str):

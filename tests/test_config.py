@@ -385,3 +385,16 @@ def test_experts_past_the_bound_and_in_no_block_are_refused():
     with pytest.raises(ConfigError, match=r"model.moe.every=3 puts experts in no block of the 2"):
         Config.load(None, [*lm, "model.n_layers=2", "model.moe={every: 3}"])
     assert Config.load(None, [*lm, "model.n_layers=2", "model.moe={every: 2}"])
+
+
+def test_yaml_1_2_has_no_dates():
+    """`checkpoint.resume=2024-01-01` (a file of that name) was read as a date and refused
+    as 'expected str, got date'; PyYAML's own SafeLoader is left as it is."""
+    import datetime
+
+    import yaml
+
+    from hpctrain.config import _yaml_load
+
+    assert _yaml_load("a: 2024-01-01") == {"a": "2024-01-01"}
+    assert isinstance(yaml.safe_load("a: 2024-01-01")["a"], datetime.date)
