@@ -349,8 +349,7 @@ SCHEMA: dict[str, Any] = {
             60.0,
             (int, float),
             "seconds without a message before a worker is dropped",
-            minimum=0,
-            exclusive_min=True,
+            minimum=1,  # the watchdog looks once a second, as for collective_timeout
         ),
         "chunk_bytes": _f(
             1 << 20, int, "tensors larger than this are split across servers", minimum=4

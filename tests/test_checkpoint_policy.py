@@ -112,6 +112,8 @@ def test_keep_best_refuses_a_metric_never_recorded_and_the_wrong_end():
     CheckpointPolicy({"keep_best": 0, "best_metric": "val_accuracy"})  # ranks nothing
     with pytest.raises(ConfigError, match="checkpoint.dir: ' ' is blank"):
         CheckpointPolicy({"dir": " "})
+    with pytest.raises(ConfigError, match="checkpoint.resume: '' is blank"):
+        CheckpointPolicy({"resume": ""})
 
 
 def test_retention_keeps_last_k_plus_best():

@@ -120,6 +120,9 @@ def section_problems(values: dict) -> list[str]:
     where = values.get("dir")
     if isinstance(where, str) and not where.strip():
         problems.append(f"checkpoint.dir: {where!r} is blank: name a directory, or null")
+    resume = values.get("resume")
+    if isinstance(resume, str) and not resume.strip():  # was "`.`: cannot read"
+        problems.append(f"checkpoint.resume: {resume!r} is blank: auto, never or a file")
     metric = values.get("best_metric", SCHEMA["best_metric"].default)
     mode = values.get("best_mode", SCHEMA["best_mode"].default)
     if values.get("keep_best") and BEST_MODES.get(metric, mode) != mode:
