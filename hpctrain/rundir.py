@@ -317,15 +317,7 @@ def plan_run_dir(
     """
     run_dir = Path(run_dir)
     resume = None if resume in (None, "", "never") else resume
-    if overwrite and new:
-        raise ConfigError("--overwrite and --new contradict each other: choose one")
-    asked = f"{resume_option}{' ' if resume_option.startswith('--') else '='}{resume}"
-    if (overwrite or new) and resume is not None:
-        flag = "--overwrite" if overwrite else "--new"
-        raise ConfigError(f"{flag} and {asked} contradict each other: choose one")
-    if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
-        what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
-        raise ConfigError(f"{asked}: {what}; it takes a ckpt-<step>.h5, auto or never")
+    _refuse_contradictions(resume, overwrite, new, resume_option)
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
     if not prev.exists:
@@ -376,6 +368,19 @@ def plan_run_dir(
     return RunDirPlan(
         "resume", f"{note}--resume auto: continuing the run in {run_dir}", resume=chosen
     )
+
+
+def _refuse_contradictions(resume, overwrite: bool, new: bool, resume_option: str) -> None:
+    """What the options alone rule out, before anything is read."""
+    if overwrite and new:
+        raise ConfigError("--overwrite and --new contradict each other: choose one")
+    asked = f"{resume_option}{' ' if resume_option.startswith('--') else '='}{resume}"
+    if (overwrite or new) and resume is not None:
+        flag = "--overwrite" if overwrite else "--new"
+        raise ConfigError(f"{flag} and {asked} contradict each other: choose one")
+    if resume not in (None, "auto") and not Path(resume).is_file():  # before any data
+        what = "is a directory" if Path(resume).is_dir() else "no such checkpoint file"
+        raise ConfigError(f"{asked}: {what}; it takes a ckpt-<step>.h5, auto or never")
 
 
 def _differences_text(prev: PreviousRun, config: dict) -> str:

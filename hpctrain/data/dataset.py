@@ -180,29 +180,9 @@ def open_dataset(path: str | Path, options: DataOptions | None = None) -> Datase
             casts = dtypes.plan_casts(
                 where, tx, ty, kind, options.model, options.tokens, options.x_scale, pair
             )
-            val_rows = train_rows = None
-            if keys.has_val:
-                vx, vy = f[keys.val_x], f[keys.val_y]
-                _check_val(path, keys, tx, vx, vy, casts, kind, options)
-                if options.val_fraction is not None:
-                    raise DataError(
-                        f"{path}: data.val_fraction is set but the file has a validation "
-                        f"split ({keys.val_x}); remove one of the two"
-                    )
-                train_size, val_size, val_source = tx.shape[0], vx.shape[0], "file"
-            else:
-                fraction = (
-                    DEFAULT_VAL_FRACTION if options.val_fraction is None else options.val_fraction
-                )
-                if fraction > 0 and tx.shape[0] < 2:
-                    raise DataError(f"{path}: {tx.shape[0]} sample(s): too few to hold out any")
-                train_rows, val_rows = held_out_rows(tx.shape[0], fraction, options.seed)
-                train_size, val_size = len(train_rows), len(val_rows)
-                val_source = (
-                    f"{fraction:.0%} of {keys.train_x} held out, data.seed {options.seed}"
-                    if fraction > 0
-                    else "none (data.val_fraction 0)"
-                )
+            train_size, val_size, val_source, train_rows, val_rows = _splits(
+                path, f, keys, casts, kind, options
+            )
             stored = tuple(tx.shape[1:])
             attrs = {k: (v.item() if hasattr(v, "item") else v) for k, v in f.attrs.items()}
             how = layout.decide_layout(
@@ -234,6 +214,31 @@ def open_dataset(path: str | Path, options: DataOptions | None = None) -> Datase
         raise
     except OSError as exc:
         raise DataError(f"cannot read dataset {path}: {exc}") from None
+
+
+def _splits(path, f, keys, casts, kind, options):
+    """(train size, validation size, where the validation comes from, the training rows
+    and the held-out rows, or None for both where the file has a validation split)."""
+    tx = f[keys.train_x]
+    if keys.has_val:
+        vx, vy = f[keys.val_x], f[keys.val_y]
+        _check_val(path, keys, tx, vx, vy, casts, kind, options)
+        if options.val_fraction is not None:
+            raise DataError(
+                f"{path}: data.val_fraction is set but the file has a validation "
+                f"split ({keys.val_x}); remove one of the two"
+            )
+        return tx.shape[0], vx.shape[0], "file", None, None
+    fraction = DEFAULT_VAL_FRACTION if options.val_fraction is None else options.val_fraction
+    if fraction > 0 and tx.shape[0] < 2:
+        raise DataError(f"{path}: {tx.shape[0]} sample(s): too few to hold out any")
+    train_rows, val_rows = held_out_rows(tx.shape[0], fraction, options.seed)
+    val_source = (
+        f"{fraction:.0%} of {keys.train_x} held out, data.seed {options.seed}"
+        if fraction > 0
+        else "none (data.val_fraction 0)"
+    )
+    return len(train_rows), len(val_rows), val_source, train_rows, val_rows
 
 
 def _check_val(path, keys, tx, vx, vy, casts, kind, options) -> None:
