@@ -36,7 +36,7 @@ from .checkpoint.session import RunCheckpoints
 from .config import Config
 from .errors import ConfigError, HpctrainError, StoppedBeforeStart, TrainingDiverged
 from .lr_schedule import scaled_lr
-from .metrics import MetricsWriter, Progress
+from .metrics import MetricsWriter, Progress, tensorboard_problem
 from .runtime import allocator
 from .runtime.failfast import EXIT_INTERRUPTED
 from .runtime.faults import Faults
@@ -179,6 +179,8 @@ class TrainingLoop:
         agree_on_config(w, cfg)
         # before the run directory, the data or any import of it: one line on every rank
         w.agree(framework_problem(cfg.backend), error_type=ConfigError)
+        wanted = w.is_root and cfg.metrics["tensorboard"]
+        w.agree(tensorboard_problem(wanted), error_type=ConfigError)  # rank 0 writes it
         log.debug("allocator: %s", allocator.status())
         chosen, error = run_dir, None
         if run_dir is None and w.is_root:

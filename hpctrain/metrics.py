@@ -8,6 +8,7 @@ samples_per_sec; null where not measured) so tools can read any line the same wa
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import math
 import os
@@ -67,6 +68,17 @@ def _clean(value):
     if isinstance(value, float) and not math.isfinite(value):
         return None if math.isnan(value) else str(value)
     return value
+
+
+def tensorboard_problem(wanted: bool) -> str | None:
+    """Why metrics.tensorboard cannot be written by this Python: the package is missing
+    (the run failed with a ModuleNotFoundError traceback once it had started)."""
+    if not wanted or importlib.util.find_spec("tensorboard") is not None:
+        return None
+    return (
+        "metrics.tensorboard=true (the default) needs the tensorboard package, which "
+        f"{sys.executable} lacks: pip install tensorboard, or set metrics.tensorboard=false"
+    )
 
 
 class MetricsWriter:

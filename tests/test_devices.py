@@ -508,6 +508,12 @@ def test_nccl_error_handling_is_pinned_unless_set_and_the_exit_has_a_deadline(
     monkeypatch.setattr(torch_pg, "EXIT_DEADLINE_S", 0.2)
     monkeypatch.setattr(torch_pg.dist, "is_initialized", lambda: True)
     monkeypatch.setattr(torch_pg.dist, "destroy_process_group", lambda: time.sleep(5))
+    torch_pg._exit_worker()  # started with the first group
+
+    def no_threads_at_exit(self):  # Python 3.12's interpreter shutdown
+        raise RuntimeError("can't create new thread at interpreter shutdown")
+
+    monkeypatch.setattr(torch_pg.threading.Thread, "start", no_threads_at_exit)
     t0 = time.monotonic()
     torch_pg._destroy_at_exit()
     assert time.monotonic() - t0 < 2

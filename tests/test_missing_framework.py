@@ -61,3 +61,24 @@ def test_a_keras_export_without_tensorflow_is_refused_in_one_line(without_tensor
 
     with pytest.raises(ConfigError, match="--to keras-model needs tensorflow: tensorflow is"):
         write_keras_model({}, tmp_path / "m.keras", None)
+
+
+def test_train_without_tensorboard_is_one_line_before_the_run_directory(
+    monkeypatch, tmp_path, capsys
+):
+    """metrics.tensorboard is on by default and tensorboard is not among the package's
+    requirements: a Python without it (the GPU machine's was one) ended every run in a
+    ModuleNotFoundError traceback, after the run directory and metrics.jsonl existed."""
+    from hpctrain.cli import main
+
+    real_find = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "tensorboard" else real_find(name, *a),
+    )
+    run = tmp_path / "run"
+    code = main(["train", "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert code == 2 and "metrics.tensorboard=true (the default) needs the tensorboard" in err
+    assert "Traceback" not in err and not run.exists(), err

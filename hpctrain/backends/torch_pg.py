@@ -35,6 +35,7 @@ import fcntl
 import functools
 import logging
 import os
+import queue
 import socket
 import struct
 import sys
@@ -144,7 +145,28 @@ def init_process_group(comm, backend: str, timeout_s: float):
 @functools.cache
 def _register_exit_hook() -> None:
     """Once per process."""
+    _exit_worker()
     atexit.register(_destroy_at_exit)
+
+
+@functools.cache
+def _exit_worker() -> queue.SimpleQueue:
+    """The thread that destroys the groups at exit, started with the first group: Python
+    3.12 refuses to start one in an atexit callback ("can't create new thread at
+    interpreter shutdown", on every rank of every process-group run); a daemon thread
+    started earlier still runs there. Returns the queue that asks it (an Event to set)."""
+    requests: queue.SimpleQueue = queue.SimpleQueue()
+
+    def serve() -> None:
+        while True:
+            done = requests.get()
+            try:
+                dist.destroy_process_group()
+            finally:
+                done.set()  # a failed destroy does not wait out the deadline
+
+    threading.Thread(target=serve, daemon=True, name="destroy-process-group").start()
+    return requests
 
 
 def _nccl_error_handling(is_root: bool) -> None:
@@ -167,12 +189,7 @@ def _destroy_at_exit() -> None:
     if not dist.is_initialized():
         return
     done = threading.Event()
-
-    def destroy() -> None:
-        dist.destroy_process_group()
-        done.set()
-
-    threading.Thread(target=destroy, daemon=True, name="destroy-process-group").start()
+    _exit_worker().put(done)  # started with the first group (_register_exit_hook)
     if not done.wait(EXIT_DEADLINE_S):
         sys.stderr.write(
             f"[hpctrain] warning: destroying the process groups took over "
