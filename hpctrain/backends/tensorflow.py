@@ -26,6 +26,7 @@ from ..exchange import make_reducer
 from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
+from ..runtime.comm import under_deadline
 from . import gradient_engine, step, tensorflow_moe, tensorflow_user
 from .base import (
     BackendBase,
@@ -231,7 +232,10 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
         if self.hvd is None:
             return self._average_with_mpi(grads, names)
         experts = self.groups.experts
-        return tensorflow_moe.average_gradients(self.hvd, grads, names, self.compression, experts)
+        with under_deadline(self.world, "Horovod gradient allreduce"):  # as torch.py's
+            return tensorflow_moe.average_gradients(
+                self.hvd, grads, names, self.compression, experts
+            )
 
     def true_scale(self) -> None:
         """No loss scaling in this backend (fp16 runs on torch)."""

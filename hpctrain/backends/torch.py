@@ -22,6 +22,7 @@ from ..exchange.overlap import OverlapMean
 from ..models import zoo
 from ..moe.parallel import is_expert_param
 from ..runtime import allocator
+from ..runtime.comm import under_deadline
 from . import gradient_engine, step, torch_moe, torch_tensor, torch_user
 from .base import BackendBase, EvalStats, StepStats, build_agreed
 from .groups import ModelGroups
@@ -260,8 +261,10 @@ class TorchBackend(TorchStateMixin, BackendBase):
             self._finish_buckets()
         elif self.hvd is None:
             self._average_with_mpi()
-        else:
-            self.optimizer.synchronize()
+        else:  # Horovod's own stall shutdown runs in its background thread, which a
+            # stopped peer leaves blocked in MPI: the job hung with no rank named
+            with under_deadline(self.world, "Horovod gradient allreduce"):
+                self.optimizer.synchronize()
         torch_moe.average_expert_grads(self.model, self.groups.experts)
         return grads
 
