@@ -4,6 +4,7 @@ way to average over the stage's replicas (attach_mpi / attach_zero / attach_repl
 
 from __future__ import annotations
 
+from ..runtime.comm import under_deadline
 from ..runtime.memory import peak_rss_bytes
 from .groups import ModelGroups
 
@@ -56,6 +57,12 @@ class StageBase:
         """(peak bytes, what they measure) of this rank: its peak RSS on CPU ranks."""
         return float(peak_rss_bytes()), "peak RSS"
 
-    def attach_replicas(self, hvd, process_set) -> None:
-        """The horovod engine: average over this stage's Horovod process set."""
-        self.hvd, self.process_set = hvd, process_set
+    def attach_replicas(self, hvd, process_set, replicas=None) -> None:
+        """The horovod engine: average over this stage's Horovod process set; `replicas`
+        (the same ranks' guarded communicator) puts each wait under its watchdog."""
+        self.hvd, self.process_set, self._hvd_comm = hvd, process_set, replicas
+
+    def horovod_wait(self, what: str):
+        """A watchdog section around a wait on Horovod: its stall shutdown runs in its
+        background thread, which a stopped peer leaves blocked in MPI (torch.py's)."""
+        return under_deadline(getattr(self, "_hvd_comm", None), what)

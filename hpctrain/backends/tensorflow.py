@@ -182,11 +182,11 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
                 value = np.array(var.numpy())  # 0-d stays 0-d (ascontiguousarray: 1-d)
                 var.assign(self.world.bcast_inplace(value, what=f"broadcast variable {i}"))
                 continue
-            var.assign(
-                self.hvd.broadcast(
+            with under_deadline(self.world, f"Horovod broadcast of variable {i}"):
+                value = self.hvd.broadcast(
                     tf.convert_to_tensor(var), root_rank=0, name=f"hpctrain.bcast.{i}"
                 )
-            )
+            var.assign(value)
 
     def _size(self) -> int:
         return self.world.size if self.world is not None else 1
@@ -364,9 +364,10 @@ class TensorFlowBackend(TensorFlowStateMixin, BackendBase):
                 var.assign(value / self._size())
         elif self.net.buffers and self._size() > 1:
             names = list(self.net.buffers)
-            avg = self.hvd.grouped_allreduce(
-                [self.net.buffers[n] for n in names], op=self.hvd.Average
-            )
+            with under_deadline(self.world, "Horovod buffer average"):
+                avg = self.hvd.grouped_allreduce(
+                    [self.net.buffers[n] for n in names], op=self.hvd.Average
+                )
             for n, value in zip(names, avg, strict=True):
                 self.net.buffers[n].assign(value)
 

@@ -191,9 +191,10 @@ class TensorFlowStage(StageBase):
         if self.hvd is None or self.process_set.size() == 1:
             return 0.0
         t0 = time.perf_counter()
-        self.acc = self.hvd.grouped_allreduce(
-            self.acc, op=self.hvd.Average, process_set=self.process_set
-        )
+        with self.horovod_wait("Horovod stage gradient allreduce"):
+            self.acc = self.hvd.grouped_allreduce(
+                self.acc, op=self.hvd.Average, process_set=self.process_set
+            )
         return time.perf_counter() - t0
 
     def apply(self, lr: float, clip_coef: float = 1.0) -> None:
@@ -230,9 +231,12 @@ class TensorFlowStage(StageBase):
         if self.hvd is None or self.process_set.size() == 1 or not self.net.buffers:
             return
         names = list(self.net.buffers)
-        avg = self.hvd.grouped_allreduce(
-            [self.net.buffers[n] for n in names], op=self.hvd.Average, process_set=self.process_set
-        )
+        with self.horovod_wait("Horovod stage buffer average"):
+            avg = self.hvd.grouped_allreduce(
+                [self.net.buffers[n] for n in names],
+                op=self.hvd.Average,
+                process_set=self.process_set,
+            )
         for n, value in zip(names, avg, strict=True):
             self.net.buffers[n].assign(value)
 

@@ -196,10 +196,12 @@ class TorchBackend(TorchStateMixin, BackendBase):
         if self.hvd is None:
             self._broadcast_with_mpi(state)
             return
-        self.hvd.broadcast_parameters(state, root_rank=0)
-        # Rank 0 decides for everyone: the branch must be the same on every rank.
-        if self.hvd.broadcast_object(bool(self.optimizer.state), root_rank=0, name="has_state"):
-            self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
+        with under_deadline(self.world, "Horovod broadcast of the state"):
+            self.hvd.broadcast_parameters(state, root_rank=0)
+            # Rank 0 decides for everyone: the branch must be the same on every rank.
+            has = bool(self.optimizer.state)
+            if self.hvd.broadcast_object(has, root_rank=0, name="has_state"):
+                self.hvd.broadcast_optimizer_state(self.optimizer, root_rank=0)
 
     def _broadcast_with_mpi(self, state) -> None:
         w = self.world
@@ -433,7 +435,8 @@ class TorchBackend(TorchStateMixin, BackendBase):
         self._release_exported()
         for name, buf in self.model.named_buffers():
             if self.hvd is not None:
-                buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
+                with under_deadline(self.world, f"Horovod buffer average {name}"):
+                    buf.copy_(self.hvd.allreduce(buf, name=f"buffer.{name}", op=self.hvd.Average))
             elif buf.device.type == "cpu":  # the numpy view shares the buffer's memory
                 gradient_engine.average_array(self.world, buf.numpy(), f"average buffer {name}")
             else:

@@ -221,9 +221,10 @@ class TorchStage(StageBase):
             return 0.0
         t0 = time.perf_counter()
         params = self._grads()
-        avg = self.hvd.grouped_allreduce(
-            [p.grad for p in params], op=self.hvd.Average, process_set=self.process_set
-        )
+        with self.horovod_wait("Horovod stage gradient allreduce"):
+            avg = self.hvd.grouped_allreduce(
+                [p.grad for p in params], op=self.hvd.Average, process_set=self.process_set
+            )
         for p, g in zip(params, avg, strict=True):
             p.grad.copy_(g)
         return time.perf_counter() - t0
@@ -323,11 +324,15 @@ class TorchStage(StageBase):
         if self.hvd is None or self.process_set.size() == 1:
             return
         for name, buf in self.net.named_buffers():
-            buf.copy_(
-                self.hvd.allreduce(
-                    buf, name=f"buffer.{name}", op=self.hvd.Average, process_set=self.process_set
+            with self.horovod_wait(f"Horovod stage buffer average {name}"):
+                buf.copy_(
+                    self.hvd.allreduce(
+                        buf,
+                        name=f"buffer.{name}",
+                        op=self.hvd.Average,
+                        process_set=self.process_set,
+                    )
                 )
-            )
 
     # --- canonical state ------------------------------------------------------------
     def get_weights(self) -> OrderedDict[str, np.ndarray]:

@@ -252,7 +252,7 @@ class Pipeline(StrategyBase):
                 [g.rank_of(data=d, pipe=s) for d in range(g.num_replicas)]
                 for s in range(self.stages)
             ]
-            self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage))
+            self.stage.attach_replicas(*mod.init_replicas(w.comm, groups, g.stage), g.replicas)
 
     def _check_memory(self, inp, bounds: tuple[int, int], layers, threads: int) -> None:
         """Plan this rank's stage (`layers`, its part of the model's [start, stop)) and
