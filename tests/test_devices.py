@@ -518,3 +518,24 @@ def test_nccl_error_handling_is_pinned_unless_set_and_the_exit_has_a_deadline(
     torch_pg._destroy_at_exit()
     assert time.monotonic() - t0 < 2
     assert "exiting without them" in capsys.readouterr().err
+
+
+def test_a_failed_process_group_wait_is_one_line_naming_the_wait(capsys):
+    """A pipeline over Gloo whose peer stopped ended with rank 0's 30-line 'uncaught
+    exception' traceback around the wait's name; on the MPI engine it is one line."""
+    import torch
+
+    from hpctrain.backends.torch_transport import ProcessGroupTransport
+    from hpctrain.runtime import run_fail_together
+
+    transport = ProcessGroupTransport(None, "gloo", 10, torch.device("cpu"))
+
+    class TimedOut:
+        def wait(self, timeout=None):
+            raise RuntimeError("[gloo] Timed out waiting 10000ms for recv operation")
+
+    what = "pipeline stage 0 (rank 0) waiting for the gradient (from stage 1 (rank 1))"
+    code = run_fail_together(lambda: transport.wait_work(TimedOut(), what, p2p=True))
+    err = capsys.readouterr().err
+    assert code != 0 and "Traceback" not in err, err
+    assert f"error: gloo '{what}' failed on rank 0 of 1 (deadline 10 s" in err, err

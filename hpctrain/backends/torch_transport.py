@@ -27,6 +27,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..errors import HpctrainError
 from ..runtime.comm import under_deadline
 from .gradient_engine import PROCESS_GROUP_ENGINES
 from .torch_arrays import TorchArrays
@@ -38,8 +39,10 @@ _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
-class CollectiveError(RuntimeError):
-    """A process-group operation that failed or passed its deadline."""
+class CollectiveError(HpctrainError, RuntimeError):
+    """A process-group operation that failed or passed its deadline: one line naming the
+    operation and its peer (it was an "uncaught exception" traceback), which ends the job
+    (this rank alone knows it: failfast aborts every rank)."""
 
 
 class TorchPending:
