@@ -31,8 +31,9 @@ test-quick: install
 	$(PY) -m pytest -q -m quick tests
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
+## --durations: the slowest tests at the end of the log, where the 20 minutes go
 test-unit:
-	$(PY) -m pytest tests -q -m "not extended"
+	$(PY) -m pytest tests -q -m "not extended" --durations=25
 
 ## The longer variants left out of `make test` (marked `extended`; root for the emulated nodes).
 test-extended: install-test

@@ -261,7 +261,14 @@ def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoc
     assert epochs[-1]["val_loss"] is not None, epochs
 
 
-@pytest.mark.parametrize("layout", [(), PIPE2], ids=["data_parallel", "pipeline"])
+@pytest.mark.parametrize(
+    "layout",
+    # data parallel's per-batch agreement is the test above's; what this one adds (the
+    # last evaluation ends the run as finished) is the loop's, whatever the strategy:
+    # make test runs it through the pipeline, whose agreement is its own
+    [pytest.param((), marks=pytest.mark.extended), PIPE2],
+    ids=["data_parallel", "pipeline"],
+)
 def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tmp_path, layout):
     """The same signal during the last epoch's evaluation: nothing is left to train, so the
     run ends as finished (exit 0, its final save at the last step, not preempted: a
