@@ -178,9 +178,10 @@ class TrainingLoop:
         runtime.setup_logging(w.rank, w.size, verbose)
         agree_on_config(w, cfg)
         # before the run directory, the data or any import of it: one line on every rank
-        w.agree(framework_problem(cfg.backend), error_type=ConfigError)
+        # (one agreement for both; rank 0 alone writes TensorBoard's events)
         wanted = w.is_root and cfg.metrics["tensorboard"]
-        w.agree(tensorboard_problem(wanted), error_type=ConfigError)  # rank 0 writes it
+        missing = framework_problem(cfg.backend) or tensorboard_problem(wanted)
+        w.agree(missing, error_type=ConfigError)
         log.debug("allocator: %s", allocator.status())
         chosen, error = run_dir, None
         if run_dir is None and w.is_root:

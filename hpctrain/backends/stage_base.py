@@ -35,6 +35,7 @@ class StageBase:
         self.peak_stash = 0
         self.loss_sum, self.correct = 0.0, 0
         self.hvd = self.process_set = self.mpi = self.zero = None
+        self._hvd_comm = None  # the process set's ranks' communicator (attach_replicas)
         self._flat = None  # the mpi engine's flat buffer (attach_mpi)
 
     def prepare_process(self, threads: int, deterministic: bool, seed: int) -> None:
@@ -65,4 +66,4 @@ class StageBase:
     def horovod_wait(self, what: str):
         """A watchdog section around a wait on Horovod: its stall shutdown runs in its
         background thread, which a stopped peer leaves blocked in MPI (torch.py's)."""
-        return under_deadline(getattr(self, "_hvd_comm", None), what)
+        return under_deadline(self._hvd_comm, what)
