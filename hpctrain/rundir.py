@@ -43,6 +43,7 @@ from pathlib import Path
 import yaml
 
 from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, step_of_entry
+from .checkpoint.sharded import remove_shard_folder
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
 
@@ -502,12 +503,16 @@ def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
     paths = [p for p in (prev.run_dir / name for name in RUN_FILES) if p.exists()]
     paths += _tb_events(prev.run_dir)
     if prev.checkpoint_dir.is_dir():
-        paths += [
-            p
-            for p in sorted(prev.checkpoint_dir.iterdir())
-            if NAME_RE.match(p.name) or SHARDS_RE.match(p.name) or TEMP_RE.match(p.name)
-        ]
+        paths += [p for p in sorted(prev.checkpoint_dir.iterdir()) if _written_by_hpctrain(p)]
     return tuple(paths)
+
+
+def _written_by_hpctrain(path: Path) -> bool:
+    """A checkpoint or temp file, or a shard folder: the names hpctrain gives them, as
+    what it makes them (a directory named like a checkpoint file is not one)."""
+    if SHARDS_RE.match(path.name):
+        return path.is_dir()
+    return bool(NAME_RE.match(path.name) or TEMP_RE.match(path.name)) and not path.is_dir()
 
 
 def write_config_text(run_dir: Path, text: str) -> None:
@@ -530,9 +535,9 @@ def apply_plan(plan: RunDirPlan) -> None:
             target = plan.archive_to / ("tb" if under_tb else "") / path.name
             target.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(path, target)  # the checkpoint directory may be on another file system
-        elif path.is_dir() and not path.is_symlink():  # a link goes, never its target
-            shutil.rmtree(path)
-        else:
+        elif path.is_dir() and not path.is_symlink():  # a shard folder: hpctrain's files
+            remove_shard_folder(path)
+        else:  # a link goes, never its target
             path.unlink(missing_ok=True)
     tb_dirs = {p.parent for p in plan.remove if p.name.startswith(TB_EVENTS)}
     for tb in tb_dirs:  # tb/ goes only when it held nothing but TensorBoard's files

@@ -234,6 +234,22 @@ def test_retention_removes_shards_and_orphans(tmp_path):
     ]
 
 
+def test_retention_keeps_a_users_file_in_a_shard_folder(tmp_path, caplog):
+    """Pruning removed a shard folder whole, a user's file in it with it."""
+    state = _state()
+    _write_sharded(tmp_path, 10, state, 2)
+    (tmp_path / "ckpt-00000010.shards" / "notes.txt").write_text("mine")
+    sharded.write_shard(tmp_path, 15, 1, 2, sharded.split_replicated(state, 1, 2, 1))
+    (tmp_path / "ckpt-00000015.shards" / "copy.h5").write_text("mine")  # an orphan's
+    for step in (20, 30, 40):
+        _write_sharded(tmp_path, step, state, 2)
+    assert sorted(os.listdir(tmp_path / "ckpt-00000010.shards")) == ["notes.txt"]
+    assert sorted(os.listdir(tmp_path / "ckpt-00000015.shards")) == ["copy.h5"]
+    assert not (tmp_path / "ckpt-00000010.h5").exists()
+    assert "ckpt-00000010.shards" in caplog.text and "notes.txt" in caplog.text
+    assert caplog.text.count("copy.h5") == 1  # once, not at every save
+
+
 def test_shard_pieces_outside_the_tensor_are_refused(tmp_path):
     bad = {"model/w": ((4,), 2, np.zeros(3, np.float32))}
     with pytest.raises(CheckpointError, match="outside"):

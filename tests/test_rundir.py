@@ -545,6 +545,24 @@ def test_overwrite_removes_a_linked_shard_folder_never_its_target(tmp_path):
     assert (elsewhere / "shard-00000-of-00002.h5").read_bytes() == b"s"
 
 
+def test_overwrite_leaves_a_users_file_in_a_shard_folder_and_the_folder(tmp_path, caplog):
+    """--overwrite removed ckpt-<step>.shards/ whole, with whatever a user had put in it;
+    a directory merely named like a checkpoint file was removed too."""
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg(), steps=())
+    _write_sharded(run / "checkpoints", 10, _state(), 2)
+    folder = run / "checkpoints" / "ckpt-00000010.shards"
+    (folder / "README-mine.txt").write_text("mine")
+    (folder / ".shard-00001-of-00002.h5.tmp-77").write_bytes(b"t")  # a crashed writer's
+    (run / "checkpoints" / "ckpt-00000030.h5").mkdir()
+    (run / "checkpoints" / "ckpt-00000030.h5" / "data").write_text("mine")
+    apply_plan(plan_run_dir(run, _cfg(), overwrite=True))
+    assert [p.name for p in folder.iterdir()] == ["README-mine.txt"]
+    assert (run / "checkpoints" / "ckpt-00000030.h5" / "data").read_text() == "mine"
+    assert not (run / "checkpoints" / "ckpt-00000010.h5").exists()
+    assert "README-mine.txt" in caplog.text and "did not write" in caplog.text
+
+
 def test_default_run_dirs_started_in_the_same_second_are_two(tmp_path):
     """A sweep's runs started together shared runs/<config>-<UTC> (one-second names) and
     wrote over each other's checkpoints; a refused one still takes its own back."""

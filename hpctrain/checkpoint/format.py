@@ -52,6 +52,8 @@ HDF5_SIGNATURE = b"\x89HDF\r\n\x1a\n"
 NAME_RE = re.compile(r"^ckpt-(\d{8,})\.h5$")
 TEMP_RE = re.compile(r"^\.(ckpt-\d{8,}|shard-\d{5,}-of-\d{5,})\.h5\.tmp-\d+$")
 SHARDS_RE = re.compile(r"^ckpt-(\d{8,})\.shards$")
+# What hpctrain writes inside a shard folder: shards, ranks' private states, their temps.
+SHARD_MEMBER_RE = re.compile(r"^\.?(shard|rank-state)-\d{5,}-of-\d{5,}\.h5(\.tmp-\d+)?$")
 ALLOWED_KINDS = "biufc"  # bool, signed/unsigned int, float, complex: plain numbers only
 _CHUNK = 8 << 20
 

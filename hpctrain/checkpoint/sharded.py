@@ -31,8 +31,8 @@ states as before.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +43,8 @@ from ..tensor import parallel as tensor_parallel
 from ..version import __version__
 from . import format as fmt
 from . import writer
+
+log = logging.getLogger(__name__)
 
 MIN_SHARD_BYTES = 1 << 20  # replicated state is not cut into files smaller than this
 
@@ -186,18 +188,48 @@ def shards_dir(commit: Path) -> Path | None:
     return None if step is None else commit.parent / fmt.shards_dir_name(step)
 
 
+_warned: set[str] = set()
+
+
+def remove_shard_folder(folder: str | Path) -> list[str]:
+    """Delete hpctrain's files in a shard folder, then the folder if that emptied it.
+
+    Anything else in it (a user's note, a copy put there by hand) is not hpctrain's to
+    delete: it stays, with the folder, and its names are returned for a warning.
+    """
+    foreign = []
+    with contextlib.suppress(FileNotFoundError):
+        for entry in os.scandir(folder):
+            if fmt.SHARD_MEMBER_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(entry.path)
+            else:
+                foreign.append(entry.name)
+        if not foreign:
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(folder)
+    if foreign and str(folder) not in _warned:
+        _warned.add(str(folder))  # once a process: pruning looks again at every save
+        log.warning(
+            "%s: left in place, it holds files hpctrain did not write: %s",
+            folder,
+            ", ".join(sorted(foreign)[:5]) + (" ..." if len(foreign) > 5 else ""),
+        )
+    return foreign
+
+
 def remove_shards(commit: Path) -> None:
     """Remove a checkpoint's shard directory (after its commit file was removed)."""
     folder = shards_dir(commit)
     if folder is not None and folder.is_dir():
-        shutil.rmtree(folder, ignore_errors=True)
+        remove_shard_folder(folder)
 
 
 def remove_uncommitted(directory: str | Path, step: int) -> None:
     """A failed sharded save's files, when no commit refers to them."""
     directory = Path(directory)
     if not (directory / fmt.checkpoint_name(step)).exists():
-        shutil.rmtree(directory / fmt.shards_dir_name(step), ignore_errors=True)
+        remove_shard_folder(directory / fmt.shards_dir_name(step))
 
 
 def remove_orphans(directory: str | Path, below: int) -> list[Path]:
@@ -210,6 +242,6 @@ def remove_orphans(directory: str | Path, below: int) -> list[Path]:
             if m is None or int(m.group(1)) >= below or not entry.is_dir():
                 continue
             if not os.path.exists(os.path.join(directory, fmt.checkpoint_name(int(m.group(1))))):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(Path(entry.path))
+                if not remove_shard_folder(entry.path):
+                    removed.append(Path(entry.path))
     return removed
