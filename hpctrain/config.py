@@ -671,12 +671,8 @@ def _cross_checks(v: dict) -> list[str]:
         problems.append(f"optimizer.betas: expected two numbers in [0, 1), got {betas!r}")
     problems += composition.refusals(v)
     problems += filter(None, [timeline_problem(v["horovod"]["timeline"])])
-    if v["strategy"] == "pipeline":  # the model's layer count is checked when it is built
-        from .pipeline.partition import spec_problem
-
-        problems += filter(
-            None, [spec_problem(v["pipeline"]["partition"], v["pipeline"]["stages"])]
-        )
+    if v["strategy"] == "pipeline":
+        problems += filter(None, [_partition_problem(v)])
     if v["data"]["source"] == "hdf5" and not v["data"]["path"]:
         problems.append("data.path: required when data.source is hdf5")
     from .data.keys import validate_keys_option
@@ -697,6 +693,22 @@ def _cross_checks(v: dict) -> list[str]:
             f"{' or '.join(MODEL_TASK[name])}, got {v['data']['task']}"
         )
     return problems
+
+
+def _partition_problem(v: dict) -> str | None:
+    """`pipeline.partition` and `pipeline.stages` against the model's layers, for a zoo
+    model on generated data (its layers are known from the config alone: shapes, no
+    weights); a model fed from an HDF5 file or the user's is checked when it is built."""
+    from .models.zoo import build_layers, is_zoo_model
+    from .pipeline.partition import check_partition, spec_problem
+
+    spec, stages = v["pipeline"]["partition"], v["pipeline"]["stages"]
+    if not is_zoo_model(v["model"]["name"]) or v["data"]["source"] == "hdf5":
+        return spec_problem(spec, stages)
+    from .data import benchmark_input_spec
+
+    layers = build_layers(v["model"], benchmark_input_spec(v["data"]))
+    return check_partition(spec, len(layers), stages)
 
 
 def _show(value) -> str:

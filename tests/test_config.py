@@ -183,6 +183,23 @@ def test_a_pipeline_partition_wrong_whatever_the_model_is_found_at_config_load(p
     Config.load(None, ["pipeline.partition=foo"])  # not a pipeline: not its business
 
 
+@pytest.mark.parametrize(
+    "overrides,expected",
+    [
+        (["pipeline.partition=[1,1]"], "[1, 1] sums to 2 layers but the model has 3"),
+        (["pipeline.stages=4", "model.hidden=[8]"], "pipeline.stages=4 is more than the model's 2"),
+        (["pipeline.stages=6", "model.name=cnn", "data.task=images"], "the model's 5 layers"),
+    ],
+)
+def test_a_pipeline_cut_the_models_layers_cannot_take_is_found_at_config_load(overrides, expected):
+    """Only a launched job refused these: the zoo model's layers on generated data are
+    known from the config alone."""
+    with pytest.raises(ConfigError, match=re.escape(expected)):
+        Config.load(None, ["strategy=pipeline", *overrides])
+    hdf5 = ["data.source=hdf5", "data.path=/nonexistent.h5"]  # its layers: once read
+    Config.load(None, ["strategy=pipeline", *overrides, *hdf5])
+
+
 def test_the_pipeline_refuses_grad_accum_at_config_load():
     """It accumulates over its micro-batches; train.grad_accum would do nothing."""
     with pytest.raises(ConfigError, match="accumulates over pipeline.microbatches"):
