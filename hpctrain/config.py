@@ -431,8 +431,8 @@ def timeline_problem(timeline: str | None) -> str | None:
 
 
 class _Loader(yaml.SafeLoader):
-    """YAML with YAML 1.2 floats (PyYAML, YAML 1.1, reads `1e-4` as a string) and no
-    duplicate keys (PyYAML keeps the last silently: a second `train:` section dropped
+    """YAML with YAML 1.2 numbers (PyYAML, YAML 1.1, reads `1e-4` as a string, `017` as
+    15 and `1:30` as 90, and `0o17` not as a number) and no duplicate keys (PyYAML keeps the last silently: a second `train:` section dropped
     the first's settings). Merge keys (`<<: *defaults`) work as in PyYAML: a key of
     the mapping itself overrides a merged one."""
 
@@ -469,11 +469,49 @@ _Loader.add_implicit_resolver(
     list("-+0123456789."),
 )
 # YAML 1.2 has no timestamps: `checkpoint.resume: 2024-01-01` (a file of that name) was
-# read as a date and refused as "expected str, got date"
+# read as a date and refused as "expected str, got date"; its integers are below
 _Loader.yaml_implicit_resolvers = {
-    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:timestamp"]
+    first: [
+        (tag, regexp)
+        for tag, regexp in resolvers
+        if tag not in ("tag:yaml.org,2002:timestamp", "tag:yaml.org,2002:int")
+    ]
     for first, resolvers in _Loader.yaml_implicit_resolvers.items()
 }
+_Loader.add_implicit_resolver(
+    "tag:yaml.org,2002:int",
+    re.compile(r"^[-+]?(?:0b[01_]+|0o[0-7_]+|0x[0-9a-fA-F_]+|[0-9][0-9_]*)$"),
+    list("-+0123456789"),
+)
+
+
+def _construct_int(loader: yaml.SafeLoader, node) -> int:
+    """YAML 1.2's integers (with 1.1's `_` separators and `0b`): `017` is 17, `0o17` 15."""
+    text = loader.construct_scalar(node).replace("_", "")
+    sign = -1 if text.startswith("-") else 1
+    digits = text.lstrip("+-")
+    base = {"0b": 2, "0o": 8, "0x": 16}.get(digits[:2], 10)
+    try:
+        return sign * int(digits[2:] if base != 10 else digits, base)
+    except ValueError:  # `!!int abc`
+        raise _not_a("an integer", node) from None
+
+
+def _construct_float(loader: yaml.SafeLoader, node) -> float:
+    try:
+        return yaml.SafeLoader.construct_yaml_float(loader, node)
+    except ValueError:  # `!!float abc`
+        raise _not_a("a number", node) from None
+
+
+def _not_a(kind: str, node) -> yaml.constructor.ConstructorError:
+    return yaml.constructor.ConstructorError(
+        None, None, f"{node.value!r} is not {kind}", node.start_mark
+    )
+
+
+_Loader.add_constructor("tag:yaml.org,2002:int", _construct_int)
+_Loader.add_constructor("tag:yaml.org,2002:float", _construct_float)
 
 
 def _yaml_load(text: str):

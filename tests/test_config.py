@@ -415,3 +415,35 @@ def test_yaml_1_2_has_no_dates():
 
     assert _yaml_load("a: 2024-01-01") == {"a": "2024-01-01"}
     assert isinstance(yaml.safe_load("a: 2024-01-01")["a"], datetime.date)
+
+
+@pytest.mark.parametrize(
+    "text,value",
+    [
+        ("017", 17),
+        ("0o17", 15),
+        ("-0o7", -7),
+        ("0x1f", 31),
+        ("1_000", 1000),
+        ("09", 9),
+        ("1:30", "1:30"),
+        ("1e-4", 1e-4),
+        ("yes", True),
+    ],
+)
+def test_yaml_numbers_are_yaml_1_2s(text, value):
+    """PyYAML (YAML 1.1) read `seed: 017` as 15 and `1:30` as 90, silently, and
+    refused `0o17` as a string."""
+    from hpctrain.config import _yaml_load
+
+    got = _yaml_load(f"a: {text}")["a"]
+    assert got == value and type(got) is type(value)
+
+
+@pytest.mark.parametrize("text", ["!!int abc", "!!float abc"])
+def test_a_yaml_tag_on_a_value_it_cannot_be_is_one_line(tmp_path, text):
+    """A ValueError traceback from PyYAML's constructors."""
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(f"train:\n  seed: {text}\n")
+    with pytest.raises(ConfigError, match="'abc' is not an? "):
+        Config.load(bad)

@@ -241,7 +241,7 @@ def remove_orphans(directory: str | Path, below: int) -> list[Path]:
             m = fmt.SHARDS_RE.match(entry.name)
             if m is None or int(m.group(1)) >= below or not entry.is_dir():
                 continue
-            if not os.path.exists(os.path.join(directory, fmt.checkpoint_name(int(m.group(1))))):
-                if not remove_shard_folder(entry.path):
-                    removed.append(Path(entry.path))
+            commit = os.path.join(directory, fmt.checkpoint_name(int(m.group(1))))
+            if not os.path.exists(commit) and not remove_shard_folder(entry.path):
+                removed.append(Path(entry.path))
     return removed
