@@ -64,6 +64,23 @@ def test_a_wait_with_a_deadline_of_its_own_warns_at_half_of_it():
     assert "did not finish within 8 s" in job.output, job.output
 
 
+def test_a_stopped_rank_ends_a_wait_with_a_long_deadline_at_the_collective_timeout(tmp_path):
+    """A rank stopped during a checkpoint save held the others for all of
+    checkpoint.write_timeout (1 h by default): a busy writer answers the liveness probe,
+    a stopped one cannot, and is named once the collective timeout has passed."""
+    env = {"MODE": "skip", "SKIP_RANK": "1", "SKIP_HOW": "stop", "TIMEOUT": "4"}
+    env.update(OWN_DEADLINE="600", REPORT_DIR=str(tmp_path))
+    job = mpirun(2, PYTHON, SCRIPT, env=env, timeout=120)
+    assert job.returncode != 0
+    assert re.search(
+        r"FATAL: watchdog: 'test write wait \(checkpoint.write_timeout\)' \(collective #\d+\) "
+        r"has waited 4 s \(runtime.collective_timeout\) of its 600 s: rank\(s\) 1 did not "
+        r"answer the liveness probe .*, twice 5 s apart, so it cannot finish",
+        job.output,
+    ), job.output
+    assert "=== rank 1: no answer" in next(tmp_path.glob("stall-report-*.txt")).read_text()
+
+
 def test_no_warning_in_a_normal_run():
     job = mpirun(
         4,

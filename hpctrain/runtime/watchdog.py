@@ -119,9 +119,13 @@ class Watchdog:
             # a wait with a deadline of its own (a checkpoint write's) warns at half of
             # it: a 100 GB write warned at every save that its writer "never arrived"
             warn = self.stall_warning if limit == self.timeout else limit / 2
-            if now - entered >= limit:
+            waited = now - entered
+            if waited >= limit:
                 self._stalled(seq, what, "deadline", limit)
-            elif self.stall_warning > 0 and warn < limit and now - entered >= warn:
+                continue
+            if limit > self.timeout and waited >= self.timeout:
+                self._stalled(seq, what, "alive", limit)  # a longer deadline's liveness check
+            if self.stall_warning > 0 and warn < limit and waited >= warn:
                 self._stalled(seq, what, "warn", limit)
         if self._give_up_at and now >= self._give_up_at[0]:
             _, seq, what, limit = self._give_up_at
@@ -168,6 +172,9 @@ class Watchdog:
 
     # --- rank 0: probe, judge, warn or end the job --------------------------------------
     def _investigate(self, seq: int, what: str, kind: str, limit: float):
+        if kind == "alive":
+            self._check_alive(seq, what, limit)
+            return
         deadline = kind == "deadline"
         with_stacks = deadline and self.report_dir is not None
         answers = self._probe(with_stacks)
@@ -202,6 +209,34 @@ class Watchdog:
         self._abort(
             f"watchdog: '{what}' (collective #{seq}) did not finish within "
             f"{limit:g} s: {verdict.summary()}.{where}{advice}"
+        )
+
+    def _check_alive(self, seq: int, what: str, limit: float):
+        """A wait with a long deadline of its own (a checkpoint write's, 1 h by default)
+        that has passed the collective timeout: the ranks still writing answer the probe
+        and it waits on; a rank silent to two probes in a row (stopped or lost, not busy:
+        a writing rank's monitor answers within a poll) cannot finish it, and the job
+        ends now rather than at the long deadline. Cost: nothing unless a wait is that
+        long; then two probes, N-1 small messages each, once."""
+        members = self._world_ranks()
+        first = stall.judge(seq, what, members, self._probe(False))
+        if not first.silent:
+            return
+        answers = self._probe(self.report_dir is not None)
+        silent = [r for r in members if r not in answers and r in first.silent]
+        if not silent:
+            return
+        verdict = stall.Verdict(seq, what, silent, {})  # the others write on: not the cause
+        where = ""
+        if self.report_dir is not None:
+            with contextlib.suppress(OSError):
+                where = (
+                    f" Report: {stall.write_report(self.report_dir, verdict, members, answers)}."
+                )
+        self._abort(
+            f"watchdog: '{what}' (collective #{seq}) has waited {self.timeout:g} s "
+            f"(runtime.collective_timeout) of its {limit:g} s: {verdict.summary()}, twice "
+            f"{_PROBE_WAIT:g} s apart, so it cannot finish.{where}"
         )
 
     def _probe(self, with_stacks: bool) -> dict[int, stall.Snapshot]:

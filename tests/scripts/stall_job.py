@@ -1,4 +1,5 @@
-"""Watchdog stall jobs: MODE=skip (rank SKIP_RANK never enters a barrier) or MODE=normal
+"""Watchdog stall jobs: MODE=skip (rank SKIP_RANK never enters a barrier: it sleeps, or
+with SKIP_HOW=stop stops itself) or MODE=normal
 (many quick collectives; a rank stopped inside a collective: stall_train.py); with
 OWN_DEADLINE, the skipped wait has a deadline of its own (a checkpoint write's). TIMEOUT,
 STALL_WARNING and REPORT_DIR set the watchdog; the deadline and the warning apply only
@@ -6,6 +7,7 @@ after the warm-up, to the collectives the tests measure, so that a slow start on
 loaded machine cannot trip them."""
 
 import os
+import signal
 import sys
 import time
 
@@ -25,6 +27,8 @@ def main():
     w.set_stall_warning(float(os.environ.get("STALL_WARNING", "60")))
     if mode == "skip":
         if w.rank == int(os.environ.get("SKIP_RANK", "1")):
+            if os.environ.get("SKIP_HOW") == "stop":  # stopped (SIGSTOP), not merely busy
+                os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(120)
             return
         if os.environ.get("OWN_DEADLINE"):  # a wait with a deadline of its own
