@@ -280,6 +280,9 @@ def _cmd_config(args) -> int:
         problems = world_size_problems(cfg, args.np, f"--np {args.np}", training_split(cfg))
         if problems:
             raise ConfigError("; ".join(problems))
+    # the first line keeps a copy saved as a run's config.yaml from passing for one an
+    # earlier hpctrain wrote (the plain dump), which a later run in that directory replaces
+    print(f"# hpctrain config: {cfg.source}, every key with its default filled in")
     print(cfg.to_yaml(), end="")
     return 0
 

@@ -613,3 +613,18 @@ def test_a_run_directory_in_use_by_another_run_is_refused_untouched(tmp_path, ca
     (run / ".hpctrain-running").unlink()  # that run ended
     code, text = _train(capsys, run, "--resume=auto", "train.max_steps=4")
     assert code == 0 and not (run / ".hpctrain-running").exists(), text
+
+
+def test_a_config_saved_from_hpctrain_config_is_the_users(tmp_path, capsys):
+    """`hpctrain config > run/config.yaml` was exactly an earlier version's dump, so a run
+    into that directory took it for a run's and replaced it, without a flag."""
+    from hpctrain.cli import main
+
+    assert main(["config", "--set", "train.epochs=3"]) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "config.yaml").write_text(capsys.readouterr().out)
+    assert yaml.safe_load((run / "config.yaml").read_text()) == _cfg("train.epochs=3")
+    for flags in ({}, {"overwrite": True}, {"resume": "auto"}):
+        with pytest.raises(ConfigError, match="not written by hpctrain"):
+            plan_run_dir(run, _cfg(), **flags)
