@@ -213,6 +213,13 @@ def test_render_says_when_it_replaced_a_script_and_how_to_create_the_log_dir(con
     assert second.stdout.startswith(f"replaced {out} (time limit 1 d 2 h;"), second.stdout
     assert second.stdout.endswith(f"submit with: sbatch {out})\n"), second.stdout
     assert out.read_text().startswith("#!/bin/bash\n")
+    # printed and saved by the shell, then edited: kept too (it had no digest line)
+    printed = hpctrain(*render_args("train", config_file, "--log-dir", str(logs)))
+    out.write_text(printed.stdout + "# edited by hand\n")
+    refused = hpctrain(*args)
+    assert refused.returncode == 2 and "was edited since" in refused.stderr, refused.stderr
+    out.write_text(printed.stdout)
+    assert hpctrain(*args).returncode == 0
     # any other file is not -o's to replace: the config itself, a hand-written script
     for theirs in (Path(config_file), tmp_path / "mine.sbatch"):
         if not theirs.exists():
@@ -302,7 +309,7 @@ def test_site_options_are_checked(change, message, config_file):
     "template, sets, nodes, per_node, message",
     [
         ("pipeline", ["strategy=pipeline"], 1, 3, "pipeline.stages=2 needs a multiple of 2"),
-        ("pipeline", ["strategy=pipeline", "pipeline.stages=4"], 1, 1, "gives 1"),
+        ("pipeline", ["strategy=pipeline", "pipeline.stages=3"], 1, 1, "gives 1"),
         ("ps", ["ps.servers=2"], 1, 2, "ps.servers=2 leaves no worker"),
         ("moe", [], 1, 2, "has no model.moe: use the train template"),
         ("moe", MOE_MODEL[:2] + ["model.moe={experts: 4}"], 1, 3, "cannot be split evenly"),

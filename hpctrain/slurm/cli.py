@@ -290,8 +290,8 @@ def _refuse_replacing_what_was_not_rendered(path: Path) -> None:
     """-o replaces a script an earlier render wrote and nobody edited since (re-rendering
     is how one changes), never another file (a config, a hand-written sbatch script) nor
     a rendered script edited by hand: its last line holds the digest of what render
-    wrote (a script from before the digest, or one printed to stdout, has none and is
-    replaced as before)."""
+    wrote, whether to -o or to stdout (a script rendered before the digest has none and
+    is replaced as before)."""
     try:
         with path.open(errors="replace") as f:
             text = f.read(_MOST_READ)
@@ -402,7 +402,8 @@ def _cmd_slurm(args) -> int:
         print(f"[hpctrain] warning: {note}", file=sys.stderr)
     if args.slurm_command == "render":
         if args.output is None:
-            sys.stdout.write(rendered.text)
+            # the digest too: `render > FILE`, edited, is then kept from a later -o
+            sys.stdout.write(rendered.text + _digest_line(rendered.text))
         else:
             _render_to_file(Path(args.output), Path(args.log_dir), rendered)
         return 0
