@@ -229,8 +229,8 @@ def _signal_during_evaluation(run, epochs: int, tag: str, layout=()):
     of its newest checkpoint, the overrides to resume it with)."""
     from hpctrain.checkpoint import load
 
-    common = [*layout, f"train.epochs={epochs}", "data.train_samples=256"]
-    common += ["train.batch_size=32", "data.val_samples=4096"]
+    common = [f"train.epochs={epochs}", "data.train_samples=256"]
+    common += ["train.batch_size=32", "data.val_samples=4096", *layout]
     proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
     out = _usr1_after_steps(proc, run, tag, steps=4)  # the epoch's 4th and last step
     events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
@@ -266,15 +266,20 @@ def test_a_signal_during_a_long_evaluation_ends_it_and_checkpoints_the_next_epoc
     # data parallel's per-batch agreement is the test above's; what this one adds (the
     # last evaluation ends the run as finished) is the loop's, whatever the strategy:
     # make test runs it through the pipeline, whose agreement is its own
-    [pytest.param((), marks=pytest.mark.extended), PIPE2],
-    ids=["data_parallel", "pipeline"],
+    [
+        pytest.param((), marks=pytest.mark.extended),
+        PIPE2,
+        ["strategy=parameter_server", "train.batch_size=64"],  # one worker: 4 steps too
+    ],
+    ids=["data_parallel", "pipeline", "parameter_server"],
 )
 def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tmp_path, layout):
     """The same signal during the last epoch's evaluation: nothing is left to train, so the
     run ends as finished (exit 0, its final save at the last step, not preempted: a
     requeue would only start a finished job again), without the evaluation's figures.
     A pipeline's evaluation went on to its end (its stages run staggered): it now stops
-    between chunks of batches."""
+    between chunks of batches; so did the parameter server's (its servers, with no
+    batches, asked nothing)."""
     out, code, events, saved, _ = _signal_during_evaluation(
         tmp_path / "run", 1, f"{os.getpid()}-last-eval-signal", layout
     )
@@ -284,7 +289,9 @@ def test_a_signal_during_the_last_evaluation_ends_the_run_with_its_final_save(tm
     assert len(epochs) == 1 and epochs[0]["val_loss"] is None, epochs  # stopped early
     summary = next(x for x in events if x["event"] == "summary")
     assert summary["steps"] == 4 and summary["preempted"] is None, summary
-    assert (saved["step"], saved["epoch"], saved["position"]) == (4, 1, 0), saved
+    # (the parameter server's final state keeps its last epoch and position)
+    end = (4, 0, 256) if "strategy=parameter_server" in layout else (4, 1, 0)
+    assert (saved["step"], saved["epoch"], saved["position"]) == end, saved
 
 
 def test_moe_inside_pipeline_stages_with_zero_is_refused_before_any_work(tmp_path):

@@ -31,7 +31,13 @@ from ...backends import versions, worker_class
 from ...backends.base import OPTIMIZER_SLOTS, StepStats
 from ...backends.gradient_engine import average_array, join_words
 from ...backends.horovod_env import keys_set
-from ...data import ShardedTrainData, batch_problem, iterate_val, prepare_dataset
+from ...data import (
+    ShardedTrainData,
+    batch_problem,
+    iterate_val,
+    prepare_dataset,
+    val_batch_count,
+)
 from ...errors import CheckpointError, ConfigError, DataError
 from ...models import zoo
 from ...runtime import p2p
@@ -199,12 +205,22 @@ class ParameterServer(StrategyBase):
         return "preempted"  # every worker stops; `finish` saves with the servers
 
     def evaluate(self, stop=None) -> np.ndarray | None:
-        """Validation on the workers' final parameters (called by `finish` only; `stop`
-        is not asked: the run is over)."""
+        """Validation on the workers' final parameters (called by `finish` only); None
+        when `stop()` says a rank was signalled. It is a collective of every rank, asked
+        once per batch, so the servers, which evaluate nothing, step through as many
+        batches as a worker: a signal during a long evaluation (SLURM's 30 s before
+        SIGKILL) stops it within a batch, and the final save follows."""
         sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
-        if not self.is_server and self.dataset.val_size:
-            batch = max(256, self.cfg.train["batch_size"])
-            for x, y in iterate_val(self.dataset, self.index, self.n_workers, batch):
+        batch = max(256, self.cfg.train["batch_size"])
+        mine = (
+            () if self.is_server else iterate_val(self.dataset, self.index, self.n_workers, batch)
+        )
+        batches = iter(mine)
+        for _ in range(val_batch_count(self.dataset.val_size, self.n_workers, batch)):
+            if stop is not None and stop():
+                return None
+            if not self.is_server:
+                x, y = next(batches)
                 ev = self.model.evaluate(x, y)
                 sums += (ev.loss_sum, ev.correct, ev.count, len(y))
         return sums
