@@ -37,7 +37,7 @@ from pathlib import Path
 
 from . import stall
 
-_TAG_NOTICE, _TAG_PROBE, _TAG_ANSWER = 1, 2, 3
+_TAG_NOTICE, _TAG_PROBE, _TAG_ANSWER, _TAG_ALIVE_OK = 1, 2, 3, 4
 _PROBE_WAIT = 5.0  # how long rank 0 waits for answers: live monitors answer within a poll
 _GRACE_SECONDS = 3.0  # beyond the probe, how long other ranks wait for rank 0 to report
 _POLL_SECONDS = 1.0  # how often the monitor looks at deadlines and probes
@@ -60,6 +60,10 @@ class Watchdog:
         self._active: dict[int, tuple[str, float, float]] = {}  # seq -> (what, entered, limit)
         self._noticed: set[tuple[int, str]] = set()  # (seq, "warn"|"deadline") handled
         self._give_up_at: tuple[float, int, str, float] | None = None
+        # long waits past the collective timeout: rank 0's checks that every rank answered
+        # (seqs), and elsewhere the checks asked of rank 0: seq -> (give up at, what, limit)
+        self._alive_ok: set[int] = set()
+        self._awaiting_ok: dict[int, tuple[float, str, float]] = {}
         self._round = 0
         self._sends: list = []
         self._stop = threading.Event()
@@ -127,6 +131,7 @@ class Watchdog:
                 self._stalled(seq, what, "alive", limit)  # a longer deadline's liveness check
             if self.stall_warning > 0 and warn < limit and waited >= warn:
                 self._stalled(seq, what, "warn", limit)
+        self._check_rank0_answered(now, {seq for seq, _ in active})
         if self._give_up_at and now >= self._give_up_at[0]:
             _, seq, what, limit = self._give_up_at
             self._abort(
@@ -143,6 +148,9 @@ class Watchdog:
             self._investigate(seq, what, kind, limit)
             return
         self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
+        if kind == "alive":  # rank 0 answers once it has checked (two probes at most)
+            until = time.monotonic() + 2 * _PROBE_WAIT + _GRACE_SECONDS
+            self._awaiting_ok[seq] = (until, what, limit)
         if kind == "deadline":
             give_up = time.monotonic() + _PROBE_WAIT + _GRACE_SECONDS
             self._give_up_at = (give_up, seq, what, limit)
@@ -163,6 +171,10 @@ class Watchdog:
                 if (seq, kind) not in self._noticed:
                     self._noticed.add((seq, kind))
                     self._investigate(seq, what, kind, limit)
+                if kind == "alive" and seq in self._alive_ok:
+                    self._sends.append(self._comm.isend(seq, src, _TAG_ALIVE_OK))
+            elif tag == _TAG_ALIVE_OK:
+                self._awaiting_ok.pop(msg, None)
             # a late answer from an earlier round is dropped
         self._sends = [r for r in self._sends if not r.Test()]
 
@@ -217,14 +229,17 @@ class Watchdog:
         and it waits on; a rank silent to two probes in a row (stopped or lost, not busy:
         a writing rank's monitor answers within a poll) cannot finish it, and the job
         ends now rather than at the long deadline. Cost: nothing unless a wait is that
-        long; then two probes, N-1 small messages each, once."""
+        long; then two probes, N-1 small messages each, once, and an answer to each rank
+        that asked (a rank whose question rank 0 does not answer names rank 0)."""
         members = self._world_ranks()
         first = stall.judge(seq, what, members, self._probe(False))
         if not first.silent:
+            self._alive_ok.add(seq)
             return
         answers = self._probe(self.report_dir is not None)
         silent = [r for r in members if r not in answers and r in first.silent]
         if not silent:
+            self._alive_ok.add(seq)
             return
         verdict = stall.Verdict(seq, what, silent, {})  # the others write on: not the cause
         where = ""
@@ -238,6 +253,21 @@ class Watchdog:
             f"(runtime.collective_timeout) of its {limit:g} s: {verdict.summary()}, twice "
             f"{_PROBE_WAIT:g} s apart, so it cannot finish.{where}"
         )
+
+    def _check_rank0_answered(self, now: float, active: set[int]) -> None:
+        """A rank other than 0 whose long wait asked rank 0 to check on every rank: no
+        answer in time means rank 0 itself is stopped or lost (it holds the check)."""
+        for seq, (until, what, limit) in list(self._awaiting_ok.items()):
+            if seq not in active:  # the wait ended: nothing to answer for
+                del self._awaiting_ok[seq]
+            elif now >= until:
+                self._abort(
+                    f"watchdog: '{what}' (collective #{seq}) has waited {self.timeout:g} s "
+                    f"(runtime.collective_timeout) of its {limit:g} s, and rank 0 did not "
+                    f"answer within {2 * _PROBE_WAIT + _GRACE_SECONDS:g} s "
+                    "when asked to check on every rank: rank 0 is stopped, hung while holding "
+                    "the interpreter, or lost, so it cannot finish."
+                )
 
     def _probe(self, with_stacks: bool) -> dict[int, stall.Snapshot]:
         """Ask every rank's monitor for its snapshot; keyed by world rank; waits at most
