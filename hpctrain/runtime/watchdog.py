@@ -62,8 +62,8 @@ class Watchdog:
         self._give_up_at: tuple[float, int, str, float] | None = None
         # long waits past the collective timeout: rank 0's checks that every rank answered
         # (seqs), and elsewhere the checks asked of rank 0: seq -> (give up at, what, limit)
-        self._alive_ok: set[int] = set()
-        self._awaiting_ok: dict[int, tuple[float, str, float]] = {}
+        self._alive_ok: set[tuple[int, str]] = set()  # (seq, "alive-<round>")
+        self._awaiting_ok: dict[tuple[int, str], tuple[float, str, float]] = {}
         self._round = 0
         self._sends: list = []
         self._stop = threading.Event()
@@ -127,8 +127,9 @@ class Watchdog:
             if waited >= limit:
                 self._stalled(seq, what, "deadline", limit)
                 continue
-            if limit > self.timeout and waited >= self.timeout:
-                self._stalled(seq, what, "alive", limit)  # a longer deadline's liveness check
+            if limit > self.timeout and waited >= self.timeout:  # a longer deadline's liveness
+                rounds = int(waited // self.timeout)  # check, again every collective timeout
+                self._stalled(seq, what, f"alive-{rounds}", limit)
             if self.stall_warning > 0 and warn < limit and waited >= warn:
                 self._stalled(seq, what, "warn", limit)
         self._check_rank0_answered(now, {seq for seq, _ in active})
@@ -148,9 +149,9 @@ class Watchdog:
             self._investigate(seq, what, kind, limit)
             return
         self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
-        if kind == "alive":  # rank 0 answers once it has checked (two probes at most)
+        if kind.startswith("alive"):  # rank 0 answers once it has checked (two probes at most)
             until = time.monotonic() + 2 * _PROBE_WAIT + _GRACE_SECONDS
-            self._awaiting_ok[seq] = (until, what, limit)
+            self._awaiting_ok[(seq, kind)] = (until, what, limit)
         if kind == "deadline":
             give_up = time.monotonic() + _PROBE_WAIT + _GRACE_SECONDS
             self._give_up_at = (give_up, seq, what, limit)
@@ -171,10 +172,10 @@ class Watchdog:
                 if (seq, kind) not in self._noticed:
                     self._noticed.add((seq, kind))
                     self._investigate(seq, what, kind, limit)
-                if kind == "alive" and seq in self._alive_ok:
-                    self._sends.append(self._comm.isend(seq, src, _TAG_ALIVE_OK))
+                if (seq, kind) in self._alive_ok:
+                    self._sends.append(self._comm.isend((seq, kind), src, _TAG_ALIVE_OK))
             elif tag == _TAG_ALIVE_OK:
-                self._awaiting_ok.pop(msg, None)
+                self._awaiting_ok.pop(tuple(msg), None)
             # a late answer from an earlier round is dropped
         self._sends = [r for r in self._sends if not r.Test()]
 
@@ -184,8 +185,8 @@ class Watchdog:
 
     # --- rank 0: probe, judge, warn or end the job --------------------------------------
     def _investigate(self, seq: int, what: str, kind: str, limit: float):
-        if kind == "alive":
-            self._check_alive(seq, what, limit)
+        if kind.startswith("alive"):
+            self._check_alive(seq, kind, what, limit)
             return
         deadline = kind == "deadline"
         with_stacks = deadline and self.report_dir is not None
@@ -223,7 +224,7 @@ class Watchdog:
             f"{limit:g} s: {verdict.summary()}.{where}{advice}"
         )
 
-    def _check_alive(self, seq: int, what: str, limit: float):
+    def _check_alive(self, seq: int, kind: str, what: str, limit: float):
         """A wait with a long deadline of its own (a checkpoint write's, 1 h by default)
         that has passed the collective timeout: the ranks still writing answer the probe
         and it waits on; a rank silent to two probes in a row (stopped or lost, not busy:
@@ -234,12 +235,12 @@ class Watchdog:
         members = self._world_ranks()
         first = stall.judge(seq, what, members, self._probe(False))
         if not first.silent:
-            self._alive_ok.add(seq)
+            self._alive_ok.add((seq, kind))
             return
         answers = self._probe(self.report_dir is not None)
         silent = [r for r in members if r not in answers and r in first.silent]
         if not silent:
-            self._alive_ok.add(seq)
+            self._alive_ok.add((seq, kind))
             return
         verdict = stall.Verdict(seq, what, silent, {})  # the others write on: not the cause
         where = ""
@@ -249,22 +250,27 @@ class Watchdog:
                     f" Report: {stall.write_report(self.report_dir, verdict, members, answers)}."
                 )
         self._abort(
-            f"watchdog: '{what}' (collective #{seq}) has waited {self.timeout:g} s "
-            f"(runtime.collective_timeout) of its {limit:g} s: {verdict.summary()}, twice "
-            f"{_PROBE_WAIT:g} s apart, so it cannot finish.{where}"
+            f"watchdog: '{what}' (collective #{seq}) {self._waited(kind, limit)}: "
+            f"{verdict.summary()}, twice {_PROBE_WAIT:g} s apart, so it cannot finish.{where}"
         )
+
+    def _waited(self, kind: str, limit: float) -> str:
+        """How long a long wait had waited at its liveness check `kind` ("alive-<round>")."""
+        waited = int(kind.rsplit("-", 1)[1]) * self.timeout
+        of = f"of its {limit:g} s" if limit != float("inf") else "(no deadline of its own)"
+        return f"has waited {waited:g} s {of} (checked every runtime.collective_timeout)"
 
     def _check_rank0_answered(self, now: float, active: set[int]) -> None:
         """A rank other than 0 whose long wait asked rank 0 to check on every rank: no
         answer in time means rank 0 itself is stopped or lost (it holds the check)."""
-        for seq, (until, what, limit) in list(self._awaiting_ok.items()):
+        for key, (until, what, limit) in list(self._awaiting_ok.items()):
+            seq, kind = key
             if seq not in active:  # the wait ended: nothing to answer for
-                del self._awaiting_ok[seq]
+                del self._awaiting_ok[key]
             elif now >= until:
                 self._abort(
-                    f"watchdog: '{what}' (collective #{seq}) has waited {self.timeout:g} s "
-                    f"(runtime.collective_timeout) of its {limit:g} s, and rank 0 did not "
-                    f"answer within {2 * _PROBE_WAIT + _GRACE_SECONDS:g} s "
+                    f"watchdog: '{what}' (collective #{seq}) {self._waited(kind, limit)}, "
+                    f"and rank 0 did not answer within {2 * _PROBE_WAIT + _GRACE_SECONDS:g} s "
                     "when asked to check on every rank: rank 0 is stopped, hung while holding "
                     "the interpreter, or lost, so it cannot finish."
                 )

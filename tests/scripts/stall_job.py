@@ -1,5 +1,5 @@
 """Watchdog stall jobs: MODE=skip (rank SKIP_RANK never enters a barrier: it sleeps, or
-with SKIP_HOW=stop stops itself) or MODE=normal
+with SKIP_HOW=stop stops itself, STOP_AFTER seconds in) or MODE=normal
 (many quick collectives; a rank stopped inside a collective: stall_train.py); with
 OWN_DEADLINE, the skipped wait has a deadline of its own (a checkpoint write's). TIMEOUT,
 STALL_WARNING and REPORT_DIR set the watchdog; the deadline and the warning apply only
@@ -27,7 +27,8 @@ def main():
     w.set_stall_warning(float(os.environ.get("STALL_WARNING", "60")))
     if mode == "skip":
         if w.rank == int(os.environ.get("SKIP_RANK", "1")):
-            if os.environ.get("SKIP_HOW") == "stop":  # stopped (SIGSTOP), not merely busy
+            if os.environ.get("SKIP_HOW") == "stop":  # stopped (SIGSTOP), not merely busy,
+                time.sleep(float(os.environ.get("STOP_AFTER", "0")))  # after a while alive
                 os.kill(os.getpid(), signal.SIGSTOP)
             time.sleep(120)
             return
