@@ -188,7 +188,10 @@ def test_bounded_staleness_scales_and_rejects_by_the_configured_numbers(tmp_path
         "ps.mode=bounded",
         f"ps.staleness_bound={bound}",
         f"ps.staleness_decay={decay}",
-        env={"HPCTRAIN_FAULT_PS_DELAY": "2:0.25"},  # worker 2 waits 0.25 s before each push
+        # worker 2 waits 0.5 s before each push: it ends ~6 s after the others, which
+        # waited for it under the 2 s collective timeout and failed the job; now they wait
+        # while every rank answers the watchdog's liveness probe
+        env={"HPCTRAIN_FAULT_PS_DELAY": "2:0.5", "TIMEOUT": "2"},
     )
     s = lines[-1]
     accepted = {int(k): n for k, n in s["staleness_accepted"].items()}

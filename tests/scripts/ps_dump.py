@@ -1,16 +1,18 @@
 """Train with the parameter server and dump worker 0's final weights (pickle-free npz).
 
 usage: ps_dump.py OUT.npz [--run-dir DIR] [--resume auto|FILE] [--set key=value ...]   (strategy is set to parameter_server)
+TIMEOUT (env): the collective timeout once the run is built (the final wait's under test).
 Every worker checks that it holds the same final weights (allreduce MIN = MAX of
 checksums over all ranks; servers contribute the workers' values through worker 0).
 """
 
+import os
 import sys
 
 import numpy as np
 
 from hpctrain import Config, TrainingLoop
-from hpctrain.runtime import Faults, run_fail_together
+from hpctrain.runtime import Faults, run_fail_together, world
 
 
 def main():
@@ -28,6 +30,8 @@ def main():
         resume=opts.get("--resume"),
         faults=Faults.from_env(),  # the tests' HPCTRAIN_FAULT_* (a slow or silent worker)
     )
+    if os.environ.get("TIMEOUT"):  # from here on: the start keeps the configured one
+        world(collective_timeout=float(os.environ["TIMEOUT"]))
     loop.fit()
     w, runner = loop.world, loop.strategy
     weights = getattr(runner, "final_weights", None)

@@ -22,6 +22,7 @@ data-parallel training and back.
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections import OrderedDict
 
@@ -257,15 +258,7 @@ class ParameterServer(StrategyBase):
         w = self.world
         if not self.is_server:
             self.stats = self.worker.stop()
-        # Finished ranks (and a silenced worker) wait here without spinning, with a
-        # deadline: a rank that never finishes is named instead of hanging the job.
-        p2p.wait_or_abort(
-            w,
-            [w.comm.Ibarrier()],
-            f"parameter server: rank {w.rank} finished and waits for the others",
-            "a rank still training or serving",
-            backoff=P.Backoff(0.01),
-        )
+        self._wait_for_every_rank_to_finish()
         preempted = w.any_flag(ctx.preempted() or ctx.pre.requested, "agree on preemption")
         self._final_weights()
         result = {} if preempted else ctx.evaluate()
@@ -291,6 +284,26 @@ class ParameterServer(StrategyBase):
             final = (max(s["steps"] for s in workers), ctx.state.epoch, ctx.state.position)
         step, epoch, position = w.bcast_object(final, what="agree on the final step")
         return RunEnd(step, epoch, position, dict(result), preempted, label="preempted")
+
+    def _wait_for_every_rank_to_finish(self) -> None:
+        """Finished ranks (and a silenced worker) wait here without spinning. In sync
+        mode every worker ends at the same version: a rank that does not finish within
+        the collective timeout is named. Async and bounded workers end at their own pace
+        (what the modes are for: a worker 10 minutes slower than the fastest failed the
+        job here), so the wait has no deadline of its own while every rank answers the
+        watchdog's liveness probe, asked every collective timeout: a stopped or lost rank
+        (a worker the servers dropped and that never came back) is named then."""
+        w = self.world
+        barrier = [w.comm.Ibarrier()]
+        if self.cfg.ps["mode"] == "sync":
+            what = f"parameter server: rank {w.rank} finished and waits for the others"
+            p2p.wait_or_abort(
+                w, barrier, what, "a rank still training or serving", backoff=P.Backoff(0.01)
+            )
+            return
+        what = "parameter server: the finished ranks wait for those still training"
+        with w.watchdog.guard(what, timeout=math.inf):
+            p2p.wait_all(w.MPI, barrier, P.Backoff(0.01))
 
     def _final_weights(self) -> None:
         """Every server broadcasts its shard; workers load the full parameters."""
