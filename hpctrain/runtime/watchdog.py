@@ -257,8 +257,8 @@ class Watchdog:
     def _waited(self, kind: str, limit: float) -> str:
         """How long a long wait had waited at its liveness check `kind` ("alive-<round>")."""
         waited = int(kind.rsplit("-", 1)[1]) * self.timeout
-        of = f"of its {limit:g} s" if limit != float("inf") else "(no deadline of its own)"
-        return f"has waited {waited:g} s {of} (checked every runtime.collective_timeout)"
+        of = f" of its {limit:g} s" if limit != float("inf") else ", with no deadline of its own"
+        return f"has waited {waited:g} s{of} (checked every runtime.collective_timeout)"
 
     def _check_rank0_answered(self, now: float, active: set[int]) -> None:
         """A rank other than 0 whose long wait asked rank 0 to check on every rank: no
