@@ -60,9 +60,10 @@ class Watchdog:
         self._active: dict[int, tuple[str, float, float]] = {}  # seq -> (what, entered, limit)
         self._noticed: set[tuple[int, str]] = set()  # (seq, "warn"|"deadline") handled
         self._give_up_at: tuple[float, int, str, float] | None = None
-        # long waits past the collective timeout: rank 0's checks that every rank answered
-        # (seqs), and elsewhere the checks asked of rank 0: seq -> (give up at, what, limit)
-        self._alive_ok: set[tuple[int, str]] = set()  # (seq, "alive-<round>")
+        # long waits past the collective timeout: when rank 0 last started a check that
+        # every rank answered, and elsewhere the checks asked of rank 0:
+        # (seq, "alive-<round>") -> (give up at, what, limit)
+        self._alive_at: float | None = None
         self._awaiting_ok: dict[tuple[int, str], tuple[float, str, float]] = {}
         self._round = 0
         self._sends: list = []
@@ -146,7 +147,10 @@ class Watchdog:
             return
         self._noticed.add((seq, kind))
         if self.rank == 0:
-            self._investigate(seq, what, kind, limit)
+            if kind.startswith("alive"):
+                self._answer_alive(seq, kind, what, limit, None)
+            else:
+                self._investigate(seq, what, kind, limit)
             return
         self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
         if kind.startswith("alive"):  # rank 0 answers once it has checked (two probes at most)
@@ -169,11 +173,11 @@ class Watchdog:
                 )
             elif tag == _TAG_NOTICE and self.rank == 0:
                 seq, what, kind, limit = msg
-                if (seq, kind) not in self._noticed:
+                if kind.startswith("alive"):  # each rank's question gets its answer
+                    self._answer_alive(seq, kind, what, limit, src)
+                elif (seq, kind) not in self._noticed:
                     self._noticed.add((seq, kind))
                     self._investigate(seq, what, kind, limit)
-                if (seq, kind) in self._alive_ok:
-                    self._sends.append(self._comm.isend((seq, kind), src, _TAG_ALIVE_OK))
             elif tag == _TAG_ALIVE_OK:
                 self._awaiting_ok.pop(tuple(msg), None)
             # a late answer from an earlier round is dropped
@@ -185,9 +189,6 @@ class Watchdog:
 
     # --- rank 0: probe, judge, warn or end the job --------------------------------------
     def _investigate(self, seq: int, what: str, kind: str, limit: float):
-        if kind.startswith("alive"):
-            self._check_alive(seq, kind, what, limit)
-            return
         deadline = kind == "deadline"
         with_stacks = deadline and self.report_dir is not None
         answers = self._probe(with_stacks)
@@ -224,6 +225,18 @@ class Watchdog:
             f"{limit:g} s: {verdict.summary()}.{where}{advice}"
         )
 
+    def _answer_alive(self, seq: int, kind: str, what: str, limit: float, src: int | None):
+        """Rank 0: a long wait's liveness check, asked by `src` (None: rank 0's own). One
+        check serves every question of the next half collective timeout: the ranks of one
+        long wait ask at about the same time, and their sections' numbers differ (each
+        rank counts its own), so they cannot tell rank 0 they are asking about one wait."""
+        now = time.monotonic()
+        if self._alive_at is None or now - self._alive_at >= self.timeout / 2:
+            self._check_alive(seq, kind, what, limit)  # ends the job when a rank is silent
+            self._alive_at = now
+        if src is not None:
+            self._sends.append(self._comm.isend((seq, kind), src, _TAG_ALIVE_OK))
+
     def _check_alive(self, seq: int, kind: str, what: str, limit: float):
         """A wait with a long deadline of its own (a checkpoint write's, 1 h by default)
         that has passed the collective timeout: the ranks still writing answer the probe
@@ -238,12 +251,10 @@ class Watchdog:
         members = self._world_ranks()
         first = stall.judge(seq, what, members, self._probe(False))
         if not first.silent:
-            self._alive_ok.add((seq, kind))
             return
         answers = self._probe(self.report_dir is not None)
         silent = [r for r in members if r not in answers and r in first.silent]
         if not silent:
-            self._alive_ok.add((seq, kind))
             return
         verdict = stall.Verdict(seq, what, silent, {})  # the others write on: not the cause
         where = ""
