@@ -15,6 +15,10 @@ At the warning it prints this once; at the deadline it writes a report (every ra
 last sections and stacks) into the directory the loop set (`set_report_dir`) and ends
 the job. If rank 0 itself does not answer, the other ranks end the job naming rank 0.
 
+A wait with a longer deadline of its own (a checkpoint write's, the parameter server's
+end, which has none) is checked at every collective timeout instead: rank 0 probes, and
+only a rank silent to two probes ends it (`_check_alive`); ranks still at work answer.
+
 Cost per guarded collective: a counter, a lock and a ring append on the calling rank,
 no message and no thread wake-up, so it does not grow with the number of ranks
 (benchmarks/bench_watchdog.py, 2-core VM: 5.5-7.4 us of CPU per guard at np 2, 4, 8
