@@ -9,6 +9,7 @@ Cost: one Testall per poll, independent of the number of ranks.
 
 from __future__ import annotations
 
+import math
 import time
 
 
@@ -93,3 +94,12 @@ def wait_or_abort(
         f"{what}: no answer from {', '.join(late) or 'a peer'} within {limit:g} s "
         "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
     )
+
+
+def wait_while_every_rank_answers(world, requests: list, what: str, backoff: Backoff) -> None:
+    """Wait for `requests` with no deadline of their own, for as long as every rank of
+    `world` answers the watchdog's liveness probe (asked every collective timeout: a
+    stopped or lost rank is named then). For a wait whose length is the others' work,
+    not a fault: finished ranks waiting for slower ones."""
+    with world.watchdog.guard(what, timeout=math.inf):
+        wait_all(world.MPI, requests, backoff)

@@ -22,7 +22,6 @@ data-parallel training and back.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import OrderedDict
 
@@ -213,14 +212,13 @@ class ParameterServer(StrategyBase):
         SIGKILL) stops it within a batch, and the final save follows."""
         sums = np.zeros(4)  # loss, correct, count (tokens for language models), samples
         batch = max(256, self.cfg.train["batch_size"])
-        mine = (
-            () if self.is_server else iterate_val(self.dataset, self.index, self.n_workers, batch)
+        batches = (
+            None if self.is_server else iterate_val(self.dataset, self.index, self.n_workers, batch)
         )
-        batches = iter(mine)
         for _ in range(val_batch_count(self.dataset.val_size, self.n_workers, batch)):
             if stop is not None and stop():
                 return None
-            if not self.is_server:
+            if batches is not None:
                 x, y = next(batches)
                 ev = self.model.evaluate(x, y)
                 sums += (ev.loss_sum, ev.correct, ev.count, len(y))
@@ -302,8 +300,7 @@ class ParameterServer(StrategyBase):
             )
             return
         what = "parameter server: the finished ranks wait for those still training"
-        with w.watchdog.guard(what, timeout=math.inf):
-            p2p.wait_all(w.MPI, barrier, P.Backoff(0.01))
+        p2p.wait_while_every_rank_answers(w, barrier, what, P.Backoff(0.01))
 
     def _final_weights(self) -> None:
         """Every server broadcasts its shard; workers load the full parameters."""
