@@ -279,6 +279,14 @@ SCHEMA: dict[str, Any] = {
             "looks once a second)",
             minimum=1,
         ),
+        "startup_timeout": _f(
+            600.0,
+            (int, float),
+            "seconds a collective before the first step may wait when longer than "
+            "collective_timeout (ranks import, build and read data at their own pace); a "
+            "stopped rank is still named at every collective_timeout",
+            minimum=1,
+        ),
         "stall_warning": _f(
             60.0,
             (int, float),

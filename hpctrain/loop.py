@@ -87,6 +87,7 @@ def prepare_process(cfg: Config):
         rt["collective_timeout"],
         rt["stall_warning"],
         OpenMpiDefaults(yield_when_idle=rt["mpi_yield_when_idle"], tcp_links=rt["tcp_links"]),
+        rt["startup_timeout"],
     )
 
 
@@ -364,6 +365,7 @@ class TrainingLoop:
         try:
             s.begin(ctx)
             if s.serves:
+                w.end_startup()  # its waits from here are the workers' steps'
                 s.serve(ctx)  # parameter servers: until every worker is done
             else:
                 self._train()
@@ -421,6 +423,7 @@ class TrainingLoop:
         reducer = StepReducer(
             s.report_comm, cfg.train["overlap_step_metrics"], deferred=s.step_sums_on_device
         )
+        starting = True  # until the first step, waits may take runtime.startup_timeout
         while st.epoch < cfg.train["epochs"] and st.step < self.total_steps:
             self._run.update(count=0)
             t_epoch = t_last = time.perf_counter()
@@ -429,6 +432,9 @@ class TrainingLoop:
             for batch in s.batches(st.epoch, st.position):
                 lr = self.schedule.lr(st.step, s.lr_replicas)
                 stats = s.step(batch, lr, tally=self._logged(st.step + 1))
+                if starting:  # this run's first step has run on this rank
+                    self.world.end_startup()
+                    starting = False
                 st.step += 1
                 self._step_faults.after_step(self.world.rank, st.step)
                 st.position += self.data.global_batch

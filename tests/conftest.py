@@ -41,6 +41,7 @@ QUICK_MODULES = frozenset(
         "test_checkpoint_format",
         "test_checkpoint_policy",
         "test_checkpoint_sharded",
+        "test_clock",
         "test_code_shape",
         "test_config",
         "test_data",

@@ -868,6 +868,34 @@ def test_sbatch_of_the_rendered_train_template_trains_on_two_ranks(slurm, config
     assert f"job {job_id} (restart 0): 2 ranks on localhost" in out
 
 
+@pytest.mark.timeout(420)
+def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tmp_path):
+    """`scontrol suspend` stops every process of the job (SIGSTOP) and `scontrol resume`
+    continues them: for longer than the collective timeout, the watchdog ended the job
+    at once on resume. Its deadlines now leave out the time the processes did not run."""
+    logs, runs = tmp_path / "logs", tmp_path / "runs"
+    args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2"]
+    args += ["--time", "00:10:00", "--config", str(config_file), *TINY]
+    args += ["--set", "train.epochs=2", "--set", "data.train_samples=16384"]
+    args += ["--set", "runtime.collective_timeout=3"]
+    args += ["--set", "train.log_every=1", "--log-dir", str(logs), "--run-root", str(runs)]
+    submitted = hpctrain(*args, cwd=tmp_path, env=slurm.env)
+    assert submitted.returncode == 0, submitted.stderr
+    job_id = submitted.stdout.strip()
+    try:
+        _wait_for_steps(runs / f"hpctrain-train-{job_id}" / "metrics.jsonl", 3, logs)
+        assert slurm.run("scontrol", "suspend", job_id).returncode == 0
+        time.sleep(8)
+        assert slurm.job(job_id)["JobState"] == "SUSPENDED", _job_logs(logs)
+        assert slurm.run("scontrol", "resume", job_id).returncode == 0
+        info = slurm.wait_job(job_id, timeout=300)
+    finally:
+        slurm.run("scancel", job_id, timeout=20)
+    out = _job_logs(logs)
+    assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
+    assert re.search(r"watchdog: this process did not run for \d+ s", out), out
+
+
 REQUEUE_JOB = f"""#!/bin/bash
 #SBATCH --time=00:05:00
 #SBATCH --output={{log}}

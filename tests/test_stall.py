@@ -97,6 +97,41 @@ def test_a_stopped_rank_ends_a_wait_with_a_long_deadline_at_the_collective_timeo
     assert "=== rank 1: no answer" in next(tmp_path.glob("stall-report-*.txt")).read_text()
 
 
+def test_a_rank_slow_to_start_waits_for_the_startup_timeout_not_the_collective_one():
+    """A parameter server's start failed with a 10 s collective timeout: its servers
+    waited in 'agree on errors' while the workers imported torch. Until a run's first
+    step a wait may take runtime.startup_timeout (its liveness checked at every collective
+    timeout); after it, the collective timeout again."""
+    env = {"MODE": "startup", "STARTUP_TIMEOUT": "30", "SKIP_DELAY": "5", "TIMEOUT": "2"}
+    job = mpirun(2, PYTHON, SCRIPT, env=env, timeout=120)
+    assert job.returncode != 0
+    assert "start-up barrier passed" in job.output, job.output
+    assert re.search(
+        r"FATAL: watchdog: 'test barrier' \(collective #\d+\) did not finish within 2 s: "
+        r"rank\(s\) 1 never arrived \(rank 1 never arrived, it last entered 'start-up barrier "
+        r"\(start-up, runtime.startup_timeout\)'",
+        job.output,
+    ), job.output
+
+
+def test_a_parameter_server_job_suspended_whole_and_resumed_finishes(tmp_path):
+    """A SIGSTOP to every rank (`scontrol suspend`: test_slurm.py suspends a data-parallel
+    job on real SLURM) for longer than the collective timeout and the heartbeat timeout,
+    then SIGCONT: the server dropped every worker, the watchdog ended the job. The time
+    a process did not run no longer counts (runtime/clock.py)."""
+    sets = ["train.epochs=6", "data.train_samples=512", "train.batch_size=16"]
+    sets += ["metrics.tensorboard=false", "checkpoint.enabled=false"]
+    sets += ["runtime.collective_timeout=3", "strategy=parameter_server"]
+    sets += ["ps.mode=async", "ps.heartbeat_timeout=3"]
+    args = [str(ROOT / "tests" / "scripts" / "stall_train.py"), str(tmp_path / "run")]
+    for s in sets:
+        args += ["--set", s]
+    job = mpirun(3, PYTHON, *args, env={"SUSPEND": "7"}, timeout=180)
+    assert job.returncode == 0, job.output
+    assert re.search(r"watchdog: this process did not run for \d+ s", job.output), job.output
+    assert "done: steps=" in job.output and "WARNING" not in job.output, job.output
+
+
 def test_no_warning_in_a_normal_run():
     job = mpirun(
         4,

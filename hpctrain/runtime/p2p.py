@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 import time
 
+from .clock import not_running
+
 
 class Backoff:
     """Poll without sleeping for `spin_s` after the last event (a reply usually follows
@@ -44,8 +46,10 @@ class Backoff:
 def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> list[int]:
     """Indices of requests that completed, waiting (with backoff) until at least one has.
 
-    Returns [] when `deadline` (time.monotonic) passes first, or when none is active.
+    Returns [] when `deadline` (time.monotonic) passes first, or when none is active. A
+    pause while this process was not running (suspended) does not count (clock.py).
     """
+    last = time.monotonic()
     while True:
         done = MPI.Request.Testsome(requests)
         if done is None:
@@ -53,16 +57,26 @@ def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -
         if done:
             backoff.reset()
             return list(done)
-        if deadline is not None and time.monotonic() >= deadline:
-            return []
+        if deadline is not None:
+            now = time.monotonic()
+            deadline += not_running(last, backoff.max, now)
+            if now >= deadline:
+                return []
+            last = now
         backoff.idle()
 
 
 def wait_all(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> bool:
-    """Wait for every request with backoff; False if the deadline passed first."""
+    """Wait for every request with backoff; False if the deadline passed first (not
+    counting a pause while this process was not running: clock.py)."""
+    last = time.monotonic()
     while not MPI.Request.Testall(requests):
-        if deadline is not None and time.monotonic() >= deadline:
-            return False
+        if deadline is not None:
+            now = time.monotonic()
+            deadline += not_running(last, backoff.max, now)
+            if now >= deadline:
+                return False
+            last = now
         backoff.idle()
     backoff.reset()
     return True

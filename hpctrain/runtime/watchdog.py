@@ -18,6 +18,9 @@ the job. If rank 0 itself does not answer, the other ranks end the job naming ra
 A wait with a longer deadline of its own (a checkpoint write's, the parameter server's
 end, which has none) is checked at every collective timeout instead: rank 0 probes, and
 only a rank silent to two probes ends it (`_check_alive`); ranks still at work answer.
+So is every wait before a run's first step (`starting`), under `startup_timeout`. Each
+deadline counts only the time this process ran: a job suspended whole and resumed goes
+on (clock.py).
 
 Cost per guarded collective: a counter, a lock and a ring append on the calling rank,
 no message and no thread wake-up, so it does not grow with the number of ranks
@@ -40,6 +43,7 @@ import time
 from pathlib import Path
 
 from . import stall
+from .clock import RunningClock
 
 _TAG_NOTICE, _TAG_PROBE, _TAG_ANSWER, _TAG_ALIVE_OK = 1, 2, 3, 4
 _PROBE_WAIT = 5.0  # how long rank 0 waits for answers: live monitors answer within a poll
@@ -56,11 +60,16 @@ class Watchdog:
         self.size = comm.Get_size()
         self.timeout = float(timeout)
         self.stall_warning = float(stall_warning)
+        # from a run's start (World.begin_startup) to its first step (end_startup) waits
+        # may take startup_timeout
+        self.starting, self.startup_timeout = False, float(timeout)
         self.report_dir: Path | None = None
         self._abort = abort  # callable(message) -> never returns
         self._seq = 0
         self._lock = threading.Lock()
         self._log = stall.SectionLog()
+        self._clock = RunningClock()  # leaves out a suspension of this process (clock.py)
+        self.says_pauses = True  # the world's says it; its axes' would say it again
         self._active: dict[int, tuple[str, float, float]] = {}  # seq -> (what, entered, limit)
         self._noticed: set[tuple[int, str]] = set()  # (seq, "warn"|"deadline") handled
         self._give_up_at: tuple[float, int, str, float] | None = None
@@ -90,9 +99,14 @@ class Watchdog:
         self._seq += 1
         seq = self._seq
         limit = self.timeout if timeout is None else timeout
+        if timeout is None and self.starting and self.startup_timeout > self.timeout:
+            # a start-up wait: ranks import, build and read at their own pace (the servers
+            # of a parameter server wait for workers importing torch), so it has a deadline
+            # of its own, checked for stopped ranks at every collective timeout
+            what, limit = f"{what} (start-up, runtime.startup_timeout)", self.startup_timeout
         with self._lock:
             section = self._log.enter(seq, what)
-            self._active[seq] = (what, time.monotonic(), limit)
+            self._active[seq] = (what, self._clock.now(), limit)
         try:
             yield
         finally:
@@ -112,16 +126,26 @@ class Watchdog:
         from mpi4py import MPI
 
         self._MPI = MPI
+        now = self._clock.now()
         while not self._stop.is_set():
             if MPI.Is_finalized():
                 return
             self._serve()
-            self._check_deadlines()
+            self._check_deadlines(now)  # read after the wait: a pause after it comes next
             poll = min(_POLL_SECONDS, max(0.05, self.timeout / 10)) if self.timeout > 0 else 1
+            before = time.monotonic()
             self._stop.wait(poll)
+            after = time.monotonic()
+            pause = self._clock.leave_out(before, poll, after)
+            now = after - self._clock.left_out
+            if pause and self.rank == 0 and self.says_pauses:
+                sys.stderr.write(
+                    f"[rank 0] watchdog: this process did not run for {pause:.0f} s "
+                    "(suspended or stopped); its waits' deadlines leave that time out\n"
+                )
+                sys.stderr.flush()
 
-    def _check_deadlines(self):
-        now = time.monotonic()
+    def _check_deadlines(self, now: float):
         with self._lock:
             active = list(self._active.items())
         for seq, (what, entered, limit) in active:
@@ -158,10 +182,10 @@ class Watchdog:
             return
         self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
         if kind.startswith("alive"):  # rank 0 answers once it has checked (two probes at most)
-            until = time.monotonic() + 2 * _PROBE_WAIT + _GRACE_SECONDS
+            until = self._clock.now() + 2 * _PROBE_WAIT + _GRACE_SECONDS
             self._awaiting_ok[(seq, kind)] = (until, what, limit)
         if kind == "deadline":
-            give_up = time.monotonic() + _PROBE_WAIT + _GRACE_SECONDS
+            give_up = self._clock.now() + _PROBE_WAIT + _GRACE_SECONDS
             self._give_up_at = (give_up, seq, what, limit)
 
     def _serve(self):
@@ -234,7 +258,7 @@ class Watchdog:
         check serves every question of the next half collective timeout: the ranks of one
         long wait ask at about the same time, and their sections' numbers differ (each
         rank counts its own), so they cannot tell rank 0 they are asking about one wait."""
-        now = time.monotonic()
+        now = self._clock.now()
         if self._alive_at is None or now - self._alive_at >= self.timeout / 2:
             self._check_alive(seq, kind, what, limit)  # ends the job when a rank is silent
             self._alive_at = now

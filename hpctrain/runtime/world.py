@@ -139,6 +139,9 @@ class World(GuardedComm):
     def _guard(self, name: str, comm) -> GuardedComm:
         watchdog = Watchdog(comm, self.watchdog.timeout, self.abort, self.watchdog.stall_warning)
         watchdog.report_dir = self.watchdog.report_dir
+        watchdog.starting = self.watchdog.starting
+        watchdog.says_pauses = False
+        watchdog.startup_timeout = self.watchdog.startup_timeout
         self._watchdogs.append(watchdog)
         return GuardedComm.over(name, comm, watchdog, self.MPI, self.abort)
 
@@ -177,6 +180,20 @@ class World(GuardedComm):
         for w in self._watchdogs:
             w.stall_warning = float(seconds)
 
+    def begin_startup(self, seconds: float) -> None:
+        """A run starts: until its first step (`end_startup`) waits may take `seconds`
+        (imports, building, reading data and checkpoints, at each rank's own pace) when
+        that is longer than the collective timeout; a stopped rank is still named at
+        every collective timeout (the watchdog's liveness check)."""
+        for w in self._watchdogs:
+            w.starting, w.startup_timeout = True, float(seconds)
+
+    def end_startup(self) -> None:
+        """From now on (this rank's first step has run) every wait has the collective
+        timeout. Rank-local and idempotent: a rank ahead by a step waits at most a step."""
+        for w in self._watchdogs:
+            w.starting = False
+
     # --- ending the job ------------------------------------------------------------
     def abort(self, message: str, code: int = 1):
         """Print `message` once from this rank and end every rank of the job now."""
@@ -197,13 +214,16 @@ def world(
     collective_timeout: float | None = None,
     stall_warning: float | None = None,
     openmpi: OpenMpiDefaults | None = None,
+    startup_timeout: float | None = None,
 ) -> World:
     """The process's World, created on first use (this initialises MPI).
 
-    collective_timeout, stall_warning: the watchdog's deadline and warning
-    (`runtime.collective_timeout`, `runtime.stall_warning`; 600 s and 60 s when None on
-    first use); given again later, they replace the running values. openmpi: Open MPI
-    defaults to put in the environment before MPI starts (first use only; openmpi.py).
+    collective_timeout, stall_warning, startup_timeout: the watchdog's deadline, warning
+    and the start-up waits' deadline (`runtime.collective_timeout`, `runtime.stall_warning`,
+    `runtime.startup_timeout`; 600 s, 60 s and 600 s when None on first use); given again
+    later, they replace the running values (startup_timeout also starts a run's start-up:
+    `begin_startup`). openmpi: Open MPI defaults to put in the
+    environment before MPI starts (first use only; openmpi.py).
     """
     global _world
     with _world_lock:
@@ -220,6 +240,8 @@ def world(
                 _world.watchdog.timeout = float(collective_timeout)
             if stall_warning is not None:
                 _world.set_stall_warning(stall_warning)
+        if startup_timeout is not None:
+            _world.begin_startup(startup_timeout)
         return _world
 
 

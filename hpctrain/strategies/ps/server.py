@@ -23,6 +23,7 @@ import time
 
 import numpy as np
 
+from ...runtime.clock import RunningClock
 from . import protocol as P
 from .optim import FlatOptimizer
 
@@ -70,7 +71,10 @@ class Server:
         self.active = set()
         self.done, self.dropped = set(), set()
         self.waiting = []  # sync: workers whose gradient for this version is in
-        self.last_seen = [time.monotonic()] * nw
+        # heartbeats are judged on this process's running time: a whole job suspended
+        # and resumed does not drop every worker (runtime/clock.py)
+        self.clock = RunningClock()
+        self.last_seen = [self.clock.now()] * nw
         self.stats = {
             "server": index,
             "rank": world.rank,
@@ -99,10 +103,12 @@ class Server:
         t0, cpu0 = time.monotonic(), time.process_time()
         next_check = t0 + min(1.0, self.timeout / 4)
         while len(self.done | self.dropped) < nw:
+            since = time.monotonic()
+            planned = max(0.0, next_check - since)  # the poll's longest sleep
             for i in P.poll(self.MPI, self.reqs, self.backoff, deadline=next_check):
                 self.active.discard(i)
                 kind, w = divmod(i, nw)
-                self.last_seen[w] = time.monotonic()
+                self.last_seen[w] = self.clock.now()
                 if kind == 0:
                     self._on_push(w)
                 elif kind == 1:
@@ -113,8 +119,9 @@ class Server:
                     if w not in self.done:
                         self._post(i)
             now = time.monotonic()
+            self.clock.leave_out(since, planned, now)  # an update of seconds: not listening
             if now >= next_check:
-                self._check_heartbeats(now)
+                self._check_heartbeats(now - self.clock.left_out)
                 next_check = now + min(1.0, self.timeout / 4)
         self._finish()
         self.stats["seconds"] = time.monotonic() - t0
@@ -221,7 +228,7 @@ class Server:
         if flags & P.FLAG_SAVE and not flags & P.FLAG_PREEMPT and self.on_checkpoint:
             # the workers join the same collective once they have these replies
             self.on_checkpoint(self)
-            self.last_seen = [time.monotonic()] * len(self.workers)
+            self.last_seen = [self.clock.now()] * len(self.workers)
 
     def _check_heartbeats(self, now: float) -> None:
         for w in range(len(self.workers)):

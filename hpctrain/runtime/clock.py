@@ -1,0 +1,46 @@
+"""Deadlines that leave out the time a process was not running.
+
+A job suspended whole (`scontrol suspend`, SLURM's suspend preemption, a SIGSTOP to
+every rank) and resumed later must go on where it was: its collectives did not take
+longer, its processes were not running. Time.monotonic keeps counting through a
+suspension, so each loop that watches a deadline (the watchdog's monitor, the
+point-to-point waits, the parameter server's heartbeats) notices a pause of its own
+longer than `NOT_RUNNING_SECONDS` beyond what it slept, and leaves that pause out. A
+rank stopped alone is still named: the others, running, count on.
+"""
+
+from __future__ import annotations
+
+import time
+
+# No poll of ours sleeps for more than a second: a pause this much longer than the sleep
+# asked for is a process that was not running (stopped, or the machine suspended it),
+# not a slow one (a loaded machine delays a thread by milliseconds to a second or two).
+NOT_RUNNING_SECONDS = 5.0
+
+
+def not_running(since: float, expected: float = 0.0, now: float | None = None) -> float:
+    """Seconds a loop was not running from `since` to `now` (time.monotonic; now when
+    None) beyond the `expected` seconds it slept or worked: 0 unless more than
+    NOT_RUNNING_SECONDS. A loop that compares `now` with a deadline passes the same
+    `now`, so a pause cannot fall between the two readings."""
+    pause = (time.monotonic() if now is None else now) - since - expected
+    return pause if pause > NOT_RUNNING_SECONDS else 0.0
+
+
+class RunningClock:
+    """time.monotonic less the pauses its loop reported (`leave_out`): deadlines read
+    from it count only the time this process ran."""
+
+    def __init__(self) -> None:
+        self.left_out = 0.0
+
+    def now(self) -> float:
+        return time.monotonic() - self.left_out
+
+    def leave_out(self, since: float, expected: float = 0.0, now: float | None = None) -> float:
+        """Leave out the pause from `since` to `now` (time.monotonic) beyond `expected`,
+        if the process was not running (`not_running`); returns that pause (0 if none)."""
+        pause = not_running(since, expected, now)
+        self.left_out += pause
+        return pause

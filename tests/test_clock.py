@@ -1,0 +1,71 @@
+"""Deadlines leave out a pause in which the process did not run (runtime/clock.py): a
+job suspended whole (`scontrol suspend`) goes on when resumed. The jobs that show it are
+in test_slurm.py (real SLURM) and test_stall.py; here, the rule and the point-to-point
+wait with a clock that jumps as a suspension makes it jump."""
+
+import time
+
+import pytest
+
+from hpctrain.runtime import clock, p2p
+
+
+def test_a_pause_longer_than_the_threshold_beyond_the_sleep_is_not_running():
+    now = time.monotonic()
+    assert clock.not_running(now - 3.0) == 0.0  # a loaded machine's delay: it ran
+    assert clock.not_running(now - 12.0, expected=1.0) == pytest.approx(11.0, abs=0.5)
+    assert clock.not_running(now - 5.5, expected=1.0) == 0.0  # 4.5 s beyond its sleep
+
+
+def test_a_running_clock_leaves_out_only_the_pauses_it_was_told_of():
+    c = clock.RunningClock()
+    start = c.now()
+    assert c.leave_out(time.monotonic() - 2.0) == 0.0
+    assert c.leave_out(time.monotonic() - 30.0, expected=0.5) == pytest.approx(29.5, abs=0.5)
+    assert c.now() - start == pytest.approx(-29.5, abs=0.5)  # 29.5 s earlier than monotonic
+
+
+class _Requests:
+    """An MPI stand-in whose requests complete at the `done_at`-th test."""
+
+    def __init__(self, done_at: int):
+        self.tests, self.done_at = 0, done_at
+        self.Request = self
+
+    def Testall(self, requests):
+        self.tests += 1
+        return self.tests >= self.done_at
+
+
+class _JumpingTime:
+    """time.monotonic as a suspension makes it: +`jump` seconds at the `at`-th reading."""
+
+    def __init__(self, at: int, jump: float):
+        self.reads, self.at, self.jump, self.offset = 0, at, jump, 0.0
+
+    def monotonic(self):
+        self.reads += 1
+        if self.reads == self.at:
+            self.offset += self.jump
+        return time.perf_counter() + self.offset
+
+    def perf_counter(self):
+        return time.perf_counter()
+
+    def sleep(self, seconds):
+        time.sleep(seconds)
+
+
+def test_a_point_to_point_wait_suspended_past_its_deadline_goes_on(monkeypatch):
+    fake = _JumpingTime(at=3, jump=60.0)
+    monkeypatch.setattr(p2p, "time", fake)
+    mpi = _Requests(done_at=6)
+    deadline = fake.monotonic() + 2.0
+    assert p2p.wait_all(mpi, [], p2p.Backoff(0.001), deadline)  # was False at the jump
+    assert mpi.tests == 6
+
+
+def test_a_point_to_point_wait_still_ends_at_its_deadline(monkeypatch):
+    mpi = _Requests(done_at=10**9)
+    deadline = time.monotonic() + 0.2
+    assert not p2p.wait_all(mpi, [], p2p.Backoff(0.01), deadline)
