@@ -30,6 +30,17 @@ def test_a_rank_that_never_arrives_is_named_with_what_it_last_entered(tmp_path):
     assert "time.sleep" in text or "main" in text.split("=== rank 1 on ")[1]
 
 
+def test_a_missing_rank_zero_is_named():
+    """Rank 0 probes and judges: when it is the rank that never arrives, the others'
+    notice has it name itself (when it does not answer either, they name it: the long
+    wait's test below)."""
+    job = mpirun(2, PYTHON, SCRIPT, env={"MODE": "skip", "SKIP_RANK": "0", "TIMEOUT": "3"})
+    assert job.returncode != 0
+    assert re.search(r"'test barrier' .* within 3 s: rank\(s\) 0 never arrived", job.output), (
+        job.output
+    )
+
+
 def test_early_warning_names_the_missing_rank_before_the_deadline():
     job = mpirun(
         2,
@@ -102,7 +113,7 @@ def test_a_rank_slow_to_start_waits_for_the_startup_timeout_not_the_collective_o
     waited in 'agree on errors' while the workers imported torch. Until a run's first
     step a wait may take runtime.startup_timeout (its liveness checked at every collective
     timeout); after it, the collective timeout again."""
-    env = {"MODE": "startup", "STARTUP_TIMEOUT": "30", "SKIP_DELAY": "5", "TIMEOUT": "2"}
+    env = {"MODE": "startup", "STARTUP_TIMEOUT": "30", "SKIP_DELAY": "4", "TIMEOUT": "2"}
     job = mpirun(2, PYTHON, SCRIPT, env=env, timeout=120)
     assert job.returncode != 0
     assert "start-up barrier passed" in job.output, job.output
@@ -126,7 +137,7 @@ def test_a_parameter_server_job_suspended_whole_and_resumed_finishes(tmp_path):
     args = [str(ROOT / "tests" / "scripts" / "stall_train.py"), str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]
-    job = mpirun(3, PYTHON, *args, env={"SUSPEND": "7"}, timeout=180)
+    job = mpirun(3, PYTHON, *args, env={"SUSPEND": "6"}, timeout=180)
     assert job.returncode == 0, job.output
     assert re.search(r"watchdog: this process did not run for \d+ s", job.output), job.output
     assert "done: steps=" in job.output and "WARNING" not in job.output, job.output
