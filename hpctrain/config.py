@@ -282,7 +282,7 @@ SCHEMA: dict[str, Any] = {
         "startup_timeout": _f(
             600.0,
             (int, float),
-            "seconds a collective before the first step may wait when longer than "
+            "seconds a wait before the first step may take when longer than "
             "collective_timeout (ranks import, build and read data at their own pace); a "
             "stopped rank is still named at every collective_timeout",
             minimum=1,

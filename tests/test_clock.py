@@ -57,15 +57,26 @@ class _JumpingTime:
 
 
 def test_a_point_to_point_wait_suspended_past_its_deadline_goes_on(monkeypatch):
-    fake = _JumpingTime(at=3, jump=60.0)
-    monkeypatch.setattr(p2p, "time", fake)
+    fake = _JumpingTime(at=3, jump=60.0)  # 1: the deadline, 2: the wait's start
+    monkeypatch.setattr(clock, "time", fake)
     mpi = _Requests(done_at=6)
     deadline = fake.monotonic() + 2.0
     assert p2p.wait_all(mpi, [], p2p.Backoff(0.001), deadline)  # was False at the jump
     assert mpi.tests == 6
 
 
-def test_a_point_to_point_wait_still_ends_at_its_deadline(monkeypatch):
+def test_a_deadline_shared_by_several_polls_keeps_a_pause_one_of_them_saw(monkeypatch):
+    """A compressed ring's hop polls once per piece with one deadline: a pause seen by
+    one poll must not expire the next (each computed its own from the same end)."""
+    fake = _JumpingTime(at=3, jump=60.0)
+    monkeypatch.setattr(clock, "time", fake)
+    deadline = clock.Deadline.after(2.0)
+    assert not deadline.passed(0.001)  # the first poll sees the pause
+    assert not deadline.passed(0.001)  # the next one still waits
+    assert deadline.moved == pytest.approx(60.0, abs=0.5)
+
+
+def test_a_point_to_point_wait_still_ends_at_its_deadline():
     mpi = _Requests(done_at=10**9)
     deadline = time.monotonic() + 0.2
     assert not p2p.wait_all(mpi, [], p2p.Backoff(0.01), deadline)

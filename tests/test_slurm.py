@@ -893,7 +893,7 @@ def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tm
         slurm.run("scancel", job_id, timeout=20)
     out = _job_logs(logs)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
-    assert re.search(r"watchdog: this process did not run for \d+ s", out), out
+    assert re.search(r"watchdog: its thread did not run for \d+ s", out), out
 
 
 REQUEUE_JOB = f"""#!/bin/bash

@@ -44,3 +44,28 @@ class RunningClock:
         pause = not_running(since, expected, now)
         self.left_out += pause
         return pause
+
+
+class Deadline:
+    """A deadline in time.monotonic that moves on by each pause in which this process
+    did not run, as seen between one reading (`passed`) and the next. Several waits may
+    share one (a ring's hop polls once per piece): a pause seen by one is kept."""
+
+    def __init__(self, at: float) -> None:
+        self.at = at
+        self.moved = 0.0  # the pauses left out so far
+        self._last = time.monotonic()
+
+    @classmethod
+    def after(cls, seconds: float) -> Deadline:
+        return cls(time.monotonic() + seconds)
+
+    def passed(self, expected: float = 0.0) -> bool:
+        """Whether it has passed; `expected`: the longest the caller sleeps or works
+        between two readings (more than that, and NOT_RUNNING_SECONDS, is a pause)."""
+        now = time.monotonic()
+        pause = not_running(self._last, expected, now)
+        self.at += pause
+        self.moved += pause
+        self._last = now
+        return now >= self.at

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import time
 
-from .clock import not_running
+from .clock import Deadline
 
 
 class Backoff:
@@ -43,13 +43,14 @@ class Backoff:
         self.since = None
 
 
-def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> list[int]:
+def poll(MPI, requests: list, backoff: Backoff, deadline=None) -> list[int]:
     """Indices of requests that completed, waiting (with backoff) until at least one has.
 
-    Returns [] when `deadline` (time.monotonic) passes first, or when none is active. A
-    pause while this process was not running (suspended) does not count (clock.py).
+    Returns [] when `deadline` (time.monotonic, or a clock.Deadline that several polls
+    share) passes first, or when none is active. A pause while this process was not
+    running (suspended) does not count (clock.py).
     """
-    last = time.monotonic()
+    until = _deadline(deadline)
     while True:
         done = MPI.Request.Testsome(requests)
         if done is None:
@@ -57,29 +58,25 @@ def poll(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -
         if done:
             backoff.reset()
             return list(done)
-        if deadline is not None:
-            now = time.monotonic()
-            deadline += not_running(last, backoff.max, now)
-            if now >= deadline:
-                return []
-            last = now
+        if until is not None and until.passed(backoff.max):
+            return []
         backoff.idle()
 
 
-def wait_all(MPI, requests: list, backoff: Backoff, deadline: float | None = None) -> bool:
-    """Wait for every request with backoff; False if the deadline passed first (not
-    counting a pause while this process was not running: clock.py)."""
-    last = time.monotonic()
+def wait_all(MPI, requests: list, backoff: Backoff, deadline=None) -> bool:
+    """Wait for every request with backoff; False if the deadline (as for `poll`) passed
+    first, not counting a pause while this process was not running (clock.py)."""
+    until = _deadline(deadline)
     while not MPI.Request.Testall(requests):
-        if deadline is not None:
-            now = time.monotonic()
-            deadline += not_running(last, backoff.max, now)
-            if now >= deadline:
-                return False
-            last = now
+        if until is not None and until.passed(backoff.max):
+            return False
         backoff.idle()
     backoff.reset()
     return True
+
+
+def _deadline(deadline) -> Deadline | None:
+    return deadline if deadline is None or isinstance(deadline, Deadline) else Deadline(deadline)
 
 
 def wait_or_abort(
@@ -87,17 +84,17 @@ def wait_or_abort(
     requests: list,
     what: str,
     peers,
-    timeout: float | None = None,
     backoff: Backoff | None = None,
 ) -> None:
-    """Wait for `requests`; past `timeout` (default: the collective timeout) end the job
-    with a message naming `what` and the peer(s) still owing a message. `world` is any
-    guarded communicator (the World or a grid axis).
+    """Wait for `requests`; past the collective timeout (the start-up's while a run
+    starts: `Watchdog.default_limit`) end the job with a message naming `what` and the
+    peer(s) still owing a message. `world` is any guarded communicator (the World or a
+    grid axis).
 
     `peers` is one description per request (e.g. "stage 1 (rank 3)") or a single string.
     """
-    limit = world.watchdog.timeout if timeout is None else timeout
-    deadline = time.monotonic() + limit if limit and limit > 0 else None
+    limit, option = world.watchdog.default_limit()
+    deadline = Deadline.after(limit) if limit and limit > 0 else None
     if wait_all(world.MPI, requests, backoff or Backoff(0.5e-3), deadline):
         return
     if isinstance(peers, str):
@@ -106,7 +103,7 @@ def wait_or_abort(
         late = [p for p, r in zip(peers, requests) if not r.Test()]
     world.abort(
         f"{what}: no answer from {', '.join(late) or 'a peer'} within {limit:g} s "
-        "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
+        f"({option}): that rank stopped, hangs, or lost its link"
     )
 
 

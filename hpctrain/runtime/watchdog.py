@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from . import stall
-from .clock import RunningClock
+from .clock import Deadline, RunningClock
 
 _TAG_NOTICE, _TAG_PROBE, _TAG_ANSWER, _TAG_ALIVE_OK = 1, 2, 3, 4
 _PROBE_WAIT = 5.0  # how long rank 0 waits for answers: live monitors answer within a poll
@@ -98,12 +98,11 @@ class Watchdog:
             return
         self._seq += 1
         seq = self._seq
-        limit = self.timeout if timeout is None else timeout
-        if timeout is None and self.starting and self.startup_timeout > self.timeout:
-            # a start-up wait: ranks import, build and read at their own pace (the servers
-            # of a parameter server wait for workers importing torch), so it has a deadline
-            # of its own, checked for stopped ranks at every collective timeout
-            what, limit = f"{what} (start-up, runtime.startup_timeout)", self.startup_timeout
+        limit = timeout
+        if timeout is None:
+            limit, option = self.default_limit()
+            if option != "runtime.collective_timeout":  # a deadline of its own, named in
+                what = f"{what} (start-up, {option})"  # `what`, with liveness checks
         with self._lock:
             section = self._log.enter(seq, what)
             self._active[seq] = (what, self._clock.now(), limit)
@@ -113,6 +112,14 @@ class Watchdog:
             with self._lock:
                 self._active.pop(seq, None)
                 section.left = time.time()
+
+    def default_limit(self) -> tuple[float, str]:
+        """The deadline of a wait that has none of its own, and the option setting it.
+        While a run starts (ranks import, build and read at their own pace: a parameter
+        server's servers waited for workers importing torch) the start-up's, if longer."""
+        if self.starting and self.startup_timeout > self.timeout:
+            return self.startup_timeout, "runtime.startup_timeout"
+        return self.timeout, "runtime.collective_timeout"
 
     def close(self):
         """Stop the monitor thread before MPI is finalised."""
@@ -140,8 +147,8 @@ class Watchdog:
             now = after - self._clock.left_out
             if pause and self.rank == 0 and self.says_pauses:
                 sys.stderr.write(
-                    f"[rank 0] watchdog: this process did not run for {pause:.0f} s "
-                    "(suspended or stopped); its waits' deadlines leave that time out\n"
+                    f"[rank 0] watchdog: its thread did not run for {pause:.0f} s (the "
+                    "process suspended, or the interpreter held); deadlines leave that out\n"
                 )
                 sys.stderr.flush()
 
@@ -149,6 +156,11 @@ class Watchdog:
         with self._lock:
             active = list(self._active.items())
         for seq, (what, entered, limit) in active:
+            if now < entered:  # entered after a resume, before its pause was left out
+                with self._lock:
+                    if seq in self._active:
+                        self._active[seq] = (what, now, limit)
+                continue
             # a wait with a deadline of its own (a checkpoint write's) warns at half of
             # it: a 100 GB write warned at every save that its writer "never arrived"
             warn = self.stall_warning if limit == self.timeout else limit / 2
@@ -328,14 +340,15 @@ class Watchdog:
         mine = self._snapshot(with_stacks)
         answers = {mine.rank: mine}
         status = MPI.Status()
-        until = time.monotonic() + _PROBE_WAIT
-        while len(answers) < self.size and time.monotonic() < until:
+        until = Deadline.after(_PROBE_WAIT)  # a suspension meanwhile is no one's silence
+        while len(answers) < self.size and not until.passed(0.01):
             if self._comm.Iprobe(source=MPI.ANY_SOURCE, tag=_TAG_ANSWER, status=status):
                 got_round, snap = self._comm.recv(source=status.Get_source(), tag=_TAG_ANSWER)
                 if got_round == round_id:
                     answers[snap.rank] = snap
             else:
                 time.sleep(0.01)
+        self._clock.left_out += until.moved  # and out of the sections' deadlines
         return answers
 
     def _world_ranks(self) -> list[int]:

@@ -17,10 +17,9 @@ neighbour that is late.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
+from ...runtime.clock import Deadline
 from ...runtime.p2p import Backoff, poll, wait_or_abort
 from ..reducer import DenseStats, compressed_stats, flat_buffer
 
@@ -140,8 +139,9 @@ class HalfRing(DenseStats):
         inbox = [np.empty(p.stop - p.start + self.header, np.uint16) for p in pieces]
         recvs = [self.raw.Irecv(m, left, tag=TAG) for m in inbox]  # matched in order
         waiting = len(recvs)
-        limit = w.watchdog.timeout
-        deadline = time.monotonic() + limit if limit and limit > 0 else None
+        limit, option = w.watchdog.default_limit()
+        # one deadline for the hop's polls: a pause (a suspended job) seen by one is kept
+        deadline = Deadline.after(limit) if limit and limit > 0 else None
         sent, outbox = [], []
         for msg in sends:
             outbox.append(msg)  # alive until sent
@@ -156,7 +156,7 @@ class HalfRing(DenseStats):
             if not done:
                 w.abort(
                     f"{what}: no answer from rank {left} within {limit:g} s "
-                    "(runtime.collective_timeout): that rank stopped, hangs, or lost its link"
+                    f"({option}): that rank stopped, hangs, or lost its link"
                 )
             for i in done:
                 land(pieces[i], inbox[i])

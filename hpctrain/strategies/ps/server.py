@@ -104,8 +104,11 @@ class Server:
         next_check = t0 + min(1.0, self.timeout / 4)
         while len(self.done | self.dropped) < nw:
             since = time.monotonic()
-            planned = max(0.0, next_check - since)  # the poll's longest sleep
-            for i in P.poll(self.MPI, self.reqs, self.backoff, deadline=next_check):
+            done = P.poll(self.MPI, self.reqs, self.backoff, deadline=next_check)
+            # a pause in the poll (a suspended job) is not the workers' silence; its own
+            # work between polls counts (a worker is judged on what the server could hear)
+            self.clock.leave_out(since, max(0.0, next_check - since))
+            for i in done:
                 self.active.discard(i)
                 kind, w = divmod(i, nw)
                 self.last_seen[w] = self.clock.now()
@@ -119,7 +122,6 @@ class Server:
                     if w not in self.done:
                         self._post(i)
             now = time.monotonic()
-            self.clock.leave_out(since, planned, now)  # an update of seconds: not listening
             if now >= next_check:
                 self._check_heartbeats(now - self.clock.left_out)
                 next_check = now + min(1.0, self.timeout / 4)
