@@ -105,11 +105,16 @@ def test_the_plan_matches_the_measured_peak(tmp_path, stage, env, tol, more):
 # 29 Nov): ZeRO-3 peak RSS 1,578 against 1,025 without checkpoints (+553); plain 1,754
 # against 1,452 (+300: the copy reuses heap a step frees), so there one planned copy is
 # above the peak: by 14.5-15.3% (fresh processes 29 Nov and 6 Dec, warm ranks 6 Dec),
-# held to 20%.
+# held to 20%. The plain case (12 s) is in `make test-extended`: its copy is the same
+# planned term as ZeRO-3's (model_state_bytes), which `make test` holds to 10%.
 SAVING = ["checkpoint.enabled=true", "checkpoint.async=true", "checkpoint.every_steps=1"]
 
 
-@pytest.mark.parametrize("stage, tol", [(3, 0.10), (0, 0.20)], ids=["zero3", "plain"])
+@pytest.mark.parametrize(
+    "stage, tol",
+    [(3, 0.10), pytest.param(0, 0.20, marks=pytest.mark.extended)],
+    ids=["zero3", "plain"],
+)
 def test_rank_zero_holds_the_planned_copy_of_an_async_checkpoint(tmp_path, stage, tol):
     import h5py
 
