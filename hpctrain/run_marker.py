@@ -7,7 +7,9 @@ the same steps and pruned each other's, and the timeline was neither run's.
 The marker names its run (host, pid, SLURM job, start) and its modification time is a
 heartbeat, renewed every HEARTBEAT_S by a thread of rank 0. A run that finds a marker
 refuses to start, naming that run, unless it is gone:
-- its heartbeat stopped (older than STALE_S: its node was lost, or it was killed);
+- its heartbeat stopped (older than STALE_S: its node was lost, or it was killed),
+  unless its process on this host is stopped (suspended: it goes on when resumed; on
+  another host a suspension longer than STALE_S cannot be told from a lost node);
 - it ran on this host and its process no longer exists;
 - it is an earlier incarnation of this SLURM job (a requeue, an elastic restart's step).
 `hpctrain elastic` removes it before each restart: the attempt it belonged to has ended.
@@ -128,9 +130,11 @@ def _why_gone(path: Path, text: str, env, now: float) -> str | None:
         age = now - path.stat().st_mtime
     except OSError:
         return "its marker is gone"
-    if age > STALE_S:
-        return f"its heartbeat stopped {age:.0f} s ago"
     holder = _holder(text)
+    if age > STALE_S:
+        if holder.get("host") == socket.gethostname() and _state(holder.get("pid")) == "T":
+            return None  # stopped (`scontrol suspend`): it goes on when resumed
+        return f"its heartbeat stopped {age:.0f} s ago"
     if not holder:
         return None  # being written, or not hpctrain's: wait for STALE_S
     if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
@@ -164,8 +168,11 @@ def _alive(pid, grace_s: float = EXIT_GRACE_S) -> bool:
         time.sleep(0.1)
 
 
-def _state(pid: int) -> str | None:
-    """The process state letter of /proc/PID/stat (R, S, D, Z, ...); None without /proc."""
+def _state(pid) -> str | None:
+    """The process state letter of /proc/PID/stat (R, S, D, T, Z, ...); None without
+    /proc or such a process."""
+    if not isinstance(pid, int) or pid <= 0:
+        return None
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             return f.read().rsplit(b")", 1)[1].split()[0].decode()

@@ -3,6 +3,7 @@ the first's heartbeat is fresh, and takes over the marker of a run that is gone.
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -57,6 +58,30 @@ def test_a_gone_runs_marker_is_taken_over(tmp_path):
     _write(tmp_path, host="node7", pid=123, job="42")
     run_marker.clear(tmp_path)  # hpctrain elastic, before a restart
     claim(tmp_path, env={}).release()
+
+
+def test_a_suspended_runs_stale_marker_on_this_host_is_not_taken_over(tmp_path):
+    """`scontrol suspend` stops a run's processes, its heartbeat with them: after STALE_S
+    a run started in its directory took it over, and both wrote there once it resumed."""
+    import socket
+
+    held = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        os.kill(held.pid, signal.SIGSTOP)
+        while run_marker._state(held.pid) != "T":
+            time.sleep(0.05)
+        _write(tmp_path, host=socket.gethostname(), pid=held.pid)
+        old = time.time() - STALE_S - 5
+        os.utime(tmp_path / MARKER, (old, old))
+        with pytest.raises(ConfigError, match=f"pid {held.pid}"):
+            claim(tmp_path, env={})
+        os.kill(held.pid, signal.SIGCONT)  # running again, its marker still stale: gone
+        while run_marker._state(held.pid) == "T":
+            time.sleep(0.05)
+        claim(tmp_path, env={}).release()
+    finally:
+        held.kill()
+        held.wait()
 
 
 def test_the_heartbeat_renews_the_marker_until_released(tmp_path):

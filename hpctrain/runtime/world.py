@@ -218,12 +218,12 @@ def world(
 ) -> World:
     """The process's World, created on first use (this initialises MPI).
 
-    collective_timeout, stall_warning, startup_timeout: the watchdog's deadline, warning
-    and the start-up waits' deadline (`runtime.collective_timeout`, `runtime.stall_warning`,
-    `runtime.startup_timeout`; 600 s, 60 s and 600 s when None on first use); given again
-    later, they replace the running values (startup_timeout also starts a run's start-up:
-    `begin_startup`). openmpi: Open MPI defaults to put in the
-    environment before MPI starts (first use only; openmpi.py).
+    collective_timeout, stall_warning: the watchdog's deadline and warning
+    (`runtime.collective_timeout`, `runtime.stall_warning`; 600 s and 60 s when None on
+    first use); given again later, they replace the running values. startup_timeout
+    (`runtime.startup_timeout`): a run starts, its waits' deadline until its first step
+    (`begin_startup`). openmpi: Open MPI defaults to put in the environment before MPI
+    starts (first use only; openmpi.py).
     """
     global _world
     with _world_lock:
