@@ -112,10 +112,12 @@ def _start(np_, args, tag, env=None, mpi_args=()):
     return DrainedPopen(cmd + list(args), env=env, cwd=ROOT)
 
 
-def _usr1_after_steps(proc, run, tag, steps=3) -> str:
-    """SIGUSR1 to rank 0 once `steps` steps are in; the job's output once it ends."""
+def _usr1_after_steps(proc, run, tag, steps=3, then=0.0) -> str:
+    """SIGUSR1 to rank 0 once `steps` steps are in (and `then` seconds more); the job's
+    output once it ends."""
     try:
         _wait_for_steps(run, steps, proc)
+        time.sleep(then)
         os.kill(_rank_pids(tag)[0], signal.SIGUSR1)
         return proc.finish(120)
     finally:
@@ -232,7 +234,10 @@ def _signal_during_evaluation(run, epochs: int, tag: str, layout=()):
     common = [f"train.epochs={epochs}", "data.train_samples=256"]
     common += ["train.batch_size=32", "data.val_samples=4096", *layout]
     proc = _start(2, _args(run, common), tag=tag, env={"HPCTRAIN_FAULT_EVAL_SLEEP": "0:1"})
-    out = _usr1_after_steps(proc, run, tag, steps=4)  # the epoch's 4th and last step
+    # the epoch's 4th and last step, and 1 s into the evaluation's 8: the parameter
+    # server's worker writes its last step's record before the ranks agree on a stop
+    # (a signal there is a preemption: 1 run in 8-16 here sent it that soon)
+    out = _usr1_after_steps(proc, run, tag, steps=4, then=1.0)
     events = [json.loads(x) for x in (run / "metrics.jsonl").open()]
     saved = load(sorted((run / "checkpoints").glob("ckpt-*.h5"))[-1]).trainer
     return out, proc.returncode, events, saved, common

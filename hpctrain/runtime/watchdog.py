@@ -113,6 +113,12 @@ class Watchdog:
                 self._active.pop(seq, None)
                 section.left = time.time()
 
+    @property
+    def clock(self) -> RunningClock:
+        """time.monotonic less the pauses this process did not run, as the monitor thread
+        sees them whatever the main thread is doing (the parameter server's heartbeats)."""
+        return self._clock
+
     def default_limit(self) -> tuple[float, str]:
         """The deadline of a wait that has none of its own, and the option setting it.
         While a run starts (ranks import, build and read at their own pace: a parameter

@@ -23,7 +23,6 @@ import time
 
 import numpy as np
 
-from ...runtime.clock import RunningClock
 from . import protocol as P
 from .optim import FlatOptimizer
 
@@ -71,10 +70,13 @@ class Server:
         self.active = set()
         self.done, self.dropped = set(), set()
         self.waiting = []  # sync: workers whose gradient for this version is in
-        # heartbeats are judged on this process's running time: a whole job suspended
-        # and resumed does not drop every worker (runtime/clock.py)
-        self.clock = RunningClock()
+        # heartbeats are judged on the time this process ran, as its watchdog's monitor
+        # thread keeps it whatever the server was doing (runtime/clock.py): a whole job
+        # suspended and resumed does not drop every worker. A silent worker is judged at
+        # two checks, so that a pause that just ended is left out by then.
+        self.clock = world.watchdog.clock
         self.last_seen = [self.clock.now()] * nw
+        self.suspect: set[int] = set()
         self.stats = {
             "server": index,
             "rank": world.rank,
@@ -103,12 +105,7 @@ class Server:
         t0, cpu0 = time.monotonic(), time.process_time()
         next_check = t0 + min(1.0, self.timeout / 4)
         while len(self.done | self.dropped) < nw:
-            since = time.monotonic()
-            done = P.poll(self.MPI, self.reqs, self.backoff, deadline=next_check)
-            # a pause in the poll (a suspended job) is not the workers' silence; its own
-            # work between polls counts (a worker is judged on what the server could hear)
-            self.clock.leave_out(since, max(0.0, next_check - since))
-            for i in done:
+            for i in P.poll(self.MPI, self.reqs, self.backoff, deadline=next_check):
                 self.active.discard(i)
                 kind, w = divmod(i, nw)
                 self.last_seen[w] = self.clock.now()
@@ -123,7 +120,7 @@ class Server:
                         self._post(i)
             now = time.monotonic()
             if now >= next_check:
-                self._check_heartbeats(now - self.clock.left_out)
+                self._check_heartbeats(self.clock.now())
                 next_check = now + min(1.0, self.timeout / 4)
         self._finish()
         self.stats["seconds"] = time.monotonic() - t0
@@ -234,9 +231,15 @@ class Server:
 
     def _check_heartbeats(self, now: float) -> None:
         for w in range(len(self.workers)):
-            if w in self.done or w in self.dropped or now - self.last_seen[w] <= self.timeout:
+            if w in self.done or w in self.dropped:
                 continue
             silent = now - self.last_seen[w]
+            if silent <= self.timeout:
+                self.suspect.discard(w)
+                continue
+            if w not in self.suspect:  # judged again at the next check (see __init__)
+                self.suspect.add(w)
+                continue
             if self.mode == "sync":
                 self.world.abort(
                     f"parameter server {self.index}: worker {w} (rank {self.workers[w]}) sent "
