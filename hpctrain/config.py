@@ -441,8 +441,9 @@ def timeline_problem(timeline: str | None) -> str | None:
 class _Loader(yaml.SafeLoader):
     """YAML with YAML 1.2 numbers (PyYAML, YAML 1.1, reads `1e-4` as a string, `017` as
     15 and `1:30` as 90, and `0o17` not as a number) and no duplicate keys (PyYAML keeps
-    the last silently: a second `train:` section dropped the first's settings). Merge keys (`<<: *defaults`) work as in PyYAML: a key of
-    the mapping itself overrides a merged one."""
+    the last silently: a second `train:` section dropped the first's settings). Merge
+    keys (`<<: *defaults`) work as in PyYAML: a key of the mapping itself overrides a
+    merged one."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()

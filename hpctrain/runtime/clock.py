@@ -19,12 +19,12 @@ import time
 NOT_RUNNING_SECONDS = 5.0
 
 
-def not_running(since: float, expected: float = 0.0, now: float | None = None) -> float:
-    """Seconds a loop was not running from `since` to `now` (time.monotonic; now when
-    None) beyond the `expected` seconds it slept or worked: 0 unless more than
-    NOT_RUNNING_SECONDS. A loop that compares `now` with a deadline passes the same
-    `now`, so a pause cannot fall between the two readings."""
-    pause = (time.monotonic() if now is None else now) - since - expected
+def not_running(since: float, expected: float, now: float) -> float:
+    """Seconds a loop was not running from `since` to `now` (time.monotonic) beyond the
+    `expected` seconds it slept or worked: 0 unless more than NOT_RUNNING_SECONDS. A
+    loop that compares `now` with a deadline passes the same `now`, so a pause cannot
+    fall between the two readings."""
+    pause = now - since - expected
     return pause if pause > NOT_RUNNING_SECONDS else 0.0
 
 
@@ -38,7 +38,7 @@ class RunningClock:
     def now(self) -> float:
         return time.monotonic() - self.left_out
 
-    def leave_out(self, since: float, expected: float = 0.0, now: float | None = None) -> float:
+    def leave_out(self, since: float, expected: float, now: float) -> float:
         """Leave out the pause from `since` to `now` (time.monotonic) beyond `expected`,
         if the process was not running (`not_running`); returns that pause (0 if none)."""
         pause = not_running(since, expected, now)

@@ -68,7 +68,10 @@ class Watchdog:
         self._seq = 0
         self._lock = threading.Lock()
         self._log = stall.SectionLog()
-        self._clock = RunningClock()  # leaves out a suspension of this process (clock.py)
+        # time.monotonic less the pauses in which this process did not run, as the monitor
+        # thread sees them whatever the main thread does (clock.py; the parameter
+        # server's heartbeats read it too)
+        self.clock = RunningClock()
         self.says_pauses = True  # the world's says it; its axes' would say it again
         self._active: dict[int, tuple[str, float, float]] = {}  # seq -> (what, entered, limit)
         self._noticed: set[tuple[int, str]] = set()  # (seq, "warn"|"deadline") handled
@@ -105,19 +108,13 @@ class Watchdog:
                 what = f"{what} (start-up, {option})"  # `what`, with liveness checks
         with self._lock:
             section = self._log.enter(seq, what)
-            self._active[seq] = (what, self._clock.now(), limit)
+            self._active[seq] = (what, self.clock.now(), limit)
         try:
             yield
         finally:
             with self._lock:
                 self._active.pop(seq, None)
                 section.left = time.time()
-
-    @property
-    def clock(self) -> RunningClock:
-        """time.monotonic less the pauses this process did not run, as the monitor thread
-        sees them whatever the main thread is doing (the parameter server's heartbeats)."""
-        return self._clock
 
     def default_limit(self) -> tuple[float, str]:
         """The deadline of a wait that has none of its own, and the option setting it.
@@ -139,7 +136,7 @@ class Watchdog:
         from mpi4py import MPI
 
         self._MPI = MPI
-        now = self._clock.now()
+        now = self.clock.now()
         while not self._stop.is_set():
             if MPI.Is_finalized():
                 return
@@ -149,8 +146,8 @@ class Watchdog:
             before = time.monotonic()
             self._stop.wait(poll)
             after = time.monotonic()
-            pause = self._clock.leave_out(before, poll, after)
-            now = after - self._clock.left_out
+            pause = self.clock.leave_out(before, poll, after)
+            now = after - self.clock.left_out
             if pause and self.rank == 0 and self.says_pauses:
                 sys.stderr.write(
                     f"[rank 0] watchdog: its thread did not run for {pause:.0f} s (the "
@@ -200,10 +197,10 @@ class Watchdog:
             return
         self._sends.append(self._comm.isend((seq, what, kind, limit), dest=0, tag=_TAG_NOTICE))
         if kind.startswith("alive"):  # rank 0 answers once it has checked (two probes at most)
-            until = self._clock.now() + 2 * _PROBE_WAIT + _GRACE_SECONDS
+            until = self.clock.now() + 2 * _PROBE_WAIT + _GRACE_SECONDS
             self._awaiting_ok[(seq, kind)] = (until, what, limit)
         if kind == "deadline":
-            give_up = self._clock.now() + _PROBE_WAIT + _GRACE_SECONDS
+            give_up = self.clock.now() + _PROBE_WAIT + _GRACE_SECONDS
             self._give_up_at = (give_up, seq, what, limit)
 
     def _serve(self):
@@ -276,7 +273,7 @@ class Watchdog:
         check serves every question of the next half collective timeout: the ranks of one
         long wait ask at about the same time, and their sections' numbers differ (each
         rank counts its own), so they cannot tell rank 0 they are asking about one wait."""
-        now = self._clock.now()
+        now = self.clock.now()
         if self._alive_at is None or now - self._alive_at >= self.timeout / 2:
             self._check_alive(seq, kind, what, limit)  # ends the job when a rank is silent
             self._alive_at = now
@@ -354,7 +351,7 @@ class Watchdog:
                     answers[snap.rank] = snap
             else:
                 time.sleep(0.01)
-        self._clock.left_out += until.moved  # and out of the sections' deadlines
+        self.clock.left_out += until.moved  # and out of the sections' deadlines
         return answers
 
     def _world_ranks(self) -> list[int]:
