@@ -1,8 +1,9 @@
 """The `hpctrain` command. Works unchanged under mpirun, srun and horovodrun.
 
-Every subcommand runs inside `run_fail_together`: a user error prints one clear line on
-every rank and exits 2; a crash on any rank aborts the whole job instead of leaving the
-other ranks waiting.
+Every subcommand runs inside `run_fail_together`: a user error every rank agreed on is
+printed once, by rank 0, as one clear line naming the ranks it concerns, and every rank
+exits 2; a crash on any rank aborts the whole job instead of leaving the other ranks
+waiting.
 """
 
 from __future__ import annotations
@@ -70,9 +71,11 @@ def _add_config_args(p: argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hpctrain",
-        description="MPI-launched training for PyTorch and TensorFlow on CPU and GPU ranks: "
-        "data parallelism (Horovod, MPI, NCCL/Gloo), ZeRO 1-3, tensor, pipeline and expert "
-        "parallelism, parameter servers; HDF5 data, metrics and checkpoints.",
+        description="MPI-launched training for PyTorch and TensorFlow: data parallelism "
+        "(Horovod, MPI, NCCL/Gloo), ZeRO 1-3, tensor, pipeline and expert parallelism, "
+        "parameter servers; HDF5 data, metrics and checkpoints. CPU ranks run all of it; "
+        "GPU ranks (torch) run data parallelism, the rest gated until tested on a GPU "
+        "(docs/gpu.md).",
         epilog=LAUNCH_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -124,7 +127,7 @@ def _add_train_commands(sub) -> None:
         (
             "train",
             "train a model (strategy: data_parallel, pipeline or parameter_server; "
-            "ZeRO, tensor and expert parallelism inside them)",
+            "ZeRO, tensor and expert parallelism inside the first two)",
             "Train the configured model on every rank of the job with the configured "
             "strategy. Writes config.yaml, metrics.jsonl and TensorBoard scalars into the "
             "run directory.",

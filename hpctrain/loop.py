@@ -38,6 +38,7 @@ from .errors import ConfigError, HpctrainError, StoppedBeforeStart, TrainingDive
 from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress, tensorboard_problem
 from .runtime import allocator
+from .runtime.clock import Stopwatch
 from .runtime.failfast import EXIT_INTERRUPTED
 from .runtime.faults import Faults
 from .runtime.memory import reset_peak_rss
@@ -348,7 +349,8 @@ class TrainingLoop:
             )
         self._fitted = True
         w, cfg, st, s = self.world, self.cfg, self.state, self.strategy
-        self.t_start = t_start = time.perf_counter()
+        self.t_start = time.perf_counter()
+        self.stopwatch = Stopwatch(w.watchdog.clock)  # leaves out a suspension
         self._run = {"samples": 0, "comm": 0.0, "compute": 0.0, "count": 0}
         self.last_eval: dict = {}
         self.preempted = None
@@ -381,7 +383,7 @@ class TrainingLoop:
             pre.uninstall()
             self.progress.close()
         try:
-            summary = self._summary(time.perf_counter() - t_start)
+            summary = self._summary()
         finally:
             self._release_marker()  # the run's last write is the summary's
         if self.checkpoints.requeue_after_run(pre):  # last: SLURM ends the job now
@@ -394,6 +396,7 @@ class TrainingLoop:
             state=self.state,
             total_steps=self.total_steps,
             t_start=self.t_start,
+            elapsed=self.stopwatch.elapsed,
             schedule=self.schedule,
             pre=self.pre,
             faults=self.faults,
@@ -426,7 +429,7 @@ class TrainingLoop:
         starting = True  # until the first step, waits may take runtime.startup_timeout
         while st.epoch < cfg.train["epochs"] and st.step < self.total_steps:
             self._run.update(count=0)
-            t_epoch = t_last = time.perf_counter()
+            t_epoch, t_last = self.stopwatch.elapsed(), time.perf_counter()
             flags: dict = {}
             deferred_save = False
             for batch in s.batches(st.epoch, st.position):
@@ -552,7 +555,7 @@ class TrainingLoop:
         due = (st.epoch + 1) % self.cfg.train["eval_every_epochs"] == 0
         if self.strategy.evaluates_in_loop and (due or st.step >= self.total_steps):
             result.update(self.evaluate())
-        elapsed = time.perf_counter() - t_epoch
+        elapsed = self.stopwatch.elapsed() - t_epoch
         self.metrics.write(
             "epoch",
             epoch=st.epoch,
@@ -601,8 +604,9 @@ class TrainingLoop:
             )
         return self.signalled_in_evaluation
 
-    def _summary(self, elapsed: float) -> dict:
+    def _summary(self) -> dict:
         w, st, cfg, run = self.world, self.state, self.cfg, self._run
+        elapsed, suspended = self.stopwatch.elapsed(), self.stopwatch.suspended()
         summary = {
             "steps": st.step,
             "epochs": st.epoch,
@@ -614,6 +618,7 @@ class TrainingLoop:
             "samples_per_sec_per_rank": run["samples"] / elapsed / w.size if elapsed else None,
             "comm_share": run["comm"] / run["compute"] if run["compute"] else None,
             "elapsed_sec": elapsed,
+            **({"suspended_sec": suspended} if suspended else {}),
             "resumed_from": self.resumed_from,
             "preempted": self.preempted,
             **self.last_eval,

@@ -103,3 +103,16 @@ def test_a_parameter_server_judges_a_silent_worker_at_two_checks():
     server.last_seen[1] -= 8.0  # ... but worker 1 really was silent
     server._check_heartbeats(server.clock.now())
     assert server.dropped == {1} and server.suspect == {1}
+
+
+def test_a_stopwatch_leaves_out_what_its_clock_left_out():
+    """A run's elapsed_sec and samples/s count the time it ran: a suspension its
+    watchdog's clock left out is reported beside them (suspended_sec)."""
+    running = clock.RunningClock()
+    running.left_out = 30.0  # before the run started: not this run's
+    watch = clock.Stopwatch(running)
+    time.sleep(0.3)
+    running.left_out += 0.25  # the monitor saw a pause of 0.25 s of these 0.3
+    assert watch.suspended() == 0.25
+    assert 0.04 < watch.elapsed() < 0.25
+    assert clock.Stopwatch().suspended() == 0.0  # no clock: wall time

@@ -894,6 +894,9 @@ def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tm
     out = _job_logs(logs)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
     assert re.search(r"watchdog: its thread did not run for \d+ s", out), out
+    metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
+    summary = [json.loads(x) for x in metrics.open() if '"summary"' in x][-1]
+    assert summary["suspended_sec"] > 5.0, summary  # left out of elapsed_sec and samples/s
 
 
 REQUEUE_JOB = f"""#!/bin/bash

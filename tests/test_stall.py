@@ -141,6 +141,8 @@ def test_a_parameter_server_job_suspended_whole_and_resumed_finishes(tmp_path):
     assert job.returncode == 0, job.output
     assert re.search(r"watchdog: its thread did not run for \d+ s", job.output), job.output
     assert "done: steps=" in job.output and "WARNING" not in job.output, job.output
+    suspended = re.search(r"suspended_sec=([0-9.]+)", job.output)  # not in samples/s
+    assert suspended and float(suspended.group(1)) > 5.0, job.output
 
 
 def test_no_warning_in_a_normal_run():

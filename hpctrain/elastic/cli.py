@@ -56,7 +56,9 @@ def register(sub) -> dict:
         metavar="MIN:MAX",
         help="world sizes allowed (default 1:<all slots>); MAX caps the first launch",
     )
-    p.add_argument("--max-restarts", type=int, default=3, help="restart budget (0: never restart)")
+    p.add_argument(
+        "--max-restarts", type=int, default=3, help="restart budget (0: never restart; default 3)"
+    )
     p.add_argument(
         "--mpirun-args",
         "--launcher-args",
@@ -74,8 +76,10 @@ def register(sub) -> dict:
         help="also probe each host with `CMD HOST true` (default: mpirun's plm_rsh_agent "
         "from --mpirun-args, else none)",
     )
-    p.add_argument("--probe-port", type=int, default=22, help="TCP port probed on each host")
-    p.add_argument("--probe-timeout", type=float, default=5.0, help="seconds per probe")
+    p.add_argument(
+        "--probe-port", type=int, default=22, help="TCP port probed on each host (default 22)"
+    )
+    p.add_argument("--probe-timeout", type=float, default=5.0, help="seconds per probe (default 5)")
     p.add_argument(
         "--watch-interval",
         type=float,

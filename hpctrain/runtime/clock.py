@@ -69,3 +69,25 @@ class Deadline:
         self.moved += pause
         self._last = now
         return now >= self.at
+
+
+class Stopwatch:
+    """Seconds a run worked since it started: wall time less the pauses its process's
+    `clock` left out (a job suspended whole and resumed reports elapsed_sec and
+    samples/s over the time it ran, and the time suspended beside them)."""
+
+    def __init__(self, clock: RunningClock | None = None) -> None:
+        self._clock = clock
+        self._start = time.perf_counter()  # CLOCK_MONOTONIC on Linux, as the clock's
+        self._left_out = self._paused()
+
+    def _paused(self) -> float:
+        return self._clock.left_out if self._clock is not None else 0.0
+
+    def suspended(self) -> float:
+        """Seconds left out since the start."""
+        return self._paused() - self._left_out
+
+    def elapsed(self) -> float:
+        """Seconds since the start, less those left out."""
+        return time.perf_counter() - self._start - self.suspended()

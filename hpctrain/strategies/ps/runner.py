@@ -22,7 +22,6 @@ data-parallel training and back.
 from __future__ import annotations
 
 import logging
-import time
 from collections import OrderedDict
 
 import numpy as np
@@ -277,7 +276,7 @@ class ParameterServer(StrategyBase):
                 "workers": self.n_workers, "world_size": w.size,
                 "model": self.cfg.model["name"], "steps": ctx.total_steps,
             }  # fmt: skip
-            elapsed = time.perf_counter() - ctx.t_start
+            elapsed = ctx.elapsed()
             self._ps_summary = report(ctx.metrics, facts, everyone, result, elapsed)
             final = (max(s["steps"] for s in workers), ctx.state.epoch, ctx.state.position)
         step, epoch, position = w.bcast_object(final, what="agree on the final step")

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from ...runtime.clock import Stopwatch
 from ...runtime.faults import NO_FAULTS, Faults
 from . import protocol as P
 
@@ -113,7 +114,7 @@ class Worker:
             target=self._beat_loop, name="hpctrain-ps-heartbeat", daemon=True
         )
         self._beat.start()
-        self._t_start = time.perf_counter()
+        self._stopwatch = Stopwatch(self.world.watchdog.clock)  # a suspension left out
         self._exchange(push=False)
 
     def stop(self) -> dict:
@@ -124,7 +125,7 @@ class Worker:
         if not st["silent"]:
             for r in self.servers:
                 self.comm.Send(P.ctrl(P.DONE, self.index), dest=r, tag=P.TAG_CTRL)
-        st["seconds"] = time.perf_counter() - self._t_start
+        st["seconds"] = self._stopwatch.elapsed()
         st["samples_per_sec"] = st["samples"] / st["seconds"] if st["seconds"] > 0 else None
         return st
 
