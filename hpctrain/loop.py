@@ -555,12 +555,12 @@ class TrainingLoop:
         due = (st.epoch + 1) % self.cfg.train["eval_every_epochs"] == 0
         if self.strategy.evaluates_in_loop and (due or st.step >= self.total_steps):
             result.update(self.evaluate())
-        elapsed = self.stopwatch.elapsed() - t_epoch
+        elapsed = max(0.0, self.stopwatch.elapsed() - t_epoch)
         self.metrics.write(
             "epoch",
             epoch=st.epoch,
             step=st.step,
-            samples_per_sec=run["count"] / elapsed if elapsed else None,
+            samples_per_sec=run["count"] / elapsed if elapsed > 0 else None,
             **result,
         )
         self.progress.message(
@@ -615,7 +615,7 @@ class TrainingLoop:
             "model": cfg.model["name"],
             "strategy": cfg["strategy"],
             "samples_per_sec": run["samples"] / elapsed if elapsed > 0 else None,
-            "samples_per_sec_per_rank": run["samples"] / elapsed / w.size if elapsed else None,
+            "samples_per_sec_per_rank": run["samples"] / elapsed / w.size if elapsed > 0 else None,
             "comm_share": run["comm"] / run["compute"] if run["compute"] else None,
             "elapsed_sec": elapsed,
             **({"suspended_sec": suspended} if suspended else {}),

@@ -107,12 +107,16 @@ def test_a_parameter_server_judges_a_silent_worker_at_two_checks():
 
 def test_a_stopwatch_leaves_out_what_its_clock_left_out():
     """A run's elapsed_sec and samples/s count the time it ran: a suspension its
-    watchdog's clock left out is reported beside them (suspended_sec)."""
+    watchdog's clock left out is reported beside them (suspended_sec), and only the
+    part of it after the run started (the clock sees a pause a poll after it ends)."""
     running = clock.RunningClock()
-    running.left_out = 30.0  # before the run started: not this run's
+    now = time.monotonic()
+    running.leave_out(now - 40.0, 1.0, now - 30.0)  # 9 s, over before the run started
     watch = clock.Stopwatch(running)
+    t0 = time.monotonic()
+    running.leave_out(t0 - 8.0, 1.0, t0 + 0.2)  # 7.2 s: 0.2 s of it after the start
     time.sleep(0.3)
-    running.left_out += 0.25  # the monitor saw a pause of 0.25 s of these 0.3
-    assert watch.suspended() == 0.25
-    assert 0.04 < watch.elapsed() < 0.25
+    wall = time.monotonic() - t0
+    assert watch.suspended() == pytest.approx(0.2, abs=0.01)
+    assert watch.elapsed() == pytest.approx(wall - 0.2, abs=0.02)
     assert clock.Stopwatch().suspended() == 0.0  # no clock: wall time

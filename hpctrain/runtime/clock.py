@@ -34,6 +34,7 @@ class RunningClock:
 
     def __init__(self) -> None:
         self.left_out = 0.0
+        self.pauses: list[tuple[float, float]] = []  # (time.monotonic at its end, seconds)
 
     def now(self) -> float:
         return time.monotonic() - self.left_out
@@ -42,7 +43,9 @@ class RunningClock:
         """Leave out the pause from `since` to `now` (time.monotonic) beyond `expected`,
         if the process was not running (`not_running`); returns that pause (0 if none)."""
         pause = not_running(since, expected, now)
-        self.left_out += pause
+        if pause:
+            self.left_out += pause
+            self.pauses.append((now, pause))
         return pause
 
 
@@ -74,20 +77,20 @@ class Deadline:
 class Stopwatch:
     """Seconds a run worked since it started: wall time less the pauses its process's
     `clock` left out (a job suspended whole and resumed reports elapsed_sec and
-    samples/s over the time it ran, and the time suspended beside them)."""
+    samples/s over the time it ran, and the time suspended beside them). Only the part
+    of a pause after the start counts, though the clock may see it a poll later."""
 
     def __init__(self, clock: RunningClock | None = None) -> None:
         self._clock = clock
-        self._start = time.perf_counter()  # CLOCK_MONOTONIC on Linux, as the clock's
-        self._left_out = self._paused()
-
-    def _paused(self) -> float:
-        return self._clock.left_out if self._clock is not None else 0.0
+        self._start = time.monotonic()
 
     def suspended(self) -> float:
         """Seconds left out since the start."""
-        return self._paused() - self._left_out
+        if self._clock is None:
+            return 0.0
+        start = self._start
+        return sum(max(0.0, end - max(start, end - pause)) for end, pause in self._clock.pauses)
 
     def elapsed(self) -> float:
         """Seconds since the start, less those left out."""
-        return time.perf_counter() - self._start - self.suspended()
+        return time.monotonic() - self._start - self.suspended()

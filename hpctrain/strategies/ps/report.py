@@ -62,7 +62,9 @@ def report(metrics, facts: dict, everyone: list[dict], result: dict, elapsed: fl
         "scale_sum": sum(s["scale_sum"] for s in servers),
         "dropped_workers": sorted({d for s in servers for d in s["dropped"]}),
         "samples_per_sec": samples / elapsed if elapsed > 0 else None,
-        "samples_per_sec_per_rank": samples / elapsed / facts["world_size"] if elapsed else None,
+        "samples_per_sec_per_rank": samples / elapsed / facts["world_size"]
+        if elapsed > 0
+        else None,
         "samples_per_sec_per_worker": [s["samples_per_sec"] for s in workers],
         "server_cpu_share": [s["cpu_seconds"] / max(s["seconds"], 1e-9) for s in servers],
         **result,

@@ -150,16 +150,16 @@ class Worker:
             self._beat_stop.set()
             log.warning("worker %d: silent from step %d (fault injection)", self.index, st["steps"])
             return 0.0, 0, 0, 0.0
-        t0 = time.perf_counter()
+        t0 = self._stopwatch.elapsed()
         grads, loss_sum, correct, count = self.model.gradients(micro)
         for s, m in enumerate(self.push):
             self.plan.gather(s, grads, m.payload)
-        compute = time.perf_counter() - t0
+        compute = max(0.0, self._stopwatch.elapsed() - t0)
         if self.delay or self.slow != 1.0:
             time.sleep(self.delay + (self.slow - 1.0) * compute)
-        t1 = time.perf_counter()
+        t1 = self._stopwatch.elapsed()  # a suspension in the exchange is not a wait
         statuses = self._exchange(push=True)
-        wait = time.perf_counter() - t1
+        wait = max(0.0, self._stopwatch.elapsed() - t1)
         st["wait_seconds"] += wait
         st["compute_seconds"] += compute
         st["steps"] += 1
