@@ -885,7 +885,9 @@ def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tm
     try:
         _wait_for_steps(runs / f"hpctrain-train-{job_id}" / "metrics.jsonl", 3, logs)
         assert slurm.run("scontrol", "suspend", job_id).returncode == 0
-        time.sleep(6.5)  # past the collective timeout, and 5 s (clock.NOT_RUNNING_SECONDS)
+        # past the collective timeout, and 5 s (clock.NOT_RUNNING_SECONDS) beyond a poll
+        # once slurmd's SIGSTOPs arrived (a second or two late on a loaded machine)
+        time.sleep(8)
         assert slurm.job(job_id)["JobState"] == "SUSPENDED", _job_logs(logs)
         assert slurm.run("scontrol", "resume", job_id).returncode == 0
         info = slurm.wait_job(job_id, timeout=300)

@@ -137,7 +137,7 @@ def test_a_parameter_server_job_suspended_whole_and_resumed_finishes(tmp_path):
     args = [str(ROOT / "tests" / "scripts" / "stall_train.py"), str(tmp_path / "run")]
     for s in sets:
         args += ["--set", s]
-    job = mpirun(3, PYTHON, *args, env={"SUSPEND": "6"}, timeout=180)
+    job = mpirun(3, PYTHON, *args, env={"SUSPEND": "6.5"}, timeout=180)
     assert job.returncode == 0, job.output
     assert re.search(r"watchdog: its thread did not run for \d+ s", job.output), job.output
     assert "done: steps=" in job.output and "WARNING" not in job.output, job.output

@@ -55,7 +55,12 @@ def suspend_at_step_5(trainer, pids):
     while trainer.state.step < 5:
         time.sleep(0.005)
     ids = " ".join(map(str, pids))
-    script = f"sleep {os.environ['SUSPEND']}; kill -CONT {ids}"
+    # the SUSPEND seconds count from when every rank is stopped: on a loaded machine the
+    # stops below arrived a second or more after a plain `sleep` began (a 6 s suspension
+    # was then under the 5 s beyond a poll that clock.py calls a pause)
+    stopped = f'for p in {ids}; do until grep -qs "^State:.*stopped" /proc/$p/status '
+    stopped += "|| [ ! -e /proc/$p ]; do sleep 0.01; done; done"
+    script = f"{stopped}; sleep {os.environ['SUSPEND']}; kill -CONT {ids}"
     subprocess.Popen(["sh", "-c", script], start_new_session=True)  # resumes them
     for pid in sorted(pids, key=lambda p: p == os.getpid()):  # this rank last
         os.kill(pid, signal.SIGSTOP)
