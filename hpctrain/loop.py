@@ -395,7 +395,6 @@ class TrainingLoop:
         return RunContext(
             state=self.state,
             total_steps=self.total_steps,
-            t_start=self.t_start,
             elapsed=self.stopwatch.elapsed,
             schedule=self.schedule,
             pre=self.pre,

@@ -120,3 +120,15 @@ def test_a_stopwatch_leaves_out_what_its_clock_left_out():
     assert watch.suspended() == pytest.approx(0.2, abs=0.01)
     assert watch.elapsed() == pytest.approx(wall - 0.2, abs=0.02)
     assert clock.Stopwatch().suspended() == 0.0  # no clock: wall time
+
+
+def test_a_pause_a_deadline_saw_counts_in_the_clock_and_the_stopwatch():
+    """The watchdog's probe waits on a Deadline; the pause it saw is added to the clock
+    (`add`), so the sections' deadlines and the run's elapsed time both leave it out."""
+    running = clock.RunningClock()
+    watch = clock.Stopwatch(running)
+    time.sleep(0.2)
+    before = running.now()
+    running.add(0.15, time.monotonic())
+    assert running.now() == pytest.approx(before - 0.15, abs=0.01)
+    assert watch.suspended() == pytest.approx(0.15, abs=1e-9)

@@ -44,9 +44,14 @@ class RunningClock:
         if the process was not running (`not_running`); returns that pause (0 if none)."""
         pause = not_running(since, expected, now)
         if pause:
-            self.left_out += pause
-            self.pauses.append((now, pause))
+            self.add(pause, now)
         return pause
+
+    def add(self, pause: float, end: float) -> None:
+        """Leave out `pause` seconds that ended at `end` (time.monotonic), seen elsewhere
+        (a deadline's wait: `Deadline.moved`)."""
+        self.left_out += pause
+        self.pauses.append((end, pause))
 
 
 class Deadline:

@@ -351,7 +351,8 @@ class Watchdog:
                     answers[snap.rank] = snap
             else:
                 time.sleep(0.01)
-        self.clock.left_out += until.moved  # and out of the sections' deadlines
+        if until.moved:  # and out of the sections' deadlines and the run's elapsed time
+            self.clock.add(until.moved, time.monotonic())
         return answers
 
     def _world_ranks(self) -> list[int]:

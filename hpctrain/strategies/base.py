@@ -37,8 +37,7 @@ class RunContext:
 
     state: object  # TrainState: step, epoch, position (read only)
     total_steps: int
-    t_start: float  # perf_counter at the start of `fit`
-    elapsed: Callable[[], float]  # seconds since then, a suspension left out
+    elapsed: Callable[[], float]  # seconds since `fit` started, a suspension left out
     schedule: object  # lr_schedule.Schedule: lr(step, replicas)
     pre: object  # runtime.preemption.Preemption
     faults: object  # runtime.faults.Faults (none outside tests)
