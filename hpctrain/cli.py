@@ -97,7 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
         "config",
         help="print the resolved configuration (after --set)",
         description="Validate a configuration and print it with defaults filled "
-        "in (a zoo model's own options only where set), without starting MPI. With --np N, check too that N ranks can run it (the "
+        "in (a zoo model's own options too), without starting MPI. With --np N, check too that N ranks can run it (the "
         "rules `hpctrain slurm render` checks: pipeline stages x tensor ranks, parameter "
         "servers, experts, one global batch from the training split).",
     )
@@ -285,8 +285,14 @@ def _cmd_config(args) -> int:
             raise ConfigError("; ".join(problems))
     # the first line keeps a copy saved as a run's config.yaml from passing for one an
     # earlier hpctrain wrote (the plain dump), which a later run in that directory replaces
-    print(f"# hpctrain config: {cfg.source} with defaults filled in (not the zoo model's)")
-    print(cfg.to_yaml(), end="")
+    import yaml
+
+    from .models.zoo import written_model
+
+    values = cfg.to_dict()
+    values["model"] = written_model(values["model"])  # as the run's config.yaml has it
+    print(f"# hpctrain config: {cfg.source} with defaults filled in")
+    print(yaml.safe_dump(values, sort_keys=True), end="")
     return 0
 
 

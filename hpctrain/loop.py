@@ -37,6 +37,7 @@ from .config import Config
 from .errors import ConfigError, HpctrainError, StoppedBeforeStart, TrainingDiverged
 from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress, tensorboard_problem
+from .models.zoo import written_model
 from .runtime import allocator
 from .runtime.clock import Stopwatch
 from .runtime.failfast import EXIT_INTERRUPTED
@@ -327,6 +328,7 @@ class TrainingLoop:
         if not self.world.is_root:
             return
         values = self.cfg.to_dict()
+        values["model"] = written_model(values["model"])
         dataset = getattr(self.strategy, "dataset", None)
         if dataset is not None and hasattr(dataset, "describe"):
             values["data"]["inferred"] = dataset.describe()

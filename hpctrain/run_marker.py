@@ -8,15 +8,18 @@ The marker names its run (host, pid, SLURM job, start) and its modification time
 heartbeat, renewed every HEARTBEAT_S by a thread of rank 0. A run that finds a marker
 refuses to start, naming that run, unless it is gone:
 - its heartbeat stopped (older than STALE_S: its node was lost, or it was killed),
-  unless its process on this host is stopped (suspended: it goes on when resumed; on
-  another host a suspension longer than STALE_S cannot be told from a lost node);
+  unless its process on this host is stopped (suspended: it goes on when resumed), or
+  SLURM says its job still runs or is suspended (`squeue`: a job on another host
+  suspended longer than STALE_S, or hung there, would have gone on writing beside the
+  new run; a lost node's job ends once SLURM notices, SlurmdTimeout, 300 s by default);
 - it ran on this host and its process no longer exists;
 - it is an earlier incarnation of this SLURM job (a requeue, an elastic restart's step).
 `hpctrain elastic` removes it before each restart: the attempt it belonged to has ended.
 
 File locks were not used: on NFS and Lustre a lock of a lost node can outlive it for
 minutes (or until that client reboots), which would refuse an elastic restart. Cost:
-one small file and a utime every 20 s on rank 0, whatever the number of ranks.
+one small file and a utime every 20 s on rank 0, whatever the number of ranks; one
+`squeue` call by the starting run's rank 0 only when it finds a stale marker.
 """
 
 from __future__ import annotations
@@ -24,7 +27,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import socket
+import subprocess
 import threading
 import time
 from datetime import datetime, timezone
@@ -36,6 +41,9 @@ MARKER = ".hpctrain-running"
 HEARTBEAT_S = 20.0
 STALE_S = 90.0  # more than four missed heartbeats
 EXIT_GRACE_S = 5.0  # a process of this host holding the marker may be exiting
+# SLURM job states in which the job's processes may still exist and write
+SLURM_HOLDING = ("RUNNING", "SUSPENDED", "COMPLETING", "STOPPED", "SIGNALING")
+SQUEUE_TIMEOUT_S = 15.0
 
 
 class RunMarker:
@@ -86,9 +94,9 @@ def claim(run_dir: str | Path, env=None, now: float | None = None) -> RunMarker:
         found = _read_text(path)
         if found is None:  # removed meanwhile: try again
             continue
-        gone = _why_gone(path, found, env, time.time() if now is None else now)
+        gone, held = _judge(path, found, env, time.time() if now is None else now)
         if gone is None:
-            raise ConfigError(_in_use(Path(run_dir), found, path))
+            raise ConfigError(_in_use(Path(run_dir), found, path, held))
         _take_away(path, found)
     raise ConfigError(f"{run_dir}: could not mark it as this run's ({path} kept changing)")
 
@@ -124,25 +132,56 @@ def _holder(text: str) -> dict:
     return found if isinstance(found, dict) else {}
 
 
-def _why_gone(path: Path, text: str, env, now: float) -> str | None:
-    """Why the run that wrote `text` no longer uses the directory, or None (it does)."""
+def _judge(path: Path, text: str, env, now: float) -> tuple[str | None, str]:
+    """Why the run that wrote `text` no longer uses the directory, or None and how it
+    still holds it."""
     try:
         age = now - path.stat().st_mtime
     except OSError:
-        return "its marker is gone"
-    holder = _holder(text)
+        return "its marker is gone", ""
+    holder, job = _holder(text), env.get("SLURM_JOB_ID")
+    here, pid = holder.get("host") == socket.gethostname(), holder.get("pid")
     if age > STALE_S:
-        if holder.get("host") == socket.gethostname() and _state(holder.get("pid")) == "T":
-            return None  # stopped (`scontrol suspend`): it goes on when resumed
-        return f"its heartbeat stopped {age:.0f} s ago"
+        stopped = f"its heartbeat stopped {age:.0f} s ago"
+        process = _state(pid) if here else None
+        if process == "T":
+            return None, f"{stopped}: its process is stopped (suspended), goes on when resumed"
+        ended_here = here and process in (None, "Z", "X")
+        slurm = None if ended_here or holder.get("job") == job else _slurm_state(holder.get("job"))
+        if slurm in SLURM_HOLDING:
+            return None, (
+                f"{stopped}, but SLURM says its job is {slurm} (suspended, hung, or its "
+                f"node lost and not yet noticed), so it could go on writing here; "
+                f"`scancel {holder['job']}` ends it"
+            )
+        return stopped, ""
+    fresh = "its heartbeat is fresh"
     if not holder:
-        return None  # being written, or not hpctrain's: wait for STALE_S
-    if holder.get("host") == socket.gethostname() and not _alive(holder.get("pid")):
-        return f"its process {holder.get('pid')} is gone"
-    job = env.get("SLURM_JOB_ID")
-    if job and holder.get("job") == job and holder.get("pid") != os.getpid():
-        return f"it was an earlier run of SLURM job {job}"
-    return None
+        return None, fresh  # being written, or not hpctrain's: wait for STALE_S
+    if here and not _alive(pid):
+        return f"its process {pid} is gone", ""
+    if job and holder.get("job") == job and pid != os.getpid():
+        return f"it was an earlier run of SLURM job {job}", ""
+    return None, fresh
+
+
+def _slurm_state(job) -> str | None:
+    """SLURM's state of `job` (RUNNING, SUSPENDED, ...), or None: no job named, no
+    squeue here, or SLURM no longer knows the job (it ended a while ago)."""
+    squeue = shutil.which("squeue")
+    if not job or squeue is None:
+        return None
+    try:
+        done = subprocess.run(
+            [squeue, "--noheader", "--jobs", str(job), "--format", "%T"],
+            capture_output=True,
+            text=True,
+            timeout=SQUEUE_TIMEOUT_S,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.split()
+    return lines[0] if done.returncode == 0 and lines else None
 
 
 def _alive(pid, grace_s: float = EXIT_GRACE_S) -> bool:
@@ -192,7 +231,7 @@ def _take_away(path: Path, judged: str) -> None:
         aside.unlink()
 
 
-def _in_use(run_dir: Path, text: str, path: Path) -> str:
+def _in_use(run_dir: Path, text: str, path: Path, held: str) -> str:
     holder = _holder(text)
     if holder.get("host") == socket.gethostname() and holder.get("pid") == os.getpid():
         return (
@@ -204,8 +243,8 @@ def _in_use(run_dir: Path, text: str, path: Path) -> str:
         f"{k} {holder[k]}" for k in ("host", "pid", "job", "started") if holder.get(k) is not None
     )
     return (
-        f"{run_dir} is in use by another run ({who or 'its marker ' + str(path)}; its "
-        f"heartbeat is fresh): wait for it to end, or choose another --run-dir. A run that "
+        f"{run_dir} is in use by another run ({who or 'its marker ' + str(path)}; "
+        f"{held}): wait for it to end, or choose another --run-dir. A run that "
         f"was killed leaves {path.name}, which the next run takes over once it is "
-        f"{STALE_S:g} s old (at once on the same host)"
+        f"{STALE_S:g} s old and SLURM no longer runs its job (at once on the same host)"
     )

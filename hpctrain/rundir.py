@@ -46,6 +46,7 @@ from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, step_of_entry
 from .checkpoint.sharded import remove_shard_folder
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
+from .models.zoo import written_model
 
 # What a checkpoint means: a run resumed with other values here would load weights into
 # another model, read another file, or shuffle another permutation mid-epoch.
@@ -268,6 +269,8 @@ def _flatten(values: dict, prefix: str = "") -> dict:
 
 
 def _identity(config: dict) -> dict:
+    if isinstance(config.get("model"), dict):  # earlier runs wrote only the options given
+        config = {**config, "model": written_model(config["model"])}
     flat = _flatten(config)
     return {
         k: v
@@ -278,10 +281,11 @@ def _identity(config: dict) -> dict:
 
 
 def config_differences(previous: dict, current: dict) -> list[str]:
-    """'key: X there, Y now' for every identity key that differs (sorted by key)."""
+    """'key: X there, Y now' for every identity key that differs (sorted by key, the
+    model's name first: another model differs in all its options)."""
     old, new = _identity(previous), _identity(current)
     out = []
-    for key in sorted(set(old) | set(new)):
+    for key in sorted(set(old) | set(new), key=lambda k: (k != "model.name", k)):
         if old.get(key) != new.get(key):
             out.append(f"{key}: {_show(old.get(key))} there, {_show(new.get(key))} now")
     return out

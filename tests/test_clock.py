@@ -20,8 +20,7 @@ def test_a_running_clock_leaves_out_only_the_pauses_it_was_told_of():
     c = clock.RunningClock()
     start = c.now()
     now = time.monotonic()
-    assert c.leave_out(now - 2.0, 0.0, now) == 0.0
-    assert c.leave_out(now - 30.0, 0.5, now) == 29.5
+    c.add(clock.not_running(now - 30.0, 0.5, now), now)
     assert c.now() - start == pytest.approx(-29.5, abs=0.5)  # 29.5 s earlier than monotonic
 
 
@@ -111,10 +110,10 @@ def test_a_stopwatch_leaves_out_what_its_clock_left_out():
     part of it after the run started (the clock sees a pause a poll after it ends)."""
     running = clock.RunningClock()
     now = time.monotonic()
-    running.leave_out(now - 40.0, 1.0, now - 30.0)  # 9 s, over before the run started
+    running.add(clock.not_running(now - 40.0, 1.0, now - 30.0), now - 30.0)  # 9 s, before
     watch = clock.Stopwatch(running)
     t0 = time.monotonic()
-    running.leave_out(t0 - 8.0, 1.0, t0 + 0.2)  # 7.2 s: 0.2 s of it after the start
+    running.add(clock.not_running(t0 - 8.0, 1.0, t0 + 0.2), t0 + 0.2)  # 0.2 s of it after
     time.sleep(0.3)
     wall = time.monotonic() - t0
     assert watch.suspended() == pytest.approx(0.2, abs=0.01)
@@ -132,3 +131,30 @@ def test_a_pause_a_deadline_saw_counts_in_the_clock_and_the_stopwatch():
     running.add(0.15, time.monotonic())
     assert running.now() == pytest.approx(before - 0.15, abs=0.01)
     assert watch.suspended() == pytest.approx(0.15, abs=1e-9)
+
+
+class _OneRank:
+    """A communicator of one rank: the watchdog starts no thread."""
+
+    def Dup(self):
+        return self
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+
+def test_the_watchdog_says_a_pause_whichever_wait_it_fell_in(capsys):
+    """A suspension may fall in the monitor's sleep or in a probe's wait (a liveness check
+    running when the job was stopped): either way rank 0 says it once and the run's
+    clock leaves it out (test_stall.py's suspended job missed the line 1 run in 30)."""
+    from hpctrain.runtime.watchdog import Watchdog
+
+    dog = Watchdog(_OneRank(), 3.0, abort=None)
+    dog._left_out(0.0, time.monotonic())  # no pause: nothing said, nothing left out
+    assert capsys.readouterr().err == "" and dog.clock.pauses == []
+    dog._left_out(6.5, time.monotonic())
+    assert "watchdog: its thread did not run for 6 s" in capsys.readouterr().err
+    assert dog.clock.left_out == 6.5 and len(dog.clock.pauses) == 1

@@ -7,9 +7,12 @@ import re
 
 import numpy as np
 import pytest
+import yaml
 from dump_runs import train_many
 from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
 from shared_runs import SharedRuns
+
+from hpctrain.models import zoo
 
 SCRIPTS = ROOT / "tests" / "scripts"
 MOE = [
@@ -119,7 +122,11 @@ def test_expert_parallel_ranks_equal_one_rank_when_nothing_is_dropped(
     got, got_steps = shared_run(tmp_path_factory, np_, "torch", "equal")
     if "parallel.expert=2" in overrides:
         run_dir = shared_run(tmp_path_factory, np_, "torch", "equal", run_dir=True)
-        assert "expert: 2" in (run_dir / "config.yaml").read_text()
+        recorded = yaml.safe_load((run_dir / "config.yaml").read_text())
+        assert recorded["parallel"]["expert"] == 2
+        # every option of the model, defaults too (zoo.written_model): what a resume checks
+        assert set(recorded["model"]) == {"name", *zoo.MODEL_OPTIONS["transformer"]}
+        assert recorded["model"]["moe"]["every"] == 1  # not set in EQUAL
     assert ref.keys() == got.keys()
     assert sum(".moe.experts." in k for k in ref) == 2 * 4 * 4  # 2 blocks x 4 experts x 4
     for k in ref:

@@ -19,6 +19,33 @@ def _write(run, **holder):
     (run / MARKER).write_text(json.dumps(holder))
 
 
+@pytest.fixture
+def squeue(tmp_path, monkeypatch):
+    """A `squeue` first on PATH: `state(text)` sets what it prints (None: it knows no
+    such job, as SLURM says of a job gone a while); `calls` lists its arguments."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    said, calls = bin_dir / "said", bin_dir / "calls"
+
+    class Squeue:
+        def state(self, text):
+            said.write_text(text or "")
+
+        def calls(self):
+            return calls.read_text().splitlines() if calls.exists() else []
+
+    (bin_dir / "squeue").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n[ -s {said} ] || '
+        f'{{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; }}\n'
+        f"cat {said}\n"
+    )
+    (bin_dir / "squeue").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    fake = Squeue()
+    fake.state(None)
+    return fake
+
+
 def test_a_second_run_is_refused_while_the_first_holds_the_directory(tmp_path):
     _write(tmp_path, host="node7", pid=123)  # fresh, another node's (here: 5 s of grace)
     with pytest.raises(ConfigError, match=f"{tmp_path} is in use by another run \\(host "):
@@ -32,7 +59,7 @@ def test_a_second_run_is_refused_while_the_first_holds_the_directory(tmp_path):
     claim(tmp_path, env={}).release()
 
 
-def test_a_gone_runs_marker_is_taken_over(tmp_path):
+def test_a_gone_runs_marker_is_taken_over(tmp_path, squeue):
     done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
                           capture_output=True, text=True, check=True)  # fmt: skip
     import socket
@@ -96,3 +123,33 @@ def test_the_heartbeat_renews_the_marker_until_released(tmp_path):
     path.write_text("another run's")  # taken over: left alone, not removed
     marker.release()
     assert path.read_text() == "another run's"
+
+
+def test_a_stale_marker_of_a_job_slurm_still_runs_is_not_taken_over(tmp_path, squeue):
+    """A run suspended on another host (`scontrol suspend`, longer than STALE_S) kept no
+    heartbeat, and a run started elsewhere took its directory over: both wrote there
+    once it resumed. SLURM knows it is suspended (test_slurm.py asks a real one)."""
+    run = tmp_path / "run"
+    run.mkdir()
+    old = time.time() - STALE_S - 5
+    for state in ("SUSPENDED", "RUNNING"):
+        squeue.state(state)
+        _write(run, host="node7", pid=123, job="4242")
+        os.utime(run / MARKER, (old, old))
+        with pytest.raises(ConfigError) as refused:
+            claim(run, env={"SLURM_JOB_ID": "77"})
+        said = str(refused.value)
+        assert "host node7, pid 123, job 4242" in said and f"its job is {state}" in said
+        assert "`scancel 4242` ends it" in said
+    assert squeue.calls() == ["--noheader --jobs 4242 --format %T"] * 2
+    squeue.state("COMPLETED")  # ended, still in SLURM's memory
+    claim(run, env={}).release()
+    _write(run, host="node7", pid=123, job="4242")
+    os.utime(run / MARKER, (old, old))
+    squeue.state(None)  # gone from it
+    claim(run, env={}).release()
+    _write(run, host="node7", pid=123, job="4242")
+    os.utime(run / MARKER, (old, old))
+    squeue.state("RUNNING")  # this job itself, requeued: its earlier run's, not asked
+    claim(run, env={"SLURM_JOB_ID": "4242"}).release()
+    assert len(squeue.calls()) == 4

@@ -10,6 +10,7 @@ from test_checkpoint_sharded import _state, _write_sharded
 from hpctrain.checkpoint import verify
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
+from hpctrain.models.zoo import written_model
 from hpctrain.rundir import (
     CHECKPOINT_OWNER,
     CONFIG_HEADER,
@@ -182,6 +183,27 @@ def test_inferred_data_facts_do_not_count_as_a_difference():
     written = _cfg()
     written["data"]["inferred"] = {"classes": 3, "sample_shape": [20]}
     assert config_differences(written, _cfg()) == []
+
+
+def test_a_zoo_models_defaults_count_whether_written_or_left_out():
+    """A run recorded `model: {name: mlp}`; the same model with its default hidden sizes
+    written out was refused a resume ("model.hidden: unset there, [128, 128] now"),
+    and a default changed by a later version would have built another model unnoticed.
+    config.yaml now records the defaults; either way of writing them compares equal."""
+    bare = _cfg()
+    written = _cfg("model.hidden=[128,128]")
+    assert config_differences(bare, written) == []
+    assert config_differences(bare, _cfg("model.hidden=[64]")) == [
+        "model.hidden: [128, 128] there, [64] now"
+    ]
+    moe = ["model.name=transformer", "data.task=tokens"]
+    assert (
+        config_differences(_cfg(*moe, "model.moe={experts: 4}"), _cfg(*moe, "model.moe={}")) == []
+    )
+    assert written_model({"name": "pkg.mod:build", "width": 3}) == {
+        "name": "pkg.mod:build",
+        "width": 3,
+    }
 
 
 def test_new_and_overwrite_take_every_ranks_shards_with_their_checkpoint(tmp_path):
@@ -624,7 +646,9 @@ def test_a_config_saved_from_hpctrain_config_is_the_users(tmp_path, capsys):
     run = tmp_path / "run"
     run.mkdir()
     (run / "config.yaml").write_text(capsys.readouterr().out)
-    assert yaml.safe_load((run / "config.yaml").read_text()) == _cfg("train.epochs=3")
+    printed = _cfg("train.epochs=3")
+    printed["model"] = written_model(printed["model"])  # the model's defaults too
+    assert yaml.safe_load((run / "config.yaml").read_text()) == printed
     for flags in ({}, {"overwrite": True}, {"resume": "auto"}):
         with pytest.raises(ConfigError, match="not written by hpctrain"):
             plan_run_dir(run, _cfg(), **flags)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import atexit
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from mpirun import HPCTRAIN, PYTHON
 from slurm_cluster import TERMINAL_STATES, SlurmUnavailable, start_cluster
 
 from hpctrain import config as config_module
+from hpctrain import run_marker
 from hpctrain.errors import ConfigError
 from hpctrain.runtime.launcher import launcher_views
 from hpctrain.slurm import gpus, templates
@@ -869,10 +871,14 @@ def test_sbatch_of_the_rendered_train_template_trains_on_two_ranks(slurm, config
 
 
 @pytest.mark.timeout(420)
-def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tmp_path):
+def test_a_job_suspended_and_resumed_by_scontrol_finishes(
+    slurm, config_file, tmp_path, monkeypatch
+):
     """`scontrol suspend` stops every process of the job (SIGSTOP) and `scontrol resume`
     continues them: for longer than the collective timeout, the watchdog ended the job
-    at once on resume. Its deadlines now leave out the time the processes did not run."""
+    at once on resume. Its deadlines now leave out the time the processes did not run.
+    Meanwhile its run marker, stale as if it had run on another host, is not taken over:
+    SLURM says the job is suspended (run_marker.py; test_run_marker.py for the rest)."""
     logs, runs = tmp_path / "logs", tmp_path / "runs"
     args = ["slurm", "submit", "train", "--nodes", "1", "--ntasks-per-node", "2"]
     args += ["--time", "00:10:00", "--config", str(config_file), *TINY]
@@ -885,20 +891,37 @@ def test_a_job_suspended_and_resumed_by_scontrol_finishes(slurm, config_file, tm
     try:
         _wait_for_steps(runs / f"hpctrain-train-{job_id}" / "metrics.jsonl", 3, logs)
         assert slurm.run("scontrol", "suspend", job_id).returncode == 0
+        suspended_at = time.monotonic()
+        elsewhere = _stale_marker_of(tmp_path / "elsewhere", job_id)
+        monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])
+        with pytest.raises(ConfigError, match="SLURM says its job is SUSPENDED"):
+            run_marker.claim(elsewhere, env={})
         # past the collective timeout, and 5 s (clock.NOT_RUNNING_SECONDS) beyond a poll
         # once slurmd's SIGSTOPs arrived (a second or two late on a loaded machine)
-        time.sleep(8)
+        time.sleep(max(0.0, suspended_at + 8 - time.monotonic()))
         assert slurm.job(job_id)["JobState"] == "SUSPENDED", _job_logs(logs)
         assert slurm.run("scontrol", "resume", job_id).returncode == 0
         info = slurm.wait_job(job_id, timeout=300)
     finally:
         slurm.run("scancel", job_id, timeout=20)
+    run_marker.claim(elsewhere, env={}).release()  # the job ended: taken over
     out = _job_logs(logs)
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
     assert re.search(r"watchdog: its thread did not run for \d+ s", out), out
     metrics = runs / f"hpctrain-train-{job_id}" / "metrics.jsonl"
     summary = [json.loads(x) for x in metrics.open() if '"summary"' in x][-1]
     assert summary["suspended_sec"] > 5.0, summary  # left out of elapsed_sec and samples/s
+
+
+def _stale_marker_of(run_dir: Path, job_id: str) -> Path:
+    """`run_dir` with a run marker of SLURM job `job_id` from another host, older than
+    run_marker.STALE_S: its heartbeat stopped."""
+    run_dir.mkdir()
+    marker = run_dir / run_marker.MARKER
+    marker.write_text(json.dumps({"host": "hpcn9", "pid": 123, "job": job_id}))
+    old = time.time() - run_marker.STALE_S - 5
+    os.utime(marker, (old, old))
+    return run_dir
 
 
 REQUEUE_JOB = f"""#!/bin/bash

@@ -84,15 +84,16 @@ def test_a_stopped_rank_ends_a_wait_with_a_long_deadline_at_the_collective_timeo
     """A rank stopped during a checkpoint save held the others for all of
     checkpoint.write_timeout (1 h by default): a busy writer answers the liveness probe,
     a stopped one cannot, and is named at the check after it stopped (every collective
-    timeout: here the one at 4 s, the rank alive at the first); rank 0, which probes, is
-    named by the rank whose question it does not answer (it was stopped while writing a
-    gathered checkpoint: 240 s and more)."""
-    env = {"MODE": "skip", "SKIP_RANK": str(stopped), "SKIP_HOW": "stop", "STOP_AFTER": "3"}
-    env.update(TIMEOUT="2", OWN_DEADLINE="600", REPORT_DIR=str(tmp_path))
+    timeout: here the one at 8 s, the rank alive at the first; it stops 2 s from each,
+    a margin a loaded machine's delays do not cross); rank 0, which probes, is named by
+    the rank whose question it does not answer (it was stopped while writing a gathered
+    checkpoint: 240 s and more)."""
+    env = {"MODE": "skip", "SKIP_RANK": str(stopped), "SKIP_HOW": "stop", "STOP_AFTER": "6"}
+    env.update(TIMEOUT="4", OWN_DEADLINE="600", REPORT_DIR=str(tmp_path))
     job = mpirun(2, PYTHON, SCRIPT, env=env, timeout=120)
     assert job.returncode != 0
     section = r"watchdog: 'test write wait \(checkpoint.write_timeout\)' \(collective #\d+\) "
-    waited = r"has waited 4 s of its 600 s \(checked every runtime.collective_timeout\)"
+    waited = r"has waited 8 s of its 600 s \(checked every runtime.collective_timeout\)"
     if stopped == 0:
         assert re.search(
             rf"\[rank 1/2\] FATAL: {section}{waited}, and rank 0 did not answer within 13 s "

@@ -78,9 +78,23 @@ def model_options(model_cfg: dict) -> dict:
     return opts
 
 
+def written_model(model_cfg: dict) -> dict:
+    """The model section as a run records it (config.yaml) and a resume compares it: a
+    zoo model's options with their defaults, and its MoE block's, filled in, so that a
+    default changed by a later version cannot build another model unnoticed, nor a
+    default written out differ from the same default left out. A user model's as given."""
+    if not is_zoo_model(model_cfg.get("name")):
+        return dict(model_cfg)
+    opts = model_options(model_cfg)
+    if "moe" in opts:
+        opts["moe"] = moe_options(opts["moe"])
+    return {"name": model_cfg["name"], **opts}
+
+
 def has_moe(model_cfg: dict) -> bool:
-    """True when the model has mixture-of-experts blocks (a `moe` option is set)."""
-    return bool(model_cfg.get("moe"))
+    """True when the model has mixture-of-experts blocks (a `moe` option is set: `{}`
+    too, every MoE option at its default, as the layers read it)."""
+    return model_cfg.get("moe") is not None
 
 
 def validate_model_options(model_cfg: dict) -> list[str]:

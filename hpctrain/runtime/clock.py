@@ -29,8 +29,8 @@ def not_running(since: float, expected: float, now: float) -> float:
 
 
 class RunningClock:
-    """time.monotonic less the pauses its loop reported (`leave_out`): deadlines read
-    from it count only the time this process ran."""
+    """time.monotonic less the pauses its loop reported (`add`): deadlines read from it
+    count only the time this process ran."""
 
     def __init__(self) -> None:
         self.left_out = 0.0
@@ -39,17 +39,9 @@ class RunningClock:
     def now(self) -> float:
         return time.monotonic() - self.left_out
 
-    def leave_out(self, since: float, expected: float, now: float) -> float:
-        """Leave out the pause from `since` to `now` (time.monotonic) beyond `expected`,
-        if the process was not running (`not_running`); returns that pause (0 if none)."""
-        pause = not_running(since, expected, now)
-        if pause:
-            self.add(pause, now)
-        return pause
-
     def add(self, pause: float, end: float) -> None:
-        """Leave out `pause` seconds that ended at `end` (time.monotonic), seen elsewhere
-        (a deadline's wait: `Deadline.moved`)."""
+        """Leave out `pause` seconds (`not_running`, or a deadline's `Deadline.moved`)
+        that ended at `end` (time.monotonic)."""
         self.left_out += pause
         self.pauses.append((end, pause))
 

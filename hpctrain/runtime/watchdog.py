@@ -43,7 +43,7 @@ import time
 from pathlib import Path
 
 from . import stall
-from .clock import Deadline, RunningClock
+from .clock import Deadline, RunningClock, not_running
 
 _TAG_NOTICE, _TAG_PROBE, _TAG_ANSWER, _TAG_ALIVE_OK = 1, 2, 3, 4
 _PROBE_WAIT = 5.0  # how long rank 0 waits for answers: live monitors answer within a poll
@@ -146,14 +146,21 @@ class Watchdog:
             before = time.monotonic()
             self._stop.wait(poll)
             after = time.monotonic()
-            pause = self.clock.leave_out(before, poll, after)
+            self._left_out(not_running(before, poll, after), after)
             now = after - self.clock.left_out
-            if pause and self.rank == 0 and self.says_pauses:
-                sys.stderr.write(
-                    f"[rank 0] watchdog: its thread did not run for {pause:.0f} s (the "
-                    "process suspended, or the interpreter held); deadlines leave that out\n"
-                )
-                sys.stderr.flush()
+
+    def _left_out(self, pause: float, end: float) -> None:
+        """Leave out of the deadlines and the run's elapsed time a pause this thread saw
+        (in its wait, or in a probe's: whichever the suspension fell in), and say so."""
+        if not pause:
+            return
+        self.clock.add(pause, end)
+        if self.rank == 0 and self.says_pauses:
+            sys.stderr.write(
+                f"[rank 0] watchdog: its thread did not run for {pause:.0f} s (the "
+                "process suspended, or the interpreter held); deadlines leave that out\n"
+            )
+            sys.stderr.flush()
 
     def _check_deadlines(self, now: float):
         with self._lock:
@@ -351,8 +358,7 @@ class Watchdog:
                     answers[snap.rank] = snap
             else:
                 time.sleep(0.01)
-        if until.moved:  # and out of the sections' deadlines and the run's elapsed time
-            self.clock.add(until.moved, time.monotonic())
+        self._left_out(until.moved, time.monotonic())  # out of the sections' deadlines too
         return answers
 
     def _world_ranks(self) -> list[int]:
