@@ -285,14 +285,8 @@ def _cmd_config(args) -> int:
             raise ConfigError("; ".join(problems))
     # the first line keeps a copy saved as a run's config.yaml from passing for one an
     # earlier hpctrain wrote (the plain dump), which a later run in that directory replaces
-    import yaml
-
-    from .models.zoo import written_model
-
-    values = cfg.to_dict()
-    values["model"] = written_model(values["model"])  # as the run's config.yaml has it
     print(f"# hpctrain config: {cfg.source} with defaults filled in")
-    print(yaml.safe_dump(values, sort_keys=True), end="")
+    print(cfg.to_yaml(), end="")  # as the run's config.yaml has it
     return 0
 
 

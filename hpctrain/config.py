@@ -685,8 +685,17 @@ class Config:
     def to_dict(self) -> dict:
         return copy.deepcopy(self._values)
 
+    def recorded(self) -> dict:
+        """The values as a run records them (its config.yaml, a checkpoint's config_yaml,
+        `hpctrain config`): a zoo model's own defaults filled in too (zoo.written_model)."""
+        from .models.zoo import written_model
+
+        values = self.to_dict()
+        values["model"] = written_model(values["model"])
+        return values
+
     def to_yaml(self) -> str:
-        return yaml.safe_dump(self._values, sort_keys=True)
+        return yaml.safe_dump(self.recorded(), sort_keys=True)
 
     def replace(self, overrides: list[str]) -> Config:
         """A copy with `key=value` overrides applied (validated again)."""

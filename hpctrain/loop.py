@@ -37,7 +37,6 @@ from .config import Config
 from .errors import ConfigError, HpctrainError, StoppedBeforeStart, TrainingDiverged
 from .lr_schedule import scaled_lr
 from .metrics import MetricsWriter, Progress, tensorboard_problem
-from .models.zoo import written_model
 from .runtime import allocator
 from .runtime.clock import Stopwatch
 from .runtime.failfast import EXIT_INTERRUPTED
@@ -327,8 +326,7 @@ class TrainingLoop:
         """config.yaml as run: the configuration plus what hpctrain found in the data."""
         if not self.world.is_root:
             return
-        values = self.cfg.to_dict()
-        values["model"] = written_model(values["model"])
+        values = self.cfg.recorded()
         dataset = getattr(self.strategy, "dataset", None)
         if dataset is not None and hasattr(dataset, "describe"):
             values["data"]["inferred"] = dataset.describe()

@@ -56,7 +56,7 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
             "tensor parallelism) and its pipeline (each stage); not backend "
             f"{cfg.backend} with strategy {cfg.strategy}"
         )
-    if cfg.model.get("moe"):
+    if cfg.model.get("moe") is not None:
         raise ConfigError(
             "plan-memory: mixture-of-experts models are not planned before launch (their "
             "experts depend on the expert layout); a run checks its plan at start"

@@ -147,12 +147,19 @@ def _judge(path: Path, text: str, env, now: float) -> tuple[str | None, str]:
         if process == "T":
             return None, f"{stopped}: its process is stopped (suspended), goes on when resumed"
         ended_here = here and process in (None, "Z", "X")
-        slurm = None if ended_here or holder.get("job") == job else _slurm_state(holder.get("job"))
+        if ended_here or holder.get("job") == job or not holder.get("job"):
+            return stopped, ""
+        slurm, unasked = _slurm_state(holder["job"])
         if slurm in SLURM_HOLDING:
             return None, (
                 f"{stopped}, but SLURM says its job is {slurm} (suspended, hung, or its "
                 f"node lost and not yet noticed), so it could go on writing here; "
                 f"`scancel {holder['job']}` ends it"
+            )
+        if unasked:
+            return None, (
+                f"{stopped}, and SLURM could not say whether its job still runs "
+                f"({unasked}): if it does not, remove {path}"
             )
         return stopped, ""
     fresh = "its heartbeat is fresh"
@@ -165,12 +172,14 @@ def _judge(path: Path, text: str, env, now: float) -> tuple[str | None, str]:
     return None, fresh
 
 
-def _slurm_state(job) -> str | None:
-    """SLURM's state of `job` (RUNNING, SUSPENDED, ...), or None: no job named, no
-    squeue here, or SLURM no longer knows the job (it ended a while ago)."""
+def _slurm_state(job) -> tuple[str | None, str | None]:
+    """SLURM's state of `job` (RUNNING, SUSPENDED, ...; None once SLURM no longer knows
+    it: it ended a while ago), and why SLURM could not be asked (None if it was): no
+    squeue here, its controller unreachable, no answer within SQUEUE_TIMEOUT_S. A
+    suspended job's directory is not given away because its controller did not answer."""
     squeue = shutil.which("squeue")
-    if not job or squeue is None:
-        return None
+    if squeue is None:
+        return None, "no squeue on this host"
     try:
         done = subprocess.run(
             [squeue, "--noheader", "--jobs", str(job), "--format", "%T"],
@@ -178,10 +187,18 @@ def _slurm_state(job) -> str | None:
             text=True,
             timeout=SQUEUE_TIMEOUT_S,
         )
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.split()
-    return lines[0] if done.returncode == 0 and lines else None
+    except subprocess.TimeoutExpired:
+        return None, f"squeue did not answer within {SQUEUE_TIMEOUT_S:g} s"
+    except OSError as exc:
+        return None, f"squeue: {exc}"
+    if done.returncode == 0:
+        words = done.stdout.split()
+        return (words[0] if words else None), None
+    if "invalid job id" in done.stderr.lower():  # purged (MinJobAge, 300 s by default)
+        return None, None
+    said = done.stderr.strip().splitlines()
+    line = said[-1] if said else f"exit status {done.returncode}"
+    return None, line if line.startswith("squeue") else f"squeue: {line}"
 
 
 def _alive(pid, grace_s: float = EXIT_GRACE_S) -> bool:

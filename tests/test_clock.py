@@ -146,15 +146,32 @@ class _OneRank:
         return 1
 
 
-def test_the_watchdog_says_a_pause_whichever_wait_it_fell_in(capsys):
+def test_the_watchdog_says_a_pause_whichever_wait_it_fell_in(capsys, monkeypatch):
     """A suspension may fall in the monitor's sleep or in a probe's wait (a liveness check
     running when the job was stopped): either way rank 0 says it once and the run's
     clock leaves it out (test_stall.py's suspended job missed the line 1 run in 30)."""
-    from hpctrain.runtime.watchdog import Watchdog
+    from hpctrain.runtime import watchdog
 
-    dog = Watchdog(_OneRank(), 3.0, abort=None)
+    dog = watchdog.Watchdog(_OneRank(), 3.0, abort=None)
     dog._left_out(0.0, time.monotonic())  # no pause: nothing said, nothing left out
     assert capsys.readouterr().err == "" and dog.clock.pauses == []
     dog._left_out(6.5, time.monotonic())
     assert "watchdog: its thread did not run for 6 s" in capsys.readouterr().err
     assert dog.clock.left_out == 6.5 and len(dog.clock.pauses) == 1
+
+    class _SuspendedWait(clock.Deadline):  # the probe's wait, across a 7 s suspension
+        @classmethod
+        def after(cls, seconds):
+            waited = cls(time.monotonic() + seconds)
+            waited.moved = 7.0
+            return waited
+
+    class _MPI:
+        COMM_WORLD = _OneRank()
+        Status = staticmethod(lambda: None)
+
+    monkeypatch.setattr(watchdog, "Deadline", _SuspendedWait)
+    dog._MPI = _MPI
+    assert set(dog._probe(with_stacks=False)) == {0}  # its own answer
+    assert "watchdog: its thread did not run for 7 s" in capsys.readouterr().err
+    assert dog.clock.left_out == 13.5 and len(dog.clock.pauses) == 2

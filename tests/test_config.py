@@ -447,3 +447,19 @@ def test_a_yaml_tag_on_a_value_it_cannot_be_is_one_line(tmp_path, text):
     bad.write_text(f"train:\n  seed: {text}\n")
     with pytest.raises(ConfigError, match="'abc' is not an? "):
         Config.load(bad)
+
+
+@pytest.mark.parametrize("moe", ["{experts: 4}", "{}"])
+def test_an_empty_moe_mapping_is_moe_with_its_defaults_everywhere(moe):
+    """`model.moe={}` built MoE blocks (every option at its default) while the checks
+    and the strategies read it as off: a run failed at start asking for an expert group
+    it had, and the refusals below let it through."""
+    base = ["model.name=transformer", "data.task=tokens", f"model.moe={moe}"]
+    with pytest.raises(ConfigError, match="model.checkpoint_activations: not with model.moe"):
+        Config.load(None, [*base, "model.checkpoint_activations=true"])
+    with pytest.raises(ConfigError, match="train.sync_every"):
+        Config.load(None, [*base, "train.sync_every=2"])
+    recorded = Config.load(None, base).recorded()["model"]
+    assert recorded["moe"]["experts"] == 4 and recorded["moe"]["top_k"] == 2
+    dense = Config.load(None, base[:2]).recorded()["model"]
+    assert "moe" not in dense and dense["d_model"] == 64  # off: left out, not null

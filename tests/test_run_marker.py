@@ -22,20 +22,26 @@ def _write(run, **holder):
 @pytest.fixture
 def squeue(tmp_path, monkeypatch):
     """A `squeue` first on PATH: `state(text)` sets what it prints (None: it knows no
-    such job, as SLURM says of a job gone a while); `calls` lists its arguments."""
+    such job, as SLURM says of a job gone a while; `fail(text)`: an error of its own);
+    `calls` lists its arguments."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    said, calls = bin_dir / "said", bin_dir / "calls"
+    said, calls, fails = bin_dir / "said", bin_dir / "calls", bin_dir / "fails"
 
     class Squeue:
         def state(self, text):
             said.write_text(text or "")
+            fails.unlink(missing_ok=True)
+
+        def fail(self, text):
+            fails.write_text(text)
 
         def calls(self):
             return calls.read_text().splitlines() if calls.exists() else []
 
     (bin_dir / "squeue").write_text(
-        f'#!/bin/sh\necho "$*" >> {calls}\n[ -s {said} ] || '
+        f'#!/bin/sh\necho "$*" >> {calls}\n[ -e {fails} ] && {{ cat {fails} >&2; exit 1; }}\n'
+        f"[ -s {said} ] || "
         f'{{ echo "slurm_load_jobs error: Invalid job id specified" >&2; exit 1; }}\n'
         f"cat {said}\n"
     )
@@ -153,3 +159,23 @@ def test_a_stale_marker_of_a_job_slurm_still_runs_is_not_taken_over(tmp_path, sq
     squeue.state("RUNNING")  # this job itself, requeued: its earlier run's, not asked
     claim(run, env={"SLURM_JOB_ID": "4242"}).release()
     assert len(squeue.calls()) == 4
+
+
+def test_a_stale_marker_is_kept_when_slurm_cannot_say_its_job_ended(tmp_path, squeue, monkeypatch):
+    """A controller that does not answer (or no squeue on this host) is not a job gone:
+    the directory stays the suspended run's, and the message says how to free it."""
+    _write(tmp_path, host="node7", pid=123, job="4242")
+    old = time.time() - STALE_S - 5
+    os.utime(tmp_path / MARKER, (old, old))
+    squeue.fail("squeue: error: Unable to contact slurm controller (connect failure)")
+    with pytest.raises(ConfigError) as refused:
+        claim(tmp_path, env={})
+    said = str(refused.value)
+    assert "SLURM could not say whether its job still runs (squeue: error: Unable to " in said
+    assert f"if it does not, remove {tmp_path / MARKER}" in said
+    monkeypatch.setattr(run_marker.shutil, "which", lambda name: None)
+    with pytest.raises(ConfigError, match="no squeue on this host"):
+        claim(tmp_path, env={})
+    _write(tmp_path, host="node7", pid=123)  # no SLURM job named: nothing to ask
+    os.utime(tmp_path / MARKER, (old, old))
+    claim(tmp_path, env={}).release()

@@ -3,8 +3,9 @@
 Names and shapes are checked elsewhere (reader.require_compatible); this catches what
 keeps every shape yet changes what the weights mean: a transformer's `n_heads` (the
 same projections split into other heads), an MoE layer's `top_k`. Zoo models only,
-their defaults filled in on both sides (an earlier run's config.yaml held only the
-options it set); options a resume may change without changing the model are left out.
+their defaults filled in on both sides (a checkpoint's config_yaml records them all,
+Config.recorded; earlier versions recorded only the options set); options a resume may
+change without changing the model are left out.
 A user's model is its own code: only its shapes are checked.
 """
 

@@ -83,12 +83,15 @@ def written_model(model_cfg: dict) -> dict:
     zoo model's options with their defaults, and its MoE block's, filled in, so that a
     default changed by a later version cannot build another model unnoticed, nor a
     default written out differ from the same default left out. A user model's as given."""
-    if not is_zoo_model(model_cfg.get("name")):
+    name = model_cfg.get("name")
+    if not isinstance(name, str) or not is_zoo_model(name):
         return dict(model_cfg)
     opts = model_options(model_cfg)
-    if "moe" in opts:
+    if isinstance(opts.get("moe"), dict):
         opts["moe"] = moe_options(opts["moe"])
-    return {"name": model_cfg["name"], **opts}
+    elif "moe" in opts and opts["moe"] is None:
+        del opts["moe"]  # off: left out (a later --set model.moe.experts=8 makes it)
+    return {"name": name, **opts}
 
 
 def has_moe(model_cfg: dict) -> bool:
@@ -146,13 +149,13 @@ def validate_model_options(model_cfg: dict) -> list[str]:
         problems.append(
             f"model.depth: resnet depth must be 6n+2 (8, 14, 20, 32, ...), got {opts['depth']}"
         )
-    if name == "transformer" and opts["checkpoint_activations"] and opts["moe"]:
+    if name == "transformer" and opts["checkpoint_activations"] and has_moe(opts):
         problems.append(
             "model.checkpoint_activations: not with model.moe (the router's balancing loss "
             "is recorded during the forward pass; recomputing it would count it twice)"
         )
-    moe = opts.get("moe")
-    if name == "transformer" and moe and moe.get("every", 1) > opts["n_layers"]:
+    moe = moe_options(opts.get("moe"))
+    if name == "transformer" and moe and moe["every"] > opts["n_layers"]:
         problems.append(
             f"model.moe.every={moe['every']} puts experts in no block of the "
             f"{opts['n_layers']} (model.n_layers): the model would train dense; set every "

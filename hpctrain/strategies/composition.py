@@ -26,6 +26,11 @@ def _model(v: dict) -> dict:
     return v["model"] if isinstance(v["model"], dict) else {}
 
 
+def _moe(v: dict) -> bool:
+    """Whether the model has MoE blocks: `model.moe` set, `{}` (every default) too."""
+    return _model(v).get("moe") is not None
+
+
 # --- each strategy's own refusals --------------------------------------------------------
 def data_parallel(v: dict) -> list[str]:
     return []  # every feature below runs under data parallelism
@@ -57,7 +62,7 @@ def pipeline(v: dict) -> list[str]:
             f"micro-batch's, pipeline.microbatches={v['pipeline']['microbatches']} times a "
             "step's traffic (DeepSpeed refuses ZeRO-2/3 with its pipeline engine too)"
         )
-    if _model(v).get("moe") and (t["zero"] or t["allreduce"] in ("horovod", "overlap")):
+    if _moe(v) and (t["zero"] or t["allreduce"] in ("horovod", "overlap")):
         problems.append(
             "model.moe: mixture-of-experts blocks inside pipeline stages run without ZeRO "
             "on the mpi engine or the process groups' (train.allreduce mpi, auto, gloo or "
@@ -156,7 +161,7 @@ def local_sgd_rules(v: dict) -> list[str]:
         problems.append(
             f"train.sync_every: local SGD runs with strategy data_parallel, not {v['strategy']}"
         )
-    if t["sync_every"] > 1 and _model(v).get("moe"):
+    if t["sync_every"] > 1 and _moe(v):
         problems.append(
             "train.sync_every: local SGD with mixture-of-experts is not supported (experts "
             "live on one rank each; there is nothing to average them with)"
@@ -305,7 +310,7 @@ def precision_rules(v: dict) -> list[str]:
                 f"train.precision={half}: runs with strategy data_parallel (bf16 also with "
                 f"the torch backend's pipeline), not with {where}"
             )
-        if _model(v).get("moe"):
+        if _moe(v):
             problems.append(f"train.precision={half}: not with mixture-of-experts layers yet")
     return problems
 
@@ -333,7 +338,7 @@ def process_group_rules(v: dict) -> list[str]:
 
     dp = v["strategy"] == "data_parallel"  # the pipeline: its links, replicas, ZeRO-1
     pipe = v["strategy"] == "pipeline"  # its compression and hierarchy: pipeline() refuses
-    moe = bool(_model(v).get("moe"))
+    moe = _moe(v)
     on_groups = {
         **v,
         # experts (of data parallelism and of pipeline stages) exchange tokens over the

@@ -54,6 +54,7 @@ from ..checkpoint import split_replicated
 from ..data import iterate_val, val_batch_count
 from ..models import zoo
 from ..moe import parallel as moe_parallel
+from ..moe.options import moe_options
 from ..pipeline.engine import chunk_batches, run_inference_stoppable, run_step
 from ..pipeline.partition import (
     balanced_counts,
@@ -390,7 +391,7 @@ class Pipeline(StrategyBase):
         extra = {"stage_busy_sec": list(busy), "stage_idle_sec": list(wall - busy)}
         if self.moe:  # every rank the same keys: zeros on stages without MoE layers
             found = self.stage.moe_metrics(timing.wall)
-            experts = self.cfg.model["moe"]["experts"]
+            experts = moe_options(self.cfg.model["moe"])["experts"]
             extra |= moe_parallel.pipeline_metrics(found, experts, P, self._moe_stages)
         if g.last and g.coord["tensor"] == 0:  # a tensor group counts its batch once
             return StepStats(loss_sum, correct, self.terms, comm, extra)
