@@ -31,9 +31,22 @@ test-quick: install
 	$(PY) -m pytest -q -m quick tests
 	cd $(CURDIR) && $(VENV)/bin/lint-imports
 
-## --durations: the slowest tests at the end of the log, where the 20 minutes go
+## Two pytest processes: the tests marked `beside` (those that mostly wait; SLURM's and
+## the emulated nodes', kept in one process: they share daemons and namespaces) run in
+## the background into a log printed after the rest, whose output streams here; the
+## status fails if either fails. --durations: the slowest tests, where the 20 minutes go.
+## The second has few warm launches: a small share of memory for its warm ranks, no
+## spares. A Ctrl-C stops both (a shell starts a background job ignoring SIGINT: undone).
 test-unit:
-	$(PY) -m pytest tests -q -m "not extended" --durations=25
+	@log=$$(mktemp /tmp/hpctrain-tests-beside.XXXXXX.log); trap 'rm -f "$$log"' EXIT; \
+	echo "tests marked beside run in a second pytest process; its log: $$log"; \
+	(trap - INT; HPCTRAIN_TEST_WARM_SHARE=0.15 HPCTRAIN_TEST_SPARES=0 exec $(PY) -m pytest \
+		tests -q -m "beside and not extended" --durations=15) > "$$log" 2>&1 & \
+	beside=$$!; \
+	$(PY) -m pytest tests -q -m "not beside and not extended" --durations=25; rest=$$?; \
+	wait $$beside; second=$$?; \
+	echo "--- the tests marked beside (exit status $$second):"; cat "$$log"; \
+	test $$rest = 0 -a $$second = 0
 
 ## The longer variants left out of `make test` (marked `extended`; root for the emulated nodes).
 test-extended: install-test

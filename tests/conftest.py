@@ -8,6 +8,8 @@ Every test gets its tier markers here, by module, so no test file repeats them:
     multinode  jobs across two emulated nodes (test_multinode.py, test_cluster_tool.py)
     slurm      a SLURM cluster (test_slurm.py, and every test that starts one)
     slow       every test that is not quick
+    beside     `make test` runs these in a second pytest process beside the others:
+               the tests that mostly wait, and every SLURM and emulated-node test
     gpu        set by a test itself; skipped, with the reason, where torch sees no CUDA
     extended   set by a test itself: a variant `make test` covers with another test, left
                out of it (its 20-minute budget) and run by `make test-extended`
@@ -72,6 +74,13 @@ QUICK_MODULES = frozenset(
     }
 )
 MULTINODE_MODULES = frozenset({"test_multinode", "test_cluster_tool"})
+# `make test` runs the tests marked `beside` in a second pytest process beside the rest:
+# these modules' tests mostly wait (deadlines, heartbeats, signals, supervisors, a memory
+# cgroup's kernel), and SLURM's and the emulated nodes' tests (which must not run beside
+# each other: they share daemons, ports and namespaces).
+BESIDE_MODULES = frozenset(
+    {"test_stall", "test_elastic", "test_interrupt_exit", "test_ps", "test_memory_limit_jobs"}
+)
 SLURM_MODULES = frozenset({"test_slurm"})
 # a test elsewhere that starts a SLURM cluster names one of these (tests/slurm_cluster.py)
 SLURM_NAMES = ("slurm_cluster", "start_slurm_on")
@@ -91,6 +100,8 @@ def tiers(path: Path, source: str = "") -> set[str]:
         marks.add("multinode")
     if name in SLURM_MODULES or any(s in source for s in SLURM_NAMES):
         marks.add("slurm")
+    if name in BESIDE_MODULES or marks & {"multinode", "slurm"}:
+        marks.add("beside")
     return marks
 
 

@@ -285,7 +285,9 @@ def _max_warm_ranks(per_rank_gib: float = 0.75, share: float = 0.5, most: int = 
     return max(4, min(most, int(kib / 2**20 * share / per_rank_gib)))
 
 
-MAX_WARM_RANKS = _max_warm_ranks()
+# `make test`'s second pytest process (tests marked beside: few warm launches) sets 0.15,
+# so the two sessions' warm ranks stay within about two thirds of the machine's memory
+MAX_WARM_RANKS = _max_warm_ranks(share=float(os.environ.get("HPCTRAIN_TEST_WARM_SHARE", "0.5")))
 
 # Spares: a warm job ends with a launch that started Horovod, ran doctor or aborted, and
 # the next launch of its size would start a new one cold (torch, torch._dynamo and

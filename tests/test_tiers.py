@@ -59,10 +59,16 @@ def test_the_quick_tier_is_the_quick_modules_and_nothing_else():
     [
         ("test_config.py", "", {"quick"}),
         ("mpi/test_world.py", "", {"mpi", "slow"}),
-        ("test_multinode.py", "def test_x(two_nodes): ...", {"multinode", "slow"}),
-        ("test_multinode.py", "slurm = emulated.start_slurm_on(", {"multinode", "slurm", "slow"}),
-        ("test_cluster_tool.py", "", {"multinode", "slow"}),
-        ("test_slurm.py", "", {"slurm", "slow"}),
+        ("test_multinode.py", "def test_x(two_nodes): ...", {"multinode", "slow", "beside"}),
+        (
+            "test_multinode.py",
+            "slurm = emulated.start_slurm_on(",
+            {"multinode", "slurm", "slow", "beside"},
+        ),
+        ("test_cluster_tool.py", "", {"multinode", "slow", "beside"}),
+        ("test_slurm.py", "", {"slurm", "slow", "beside"}),
+        ("test_resume_jobs.py", "x = slurm_cluster()", {"slurm", "slow", "beside"}),
+        ("test_stall.py", "", {"slow", "beside"}),
         ("test_trainer_jobs.py", "", {"slow"}),
     ],
 )
