@@ -968,7 +968,12 @@ def test_requeue_puts_the_running_job_back_in_the_queue(slurm, tmp_path, sbatch_
             # Restarts=1 is the requeue; a loaded node can still be COMPLETING the first
             # run's epilog at that moment (seen once): anything but an ended job
             assert deadline_info["JobState"] in ("PENDING", "REQUEUED", "RUNNING", "COMPLETING")
-            assert "requeued: True" in log.read_text()
+            text = log.read_text()
+            # requeue() printed True, or SLURM ended this run for the requeue first: scontrol
+            # returns once the controller took it, and a loaded node killed the batch step
+            # before python's next line (seen once, make test's two processes at load ~20)
+            assert "requeued: True" in text or "DUE TO JOB REQUEUE" in text, text
+            assert "requeued: False" not in text, text
         else:
             info = slurm.wait_job(job_id, timeout=120)
             text = log.read_text()
