@@ -48,6 +48,7 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
     from .backends.torch_plan import plan_stages
     from .errors import ConfigError
     from .exchange.memory_plan import STAGES, table
+    from .models.zoo import has_moe
     from .tensor.parallel import TensorGroup
 
     if cfg.backend != "torch" or cfg.strategy not in ("data_parallel", "pipeline"):
@@ -56,7 +57,7 @@ def plan_memory(cfg, world_size: int, limit_mb: float | None, gpu_mb: float | No
             "tensor parallelism) and its pipeline (each stage); not backend "
             f"{cfg.backend} with strategy {cfg.strategy}"
         )
-    if cfg.model.get("moe") is not None:
+    if has_moe(cfg.model):
         raise ConfigError(
             "plan-memory: mixture-of-experts models are not planned before launch (their "
             "experts depend on the expert layout); a run checks its plan at start"

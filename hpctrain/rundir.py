@@ -270,7 +270,7 @@ def _flatten(values: dict, prefix: str = "") -> dict:
 
 def _identity(config: dict) -> dict:
     if isinstance(config.get("model"), dict):  # earlier runs wrote only the options given
-        config = {**config, "model": written_model(config["model"])}  # (any YAML: as is)
+        config = {**config, "model": written_model(config["model"])}
     flat = _flatten(config)
     return {
         k: v

@@ -5,8 +5,8 @@ keeps every shape yet changes what the weights mean: a transformer's `n_heads` (
 same projections split into other heads), an MoE layer's `top_k`. Zoo models only,
 their defaults filled in on both sides (a checkpoint's config_yaml records them all,
 Config.recorded; earlier versions recorded only the options set); options a resume may
-change without changing the model are left out.
-A user's model is its own code: only its shapes are checked.
+change without changing the model are left out. A user's model is its own code: only
+its shapes are checked.
 """
 
 from __future__ import annotations

@@ -105,7 +105,7 @@ def exchange_features(cfg) -> list[Feature]:
         (Feature(f"parallel.tensor={tensor}", f"tensor parallelism (parallel.tensor={tensor})"),
          tensor > 1),
         (Feature("mixture-of-experts layers", "mixture-of-experts layers", needs_mpi=False),
-         isinstance(model, dict) and model.get("moe") is not None),
+         isinstance(model, dict) and model.get("moe") is not None),  # zoo.has_moe
         (Feature(f"train.compression={compression}", f"train.compression={compression}",
                  needs_mpi=False), compression != "none"),
         (Feature("train.hierarchical", "hierarchical allreduce", host_only=True),

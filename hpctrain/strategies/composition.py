@@ -27,8 +27,9 @@ def _model(v: dict) -> dict:
 
 
 def _moe(v: dict) -> bool:
-    """Whether the model has MoE blocks: `model.moe` set, `{}` (every default) too."""
-    return _model(v).get("moe") is not None
+    from ..models.zoo import has_moe  # lazy, as this module's other zoo reads
+
+    return has_moe(_model(v))
 
 
 # --- each strategy's own refusals --------------------------------------------------------
