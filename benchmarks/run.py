@@ -39,6 +39,7 @@ SECTIONS = [
     "convergence",
     "memory",
     "zero",
+    "configs",
     "gpu",  # only where torch sees a CUDA GPU (skipped with the reason elsewhere)
 ]
 BUDGET_SECONDS = {True: 100, False: 13 * 60}  # quick / full, before optional work is cut

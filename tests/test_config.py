@@ -148,12 +148,13 @@ def test_offload_is_refused_on_cpu_ranks_and_outside_gpu_zero_with_the_reason(mo
     from hpctrain.errors import ConfigError
 
     assert Config.load(None, ["train.zero=3"]).train["offload"] == "none"
+    cpu = ["runtime.device=cpu", "train.zero=3"]
     with pytest.raises(ConfigError, match=r"train.offload=optimizer: .*host memory al"):
-        Config.load(None, ["train.zero=3", "train.offload=optimizer"])
+        Config.load(None, [*cpu, "train.offload=optimizer"])
     with pytest.raises(ConfigError, match=r"optimizer\+params: .*train.zero=2 keeps whole"):
         Config.load(None, ["runtime.device=cuda", "train.zero=2", "train.offload=optimizer+params"])
     with pytest.raises(ConfigError, match=r"optimizer\+params: .*host memory al"):
-        Config.load(None, ["train.zero=3", "train.offload=optimizer+params"])
+        Config.load(None, [*cpu, "train.offload=optimizer+params"])
     gpu = ["runtime.device=cuda", "train.offload=optimizer"]
     with pytest.raises(ConfigError, match="not with train.zero=0"):
         Config.load(None, gpu)

@@ -72,6 +72,24 @@ def test_nccl_where_auto_keeps_the_ranks_on_the_cpu_says_why(monkeypatch):
         agreed_device(cfg, None)
 
 
+def test_offload_under_auto_is_accepted_by_the_config_and_refused_on_cpu_ranks(monkeypatch):
+    """runtime.device=auto (the default) cannot know at config time whether the ranks
+    get a GPU: offload was refused there as if they were CPU ranks, even on GPU nodes."""
+    import torch
+
+    from hpctrain.backends.torch_device import agreed_device
+
+    offload = ["train.zero=2", "train.allreduce=gloo", "train.offload=optimizer"]
+    cfg = Config.load("configs/demo.yaml", offload)
+    assert cfg.runtime["device"] == "auto"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    with pytest.raises(
+        ConfigError, match=r"train.offload=optimizer: .* these are CPU ranks \(auto: "
+    ):
+        agreed_device(cfg, None)
+
+
 @pytest.mark.parametrize("engine", ["auto", "nccl", "gloo"])
 def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_process_groups(
     engine, monkeypatch

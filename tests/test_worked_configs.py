@@ -89,6 +89,19 @@ def test_every_config_file_is_a_demo_or_a_worked_config_tested_here():
     assert files == {*DEMOS, *CPU, GPU}, files
 
 
+def test_the_bench_trains_every_cpu_config_to_its_end_with_its_own_launch_line(monkeypatch):
+    """benchmarks/sections/configs.py reads each header's launch line (the figures the
+    headers quote come from its report)."""
+    monkeypatch.syspath_prepend(str(ROOT))
+    from benchmarks.sections import configs
+
+    assert {f"{n}.yaml" for n in configs.CONFIGS} == {*DEMOS, *CPU}
+    for name in configs.CONFIGS:
+        line, ranks, sub = configs.launch_line(name)
+        assert line.endswith(f"--config configs/{name}.yaml") and sub in ("train", "ps")
+        assert ranks == (2 if f"{name}.yaml" in DEMOS else NP), line
+
+
 @pytest.mark.parametrize("name", [*CPU, GPU])
 def test_the_header_launch_line_is_a_real_command_for_this_file(name):
     from hpctrain.cli import build_parser

@@ -20,6 +20,7 @@ from ..runtime.devices import (
     choose_device,
     gpu_unsupported,
     gpu_untested,
+    offload_on_cpu,
 )
 
 
@@ -60,6 +61,14 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
     return device, choice
 
 
+def _offload_where_auto_found_no_gpu(cfg, why: str) -> str | None:
+    """runtime.device=auto kept the ranks on the CPU: offload has nothing to move (cpu:
+    the config check refused it already; a test's script lets it through there)."""
+    if cfg.runtime["device"] != "auto":
+        return None
+    return f"{offload_on_cpu(cfg.train['offload'])}; these are CPU ranks ({why})"
+
+
 def agreed_device(cfg, world):
     """(device, why, ranks share a GPU): one rank per GPU by node-local rank; every
     rank agrees on errors (a node without GPUs, too many ranks for its GPUs).
@@ -80,6 +89,8 @@ def agreed_device(cfg, world):
     if error is None and device.type != "cuda" and cfg.train["allreduce"] == "nccl":
         # said here with auto's reason: the engine's own refusal could not say why
         error = f"train.allreduce=nccl needs GPU ranks, and these are CPU ranks ({why})"
+    elif error is None and device.type != "cuda" and cfg.train["offload"] != "none":
+        error = _offload_where_auto_found_no_gpu(cfg, why)
     if world is not None and world.size > 1:
         world.agree(error, error_type=ConfigError)
         gpu = gpu_identity(device) if device.type == "cuda" else ""

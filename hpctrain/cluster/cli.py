@@ -48,7 +48,8 @@ def register(subparsers) -> dict:
         "--link",
         default="none",
         metavar="SPEED",
-        help=f"every node's link: {' | '.join(NAMED_LINKS)} (default none: unshaped)",
+        help=f"every node's link: {' | '.join(NAMED_LINKS)}, or any <n>mbit or <n>gbit "
+        "(default none: unshaped)",
     )
     s.add_argument("--subnet", default=DEFAULT_SUBNET, help=f"addresses (default {DEFAULT_SUBNET})")
     s.add_argument(
@@ -72,7 +73,11 @@ def register(subparsers) -> dict:
     )
     sub.add_parser("status", help="nodes, addresses, links and shaping (exit 1 if down)")
     s = sub.add_parser("link", help="reshape the links, or take one down / bring it up")
-    s.add_argument("what", metavar="SPEED|down|up", help=f"{' | '.join(NAMED_LINKS)}, down, up")
+    s.add_argument(
+        "what",
+        metavar="SPEED|down|up",
+        help=f"{' | '.join(NAMED_LINKS)}, <n>mbit, <n>gbit, down, up",
+    )
     s.add_argument("--node", help="only this node's link (required for down/up)")
     s = sub.add_parser("mpirun-args", help="print mpirun's arguments for the cluster")
     s.add_argument("--per-node", type=int, default=1, metavar="K", help="ranks per node")

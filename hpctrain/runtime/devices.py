@@ -186,6 +186,17 @@ def _pipeline_on_gpu(cfg) -> str | None:
     )
 
 
+def offload_on_cpu(offload: str) -> str:
+    """The refusal of offload on CPU ranks: said by the config check for
+    runtime.device=cpu (strategies/composition.py) and at start-up where `auto` found no
+    GPU (backends/torch_device.py)."""
+    return (
+        f"train.offload={offload}: offloading moves a GPU rank's optimizer state to host "
+        "memory; CPU ranks keep it in host memory already, so there is nothing to "
+        "offload: leave train.offload=none (or run on GPU ranks)"
+    )
+
+
 def gpu_untested(cfg) -> list[str]:
     """What `cfg` turns on that GPU ranks run on the process-group code but that has not
     yet run across ranks on a GPU (it starts there with GPU_UNTESTED=1)."""

@@ -203,12 +203,10 @@ def offload_rules(v: dict) -> list[str]:
             f"memory; train.zero={t['zero']} keeps whole parameters on the device, so "
             "use train.offload=optimizer there (the master shard and optimizer state)"
         ]
-    if v["runtime"]["device"] != "cuda":
-        return [
-            f"train.offload={offload}: offloading moves a GPU rank's optimizer state to "
-            "host memory; CPU ranks keep it in host memory already, so there is nothing "
-            "to offload: leave train.offload=none (or set runtime.device=cuda)"
-        ]
+    if v["runtime"]["device"] == "cpu":  # auto: refused at start-up on CPU ranks
+        from ..runtime.devices import offload_on_cpu
+
+        return [offload_on_cpu(offload)]
     clash = _clash(
         (
             (f"backend {v['backend']}", v["backend"] != "torch"),
