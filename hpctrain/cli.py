@@ -9,6 +9,7 @@ waiting.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import os
 import platform
@@ -99,7 +100,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Validate a configuration and print it with defaults filled "
         "in (a zoo model's own options too), without starting MPI. With --np N, check too that N ranks can run it (the "
         "rules `hpctrain slurm render` checks: pipeline stages x tensor ranks, parameter "
-        "servers, experts, one global batch from the training split).",
+        "servers, experts, one global batch from the training split). What only the "
+        "job's nodes can tell (a data file or model module this host lacks) is named on "
+        "stderr as not checked here.",
     )
     _add_config_args(p)
     p.add_argument(
@@ -179,6 +182,12 @@ def _add_train_commands(sub) -> None:
         )
 
 
+class _DescriptionAndDefaults(
+    argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter
+):
+    """The description as written, each option's default after its help."""
+
+
 def _add_data_command(sub) -> None:
     """`data synth`: a learnable synthetic HDF5 dataset."""
     p = sub.add_parser("data", help="dataset tools")
@@ -191,24 +200,30 @@ def _add_data_command(sub) -> None:
                           vectors  Gaussian inputs labelled by a random teacher MLP (for mlp)
                           images   noisy shifted class templates, NCHW (for cnn, resnet)
                           tokens   sequences of a random Markov chain (for transformer)"""),
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        formatter_class=_DescriptionAndDefaults,
     )
-    s.add_argument("output", help="HDF5 file to write (refused if it exists, unless --force)")
+    s.add_argument(
+        "output",
+        help="HDF5 file to write, in a directory that exists (refused if the file exists, "
+        "unless --force)",
+    )
     s.add_argument(
         "--force",
         action="store_true",
         help="replace the output file when it exists (its data is lost)",
     )
-    s.add_argument("--task", choices=("vectors", "images", "tokens"), default="vectors")
+    s.add_argument(
+        "--task", choices=("vectors", "images", "tokens"), default="vectors", help="the task"
+    )
     s.add_argument("--train", type=int, default=8192, help="training samples")
     s.add_argument("--val", type=int, default=2048, help="validation samples (0: none)")
-    s.add_argument("--seed", type=int, default=1234)
-    s.add_argument("--classes", type=int, default=10)
-    s.add_argument("--features", type=int, default=32)
-    s.add_argument("--image-size", type=int, default=16)
-    s.add_argument("--channels", type=int, default=3)
-    s.add_argument("--seq-len", type=int, default=32)
-    s.add_argument("--vocab", type=int, default=64)
+    s.add_argument("--seed", type=int, default=1234, help="the generator's seed")
+    s.add_argument("--classes", type=int, default=10, help="classes (vectors, images)")
+    s.add_argument("--features", type=int, default=32, help="features per sample (vectors)")
+    s.add_argument("--image-size", type=int, default=16, help="image height and width (images)")
+    s.add_argument("--channels", type=int, default=3, help="image channels (images)")
+    s.add_argument("--seq-len", type=int, default=32, help="tokens per sequence (tokens)")
+    s.add_argument("--vocab", type=int, default=64, help="vocabulary, 2 or more (tokens)")
 
 
 def _cmd_doctor(args) -> int:
@@ -236,14 +251,17 @@ def _load_config_everywhere(args):
 
 def _cmd_train(args) -> int:
     from . import rundir
-    from .errors import require_path
+    from .errors import ConfigError, require_path
     from .loop import TrainingLoop
     from .runtime.faults import Faults
     from .runtime.preemption import interrupt_exit_code
 
     if args.run_dir is not None:
         require_path("--run-dir", args.run_dir, "directory")
+    if args.resume is not None and not args.resume.strip():  # ('' read as the file '.')
+        raise ConfigError(f"--resume {args.resume!r} is blank: auto, never or a file")
     if args.command == "ps":
+        _refuse_another_strategy_for_ps(args)
         args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
     try:
@@ -277,17 +295,77 @@ def _cmd_config(args) -> int:
     cfg = Config.load(args.config, args.overrides)
     if args.np is not None and args.np < 1:
         raise ConfigError(f"--np {args.np}: expected a number of ranks, 1 or more")
+    notes = _not_checked_here(cfg)
     if args.np is not None:  # the same rules the job applies at start, before it queues
         from .slurm.fit import training_split, world_size_problems
 
-        problems = world_size_problems(cfg, args.np, f"--np {args.np}", training_split(cfg))
+        split = training_split(cfg)
+        problems = world_size_problems(cfg, args.np, f"--np {args.np}", split)
         if problems:
             raise ConfigError("; ".join(problems))
+        if split is None and cfg.data["source"] == "hdf5":
+            notes.append(f"--np {args.np}: whether the training split fills a global batch")
+    for note in notes:
+        print(f"note: not checked on this host: {note}", file=sys.stderr)
     # the first line keeps a copy saved as a run's config.yaml from passing for one an
     # earlier hpctrain wrote (the plain dump), which a later run in that directory replaces
     print(f"# hpctrain config: {cfg.source} with defaults filled in")
     print(cfg.to_yaml(), end="")  # as the run's config.yaml has it
     return 0
+
+
+def _refuse_another_strategy_for_ps(args) -> None:
+    """`hpctrain ps` is `train` with strategy parameter_server: a configuration that asks
+    for another layout (pipeline, say) trained as a parameter server without a word.
+    data_parallel is what a plain config has, and `ps` turns it into the server's."""
+    import yaml
+
+    from .errors import ConfigError
+
+    asked, where = None, None
+    if args.config:
+        with contextlib.suppress(OSError, yaml.YAMLError):  # Config.load says what is wrong
+            text = yaml.safe_load(Path(args.config).read_text())
+            if isinstance(text, dict) and "strategy" in text:
+                asked, where = text["strategy"], f"{args.config} sets"
+    for override in args.overrides:
+        key, _, value = override.partition("=")
+        if key.strip() == "strategy":
+            asked, where = value.strip(), "--set"
+    if asked in (None, "data_parallel", "parameter_server"):
+        return
+    raise ConfigError(
+        f"hpctrain ps trains a parameter server, and {where} strategy: {asked}: run it with "
+        "hpctrain train, or set strategy: parameter_server"
+    )
+
+
+def _not_checked_here(cfg) -> list[str]:
+    """What the run checks at start that this host cannot (the job's nodes may see other
+    files and another PYTHONPATH); a user model's options are checked here when its
+    function imports (ConfigError, as the run would refuse them)."""
+    from .data import expand_path
+    from .errors import ConfigError, DataError
+    from .models.user import builder_kwargs, resolve
+    from .models.zoo import is_zoo_model
+
+    notes = []
+    data = cfg.data
+    if data["source"] == "hdf5":
+        try:
+            if not expand_path(data["path"], "data.path").is_file():
+                notes.append(f"data.path {data['path']}: no such file here")
+        except DataError as exc:  # an unset variable in it, named
+            notes.append(str(exc))
+    name = cfg.model["name"]
+    if not is_zoo_model(name):
+        try:
+            fn = resolve(name)
+        except ConfigError as exc:
+            notes.append(str(exc))
+        else:  # the data's facts are unknown here: stand-ins, as only options are checked
+            builder_kwargs(fn, cfg.model, input_shape=(1,), classes=2)
+    return notes
 
 
 def _cmd_data(args) -> int:
@@ -334,7 +412,7 @@ def _check_synth_args(args) -> None:
     from .errors import ConfigError
 
     lowest = dict.fromkeys(("train", "features", "image_size", "channels", "seq_len"), 1)
-    lowest.update(val=0, vocab=1, classes=2 if args.task != "tokens" else 1)
+    lowest.update(val=0, vocab=2, classes=2 if args.task != "tokens" else 1)
     for name, least in lowest.items():
         value = getattr(args, name)
         if value < least:
@@ -356,6 +434,11 @@ def _refuse_existing_output(path: Path, force: bool) -> None:
 
     if path.is_dir():
         raise DataError(f"{path} is a directory: name the HDF5 file to write, e.g. {path}/data.h5")
+    if not path.parent.is_dir():  # a typo made whole directory trees (/nonexist/dir/)
+        raise DataError(
+            f"{path}: no directory {path.parent}: create it first (data synth writes the "
+            "file, not the directories above it)"
+        )
     if os.path.lexists(path) and not force:
         raise DataError(
             f"{path} exists: pass --force to replace it (its data is lost), or name another file"

@@ -364,6 +364,7 @@ class TrainingLoop:
             cfg.metrics["progress_bar"],
         )
         self._ctx = ctx = self._context()
+        self.metrics.start(st.step, st.epoch, self.resumed_from)
         try:
             s.begin(ctx)
             if s.serves:

@@ -121,6 +121,20 @@ class MetricsWriter:
                 self._scalars(event, record)
         return record
 
+    def start(self, step: int, epoch: int, resumed_from: str | None) -> None:
+        """A `start` line, and for a resumed run TensorBoard's restart marker: a
+        SessionLog START at step + 1 makes TensorBoard drop what earlier event files
+        logged after this run's checkpoint (an abandoned timeline: a crash after it, or
+        --resume FILE of an older one); metrics.jsonl keeps those lines, before this one."""
+        self.write("start", epoch=epoch, step=step, resumed_from=resumed_from)
+        if self._tb is None or not resumed_from:
+            return
+        from tensorboard.compat.proto.event_pb2 import Event, SessionLog
+
+        with self._disk_errors(self._run_dir / "tb"):
+            marker = SessionLog(status=SessionLog.START)
+            self._tb.add_event(Event(wall_time=time.time(), step=step + 1, session_log=marker))
+
     @contextlib.contextmanager
     def _disk_errors(self, path: Path):
         """A full disk (or another write error) stops the run with one line naming the

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import yaml
 
-from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, step_of_entry
+from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, starts_as_checkpoint, step_of_entry
 from .checkpoint.sharded import remove_shard_folder
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
@@ -331,7 +331,7 @@ def plan_run_dir(
         return RunDirPlan("resume" if resume else "fresh", f"run directory {run_dir}")
     there = f"{run_dir} already holds a run ({prev.describe()})"
     if overwrite:
-        return RunDirPlan("overwrite", f"--overwrite: clearing {there}", _run_outputs(prev))
+        return _overwrite(prev)
     if new:
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
         target = run_dir / "previous" / stamp
@@ -502,6 +502,28 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
         )
 
 
+def _overwrite(prev: PreviousRun) -> RunDirPlan:
+    """Delete what the earlier run wrote. A run writes config.yaml before metrics.jsonl
+    and its TensorBoard events: without one, those files are not known to be a run's."""
+    if prev.config is not None or not (prev.metrics_lines or prev.tensorboard):
+        return RunDirPlan(
+            "overwrite",
+            f"--overwrite: {prev.run_dir} holds an earlier run ({prev.describe()}): deleting "
+            "what it wrote",
+            _run_outputs(prev),
+        )
+    found = [
+        what
+        for what, on in (("metrics.jsonl", prev.metrics_lines), ("tb/ events", prev.tensorboard))
+        if on
+    ]
+    raise ConfigError(
+        f"--overwrite: {prev.run_dir} holds {' and '.join(found)} but no config.yaml, so "
+        "hpctrain cannot tell they are a run's (a run writes config.yaml first): move them "
+        "away, or choose another --run-dir"
+    )
+
+
 def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
     """What --overwrite deletes and --new moves: hpctrain's files, never anything else."""
     paths = [p for p in (prev.run_dir / name for name in RUN_FILES) if p.exists()]
@@ -512,11 +534,14 @@ def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
 
 
 def _written_by_hpctrain(path: Path) -> bool:
-    """A checkpoint or temp file, or a shard folder: the names hpctrain gives them, as
-    what it makes them (a directory named like a checkpoint file is not one)."""
+    """A checkpoint that begins with hpctrain's header, a save's temp file or a shard
+    folder (whose members remove_shard_folder checks again): the names hpctrain gives
+    them, as what it makes them; a file merely named like a checkpoint is left alone."""
     if SHARDS_RE.match(path.name):
         return path.is_dir()
-    return bool(NAME_RE.match(path.name) or TEMP_RE.match(path.name)) and not path.is_dir()
+    if NAME_RE.match(path.name):
+        return path.is_file() and starts_as_checkpoint(path)
+    return bool(TEMP_RE.match(path.name)) and not path.is_dir()
 
 
 def write_config_text(run_dir: Path, text: str) -> None:

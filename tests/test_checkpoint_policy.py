@@ -153,6 +153,18 @@ def test_newer_files_from_an_abandoned_timeline_are_left_alone(tmp_path):
     assert steps_in(tmp_path) == [15, 20, 30]
 
 
+def test_pruning_leaves_a_file_that_is_only_named_like_a_checkpoint(tmp_path, caplog):
+    """keep_last deleted by name: a user's notes saved as ckpt-<step>.h5 went with the
+    old checkpoints."""
+    (tmp_path / "ckpt-00000005.h5").write_text("notes")
+    ck = Checkpointer(CheckpointPolicy({"dir": str(tmp_path), "keep_last": 1}))
+    for step in (10, 20, 30):
+        ck.save(step, state(step))
+    assert steps_in(tmp_path) == [5, 30]
+    assert (tmp_path / "ckpt-00000005.h5").read_text() == "notes"
+    assert caplog.text.count("does not begin with hpctrain's checkpoint header") == 1
+
+
 def test_maybe_save_collects_only_when_due_and_writer_only_writes(tmp_path):
     calls = []
 

@@ -1,6 +1,8 @@
 """Config validation names every offending key; overrides parse like YAML."""
 
 import re
+import sys
+from types import SimpleNamespace
 
 import pytest
 
@@ -306,6 +308,36 @@ def test_config_with_np_checks_that_many_ranks_can_run_it(args, says, capsys):
     assert "strategy: pipeline" in capsys.readouterr().out
 
 
+def test_config_says_what_this_host_cannot_check_and_checks_a_user_models_options(
+    tmp_path, monkeypatch, capsys
+):
+    """`hpctrain config` passed a missing data file, a model module that does not import
+    and an option the model's function does not take, all of which the run refuses."""
+    from hpctrain.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))  # the module imported goes
+    monkeypatch.setattr(sys, "path", list(sys.path))  # with the directory put there
+    (tmp_path / "cfg_check_models.py").write_text("def build(hidden=3, classes=2):\n    pass\n")
+    hdf5 = ["--set", "data.source=hdf5", "--set", "data.path=missing.h5"]
+    assert main(["config", *hdf5, "--np", "2"]) == 0
+    err = capsys.readouterr().err
+    assert "note: not checked on this host: data.path missing.h5: no such file here" in err
+    assert "--np 2: whether the training split fills a global batch" in err
+    assert main(["config", "--set", "model.name=nomod:build"]) == 0
+    assert "cannot import 'nomod'" in capsys.readouterr().err
+    assert (
+        main(["config", "--set", "model.name=cfg_check_models:build", "--set", "model.widht=3"])
+        == 2
+    )
+    assert "build has no parameter for model.widht" in capsys.readouterr().err
+    assert (
+        main(["config", "--set", "model.name=cfg_check_models:build", "--set", "model.hidden=4"])
+        == 0
+    )
+    assert capsys.readouterr().err == ""
+
+
 def test_a_rank_given_another_configuration_than_rank_zeros_says_what_differs():
     """loop.agree_on_config: rank 0's values broadcast, each rank names what differs
     (ranks launched with different --set went on to an MPI_ERR_TRUNCATE traceback)."""
@@ -464,3 +496,18 @@ def test_an_empty_moe_mapping_is_moe_with_its_defaults_everywhere(moe):
     assert recorded["moe"]["experts"] == 4 and recorded["moe"]["top_k"] == 2
     dense = Config.load(None, base[:2]).recorded()["model"]
     assert "moe" not in dense and dense["d_model"] == 64  # off: left out, not null
+
+
+def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout(capsys):
+    """`hpctrain ps --config configs/pipeline.yaml` trained a parameter server without a
+    word; a plain (data-parallel) configuration is still made the server's."""
+    from hpctrain.cli import _refuse_another_strategy_for_ps, main
+
+    assert main(["ps", "--config", "configs/pipeline.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "configs/pipeline.yaml sets strategy: pipeline: run it with hpctrain train" in err
+    for config, sets in (
+        ("configs/pipeline.yaml", ["strategy=parameter_server"]),
+        ("configs/moe.yaml", []),
+    ):
+        _refuse_another_strategy_for_ps(SimpleNamespace(config=config, overrides=sets))

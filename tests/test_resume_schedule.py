@@ -190,3 +190,30 @@ def test_a_resume_on_other_replicas_says_when_the_scaled_peak_lr_moves(caplog):
             RunCheckpoints._say_if_the_peak_moved(me)
         said = "peak lr of 0.1; this run's is 0.05" in caplog.text
         assert said == warned and (not warned or "--set optimizer.lr=0.1" in caplog.text)
+
+
+def test_the_peak_lr_the_warning_names_silences_it(caplog):
+    """The warning printed 6 digits (%g) and compared within 1e-9: the value it told the
+    user to set (0.00141421) warned again, showing the same number twice."""
+    import math
+    import re
+    from types import SimpleNamespace
+
+    from hpctrain.checkpoint.session import RunCheckpoints
+
+    def said_for(lr) -> str:
+        cfg = SimpleNamespace(optimizer={"lr": lr, "lr_scaling": "sqrt"})
+        loop = SimpleNamespace(
+            cfg=cfg, world=SimpleNamespace(is_root=True), strategy=SimpleNamespace(lr_replicas=1)
+        )
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="hpctrain"):
+            me = SimpleNamespace(trainer=loop, _saved_peak=0.001 * math.sqrt(2))  # 2 replicas
+            RunCheckpoints._say_if_the_peak_moved(me)
+        return caplog.text
+
+    text = said_for(0.001)
+    assert "peak lr of 0.001414214; this run's is 0.001" in text, text
+    named = float(re.search(r"--set optimizer.lr=(\S+)", text).group(1))
+    assert said_for(named) == ""
+    assert said_for(0.00141421) == ""  # within 1e-5: the same peak

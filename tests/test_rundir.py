@@ -8,6 +8,7 @@ import yaml
 from test_checkpoint_sharded import _state, _write_sharded
 
 from hpctrain.checkpoint import verify
+from hpctrain.checkpoint.format import MAGIC
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
 from hpctrain.models.zoo import written_model
@@ -38,7 +39,7 @@ def _earlier_run(run_dir, cfg: dict, steps=(10, 20), metrics=3):
     ckpts = run_dir / "checkpoints"
     ckpts.mkdir(exist_ok=True)
     for s in steps:
-        (ckpts / f"ckpt-{s:08d}.h5").write_bytes(b"x")
+        (ckpts / f"ckpt-{s:08d}.h5").write_bytes(MAGIC + b"x")  # pruned by its header
     with (run_dir / "metrics.jsonl").open("w") as f:
         for i in range(metrics):
             f.write(json.dumps({"event": "step", "step": i}) + "\n")
@@ -169,7 +170,7 @@ def test_contradictory_flags_are_refused(tmp_path):
 def test_a_checkpoint_directory_outside_the_run_directory_is_looked_at(tmp_path):
     run, ckpts = tmp_path / "run", tmp_path / "scratch" / "ckpts"
     ckpts.mkdir(parents=True)
-    (ckpts / "ckpt-00000005.h5").write_bytes(b"x")
+    (ckpts / "ckpt-00000005.h5").write_bytes(MAGIC + b"x")
     with pytest.raises(ConfigError, match="1 checkpoint") as refused:
         plan_run_dir(run, _cfg(), checkpoint_dir=ckpts)
     # its advice says what --resume FILE alone does to them (it was "continue from one")
@@ -283,7 +284,7 @@ def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_pat
     claim_checkpoint_dir(run_a, shared)
     assert (shared / CHECKPOINT_OWNER).read_text().strip() == str(run_a.resolve())
     for s in (10, 20):
-        (shared / f"ckpt-{s:08d}.h5").write_bytes(b"x")
+        (shared / f"ckpt-{s:08d}.h5").write_bytes(MAGIC + b"x")
     before = sorted(p.name for p in shared.iterdir())
     for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
         with pytest.raises(ConfigError, match=f"belongs to the run in {run_a} \\(2 checkpoint"):
@@ -306,7 +307,7 @@ def test_a_checkpoint_dir_another_run_recorded_is_refused_and_left_whole(tmp_pat
 def test_unrecorded_checkpoints_outside_the_run_dir_are_only_resumed_by_name(tmp_path):
     ckpts = tmp_path / "scratch"
     ckpts.mkdir()
-    (ckpts / "ckpt-00000005.h5").write_bytes(b"x")
+    (ckpts / "ckpt-00000005.h5").write_bytes(MAGIC + b"x")
     run = tmp_path / "run"
     for flags in ({}, {"overwrite": True}, {"new": True}, {"resume": "auto"}):
         with pytest.raises(ConfigError, match=f"checkpoint.dir {ckpts} holds 1 checkpoint"):
@@ -345,7 +346,7 @@ def test_resume_from_an_earlier_file_moves_the_abandoned_timeline_aside(tmp_path
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-00000010.h5"]
     moved = sorted(p.name for p in plan.archive_to.iterdir())
     assert moved == ["ckpt-00000020.h5", "ckpt-00000030.h5", "ckpt-00000030.shards"]
-    (run / "checkpoints" / "ckpt-00000015.h5").write_bytes(b"x")  # this timeline's save
+    (run / "checkpoints" / "ckpt-00000015.h5").write_bytes(MAGIC + b"x")  # this timeline's save
     again = plan_run_dir(run, _cfg(), resume=chosen, requeued=True)
     assert again.resume == "auto" and again.remove == ()
     assert again.message.startswith(f"requeued: the run's own checkpoints, not --resume {chosen}")
@@ -417,6 +418,8 @@ def test_an_empty_run_dir_option_is_refused_not_the_current_directory(capsys):
 
     assert main(["train", "--run-dir", " "]) == 2
     assert "--run-dir ' ': expected a directory path" in capsys.readouterr().err
+    assert main(["train", "--resume", ""]) == 2  # was read as the file '.'
+    assert "--resume '' is blank: auto, never or a file" in capsys.readouterr().err
 
 
 def test_a_run_dir_that_is_a_file_is_said_so_not_as_an_errno(tmp_path, capsys):
@@ -549,7 +552,7 @@ def test_a_refused_run_leaves_the_earlier_run_whole(tmp_path, capsys):
         "checkpoints/ckpt-00000003.h5"
     ]
     code, text = _train(capsys, run, "--overwrite", "train.max_steps=1")
-    assert code == 0 and "--overwrite: clearing" in text, text
+    assert code == 0 and "--overwrite: " in text and "deleting what it wrote" in text, text
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["ckpt-00000001.h5"]
 
 
@@ -583,6 +586,28 @@ def test_overwrite_leaves_a_users_file_in_a_shard_folder_and_the_folder(tmp_path
     assert (run / "checkpoints" / "ckpt-00000030.h5" / "data").read_text() == "mine"
     assert not (run / "checkpoints" / "ckpt-00000010.h5").exists()
     assert "README-mine.txt" in caplog.text and "did not write" in caplog.text
+
+
+def test_overwrite_deletes_only_files_that_begin_as_hpctrains_checkpoints(tmp_path):
+    """--overwrite deleted any file named like a checkpoint (a user's notes saved as
+    ckpt-<step>.h5 included), and read metrics.jsonl and tb/ as a run's without the
+    config.yaml every run writes first."""
+    run = tmp_path / "run"
+    _earlier_run(run, _cfg())
+    notes = run / "checkpoints" / "ckpt-00000050.h5"
+    notes.write_text("notes")
+    plan = plan_run_dir(run, _cfg(), overwrite=True)
+    assert "holds an earlier run (3 checkpoint(s) up to step 50" in plan.message
+    apply_plan(plan)
+    assert [p.name for p in (run / "checkpoints").iterdir()] == [notes.name]
+    assert notes.read_text() == "notes"
+
+    mine = tmp_path / "mine"
+    _earlier_run(mine, _cfg(), steps=())
+    (mine / "config.yaml").unlink()
+    with pytest.raises(ConfigError, match=r"metrics.jsonl and tb/ events but no config.yaml"):
+        plan_run_dir(mine, _cfg(), overwrite=True)
+    assert (mine / "metrics.jsonl").is_file()
 
 
 def test_default_run_dirs_started_in_the_same_second_are_two(tmp_path):

@@ -43,6 +43,7 @@ def _refused(capsys, argv: list[str], option: str) -> str:
         (["--classes", "1"], "--classes 1", "2 or more"),
         (["--task", "images", "--classes", "1"], "--classes 1", "2 or more"),
         (["--train", str(10**12)], f"--train {10**12}", "of memory to generate"),
+        (["--task", "tokens", "--vocab", "1"], "--vocab 1", "2 or more"),  # trained to 1.0
     ],
 )
 def test_data_synth_refuses_bad_numbers_before_writing(tmp_path, capsys, extra, option, expected):
@@ -50,6 +51,14 @@ def test_data_synth_refuses_bad_numbers_before_writing(tmp_path, capsys, extra, 
     line = _refused(capsys, ["data", "synth", str(out), *SMALL, *extra], option)
     assert expected in line, line
     assert list(tmp_path.iterdir()) == []  # nothing written, no temporary file
+
+
+def test_data_synth_makes_no_directories(tmp_path, capsys):
+    """A typo in the path made the whole tree (/nonexist/dir/) at the file system's root."""
+    out = tmp_path / "nonexist" / "dir" / "d.h5"
+    line = _refused(capsys, ["data", "synth", str(out), *SMALL], str(out))
+    assert f"no directory {out.parent}: create it first" in line, line
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_data_synth_val_0_writes_an_empty_validation_split(tmp_path, capsys):

@@ -100,6 +100,17 @@ def step_of_entry(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def starts_as_checkpoint(path: str | Path) -> bool:
+    """The file begins with hpctrain's checkpoint header: what pruning and --overwrite
+    require before deleting a file named like a checkpoint (a name alone may be a user's
+    file). Reads 20 bytes; a file damaged exactly there is left in place, the safe side."""
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
 def temp_name(final_name: str, pid: int) -> str:
     """Hidden, per-process name in the same directory, so os.replace stays atomic."""
     return f".{final_name}.tmp-{pid}"

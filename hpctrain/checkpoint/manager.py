@@ -44,6 +44,7 @@ class Checkpointer:
         self._error: BaseException | None = None
         self._error_step: int | None = None
         self._metrics: dict[Path, float | None] = {}
+        self._not_ours: set[Path] = set()  # files named like checkpoints, not ones
         self._staging = Staging()  # async saves' reused copy buffers
         self._staged: threading.Event | None = None  # set once a deferred copy is done
 
@@ -194,6 +195,20 @@ class Checkpointer:
                 self._metrics[path] = None
         return self._metrics[path]
 
+    def _ours(self, path: Path) -> bool:
+        """Named like a checkpoint and begins with hpctrain's header: prunable. Anything
+        else is a user's file under a checkpoint's name, left in place (said once)."""
+        if fmt.starts_as_checkpoint(path):
+            return True
+        if path not in self._not_ours:
+            self._not_ours.add(path)
+            log.warning(
+                "%s is named like a checkpoint but does not begin with hpctrain's checkpoint "
+                "header: left in place and out of checkpoint.keep_last's count",
+                path,
+            )
+        return False
+
     def prune(self, written: Path) -> list[Path]:
         """Delete what the policy does not keep; never `written` nor newer files.
 
@@ -203,7 +218,7 @@ class Checkpointer:
         step = writer.fmt.step_of(written.name)
         entries = []
         for s, path in reader.list_checkpoints(self.policy.dir):
-            if s > step:
+            if s > step or not self._ours(path):
                 continue
             metric = self._metric(path) if self.policy.keep_best else None
             entries.append(Entry(s, path, metric))

@@ -419,13 +419,14 @@ class RunCheckpoints:
         the peak lr moves; rank 0 says so and how to keep the checkpoint's."""
         t, saved = self.trainer, self._saved_peak
         now = _peak_lr(t)
-        if saved is None or not t.world.is_root or abs(now - saved) <= 1e-9 * abs(saved):
+        # within 1e-5: the same peak (a value typed from 6 digits of this warning included)
+        if saved is None or not t.world.is_root or abs(now - saved) <= 1e-5 * abs(saved):
             return
         o = t.cfg.optimizer
         keep = saved * float(o["lr"]) / now if now else saved
-        log.warning(
-            "the checkpoint trained at a peak lr of %g; this run's is %g (optimizer.lr %g x "
-            "%d replicas, lr_scaling %s): to keep the checkpoint's, --set optimizer.lr=%g",
+        log.warning(  # the value to set in full (repr): one that round-trips exactly
+            "the checkpoint trained at a peak lr of %.7g; this run's is %.7g (optimizer.lr %g "
+            "x %d replicas, lr_scaling %s): to keep the checkpoint's, --set optimizer.lr=%r",
             saved,
             now,
             float(o["lr"]),

@@ -85,7 +85,8 @@ def _add_gpus(p: argparse.ArgumentParser) -> None:
         "--gpu-bind",
         metavar="SPEC",
         help="adds --gpu-bind=SPEC for sbatch and srun: closest, none, single:1, per_task:1, "
-        "map_gpu:LIST or mask_gpu:LIST, optionally after verbose,",
+        "map_gpu:LIST or mask_gpu:LIST, each optionally prefixed with 'verbose,' "
+        "(verbose,closest)",
     )
     gpu.add_argument(
         "--cpus-per-gpu",
