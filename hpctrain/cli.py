@@ -241,6 +241,9 @@ def _load_config_everywhere(args):
 
     cfg, error = None, None
     try:
+        if args.command == "ps":  # said once, agreed like the configuration's errors
+            _refuse_another_strategy_for_ps(args)
+            args.overrides = [*args.overrides, "strategy=parameter_server"]
         cfg = Config.load(args.config, args.overrides)
     except HpctrainError as exc:
         error = str(exc)
@@ -260,9 +263,6 @@ def _cmd_train(args) -> int:
         require_path("--run-dir", args.run_dir, "directory")
     if args.resume is not None and not args.resume.strip():  # ('' read as the file '.')
         raise ConfigError(f"--resume {args.resume!r} is blank: auto, never or a file")
-    if args.command == "ps":
-        _refuse_another_strategy_for_ps(args)
-        args.overrides = [*args.overrides, "strategy=parameter_server"]
     cfg = _load_config_everywhere(args)
     try:
         loop = TrainingLoop(
@@ -320,6 +320,7 @@ def _refuse_another_strategy_for_ps(args) -> None:
     data_parallel is what a plain config has, and `ps` turns it into the server's."""
     import yaml
 
+    from .config import parse_override
     from .errors import ConfigError
 
     asked, where = None, None
@@ -329,9 +330,10 @@ def _refuse_another_strategy_for_ps(args) -> None:
             if isinstance(text, dict) and "strategy" in text:
                 asked, where = text["strategy"], f"{args.config} sets"
     for override in args.overrides:
-        key, _, value = override.partition("=")
-        if key.strip() == "strategy":
-            asked, where = value.strip(), "--set"
+        with contextlib.suppress(ConfigError):  # a malformed one: Config.load says so
+            key, value = parse_override(override)
+            if key == ["strategy"]:
+                asked, where = value, "--set"
     if asked in (None, "data_parallel", "parameter_server"):
         return
     raise ConfigError(
@@ -342,11 +344,12 @@ def _refuse_another_strategy_for_ps(args) -> None:
 
 def _not_checked_here(cfg) -> list[str]:
     """What the run checks at start that this host cannot (the job's nodes may see other
-    files and another PYTHONPATH); a user model's options are checked here when its
-    function imports (ConfigError, as the run would refuse them)."""
+    files and another PYTHONPATH): a missing data file, a model module not installed
+    here. A module that is here is imported and its function's options checked: a
+    failing import or an option it lacks is a ConfigError, as the run would refuse."""
     from .data import expand_path
-    from .errors import ConfigError, DataError
-    from .models.user import builder_kwargs, resolve
+    from .errors import DataError
+    from .models.user import ModelNotFound, builder_kwargs, resolve
     from .models.zoo import is_zoo_model
 
     notes = []
@@ -361,7 +364,7 @@ def _not_checked_here(cfg) -> list[str]:
     if not is_zoo_model(name):
         try:
             fn = resolve(name)
-        except ConfigError as exc:
+        except ModelNotFound as exc:  # a module that imports but fails: refused
             notes.append(str(exc))
         else:  # the data's facts are unknown here: stand-ins, as only options are checked
             builder_kwargs(fn, cfg.model, input_shape=(1,), classes=2)

@@ -364,8 +364,8 @@ class TrainingLoop:
             cfg.metrics["progress_bar"],
         )
         self._ctx = ctx = self._context()
-        self.metrics.start(st.step, st.epoch, self.resumed_from)
         try:
+            self.metrics.start(st.step, st.epoch, self.resumed_from)  # a full disk: below
             s.begin(ctx)
             if s.serves:
                 w.end_startup()  # its waits from here are the workers' steps'

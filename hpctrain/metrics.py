@@ -90,6 +90,7 @@ class MetricsWriter:
         self.enabled = enabled and run_dir is not None
         self._jsonl = None
         self._tb = None
+        self._tb_before = False
         self._failed = False
         if not self.enabled:
             return
@@ -105,7 +106,9 @@ class MetricsWriter:
             sys.modules.setdefault("tensorboard.compat.notf", types.ModuleType("notf"))
             from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
-            self._tb = EventFileWriter(str(run_dir / "tb"))
+            tb = run_dir / "tb"  # an earlier attempt's events there: see start()
+            self._tb_before = tb.is_dir() and any(tb.glob("events.out.tfevents.*"))
+            self._tb = EventFileWriter(str(tb))
 
     def write(self, event: str, **fields) -> dict:
         record = {k: None for k in CORE_KEYS}
@@ -122,12 +125,13 @@ class MetricsWriter:
         return record
 
     def start(self, step: int, epoch: int, resumed_from: str | None) -> None:
-        """A `start` line, and for a resumed run TensorBoard's restart marker: a
-        SessionLog START at step + 1 makes TensorBoard drop what earlier event files
-        logged after this run's checkpoint (an abandoned timeline: a crash after it, or
-        --resume FILE of an older one); metrics.jsonl keeps those lines, before this one."""
+        """A `start` line, and where tb/ holds an earlier attempt's events TensorBoard's
+        restart marker: a SessionLog START at step + 1 makes its Python loader drop what
+        they logged after this run's starting point (an abandoned timeline: a crash after
+        the checkpoint, --resume FILE of an older one, or a requeue before the first
+        save); metrics.jsonl keeps those lines, before this one."""
         self.write("start", epoch=epoch, step=step, resumed_from=resumed_from)
-        if self._tb is None or not resumed_from:
+        if self._tb is None or not (resumed_from or self._tb_before):
             return
         from tensorboard.compat.proto.event_pb2 import Event, SessionLog
 

@@ -53,10 +53,10 @@ def run_env() -> dict:
 
 
 def wait_for_steps(metrics: Path, steps: int, proc, timeout: float = 120.0) -> None:
-    """Until `steps` lines are in metrics.jsonl, or an AssertionError naming the exit."""
+    """Until `steps` step lines are in metrics.jsonl, or an AssertionError naming the exit."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline and proc.poll() is None:
-        if metrics.exists() and sum(1 for _ in metrics.open()) >= steps:
+        if metrics.exists() and sum('"event": "step"' in x for x in metrics.open()) >= steps:
             return
         time.sleep(0.2)
     raise AssertionError(f"{steps} steps not reached (exit {proc.poll()})")

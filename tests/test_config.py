@@ -498,14 +498,20 @@ def test_an_empty_moe_mapping_is_moe_with_its_defaults_everywhere(moe):
     assert "moe" not in dense and dense["d_model"] == 64  # off: left out, not null
 
 
-def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout(capsys):
+def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout():
     """`hpctrain ps --config configs/pipeline.yaml` trained a parameter server without a
     word; a plain (data-parallel) configuration is still made the server's."""
-    from hpctrain.cli import _refuse_another_strategy_for_ps, main
+    from hpctrain.cli import _refuse_another_strategy_for_ps
 
-    assert main(["ps", "--config", "configs/pipeline.yaml"]) == 2
-    err = capsys.readouterr().err
-    assert "configs/pipeline.yaml sets strategy: pipeline: run it with hpctrain train" in err
+    said = "configs/pipeline.yaml sets strategy: pipeline: run it with hpctrain train"
+    with pytest.raises(ConfigError, match=said):  # before the run: agreed, said once
+        _refuse_another_strategy_for_ps(
+            SimpleNamespace(config="configs/pipeline.yaml", overrides=[])
+        )
+    with pytest.raises(ConfigError, match="--set strategy: pipeline"):
+        _refuse_another_strategy_for_ps(
+            SimpleNamespace(config=None, overrides=["strategy=pipeline"])
+        )
     for config, sets in (
         ("configs/pipeline.yaml", ["strategy=parameter_server"]),
         ("configs/moe.yaml", []),

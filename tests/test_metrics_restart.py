@@ -43,3 +43,19 @@ def test_a_resumed_run_marks_its_start_and_tensorboard_drops_the_abandoned_steps
     starts = [(x["step"], x["resumed_from"]) for x in lines if x["event"] == "start"]
     assert starts == [(0, None), (30, "ckpt-00000030.h5")]
     assert _loss_steps(tmp_path) == [(10, 1.0), (20, 1.0), (30, 1.0), (40, 0.5)]
+
+
+def test_a_start_from_step_0_over_an_earlier_attempts_events_drops_them(tmp_path):
+    """A requeue before the first checkpoint starts again at step 0 (`--resume auto`
+    with nothing to resume): the earlier attempt's points stayed beside the new ones."""
+    first = MetricsWriter(tmp_path, True)
+    first.start(0, 0, None)
+    for step in (10, 20):
+        first.write("step", epoch=0, step=step, loss=1.0)
+    first.close()
+    time.sleep(1.1)
+    again = MetricsWriter(tmp_path, True)
+    again.start(0, 0, None)
+    again.write("step", epoch=0, step=10, loss=0.5)
+    again.close()
+    assert _loss_steps(tmp_path) == [(10, 0.5)]

@@ -656,7 +656,9 @@ def test_a_run_directory_in_use_on_one_node_is_refused_on_the_other(two_nodes, t
     )
     try:
         deadline = time.monotonic() + 120
-        while not (run / "metrics.jsonl").exists() or '"step"' not in _read(run / "metrics.jsonl"):
+        while not (run / "metrics.jsonl").exists() or '"event": "step"' not in _read(
+            run / "metrics.jsonl"
+        ):
             assert holder.poll() is None and time.monotonic() < deadline, holder.finish(5)
             time.sleep(0.5)
         refused = emulated.launch(two_nodes.on_node("hpcn2", *train), timeout=120)

@@ -579,28 +579,36 @@ def test_overwrite_leaves_a_users_file_in_a_shard_folder_and_the_folder(tmp_path
     folder = run / "checkpoints" / "ckpt-00000010.shards"
     (folder / "README-mine.txt").write_text("mine")
     (folder / ".shard-00001-of-00002.h5.tmp-77").write_bytes(b"t")  # a crashed writer's
-    (run / "checkpoints" / "ckpt-00000030.h5").mkdir()
-    (run / "checkpoints" / "ckpt-00000030.h5" / "data").write_text("mine")
     apply_plan(plan_run_dir(run, _cfg(), overwrite=True))
     assert [p.name for p in folder.iterdir()] == ["README-mine.txt"]
-    assert (run / "checkpoints" / "ckpt-00000030.h5" / "data").read_text() == "mine"
     assert not (run / "checkpoints" / "ckpt-00000010.h5").exists()
     assert "README-mine.txt" in caplog.text and "did not write" in caplog.text
+    (run / "checkpoints" / "ckpt-00000030.h5").mkdir()  # a directory named like a file
+    (run / "checkpoints" / "ckpt-00000030.h5" / "data").write_text("mine")
+    with pytest.raises(ConfigError, match="holds ckpt-00000030.h5, named like checkpoints"):
+        plan_run_dir(run, _cfg(), overwrite=True)
+    assert (run / "checkpoints" / "ckpt-00000030.h5" / "data").read_text() == "mine"
 
 
-def test_overwrite_deletes_only_files_that_begin_as_hpctrains_checkpoints(tmp_path):
+def test_a_file_only_named_like_a_checkpoint_is_refused_and_kept_whatever_the_flags(tmp_path):
     """--overwrite deleted any file named like a checkpoint (a user's notes saved as
-    ckpt-<step>.h5 included), and read metrics.jsonl and tb/ as a run's without the
-    config.yaml every run writes first."""
+    ckpt-<step>.h5 included), the run's save of that step would replace it, and
+    --resume auto found nothing that verifies while --new and --overwrite left it; and
+    --overwrite read metrics.jsonl and tb/ as a run's without the config.yaml every run
+    writes first."""
     run = tmp_path / "run"
     _earlier_run(run, _cfg())
     notes = run / "checkpoints" / "ckpt-00000050.h5"
     notes.write_text("notes")
-    plan = plan_run_dir(run, _cfg(), overwrite=True)
-    assert "holds an earlier run (3 checkpoint(s) up to step 50" in plan.message
-    apply_plan(plan)
-    assert [p.name for p in (run / "checkpoints").iterdir()] == [notes.name]
+    for flags in ({"overwrite": True}, {"new": True}, {"resume": "auto"}, {}):
+        with pytest.raises(ConfigError, match="holds ckpt-00000050.h5, named like checkpoints"):
+            plan_run_dir(run, _cfg(), **flags)
     assert notes.read_text() == "notes"
+    notes.unlink()
+    plan = plan_run_dir(run, _cfg(), overwrite=True)
+    assert "holds an earlier run (2 checkpoint(s) up to step 20" in plan.message
+    apply_plan(plan)
+    assert list((run / "checkpoints").iterdir()) == []
 
     mine = tmp_path / "mine"
     _earlier_run(mine, _cfg(), steps=())

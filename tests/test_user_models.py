@@ -156,3 +156,19 @@ def test_a_keras_user_model_has_the_same_keys_however_many_models_the_process_bu
     second = build_user_model(cfg, InputSpec((8,), 3), seed=0)
     assert list(first.vars) == list(second.vars)
     assert list(second.vars)[0].startswith("dense/"), list(second.vars)
+
+
+def test_a_module_that_exits_while_importing_is_a_configuration_error(tmp_path, monkeypatch):
+    """A module that parses sys.argv at import (argparse) raised SystemExit through
+    `hpctrain config` and the run: it is the model's problem, said in one line."""
+    import sys
+
+    from hpctrain.errors import ConfigError
+    from hpctrain.models.user import resolve
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "exits_on_import.py").write_text("raise SystemExit(2)\n")
+    with pytest.raises(ConfigError, match="importing 'exits_on_import' raised"):
+        resolve("exits_on_import:build")

@@ -61,8 +61,9 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
     return device, choice
 
 
-def _offload_where_auto_found_no_gpu(cfg, why: str) -> str | None:
-    """runtime.device=auto kept the ranks on the CPU: offload has nothing to move (cpu:
+def _offload_where_auto_chose_the_cpu(cfg, why: str) -> str | None:
+    """runtime.device=auto kept the ranks on the CPU (no usable GPU, or a layout GPU ranks
+    do not run yet, said in `why`): offload has nothing to move (cpu:
     the config check refused it already; a test's script lets it through there)."""
     if cfg.runtime["device"] != "auto":
         return None
@@ -90,7 +91,7 @@ def agreed_device(cfg, world):
         # said here with auto's reason: the engine's own refusal could not say why
         error = f"train.allreduce=nccl needs GPU ranks, and these are CPU ranks ({why})"
     elif error is None and device.type != "cuda" and cfg.train["offload"] != "none":
-        error = _offload_where_auto_found_no_gpu(cfg, why)
+        error = _offload_where_auto_chose_the_cpu(cfg, why)
     if world is not None and world.size > 1:
         world.agree(error, error_type=ConfigError)
         gpu = gpu_identity(device) if device.type == "cuda" else ""

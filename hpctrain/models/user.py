@@ -34,6 +34,11 @@ PATH_HINT = (
 )
 
 
+class ModelNotFound(ConfigError):
+    """The model's module (or one it imports) is not installed on this host: another
+    host (a job's node) may have it, which `hpctrain config` says instead of refusing."""
+
+
 def split_reference(name: str) -> tuple[str, str]:
     """'pkg.module:function' -> ('pkg.module', 'function'), or a ConfigError."""
     module, sep, function = name.partition(":")
@@ -65,15 +70,15 @@ def resolve(name: str) -> Callable:
     except ModuleNotFoundError as exc:
         missing = exc.name or module_name
         if module_name == missing or module_name.startswith(missing + "."):
-            raise ConfigError(
+            raise ModelNotFound(
                 f"model.name {name}: cannot import {module_name!r} (no module named "
                 f"{missing!r} on this rank's path): {PATH_HINT}"
             ) from exc
-        raise ConfigError(
+        raise ModelNotFound(
             f"model.name {name}: importing {module_name!r} needs {missing!r}, which is not "
             "installed on this rank"
         ) from exc
-    except Exception as exc:  # noqa: BLE001 - the user's module failed while importing
+    except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed (argparse)
         raise ConfigError(
             f"model.name {name}: importing {module_name!r} raised {_one_line(exc)} "
             "(--verbose shows the traceback)"

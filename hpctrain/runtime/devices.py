@@ -189,7 +189,7 @@ def _pipeline_on_gpu(cfg) -> str | None:
 def offload_on_cpu(offload: str) -> str:
     """The refusal of offload on CPU ranks: said by the config check for
     runtime.device=cpu (strategies/composition.py) and at start-up where `auto` found no
-    GPU (backends/torch_device.py)."""
+    GPU or kept the ranks on the CPU (backends/torch_device.py)."""
     return (
         f"train.offload={offload}: offloading moves a GPU rank's optimizer state to host "
         "memory; CPU ranks keep it in host memory already, so there is nothing to "
