@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 from cluster import finish, launch_across, start
 from dump_runs import TINY_TRANSFORMER
-from mpirun import HPCTRAIN, mpirun
+from mpirun import HPCTRAIN, PYTHON, ROOT, mpirun
 
 from hpctrain.checkpoint import find_latest_valid, load
 from hpctrain.cluster.plan import mpirun_args
@@ -637,6 +637,23 @@ def test_rank_killed_on_one_node_ends_every_rank_on_both(two_nodes, tmp_path):
     )
     assert ended_after < 30, f"the job took {ended_after:.0f} s to end after the kill"
     _assert_no_process_left(marker, within=15)
+
+
+def test_a_job_suspended_whole_across_both_nodes_finishes(two_nodes, tmp_path):
+    """`scontrol suspend` stops every rank on every node, longer than the collective
+    timeout: the time no rank ran is left out of every deadline, over TCP between the
+    nodes as on one (test_stall.py's parameter server, test_slurm.py's job on SLURM).
+    By hand also the parameter server (async) and Gloo, 20 s at a 5 s timeout."""
+    script = str(ROOT / "tests" / "scripts" / "stall_train.py")
+    sets = ["data.train_samples=512", "data.val_samples=128", "train.epochs=4"]
+    sets += ["train.batch_size=16", "metrics.tensorboard=false", "checkpoint.enabled=false"]
+    sets += ["runtime.collective_timeout=3"]
+    args = [script, str(tmp_path / "run")] + [x for s in sets for x in ("--set", s)]
+    job = mpirun(2, PYTHON, *args, env={"SUSPEND": "8"}, launcher=two_nodes.mpirun(1))
+    assert job.returncode == 0, job.output
+    assert re.search(r"watchdog: its thread did not run for \d+ s", job.output), job.output
+    suspended = re.search(r"suspended_sec=([0-9.]+)", job.output)
+    assert suspended and float(suspended.group(1)) > 7.0, job.output
 
 
 def test_a_run_directory_in_use_on_one_node_is_refused_on_the_other(two_nodes, tmp_path):
