@@ -246,6 +246,12 @@ def versions() -> dict:
         out["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip()
+        changed = subprocess.run(  # tracked files edited since that commit: say so
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True, cwd=ROOT,
+        ).stdout.strip()  # fmt: skip
+        if changed and out["git_commit"]:
+            out["git_commit"] += " (with uncommitted changes)"
     return out
 
 

@@ -133,11 +133,10 @@ def write_outputs(ctx, record, reports) -> None:
         "Every command with its time and the other load on the machine is in "
         "`results.json` (`jobs`).",
         "",
-        "## Headline",
-        "",
-        *headline(ctx),
-        "",
     ]
+    lines = headline(ctx)
+    if lines:  # a run of sections with no headline figures (--sections configs) has none
+        head += ["## Headline", "", *lines, ""]
     (ctx.out / "report.md").write_text("\n".join(head + reports) + "\n")
 
 

@@ -415,7 +415,8 @@ def _check_synth_args(args) -> None:
     from .errors import ConfigError
 
     lowest = dict.fromkeys(("train", "features", "image_size", "channels", "seq_len"), 1)
-    lowest.update(val=0, vocab=2, classes=2 if args.task != "tokens" else 1)
+    tokens = args.task == "tokens"  # vocab: the tokens task's only
+    lowest.update(val=0, vocab=2 if tokens else 1, classes=1 if tokens else 2)
     for name, least in lowest.items():
         value = getattr(args, name)
         if value < least:
