@@ -246,10 +246,9 @@ def versions() -> dict:
         out["git_commit"] = subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT
         ).stdout.strip()
-        changed = subprocess.run(  # tracked files edited since that commit: say so
-            ["git", "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True, text=True, cwd=ROOT,
-        ).stdout.strip()  # fmt: skip
+        changed = subprocess.run(  # tracked files edited since that commit (no index lock)
+            ["git", "diff", "--quiet", "HEAD"], capture_output=True, cwd=ROOT
+        ).returncode == 1  # fmt: skip
         if changed and out["git_commit"]:
             out["git_commit"] += " (with uncommitted changes)"
     return out

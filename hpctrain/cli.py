@@ -320,13 +320,13 @@ def _refuse_another_strategy_for_ps(args) -> None:
     data_parallel is what a plain config has, and `ps` turns it into the server's."""
     import yaml
 
-    from .config import parse_override
+    from .config import _yaml_load, parse_override
     from .errors import ConfigError
 
     asked, where = None, None
-    if args.config:
-        with contextlib.suppress(OSError, yaml.YAMLError):  # Config.load says what is wrong
-            text = yaml.safe_load(Path(args.config).read_text())
+    if args.config:  # read as Config.load reads it; what is wrong with it, it says
+        with contextlib.suppress(OSError, ValueError, yaml.YAMLError, ConfigError):
+            text = _yaml_load(Path(args.config).read_text(encoding="utf-8"))
             if isinstance(text, dict) and "strategy" in text:
                 asked, where = text["strategy"], f"{args.config} sets"
     for override in args.overrides:
@@ -364,7 +364,7 @@ def _not_checked_here(cfg) -> list[str]:
     if not is_zoo_model(name):
         try:
             fn = resolve(name)
-        except ModelNotFound as exc:  # a module that imports but fails: refused
+        except ModelNotFound as exc:  # not importable here; one that fails otherwise: refused
             notes.append(str(exc))
         else:  # the data's facts are unknown here: stand-ins, as only options are checked
             builder_kwargs(fn, cfg.model, input_shape=(1,), classes=2)

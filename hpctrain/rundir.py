@@ -325,6 +325,7 @@ def plan_run_dir(
     _refuse_contradictions(resume, overwrite, new, resume_option)
     prev = find_previous_run(run_dir, checkpoint_dir)
     _refuse_what_is_not_this_runs(prev, resume)
+    _refuse_what_is_only_named_like_a_checkpoint(prev, resume)
     if not prev.exists:
         if resume == "auto":
             return RunDirPlan("fresh", f"--resume auto: nothing to resume in {run_dir}, starting")
@@ -449,7 +450,6 @@ def _resume_from_file(prev: PreviousRun, chosen: Path) -> RunDirPlan:
 def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None:
     """ConfigError when going on would overwrite a user's config.yaml, or read, rotate,
     move or delete checkpoints that another run directory recorded as its own."""
-    _refuse_what_is_only_named_like_a_checkpoint(prev)
     if prev.config_problem:
         raise ConfigError(
             f"{prev.run_dir / 'config.yaml'} {prev.config_problem}, and a run writes its "
@@ -503,22 +503,25 @@ def _refuse_what_is_not_this_runs(prev: PreviousRun, resume: str | None) -> None
         )
 
 
-def _refuse_what_is_only_named_like_a_checkpoint(prev: PreviousRun) -> None:
+def _refuse_what_is_only_named_like_a_checkpoint(prev: PreviousRun, resume: str | None) -> None:
     """A file (or directory) in checkpoint.dir named like a checkpoint that does not
-    begin with hpctrain's header: the run's save of that step would replace it, and
-    --resume auto would find no checkpoint that verifies while --new and --overwrite
-    leave it. Refused whatever the flags, naming it. Cost: 20 bytes read per checkpoint
-    file, on one rank."""
-    found = [p for p in prev.checkpoints if not (p.is_file() and starts_as_checkpoint(p))]
-    if not found:
+    begin with hpctrain's header: hpctrain saves, prunes, moves and resumes by those
+    names, so the run's save of that step would replace it, and --resume auto found no
+    checkpoint that verifies while --new and --overwrite left it. Refused, naming it,
+    except under --resume auto beside checkpoints that do begin with the header: auto
+    then sets the newer odd ones aside with the damaged (previous/) and never writes an
+    older step again. Cost: 20 bytes read per checkpoint file, on one rank."""
+    present = [p for p in prev.checkpoints if os.path.lexists(p)]  # pruned meanwhile: gone
+    found = [p for p in present if not (p.is_file() and starts_as_checkpoint(p))]
+    if not found or (resume == "auto" and len(found) < len(present)):
         return
     names = ", ".join(p.name for p in found[:SHOWN_DIFFERENCES])
     more = f" and {len(found) - SHOWN_DIFFERENCES} more" if len(found) > SHOWN_DIFFERENCES else ""
     raise ConfigError(
         f"{prev.checkpoint_dir} holds {names}{more}, named like checkpoints but not beginning "
         "with hpctrain's checkpoint header (a file of your own, or a checkpoint damaged in "
-        "its first bytes: `hpctrain ckpt verify` says which): hpctrain would write its own "
-        "checkpoint of that step there, so move it out of the checkpoint directory first"
+        "its first bytes: `hpctrain ckpt verify` says which): hpctrain saves, prunes and "
+        "resumes by these names, so move it out of the checkpoint directory first"
     )
 
 

@@ -498,7 +498,7 @@ def test_an_empty_moe_mapping_is_moe_with_its_defaults_everywhere(moe):
     assert "moe" not in dense and dense["d_model"] == 64  # off: left out, not null
 
 
-def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout():
+def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout(tmp_path):
     """`hpctrain ps --config configs/pipeline.yaml` trained a parameter server without a
     word; a plain (data-parallel) configuration is still made the server's."""
     from hpctrain.cli import _refuse_another_strategy_for_ps
@@ -508,6 +508,9 @@ def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout():
         _refuse_another_strategy_for_ps(
             SimpleNamespace(config="configs/pipeline.yaml", overrides=[])
         )
+    binary = tmp_path / "not-utf8.yaml"  # no crash: Config.load says what it is, agreed
+    binary.write_bytes(b"\xff\xfe strategy: pipeline")
+    _refuse_another_strategy_for_ps(SimpleNamespace(config=str(binary), overrides=[]))
     with pytest.raises(ConfigError, match="--set strategy: pipeline"):
         _refuse_another_strategy_for_ps(
             SimpleNamespace(config=None, overrides=["strategy=pipeline"])

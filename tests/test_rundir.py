@@ -590,19 +590,26 @@ def test_overwrite_leaves_a_users_file_in_a_shard_folder_and_the_folder(tmp_path
     assert (run / "checkpoints" / "ckpt-00000030.h5" / "data").read_text() == "mine"
 
 
-def test_a_file_only_named_like_a_checkpoint_is_refused_and_kept_whatever_the_flags(tmp_path):
+def test_a_file_only_named_like_a_checkpoint_is_refused_and_kept(tmp_path):
     """--overwrite deleted any file named like a checkpoint (a user's notes saved as
     ckpt-<step>.h5 included), the run's save of that step would replace it, and
     --resume auto found nothing that verifies while --new and --overwrite left it; and
     --overwrite read metrics.jsonl and tb/ as a run's without the config.yaml every run
-    writes first."""
+    writes first. --resume auto beside real checkpoints goes on (a requeue past a
+    checkpoint damaged in its first bytes): the newer odd file is set aside."""
     run = tmp_path / "run"
     _earlier_run(run, _cfg())
     notes = run / "checkpoints" / "ckpt-00000050.h5"
     notes.write_text("notes")
-    for flags in ({"overwrite": True}, {"new": True}, {"resume": "auto"}, {}):
+    for flags in ({"overwrite": True}, {"new": True}, {}):
         with pytest.raises(ConfigError, match="holds ckpt-00000050.h5, named like checkpoints"):
             plan_run_dir(run, _cfg(), **flags)
+    assert plan_run_dir(run, _cfg(), resume="auto").action == "resume"
+    only = tmp_path / "only"
+    _earlier_run(only, _cfg(), steps=())
+    (only / "checkpoints" / notes.name).write_text("notes")
+    with pytest.raises(ConfigError, match="holds ckpt-00000050.h5, named like checkpoints"):
+        plan_run_dir(only, _cfg(), resume="auto")
     assert notes.read_text() == "notes"
     notes.unlink()
     plan = plan_run_dir(run, _cfg(), overwrite=True)

@@ -172,3 +172,20 @@ def test_a_module_that_exits_while_importing_is_a_configuration_error(tmp_path, 
     (tmp_path / "exits_on_import.py").write_text("raise SystemExit(2)\n")
     with pytest.raises(ConfigError, match="importing 'exits_on_import' raised"):
         resolve("exits_on_import:build")
+
+
+def test_a_shared_library_missing_on_this_host_is_model_not_found(tmp_path, monkeypatch):
+    """A module whose import needs a library a login node lacks (libcudart.so): the
+    job's nodes may have it, so `hpctrain config` notes it; the run refuses it."""
+    import sys
+
+    from hpctrain.models.user import ModelNotFound, resolve
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, "modules", dict(sys.modules))
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    (tmp_path / "needs_cuda_lib.py").write_text(
+        "raise ImportError('libcudart.so.13: cannot open shared object file')\n"
+    )
+    with pytest.raises(ModelNotFound, match="libcudart.so.13: cannot open .* on this host"):
+        resolve("needs_cuda_lib:build")

@@ -35,8 +35,9 @@ PATH_HINT = (
 
 
 class ModelNotFound(ConfigError):
-    """The model's module (or one it imports) is not installed on this host: another
-    host (a job's node) may have it, which `hpctrain config` says instead of refusing."""
+    """The model's module, one it imports or a shared library it loads is not on this
+    host: another (a job's node) may have it, which `hpctrain config` notes instead of
+    refusing (the run refuses)."""
 
 
 def split_reference(name: str) -> tuple[str, str]:
@@ -77,6 +78,11 @@ def resolve(name: str) -> Callable:
         raise ModelNotFound(
             f"model.name {name}: importing {module_name!r} needs {missing!r}, which is not "
             "installed on this rank"
+        ) from exc
+    except (ImportError, OSError) as exc:  # a shared library this host lacks (libcudart.so)
+        raise ModelNotFound(
+            f"model.name {name}: importing {module_name!r} raised {_one_line(exc)} on this "
+            "host (--verbose shows the traceback)"
         ) from exc
     except (Exception, SystemExit) as exc:  # noqa: BLE001 - the user's module failed (argparse)
         raise ConfigError(
