@@ -126,10 +126,11 @@ class MetricsWriter:
 
     def start(self, step: int, epoch: int, resumed_from: str | None) -> None:
         """A `start` line, and where tb/ holds an earlier attempt's events TensorBoard's
-        restart marker: a SessionLog START at step + 1 makes its Python loader drop what
-        they logged after this run's starting point (an abandoned timeline: a crash after
-        the checkpoint, --resume FILE of an older one, or a requeue before the first
-        save); metrics.jsonl keeps those lines, before this one."""
+        restart marker: a SessionLog START at step + 1 makes its EventAccumulator drop
+        what they logged after this run's starting point (an abandoned timeline: a crash
+        after the checkpoint, --resume FILE of an older one, or a requeue before the
+        first save; TensorBoard 2.21's server ignores it, docs/training.md says what it
+        shows); metrics.jsonl keeps those lines, before this one."""
         self.write("start", epoch=epoch, step=step, resumed_from=resumed_from)
         if self._tb is None or not (resumed_from or self._tb_before):
             return
