@@ -557,14 +557,13 @@ def _run_outputs(prev: PreviousRun) -> tuple[Path, ...]:
 
 
 def _written_by_hpctrain(path: Path) -> bool:
-    """A checkpoint that begins with hpctrain's header, a save's temp file or a shard
-    folder (whose members remove_shard_folder takes by hpctrain's names only): the names
-    hpctrain gives them, as what it makes them; a file merely named like one stays."""
+    """A checkpoint or temp file, or a shard folder (whose members remove_shard_folder
+    takes by hpctrain's names only): the names hpctrain gives them, as what it makes
+    them. A checkpoint-named file without hpctrain's header never gets here: --new and
+    --overwrite are refused beside one (_refuse_what_is_only_named_like_a_checkpoint)."""
     if SHARDS_RE.match(path.name):
         return path.is_dir()
-    if NAME_RE.match(path.name):
-        return path.is_file() and starts_as_checkpoint(path)
-    return bool(TEMP_RE.match(path.name)) and not path.is_dir()
+    return bool(NAME_RE.match(path.name) or TEMP_RE.match(path.name)) and not path.is_dir()
 
 
 def write_config_text(run_dir: Path, text: str) -> None:

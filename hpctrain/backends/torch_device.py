@@ -61,12 +61,10 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
     return device, choice
 
 
-def _offload_where_auto_chose_the_cpu(cfg, why: str) -> str | None:
-    """runtime.device=auto kept the ranks on the CPU (no usable GPU, or a layout GPU ranks
-    do not run yet, said in `why`): offload has nothing to move (cpu:
-    the config check refused it already; a test's script lets it through there)."""
-    if cfg.runtime["device"] != "auto":
-        return None
+def offload_refusal(cfg, why: str) -> str:
+    """CPU ranks have nothing to offload: runtime.device=auto kept them on the CPU (no
+    usable GPU, or a layout GPU ranks do not run yet, said in `why`); runtime.device=cpu
+    was refused by the config check already."""
     return f"{offload_on_cpu(cfg.train['offload'])}; these are CPU ranks ({why})"
 
 
@@ -91,7 +89,7 @@ def agreed_device(cfg, world):
         # said here with auto's reason: the engine's own refusal could not say why
         error = f"train.allreduce=nccl needs GPU ranks, and these are CPU ranks ({why})"
     elif error is None and device.type != "cuda" and cfg.train["offload"] != "none":
-        error = _offload_where_auto_chose_the_cpu(cfg, why)
+        error = offload_refusal(cfg, why)
     if world is not None and world.size > 1:
         world.agree(error, error_type=ConfigError)
         gpu = gpu_identity(device) if device.type == "cuda" else ""

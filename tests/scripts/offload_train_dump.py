@@ -10,6 +10,7 @@ import runpy
 import sys
 from pathlib import Path
 
+from hpctrain.backends import torch_device
 from hpctrain.strategies import composition
 
 refuse = composition.offload_rules
@@ -22,5 +23,6 @@ def cpu_too(v: dict) -> list[str]:
 
 
 composition.offload_rules = cpu_too
+torch_device.offload_refusal = lambda cfg, why: None  # the start-up's refusal, the same
 sys.argv[0] = str(Path(__file__).with_name("tp_train_dump.py"))
 runpy.run_path(sys.argv[0], run_name="__main__")
