@@ -348,6 +348,28 @@ def test_process_group_experts_and_compression_across_nodes(two_nodes, tmp_path,
     _assert_close(_weights(runs["topk-gloo"]), _weights(runs["topk-mpi"]), 1e-6)
 
 
+def test_async_parameter_server_saves_every_worker_across_nodes(two_nodes, tmp_path):
+    """Async parameter server: workers (ranks 0, 1) on hpcn1, servers (2, 3) on hpcn2.
+    A save worker 0's steps make due stops every worker first: the ready and go
+    messages and the shards cross the link. Worker 1 is slowed, so it saves at an
+    earlier step of its own; each server's version counts exactly the saved steps."""
+    run = tmp_path / "run"
+    sets = _sets(
+        "strategy=parameter_server", "ps.mode=async", "ps.servers=2", "train.batch_size=12",
+        "checkpoint.every_steps=3", "checkpoint.keep_last=null",
+    )  # fmt: skip
+    job = mpirun(
+        4, HPCTRAIN, "ps", "--run-dir", str(run), *sets, timeout=300,
+        env=fault_env("step_sleep", 1, 0.2), launcher=two_nodes.mpirun(2),
+    )  # fmt: skip
+    assert job.returncode == 0, job.output
+    saved = sorted((run / "checkpoints").glob("ckpt-*.h5"))
+    assert [p.name for p in saved] == ["ckpt-00000003.h5", "ckpt-00000006.h5"], job.output
+    t = load(saved[0]).trainer
+    own = [t["ps_worker_step_0"], t["ps_worker_step_1"]]
+    assert own[0] == 3 > own[1] and t["ps_version_0"] == t["ps_version_1"] == sum(own), t
+
+
 def test_auto_engine_agrees_across_uneven_nodes(two_nodes, tmp_path, tmp_path_factory):
     # hpcn1 runs 2 ranks, hpcn2 one; with one thread each, hpcn1's cores are full and
     # hpcn2's are not, so each node alone would pick differently: the job must agree.

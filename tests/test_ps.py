@@ -222,12 +222,20 @@ def test_async_training_finishes_without_a_worker_that_stops(tmp_path):
         # reached 0.25 s in this job at load average 5)
         "ps.heartbeat_timeout=2",
         "train.epochs=3",
+        # a save needs every worker: each one stops worker 1 after one of its 3 steps, so
+        # at most 3 happen; one asked once it fell silent waits for its drop and is
+        # called off, and none is asked again before the end
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=null",
         env={"HPCTRAIN_FAULT_PS_SILENT": "1:3"},  # worker 1 goes silent after 3 steps
     )
     s = lines[-1]
     n = s["steps"]
     assert n == 20 and s["dropped_workers"] == [1] and s["worker_steps"] == [n, 3, n], s
     assert s["pushes"] == 2 * n + 3 and s["versions"] == [2 * n + 3]
+    folder = tmp_path / "stop.npz.run/checkpoints"
+    saved = sorted(int(p.stem.split("-")[1]) for p in folder.iterdir())
+    assert saved[-1] == 20 and saved[:-1] in ([2], [2, 4], [2, 4, 6]), saved
 
 
 def test_sync_mode_ends_the_job_clearly_when_a_worker_stops(tmp_path):
@@ -310,3 +318,40 @@ def test_sync_ps_resumes_bit_for_bit_and_its_checkpoint_continues_data_parallel(
     final = want.model_weights()
     for k in final:
         np.testing.assert_allclose(resumed[k], final[k], rtol=0, atol=1e-5, err_msg=k)
+
+
+def test_async_ps_saves_each_workers_own_step_on_the_policy_and_resumes_there(tmp_path):
+    """Async, 2 workers + 2 servers, worker 1 slowed: a save every 4 of worker 0's steps
+    stops every worker after a step of its own. Each checkpoint is a consistent cut
+    (each server's version counts exactly the saved steps' pushes); a run resumed from
+    one goes on from each worker's own step and sample position."""
+    from hpctrain.checkpoint import list_checkpoints, load, verify
+
+    common = [*RESUME, "ps.mode=async", "ps.servers=2", "ps.chunk_bytes=512"]
+    common.append("checkpoint.every_steps=4")  # after RESUME's 3: the later one counts
+    run, again = tmp_path / "run", tmp_path / "again"
+    job = mpirun(
+        4, HPCTRAIN, "ps", "--run-dir", str(run), *sum((["--set", o] for o in common), []),
+        env={"HPCTRAIN_FAULT_STEP_SLEEP": "1:0.2"}, timeout=120,
+    )  # fmt: skip
+    assert job.returncode == 0, job.output
+    ckpts = list_checkpoints(run / "checkpoints")
+    assert [step for step, _ in ckpts] == [4, 8, 12, 16], job.output  # 16: the end's
+    behind = 0
+    for step, path in ckpts:
+        verify(path)
+        t = load(path).trainer
+        own = [t[f"ps_worker_step_{i}"] for i in (0, 1)]
+        assert t["step"] == own[0] == step, t
+        assert t["ps_version_0"] == t["ps_version_1"] == sum(own), t  # a consistent cut
+        for i in (0, 1):  # 16 steps of the 2 workers' 32 samples make an epoch
+            epoch, position = t[f"ps_worker_epoch_{i}"], t[f"ps_worker_position_{i}"]
+            assert epoch * 512 + position == own[i] * 32, (i, t)
+        behind += own[1] < own[0]
+    assert behind >= 1  # the slowed worker saved at its own, earlier step
+    mid = load(ckpts[1][1]).trainer
+    job = _cli("ps", again, *common, resume=str(ckpts[1][1]), np_=4)
+    summary = _metrics(again)[-1]
+    assert summary["worker_steps"] == [16, 16], summary
+    ran = (16 - mid["ps_worker_step_0"]) + (16 - mid["ps_worker_step_1"])
+    assert summary["pushes"] == 2 * ran and summary["versions"] == [32, 32], (mid, summary)

@@ -6,8 +6,9 @@ fields followed by the float32 payload, both numpy views of the same memory, so 
 or a reply is a single MPI message with no copy. Control messages are 8 int64s.
 
 Tags: PUSH (worker -> server: header + gradient), PULL (worker -> server: request the
-current parameters), CTRL (worker -> server: heartbeat, done), REPLY (server -> worker:
-header + parameters, carrying the server's version).
+current parameters), CTRL (worker -> server: heartbeat, done, ready to save), REPLY
+(server -> worker: header + parameters, carrying the server's version), SAVE (server 0
+-> a worker or another server: an async checkpoint goes ahead or is called off).
 
 MPI's blocking waits spin (Open MPI polls, at best yielding), which on an oversubscribed
 node steals the core a worker needs for its gradients. `poll` instead tests the posted
@@ -22,8 +23,9 @@ import numpy as np
 
 from ...runtime.p2p import Backoff, poll, wait_all  # noqa: F401 - re-exported for the PS
 
-TAG_PUSH, TAG_PULL, TAG_CTRL, TAG_REPLY = 7101, 7102, 7103, 7104
-HEARTBEAT, DONE = 1, 2  # CTRL ops
+TAG_PUSH, TAG_PULL, TAG_CTRL, TAG_REPLY, TAG_SAVE = 7101, 7102, 7103, 7104, 7105
+HEARTBEAT, DONE, SAVE_READY = 1, 2, 3  # CTRL ops
+CANCEL, GO = 0, 1  # SAVE messages
 OK, REJECTED, STOPPED = 0, 1, 2  # REPLY status
 
 HEADER_BYTES = 128
@@ -34,6 +36,9 @@ H_FLAGS = 8  # push: what this worker asks for; reply: what every rank does afte
 # H_FLAGS bits. A push carries its worker's wish (a checkpoint is due by its clock, or it
 # got a preemption signal); in sync mode the server ORs the wishes of one version's pushes
 # and returns the result in every reply of that version, so all ranks act at the same step.
+# In async and bounded mode only worker 0's save wish counts: server 0 then sets FLAG_SAVE
+# in every reply until every worker has answered SAVE_READY (then a GO to every rank: the
+# save) or one finished, was dropped or a preemption came (a CANCEL to those waiting).
 FLAG_SAVE, FLAG_PREEMPT = 1, 2
 
 

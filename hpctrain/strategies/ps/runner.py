@@ -12,7 +12,8 @@ Workers run the one training loop (hpctrain/loop.py): a step is one push/pull ro
 the workers' step reports are reduced over the workers (NaN stop, metrics), and a
 checkpoint or preemption decision travels in the push and reply headers
 (protocol.py), so servers and workers save at the same step; async/bounded workers
-report alone and save at the end and when preempted. At the end the servers broadcast
+report alone, save on the policy when server 0 has stopped every worker after a step of
+its own (server.py), and at the end and when preempted. At the end the servers broadcast
 their shards, the workers evaluate, and rank 0 (worker 0) writes the checkpoint.
 
 Checkpoints use the data-parallel names and layout, so a PS checkpoint continues as
@@ -106,7 +107,8 @@ class ParameterServer(StrategyBase):
         self.lr_replicas = self.n_workers
         self.model = self.data = self.worker = self.server = None
         self.model_buffers, self._meta, self.start = {}, {}, (0, 0, 0)
-        self._positions: dict[int, tuple] = {}  # rank 0: each worker's, at the end
+        self._positions: dict[int, tuple] = {}  # rank 0: each worker's (async), last save
+        self._finished = False  # async: `finish` gathered the positions the end saves
         error = None
         if self.is_server:
             flat = np.zeros(self.plan.server_size(self.index), np.float32)
@@ -187,11 +189,18 @@ class ParameterServer(StrategyBase):
     def _start_worker(self) -> None:
         ctx = self.ctx
         policy = ctx.checkpoints.policy
+
+        def wants_save(step: int, epoch_end: bool) -> bool:
+            """Sync: every worker's view (the same step). Async: worker 0's own steps
+            ask for a save (server.py), none at its last step: the end saves."""
+            if not self.sync and (self.index != 0 or step >= ctx.total_steps):
+                return False
+            return policy.due(step, epoch_end=epoch_end)
+
         self.worker = Worker(
             self.world, self.index, self.server_ranks, self.plan, self.model, self.data,
             self.cfg, start_step=ctx.state.step, position=ctx.state.position,
-            wants_save=lambda step, end: self.sync and policy.due(step, epoch_end=end),
-            preemption=ctx.pre, faults=ctx.faults,
+            wants_save=wants_save, preemption=ctx.pre, faults=ctx.faults,
         )  # fmt: skip
         self.worker.start()
 
@@ -242,6 +251,7 @@ class ParameterServer(StrategyBase):
             self.world, self.index, list(range(self.n_workers)), self.params, self.cfg,
             self.lr_of, preemption=ctx.pre,
             on_checkpoint=lambda srv: ctx.checkpoints.maybe_save(srv.version, agreed_due=True),
+            servers=self.server_ranks,
         )  # fmt: skip
         if self.server_state is not None:
             self.server.opt.load(self.server_state["opt"])
@@ -263,9 +273,9 @@ class ParameterServer(StrategyBase):
         # at their own, and the checkpoint keeps each one's, so that a resume neither
         # repeats nor skips a worker's samples (3 integers a worker in the gather: ~100
         # KB more on rank 0 at 1,024 workers, ~400 KB at 4,096)
-        st = ctx.state
-        spot = None if self.is_server else (st.step, st.epoch, st.position)
+        spot = self._own_spot()
         gathered = w.gather_object((self.stats, spot), what="parameter server statistics")
+        self._finished = True  # from here the loop's step is the agreed last one
         everyone = [stats for stats, _ in gathered] if gathered is not None else None
         self._positions = {i: p for i, (_, p) in enumerate(gathered or []) if p is not None}
         self._ps_summary, final = None, None
@@ -281,6 +291,10 @@ class ParameterServer(StrategyBase):
             final = (max(s["steps"] for s in workers), ctx.state.epoch, ctx.state.position)
         step, epoch, position = w.bcast_object(final, what="agree on the final step")
         return RunEnd(step, epoch, position, dict(result), preempted, label="preempted")
+
+    def _own_spot(self) -> tuple[int, int, int] | None:
+        st = self.ctx.state
+        return None if self.is_server else (st.step, st.epoch, st.position)
 
     def _wait_for_every_rank_to_finish(self) -> None:
         """Finished ranks (and a silenced worker) wait here without spinning. In sync
@@ -357,6 +371,8 @@ class ParameterServer(StrategyBase):
 
         Cost: rank 0 receives one message per server tensor slice: O(model bytes), not
         O(workers); at 1,024 or 4,096 ranks with S servers it is S x (1 + slots) receives.
+        An async save before the end also gathers each worker's (step, epoch, position):
+        ~100 KB on rank 0 at 1,024 workers, ~400 KB at 4,096, as `finish` does.
         """
         w = self.world
         slot_names = OPTIMIZER_SLOTS[self.cfg.optimizer["name"]]
@@ -365,6 +381,9 @@ class ParameterServer(StrategyBase):
             n: {k: np.zeros(v, np.float32) for k, v in self.shapes.items()} for n in slot_names
         }
         meta = {}
+        if not self.sync and not self._finished:  # each async worker saves at its own step
+            spots = w.gather_object(self._own_spot(), what="parameter server: positions")
+            self._positions = {i: p for i, p in enumerate(spots or []) if p is not None}
         tag = P.TAG_CTRL + 100
         # one guard every rank enters (the watchdog counts guards per rank)
         with w.watchdog.guard("parameter server: gather shards for a checkpoint"):

@@ -19,6 +19,7 @@ import time
 
 import numpy as np
 
+from ...runtime import p2p
 from ...runtime.clock import Stopwatch
 from ...runtime.faults import NO_FAULTS, Faults
 from . import protocol as P
@@ -38,6 +39,7 @@ class Worker:
         self.index, self.servers, self.plan = index, servers, plan
         self.model, self.data, self.cfg = model, data, cfg
         self.wants_save, self.preemption = wants_save, preemption
+        self.sync = cfg.ps["mode"] == "sync"
         self.position = int(position)
         self.flags_bits = 0  # H_FLAGS of the last replies (OR over servers)
         pcfg = cfg.ps
@@ -174,9 +176,26 @@ class Worker:
         return loss_sum, correct, count, wait
 
     def flags(self) -> dict:
-        """What the servers agreed in this step's replies (the same for every worker)."""
-        return {
-            "preempt": bool(self.flags_bits & P.FLAG_PREEMPT),
-            "save": bool(self.flags_bits & P.FLAG_SAVE) and not self.flags_bits & P.FLAG_PREEMPT,
-            "stop": self.stats["silent"] or self.stats["stopped_by_server"],
-        }
+        """What the servers agreed in this step's replies: in sync mode the same for every
+        worker; in async mode a save asked goes ahead once server 0 says so."""
+        bits, st = self.flags_bits, self.stats
+        stop = st["silent"] or st["stopped_by_server"]
+        save = bool(bits & P.FLAG_SAVE) and not bits & P.FLAG_PREEMPT and not stop
+        if save and not self.sync:
+            save = self._save_goes_ahead()
+        return {"preempt": bool(bits & P.FLAG_PREEMPT), "save": save, "stop": stop}
+
+    def _save_goes_ahead(self) -> bool:
+        """Async: tell server 0 this worker stopped after its step, and wait for its
+        word: GO once every worker has (the slowest one's step), CANCEL if one finished,
+        was dropped or a preemption came. Heartbeats go on meanwhile; the wait's deadline
+        is the collective timeout (a worker's step longer than that fails it)."""
+        first = self.servers[0]
+        answer = np.zeros(8, np.int64)
+        req = self.comm.Irecv(answer, source=first, tag=P.TAG_SAVE)
+        self.comm.Send(P.ctrl(P.SAVE_READY, self.index), dest=first, tag=P.TAG_CTRL)
+        what = f"worker {self.index}: waiting for every worker to reach a checkpoint"
+        p2p.wait_or_abort(
+            self.world, [req], what, f"parameter server 0 (rank {first})", self.backoff
+        )
+        return int(answer[0]) == P.GO
