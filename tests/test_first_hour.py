@@ -325,6 +325,7 @@ def test_zoo_options_left_over_from_another_model_are_named(tmp_path):
     )
     assert job.returncode == 2
     assert_one_clear_line(job, "model.hidden: not an option of cnn (its options: channels)")
+    assert "--set 'model={name: cnn}' replaces the whole section" in job.output  # the way out
 
 
 # --- the terminal -----------------------------------------------------------------------------

@@ -119,7 +119,14 @@ def validate_model_options(model_cfg: dict) -> list[str]:
             continue
         if key not in known:
             owners = [m for m, opts in MODEL_OPTIONS.items() if key in opts and m != name]
-            hint = f"; it is an option of {' and '.join(owners)}: remove it" if owners else ""
+            # a section set whole from the command line drops the file's other options
+            replace = f"--set 'model={{name: {name}}}'"
+            hint = (
+                f"; it is an option of {' and '.join(owners)}: remove it (on the command "
+                f"line, {replace} replaces the whole section)"
+                if owners
+                else ""
+            )
             problems.append(
                 f"model.{key}: not an option of {name} (its options: "
                 f"{', '.join(sorted(known))}){hint}"
