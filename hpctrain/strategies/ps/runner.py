@@ -427,14 +427,25 @@ class ParameterServer(StrategyBase):
         return extras
 
     def own_position(self, ckpt) -> tuple[int, int, int] | None:
-        """A worker's own (step, epoch, position) from a checkpoint its run wrote at the
-        end (with the same number of workers); else the checkpoint's, as in sync mode."""
+        """An async/bounded worker's own (step, epoch, position) from a checkpoint that
+        holds each worker's (with the same number of workers); else the checkpoint's:
+        sync workers all start at its step (they share every step from there)."""
         tr = ckpt.trainer
         keys = [f"ps_worker_{key}_{self.index}" for key in POSITION_KEYS]
         same = int(ckpt.attrs.get("ps_workers", -1)) == self.n_workers
-        if self.is_server or not same or any(k not in tr for k in keys):
+        if self.is_server or self.sync or not same or any(k not in tr for k in keys):
             return None
         return tuple(int(tr[k]) for k in keys)
+
+    def _version_from(self, ckpt, step: int) -> int:
+        """The version this server resumes at, in its mode's units (`lr_of`): sync counts
+        steps, async and bounded updates (about `workers` a step). A checkpoint of the
+        other kind (data parallel, or the parameter server in the other mode) gives its
+        step in those units."""
+        key, mode = f"ps_version_{self.index}", ckpt.attrs.get("ps_mode")
+        if mode is not None and (mode == "sync") == self.sync and key in ckpt.trainer:
+            return int(ckpt.trainer[key])
+        return step if self.sync else step * self.n_workers
 
     def import_state(self, ckpt) -> None:
         """Servers take their shard of parameters, slots and version; workers their
@@ -470,10 +481,7 @@ class ParameterServer(StrategyBase):
             if updates is None:  # a data-parallel checkpoint: one update per step
                 updates = int(ckpt.state.get("optimizer/step", step))
             opt["step"] = np.array(int(updates), np.int64)
-            self.server_state = {
-                "opt": opt,
-                "version": int(tr.get(f"ps_version_{self.index}", step)),
-            }
+            self.server_state = {"opt": opt, "version": self._version_from(ckpt, step)}
         else:
             buffers = {k: weights[k] for k in self.model.get_buffers()}
             if buffers:

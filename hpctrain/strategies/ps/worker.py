@@ -40,7 +40,9 @@ class Worker:
         self.model, self.data, self.cfg = model, data, cfg
         self.wants_save, self.preemption = wants_save, preemption
         self.sync = cfg.ps["mode"] == "sync"
-        self.position = int(position)
+        # a checkpoint of an epoch's last step holds the epoch's end: the loop starts
+        # the next epoch, and so does this count (else its epoch ends go unseen)
+        self.position = int(position) if data.steps_left(int(position)) > 0 else 0
         self.flags_bits = 0  # H_FLAGS of the last replies (OR over servers)
         pcfg = cfg.ps
         self.timeout = float(pcfg["heartbeat_timeout"])
@@ -166,7 +168,7 @@ class Worker:
         st["compute_seconds"] += compute
         st["steps"] += 1
         self.position += self.data.global_batch
-        if self.data.steps_left(self.position) == 0:
+        if self.data.steps_left(self.position) <= 0:
             self.position = 0
         st["samples"] += count
         st["rejected"] += sum(x == P.REJECTED for x in statuses)
@@ -188,14 +190,17 @@ class Worker:
     def _save_goes_ahead(self) -> bool:
         """Async: tell server 0 this worker stopped after its step, and wait for its
         word: GO once every worker has (the slowest one's step), CANCEL if one finished,
-        was dropped or a preemption came. Heartbeats go on meanwhile; the wait's deadline
-        is the collective timeout (a worker's step longer than that fails it)."""
+        was dropped or a preemption came. Heartbeats go on meanwhile. The wait has no
+        deadline of its own while every rank answers the watchdog's liveness probe (a
+        worker's step may be long, that is what async is for; a silent worker is
+        dropped by the servers, which calls the save off)."""
         first = self.servers[0]
         answer = np.zeros(8, np.int64)
         req = self.comm.Irecv(answer, source=first, tag=P.TAG_SAVE)
         self.comm.Send(P.ctrl(P.SAVE_READY, self.index), dest=first, tag=P.TAG_CTRL)
-        what = f"worker {self.index}: waiting for every worker to reach a checkpoint"
-        p2p.wait_or_abort(
-            self.world, [req], what, f"parameter server 0 (rank {first})", self.backoff
+        what = (
+            f"parameter server: worker {self.index} waits for every worker to end its "
+            "step before a checkpoint"
         )
+        p2p.wait_while_every_rank_answers(self.world, [req], what, self.backoff)
         return int(answer[0]) == P.GO
