@@ -42,7 +42,9 @@ class Worker:
         self.sync = cfg.ps["mode"] == "sync"
         # a checkpoint of an epoch's last step holds the epoch's end: the loop starts
         # the next epoch, and so does this count (else its epoch ends go unseen)
-        self.position = int(position) if data.steps_left(int(position)) > 0 else 0
+        self.position = int(position)
+        if data is not None and data.steps_left(self.position) <= 0:  # None: a bench's
+            self.position = 0
         self.flags_bits = 0  # H_FLAGS of the last replies (OR over servers)
         pcfg = cfg.ps
         self.timeout = float(pcfg["heartbeat_timeout"])
