@@ -234,10 +234,11 @@ def _cmd_doctor(args) -> int:
 
 def _load_config_everywhere(args):
     """Load the config on every rank; if any rank fails, every rank reports it."""
-    from .config import Config
+    from .config import Config, mpi_start_settings
     from .errors import HpctrainError
     from .loop import prepare_process
     from .runtime import world
+    from .runtime.openmpi import OpenMpiDefaults
 
     cfg, error = None, None
     try:
@@ -247,7 +248,11 @@ def _load_config_everywhere(args):
         cfg = Config.load(args.config, args.overrides)
     except HpctrainError as exc:
         error = str(exc)
-    w = prepare_process(cfg) if cfg is not None else world()
+    if cfg is not None:
+        w = prepare_process(cfg)
+    else:  # MPI started as the peers whose configuration loaded start it
+        yield_idle, links = mpi_start_settings(args.config, args.overrides)
+        w = world(openmpi=OpenMpiDefaults(yield_when_idle=yield_idle, tcp_links=links))
     w.agree(error)
     return cfg
 

@@ -596,6 +596,36 @@ def _apply_overrides(values: dict, overrides: list[str]) -> dict[str, str]:
     return origins
 
 
+def mpi_start_settings(path: str | Path | None, overrides: list[str]) -> tuple[bool, int]:
+    """runtime.mpi_yield_when_idle and runtime.tcp_links, read as far as a configuration
+    that failed to load allows (each key's default where it does not). A rank whose
+    configuration failed still starts MPI with what its peers start with: Open MPI
+    ranks started with different TCP settings never finish their first communicator
+    (measured: both ranks spun in `Split_type`, the agreed error never came)."""
+    values: dict = {}
+    try:
+        if path is not None:
+            values = _yaml_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError):
+        values = {}
+    values = values if isinstance(values, dict) else {}
+    for text in overrides:
+        try:
+            _apply_overrides(values, [text])
+        except (ConfigError, AttributeError, yaml.YAMLError):
+            continue
+    section = values.get("runtime")
+    section = section if isinstance(section, dict) else {}
+    spec = SCHEMA["runtime"]
+    yield_idle = section.get("mpi_yield_when_idle", spec["mpi_yield_when_idle"].default)
+    links = section.get("tcp_links", spec["tcp_links"].default)
+    if not isinstance(yield_idle, bool):
+        yield_idle = spec["mpi_yield_when_idle"].default
+    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
+        links = spec["tcp_links"].default
+    return yield_idle, links
+
+
 def _with_origin(problem: str, origins: dict[str, str]) -> str:
     """`problem` naming the --set overrides of the key it is about (the key it starts
     with, a section around it or a key inside it): a user looks for it there, not in

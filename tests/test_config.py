@@ -520,3 +520,19 @@ def test_hpctrain_ps_refuses_a_configuration_that_asks_for_another_layout(tmp_pa
         ("configs/moe.yaml", []),
     ):
         _refuse_another_strategy_for_ps(SimpleNamespace(config=config, overrides=sets))
+
+
+def test_mpi_start_settings_are_read_from_a_configuration_that_fails():
+    """A rank whose configuration is refused still starts MPI with the TCP settings its
+    peers read from the same file and --set (hpctrain/cli.py's agreed refusal)."""
+    import tempfile
+
+    from hpctrain.config import mpi_start_settings
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as f:
+        f.write("runtime:\n  tcp_links: 4\n  mpi_yield_when_idle: false\ntrain:\n  zero: x\n")
+        f.flush()
+        assert mpi_start_settings(f.name, ["train.zero=banana"]) == (False, 4)
+        assert mpi_start_settings(f.name, ["runtime.tcp_links=3", "bad"]) == (False, 3)
+    assert mpi_start_settings("/nonexistent.yaml", ["runtime.tcp_links=0"]) == (True, 2)
+    assert mpi_start_settings(None, ["runtime=[1]", "runtime.tcp_links=x"]) == (True, 2)

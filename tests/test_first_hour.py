@@ -306,6 +306,20 @@ def test_user_model_problems_are_one_line(tmp_path, backend, overrides, message)
     assert_one_clear_line(job, message, times=(1, 2))
 
 
+def test_a_configuration_refused_on_one_rank_only_is_agreed_not_a_hang(tmp_path):
+    """Rank 1 alone gets a bad --set (an mpirun app context of its own, a node's own copy
+    of the file): it starts MPI with the Open MPI settings its peers start with, so the
+    agreed error comes. It started MPI without them, and both ranks spun in MPI's first
+    communicator split until killed."""
+    bad = 'X=""; if [ "$OMPI_COMM_WORLD_RANK" = 1 ]; then X="--set train.zero=banana"; fi; '
+    run = tmp_path / "run"
+    script = f"{bad}exec {HPCTRAIN} train --run-dir {run} --set train.max_steps=1 $X"
+    job = mpirun(2, "bash", "-c", script, timeout=60)
+    assert job.returncode == 2, job.output
+    assert "rank(s) 1: invalid configuration" in job.output, job.output
+    assert "train.zero: expected int, got str 'banana'" in job.output, job.output
+
+
 def test_zoo_options_left_over_from_another_model_are_named(tmp_path):
     config = tmp_path / "mlp.yaml"
     config.write_text("model:\n  name: mlp\n  hidden: [64, 64]\n")
