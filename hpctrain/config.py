@@ -178,7 +178,8 @@ SCHEMA: dict[str, Any] = {
         "zero": _f(
             0,
             int,
-            "ZeRO sharding over the data ranks (MPI engine): 0 off, 1 optimizer state, "
+            "ZeRO sharding over the data ranks (MPI engine; gloo/nccl process groups, "
+            "which GPU ranks need): 0 off, 1 optimizer state, "
             "2 optimizer state and gradients, 3 also the parameters (gathered per unit of "
             "layers ahead of use; torch)",
             choices=(0, 1, 2, 3),
@@ -217,7 +218,8 @@ SCHEMA: dict[str, Any] = {
             "gradient averaging: horovod (background engine), mpi (one MPI_Allreduce after "
             "backward), overlap (MPI buckets from backward hooks), nccl / gloo "
             "(torch.distributed process groups bootstrapped over MPI, on the device), auto "
-            "(nccl on GPU ranks; on CPU mpi when ranks x threads fill the node's cores)",
+            "(nccl on GPU ranks, mpi or gloo where ranks share a GPU; on CPU mpi when ranks "
+            "x threads fill the node's cores)",
             choices=("auto", "horovod", "mpi", "overlap", "nccl", "gloo"),
         ),
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),

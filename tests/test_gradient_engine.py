@@ -36,6 +36,14 @@ def test_auto_uses_horovod_with_a_spare_core_whatever_fp16():
     assert choose(_cfg(compression="fp16"), local_ranks=2, threads=1, cores=2)[0] == "mpi"
 
 
+def test_auto_keeps_fp16_precision_off_horovod_which_refuses_it():
+    """fp16 loss scaling steps the optimizer itself: Horovod's wrapper exchanged the
+    gradients a second time (and warned), so an explicit horovod is refused and auto,
+    with a spare core, picks the MPI engine."""
+    engine, why = choose(_cfg(precision="fp16"), local_ranks=1, threads=1, cores=4)
+    assert engine == "mpi" and "fp16 loss scaling" in why, why
+
+
 @needs_horovod
 def test_explicit_choice_wins():
     assert choose(_cfg(allreduce="horovod"), local_ranks=2, threads=1, cores=2)[0] == "horovod"

@@ -75,6 +75,8 @@ def choose(
         return "mpi", f"auto: {join_words(needs_mpi)} {verb} on the MPI engine"
     if compression not in ("none", "fp16"):  # fp16: Horovod's or the MPI engine's ring
         return "mpi", f"auto: train.compression={compression} runs on the MPI engine"
+    if cfg.train["precision"] == "fp16":  # refused with horovod (composition.py)
+        return "mpi", "auto: fp16 loss scaling runs on the MPI engine, not Horovod's"
     cores = cores or os.cpu_count() or 1
     busy = local_ranks * threads
     local_full = busy >= cores
