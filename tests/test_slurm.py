@@ -622,6 +622,10 @@ def test_gpu_options_reach_sbatch_and_srun_alike(name, gpu_install, config_file,
     spec = JobSpec(name, 2, 4, "1-00:00:00", str(config_file), hpctrain="hpctrain")
     spec.gpus_per_task, spec.cpus_per_gpu, spec.gpu_bind = 1, 8, "closest"
     spec.overrides = {"pipeline": ["strategy=pipeline"], "moe": MOE_MODEL}.get(name, [])
+    if name == "ps":  # on CPU ranks in any installation: refused, --hpctrain or not
+        with pytest.raises(ConfigError, match="strategy parameter_server runs on CPU ranks"):
+            render(spec)
+        return
     rendered = render(spec)
     script = tmp_path / f"{name}.sbatch"
     script.write_text(rendered.text)
@@ -643,8 +647,38 @@ def test_gpu_options_reach_sbatch_and_srun_alike(name, gpu_install, config_file,
     if name == "elastic":
         expected.remove("--ntasks=8")
     assert _srun_options(argv, name)[: len(expected)] == expected, argv
-    if name in ("pipeline", "ps", "moe"):  # these strategies keep their ranks on CPUs
+    if name in ("pipeline", "moe"):  # on CPU ranks until the GPU check runs them (the
+        # job's installation or HPCTRAIN_GPU_UNTESTED may): a warning under --hpctrain
         assert any("ranks would stay on CPUs" in w for w in rendered.warnings), rendered.warnings
+
+
+def test_gpus_a_config_cannot_use_are_refused_whatever_installation_runs_it(
+    config_file, gpu_install
+):
+    """What no installation of this hpctrain runs on GPU ranks is refused at render even
+    where the job names its own installation (--hpctrain), and so is NCCL on fewer GPUs
+    than ranks (the job would stop at start); neither asks to install a GPU build."""
+    cases = [
+        ("ps", [], {}, "strategy parameter_server runs on CPU ranks"),
+        ("train", ["backend=tensorflow"], {}, "tensorflow backend trains on CPU ranks only"),
+        ("train", ["runtime.device=cpu"], {}, "the config sets runtime.device: cpu"),
+        (
+            "train",
+            ["train.allreduce=nccl"],
+            {"gpus_per_node": "2"},
+            "NCCL needs one GPU per rank, and the job would stop at start",
+        ),
+    ]
+    for name, overrides, asked, message in cases:
+        spec = JobSpec(name, 2, 4, "60", str(config_file), hpctrain="/opt/other/hpctrain")
+        spec.overrides = overrides
+        if asked:
+            spec.gpus_per_node = asked["gpus_per_node"]
+        else:
+            spec.gpus_per_task = 1
+        with pytest.raises(ConfigError, match=re.escape(message)) as caught:
+            render(spec)
+        assert "install a GPU build" not in str(caught.value), caught.value
 
 
 def test_gpus_per_node_writes_gres_and_keeps_cpus_per_task(gpu_install, config_file, tmp_path):

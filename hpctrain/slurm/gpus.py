@@ -262,18 +262,18 @@ def plan_gpus(
     return plan
 
 
-def _config_gpu_problem(cfg) -> str | None:
-    """Why this hpctrain would keep `cfg`'s ranks off the GPUs (None: it would not)."""
-    try:
-        from ..runtime.devices import gpu_unsupported
-    except ImportError:  # an hpctrain without GPU ranks
-        return "this hpctrain trains on CPU ranks only"
-    return gpu_unsupported(cfg)
+def _config_gpu_problem(cfg, untested_ok: bool = False) -> str | None:
+    """Why this hpctrain would keep `cfg`'s ranks off the GPUs (None: it would not);
+    untested_ok: leaving out what waits for the GPU check (HPCTRAIN_GPU_UNTESTED)."""
+    from ..runtime.devices import gpu_unsupported
+
+    return gpu_unsupported(cfg, untested_ok=untested_ok)
 
 
 def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) -> None:
-    """Refuse GPUs that this install, or this config, cannot use; warn instead where the
-    job runs another installation (--hpctrain CMD), which cannot be inspected from here.
+    """Refuse GPUs that this config cannot use, whatever installation runs it, and GPUs
+    that this install cannot drive; warn instead for the install where the job runs
+    another installation (--hpctrain CMD), which cannot be inspected from here.
 
     Refused rather than warned: the job would hold (and be charged for) GPUs that its
     ranks never use, and at run time `runtime.device: auto` falls back to the CPU with
@@ -288,28 +288,45 @@ def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) 
                 "--gpus-per-task 1)"
             )
         return
-    problems, fixes = [], []
+    holds = f"{plan.option} asks for GPUs, but"
+    idle = "the job would hold GPUs its ranks do not use"
     if device == "cpu":
-        problems.append("the config sets runtime.device: cpu")
-        fixes.append("set runtime.device to auto or cuda")
+        raise ConfigError(
+            f"{holds} the config sets runtime.device: cpu: {idle}; set runtime.device to "
+            "auto or cuda, or drop the GPU options"
+        )
+    why = _config_gpu_problem(cfg)
+    if why:
+        problem = f"{holds} the config's ranks would stay on CPUs ({why}): {idle}"
+        # what waits for the GPU check may run in the job's installation or environment
+        if job_hpctrain is None or _config_gpu_problem(cfg, untested_ok=True):
+            raise ConfigError(f"{problem}; change the config or drop the GPU options")
+        warnings.append(f"{problem} (checked here; the job runs {job_hpctrain})")
+    _refuse_shared_gpus_under_nccl(plan, cfg)
     usable, found = install_gpu_support(cfg["backend"])
-    if not usable:
-        problems.append(found)
-        fixes.append(f"install a GPU build of {cfg['backend']}")
-    elif device != "cpu":
-        why = _config_gpu_problem(cfg)
-        if why:
-            problems.append(f"the config's ranks would stay on CPUs ({why})")
-            fixes.append("change the config")
-    if not problems:
+    if usable:
         return
-    problem = (
-        f"{plan.option} asks for GPUs, but {'; '.join(problems)}: the job would hold GPUs "
-        "its ranks do not use"
-    )
+    problem = f"{holds} {found}: {idle}"
     if job_hpctrain is None:
         raise ConfigError(
-            f"{problem}; {', '.join(fixes)}, drop the GPU options, or name the installation "
-            "the job runs with --hpctrain CMD (then this is only a warning)"
+            f"{problem}; install a GPU build of {cfg['backend']}, drop the GPU options, or "
+            "name the installation the job runs with --hpctrain CMD (then this is only a "
+            "warning)"
         )
     warnings.append(f"{problem} (checked here; the job runs {job_hpctrain})")
+
+
+def _refuse_shared_gpus_under_nccl(plan: GpuPlan, cfg) -> None:
+    """train.allreduce: nccl with fewer GPUs than ranks on a node is refused at start
+    (runtime/devices.py: NCCL needs one GPU per rank): say so before the queue."""
+    engine = cfg["train"]["allreduce"]
+    if engine != "nccl" or plan.per_node is None:
+        return
+    gpus, ranks = plan.per_node.count, plan.ranks_per_node
+    if gpus < ranks:
+        raise ConfigError(
+            f"--gpus-per-node {plan.per_node} with --ntasks-per-node {ranks} and "
+            "train.allreduce: nccl: NCCL needs one GPU per rank, and the job would stop at "
+            f"start; give --gpus-per-node {ranks} (or --gpus-per-task 1), or let ranks share "
+            "GPUs with train.allreduce mpi or auto"
+        )
