@@ -5,7 +5,7 @@ import pytest
 
 from hpctrain.config import Config
 from hpctrain.errors import ConfigError
-from hpctrain.runtime.devices import choose_device
+from hpctrain.runtime.devices import assign_gpus, choose_device
 
 
 def _choose(wanted, gpus, local_rank=0, local_size=1, engine="auto", supported=None):
@@ -24,6 +24,26 @@ def test_one_gpu_per_rank_by_node_local_rank():
     assert picks == [0, 1, 2, 3]
     # a rank that sees exactly one GPU (--gpu-bind, CUDA_VISIBLE_DEVICES) uses it
     assert _choose("cuda", 1, local_rank=3, local_size=4, engine="nccl").index == 0
+
+
+def test_ranks_that_see_their_sockets_gpus_take_one_each():
+    """SLURM's --gpu-bind=closest on a node of 4 GPUs, 2 a socket, tasks placed
+    cyclically: ranks 0 and 2 see GPUs a, b; ranks 1 and 3 see c, d. By local rank
+    alone ranks 0 and 2 both took a (and nccl was refused: "4 ranks but 2 GPUs"); now
+    the node's ranks share what each sees and take one each."""
+    seen = [["a", "b"], ["c", "d"], ["a", "b"], ["c", "d"]]
+    assert assign_gpus(seen) == [0, 1, 1, 0]
+    picks = [
+        choose_device("cuda", 2, r, 4, "hpcn1", "nccl", None, node_gpus=seen) for r in range(4)
+    ]
+    assert [seen[r][c.index] for r, c in enumerate(picks)] == ["a", "d", "b", "c"]
+    # every rank seeing every GPU lands where the local rank put it
+    assert assign_gpus([["a", "b", "c", "d"]] * 4) == [0, 1, 2, 3]
+    # more ranks than the node's GPUs: refused under nccl, the least used shared otherwise
+    with pytest.raises(ConfigError, match="node hpcn1 runs 3 ranks but has 2 GPUs"):
+        choose_device("cuda", 2, 0, 3, "hpcn1", "nccl", None, node_gpus=[["a", "b"]] * 3)
+    assert assign_gpus([["a", "b"]] * 3) == [0, 1, 0]
+    assert assign_gpus([["a"], [], ["a", "b"]]) == [0, None, 1]
 
 
 def test_more_ranks_than_gpus_is_refused_unless_staged_through_the_host():

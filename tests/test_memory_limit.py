@@ -164,7 +164,9 @@ def test_ranks_sharing_a_gpu_divide_its_free_memory(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(
-        torch_device, "resolve_device", lambda cfg, layout: (cuda, DeviceChoice("cuda", 0, ""))
+        torch_device,
+        "resolve_device",
+        lambda cfg, layout, node=None: (cuda, DeviceChoice("cuda", 0, "")),
     )
     monkeypatch.setattr(torch_device, "gpu_identity", lambda device: "GPU-a")
     monkeypatch.setattr(torch_device, "describe_gpu", lambda device: "H100, 80 GiB")
@@ -193,7 +195,9 @@ def test_a_rank_whose_cuda_query_fails_still_joins_the_nodes_count(monkeypatch):
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(
-        torch_device, "resolve_device", lambda cfg, layout: (cuda, DeviceChoice("cuda", 0, ""))
+        torch_device,
+        "resolve_device",
+        lambda cfg, layout, node=None: (cuda, DeviceChoice("cuda", 0, "")),
     )
 
     def broken(device):

@@ -28,15 +28,31 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
+def visible_gpu_ids() -> list[str]:
+    """The ids of the GPUs this process sees, in CUDA ordinal order ([] where CUDA
+    cannot be asked: the device choice then says why)."""
+    try:
+        return [gpu_identity(torch.device("cuda", i)) for i in range(visible_gpus())]
+    except (RuntimeError, AssertionError):
+        return []
+
+
+def resolve_device(cfg, layout, node=None) -> tuple[torch.device, DeviceChoice]:
     """This rank's torch device (and why), made current for CUDA.
 
     layout: the World's Layout (node-local rank and size, hostname); None for a process
-    outside an MPI job. Refusals are ConfigErrors, raised before the model is built.
+    outside an MPI job. node: the node's communicator; where given, collective over it
+    (every rank of the node calls this): the ranks share which GPUs each sees and take
+    one each (runtime/devices.assign_gpus). Refusals are ConfigErrors, raised after that
+    exchange and before the model is built.
     """
     local_rank = layout.local_rank if layout is not None else 0
     local_size = layout.local_size if layout is not None else 1
     host = layout.hostname if layout is not None else "this node"
+    seen = None
+    if node is not None and node.size > 1 and cfg.runtime["device"] != "cpu":
+        seen = node.allgather_object(visible_gpu_ids(), what="share the GPUs each rank sees")
+        local_rank = node.rank  # its place in `seen`
     choice = choose_device(
         cfg.runtime["device"],
         visible_gpus(),
@@ -45,6 +61,7 @@ def resolve_device(cfg, layout) -> tuple[torch.device, DeviceChoice]:
         host,
         cfg.train["allreduce"],
         gpu_unsupported(cfg),
+        node_gpus=seen,
     )
     if choice.kind == "cpu":
         return torch.device("cpu"), choice
@@ -69,19 +86,23 @@ def offload_refusal(cfg, why: str) -> str:
 
 
 def agreed_device(cfg, world):
-    """(device, why, ranks share a GPU): one rank per GPU by node-local rank; every
-    rank agrees on errors (a node without GPUs, too many ranks for its GPUs).
+    """(device, why, ranks share a GPU): one rank per GPU, taken among the GPUs each
+    rank of the node sees (runtime/devices.assign_gpus); every rank agrees on errors (a
+    node without GPUs, too many ranks for its GPUs).
 
-    Cost, once at start-up: one agreement (an allreduce of a flag) and one allgather of
-    (device kind, host, GPU id), ~100 bytes a rank: 0.1 MB received per rank at 1,024
-    ranks, 0.4 MB at 4,096."""
+    Cost, once at start-up: one allgather of visible GPU ids within each node (its size
+    grows with the ranks per node only), one agreement (an allreduce of a flag) and one
+    allgather of (device kind, host, GPU id), ~100 bytes a rank: 0.1 MB received per
+    rank at 1,024 ranks, 0.4 MB at 4,096."""
     from ..runtime import world_if_started
 
     top = world_if_started()
     layout = getattr(top, "layout", None)
     error, device, why, shared = None, torch.device("cpu"), "", False
     try:
-        device, choice = resolve_device(cfg, layout)
+        # the node's ranks (the World's, whatever axis `world` is): every rank of a
+        # torch job calls this, so the node's exchange of visible GPUs is complete
+        device, choice = resolve_device(cfg, layout, node=getattr(top, "node", None))
         why = choice.reason
     except HpctrainError as exc:
         error = str(exc)
@@ -129,7 +150,8 @@ def gpu_memory_budget(cfg, world) -> tuple[int, str] | None:
         return None
     gpu, free, device = None, 0, None
     try:  # every CUDA call before the allgather: a failing rank still joins it
-        device, _ = resolve_device(cfg, getattr(world, "layout", None))
+        node = getattr(world, "node", None)
+        device, _ = resolve_device(cfg, getattr(world, "layout", None), node=node)
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             gpu = gpu_identity(device)

@@ -1,15 +1,17 @@
 """Which device a rank computes on: the rule, free of any framework.
 
 One rank per GPU, as NCCL requires (two ranks on one GPU make NCCL fail or hang at the
-first collective). A rank picks its GPU from its node-local rank among the GPUs it can
-see, so `CUDA_VISIBLE_DEVICES`, SLURM's `--gpus-per-task` and `--gpu-bind` all work: a
-rank that sees exactly one GPU uses it whatever its local rank. More ranks than visible
-GPUs on a node is refused before any work, naming the node and the counts, unless the
-gradient engine stages through host memory (the `mpi` and `gloo` engines), which
+first collective). A rank that sees exactly one GPU uses it whatever its local rank
+(`CUDA_VISIBLE_DEVICES`, SLURM's `--gpus-per-task 1`). Where ranks see several, the
+node's ranks share the lists of GPUs each sees and take one each (`assign_gpus`), so
+SLURM's `--gpu-bind=closest` (each rank sees its socket's GPUs) works too. More ranks
+than GPUs on a node is refused before any work, naming the node and the counts, unless
+the gradient engine stages through host memory (the `mpi` and `gloo` engines), which
 tolerate sharing (tests, or a node with fewer GPUs than cores).
 
-Cost: a rule evaluated locally; the only collective is the caller's one agreement on
-errors, so it stays O(log N) at 1,024 and 4,096 ranks.
+Cost: a rule evaluated locally, after one allgather of GPU ids within each node (~40
+bytes a GPU a rank: its cost grows with the ranks per node, the same at 1,024 or 4,096
+ranks); the caller's one agreement on errors is O(log N).
 """
 
 from __future__ import annotations
@@ -44,12 +46,15 @@ def choose_device(
     hostname: str,
     engine: str,
     supported: str | None = None,
+    node_gpus: list[list[str]] | None = None,
 ) -> DeviceChoice:
     """The device for this rank.
 
     wanted: `runtime.device`. visible_gpus: GPUs this process can see (0 without CUDA).
     supported: None when the layout can run on a GPU, else why not (auto then stays on
-    the CPU; `cuda` is refused with it).
+    the CPU; `cuda` is refused with it). node_gpus: the ids of the GPUs each rank of
+    the node sees, in node-rank order, `local_rank` being this rank's place in it (None:
+    one process, or the node's ranks all see the same GPUs in the same order).
     """
     if wanted not in DEVICES:
         raise ConfigError(f"runtime.device: expected one of {', '.join(DEVICES)}, got {wanted!r}")
@@ -68,15 +73,40 @@ def choose_device(
         return DeviceChoice("cpu", None, f"auto: {supported}")
     if visible_gpus == 1:
         return DeviceChoice("cuda", 0, f"{wanted}: the one GPU this rank sees")
-    if local_size > visible_gpus and engine not in HOST_STAGED_ENGINES:
+    gpus = len({g for seen in node_gpus for g in seen}) if node_gpus else visible_gpus
+    if local_size > gpus and engine not in HOST_STAGED_ENGINES:
         raise ConfigError(
             f"runtime.device: node {hostname} runs {local_size} ranks but has "
-            f"{visible_gpus} GPUs; NCCL needs one GPU per rank (launch at most "
-            f"{visible_gpus} ranks per node, or use train.allreduce=mpi to share GPUs "
+            f"{gpus} GPUs; NCCL needs one GPU per rank (launch at most "
+            f"{gpus} ranks per node, or use train.allreduce=mpi to share GPUs "
             "through host memory)"
         )
+    if node_gpus:
+        index = assign_gpus(node_gpus)[local_rank]
+        why = f"{wanted}: GPU {index} of the {visible_gpus} it sees (one each on the node)"
+        return DeviceChoice("cuda", index, why)
     index = local_rank % visible_gpus
     return DeviceChoice("cuda", index, f"{wanted}: GPU {index} of {visible_gpus} (local rank)")
+
+
+def assign_gpus(seen: list[list[str]]) -> list[int | None]:
+    """For each rank of a node (node-rank order), the index, among the GPUs *it* sees,
+    of the GPU it uses (None where it sees none): one no earlier rank took where it can,
+    trying first its node rank's place among them (where ranks that all see every GPU
+    land, as before), else the least used. Picking by local rank alone put two ranks of a
+    socket on one GPU under SLURM's --gpu-bind=closest (ranks 0 and 2 seeing the same
+    two GPUs both took the first)."""
+    used: dict[str, int] = {}
+    out: list[int | None] = []
+    for rank, gpus in enumerate(seen):
+        if not gpus:
+            out.append(None)
+            continue
+        order = [(rank + k) % len(gpus) for k in range(len(gpus))]
+        best = min(order, key=lambda i: used.get(gpus[i], 0))  # the first of the least used
+        used[gpus[best]] = used.get(gpus[best], 0) + 1
+        out.append(best)
+    return out
 
 
 @dataclass(frozen=True)
