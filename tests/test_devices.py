@@ -135,10 +135,10 @@ def test_gpu_ranks_run_zero_tensor_parallelism_experts_and_compression_on_proces
     "overrides, says",
     [
         ([], "strategy pipeline on GPU ranks: not yet run across ranks on a GPU"),
-        (["train.allreduce=mpi"], "train.allreduce=mpi exchange host arrays"),
-        (["train.allreduce=horovod"], "train.allreduce=horovod exchange host arrays"),
+        (["train.allreduce=mpi"], "train.allreduce=mpi exchanges host arrays"),
+        (["train.allreduce=horovod"], "train.allreduce=horovod exchanges host arrays"),
         (["train.zero=1"], "strategy pipeline, train.zero=1 on GPU ranks: not yet run"),
-        (["train.compression=fp16"], "train.compression=fp16 exchange host arrays"),
+        (["train.compression=fp16"], "train.compression=fp16 exchanges host arrays"),
         (["train.allreduce=nccl"], "strategy pipeline on GPU ranks: not yet run across"),
     ],
 )

@@ -210,9 +210,10 @@ def _pipeline_on_gpu(cfg) -> str | None:
     clash = [what for what, on in host if on]
     if not clash:
         return None
+    verb = "exchanges" if len(clash) == 1 else "exchange"
     return (
         f"the pipeline's stages run on GPU ranks over train.allreduce=nccl, gloo or auto "
-        f"(ZeRO-1 and experts too); {', '.join(clash)} exchange host arrays "
+        f"(ZeRO-1 and experts too); {', '.join(clash)} {verb} host arrays "
         "(CPU ranks)"
     )
 
