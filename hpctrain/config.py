@@ -600,32 +600,41 @@ def _apply_overrides(values: dict, overrides: list[str]) -> dict[str, str]:
 
 def mpi_start_settings(path: str | Path | None, overrides: list[str]) -> tuple[bool, int]:
     """runtime.mpi_yield_when_idle and runtime.tcp_links, read as far as a configuration
-    that failed to load allows (each key's default where it does not). A rank whose
-    configuration failed still starts MPI with what its peers start with: Open MPI
-    ranks started with different TCP settings never finish their first communicator
-    (measured: both ranks spun in `Split_type`, the agreed error never came)."""
-    values: dict = {}
+    that failed to load allows: each valid value the file and then each --set give, in
+    order (an invalid one is what failed, and the peers that loaded do not have it), a
+    default where none is. A rank whose configuration failed still starts MPI with what
+    its peers start with: Open MPI ranks started with different TCP settings never
+    finish their first communicator (measured: both ranks spun in `Split_type`, the
+    agreed error never came). Not covered: a rank whose own copy of the file is
+    missing or differs (a launcher's --mca btl_tcp_links, which wins on every rank,
+    removes even that)."""
+    spec = SCHEMA["runtime"]
+    out = {key: spec[key].default for key in ("mpi_yield_when_idle", "tcp_links")}
+    valid = {
+        "mpi_yield_when_idle": lambda v: isinstance(v, bool),
+        "tcp_links": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+    }
+
+    def take(section, whole: bool = False) -> None:
+        if not isinstance(section, dict):
+            return
+        if whole:  # `--set runtime={...}` replaces the section: the rest is default
+            out.update({key: spec[key].default for key in out})
+        out.update({k: section[k] for k, ok in valid.items() if k in section and ok(section[k])})
+
     try:
-        if path is not None:
-            values = _yaml_load(Path(path).read_text(encoding="utf-8")) or {}
+        values = _yaml_load(Path(path).read_text(encoding="utf-8")) if path else {}
     except (OSError, UnicodeDecodeError, yaml.YAMLError):
         values = {}
-    values = values if isinstance(values, dict) else {}
+    take(values.get("runtime") if isinstance(values, dict) else None)
     for text in overrides:
+        one: dict = {}
         try:
-            _apply_overrides(values, [text])
+            _apply_overrides(one, [text])
         except (ConfigError, AttributeError, yaml.YAMLError):
             continue
-    section = values.get("runtime")
-    section = section if isinstance(section, dict) else {}
-    spec = SCHEMA["runtime"]
-    yield_idle = section.get("mpi_yield_when_idle", spec["mpi_yield_when_idle"].default)
-    links = section.get("tcp_links", spec["tcp_links"].default)
-    if not isinstance(yield_idle, bool):
-        yield_idle = spec["mpi_yield_when_idle"].default
-    if isinstance(links, bool) or not isinstance(links, int) or links < 1:
-        links = spec["tcp_links"].default
-    return yield_idle, links
+        take(one.get("runtime"), whole=text.split("=", 1)[0].strip() == "runtime")
+    return out["mpi_yield_when_idle"], out["tcp_links"]
 
 
 def _with_origin(problem: str, origins: dict[str, str]) -> str:

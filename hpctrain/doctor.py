@@ -101,14 +101,29 @@ def _backends_to_probe(layout) -> tuple[str, ...]:
     return BACKENDS[layout.local_rank : layout.local_rank + 1]
 
 
-def _gpu_of_rank(local_rank: int) -> str:
-    """The GPU this rank computes on under runtime.device auto ("-": none)."""
+def _visible_gpu_ids() -> list[str]:
+    """The ids of the GPUs this rank sees ([] on a CPU node, without importing torch)."""
     if not any(os.path.exists(p) for p in GPU_DEVICE_FILES):
-        return "-"  # a CPU node: no torch import on every rank for an empty column
+        return []  # a CPU node: no torch import on every rank for an empty column
+    try:
+        from .backends.torch_device import visible_gpu_ids
+
+        return visible_gpu_ids()
+    except Exception:  # noqa: BLE001 - doctor reports, never fails on this
+        return []
+
+
+def _gpu_of_rank(node_seen: list[list[str]], node_rank: int) -> str:
+    """The GPU this rank computes on under runtime.device auto ("-": none): the node's
+    ranks take one each among those each sees, as training does (assign_gpus)."""
+    if not node_seen[node_rank]:
+        return "-"
+    from .runtime.devices import assign_gpus
+
     try:
         from .backends.torch import gpu_of_rank
 
-        return gpu_of_rank(local_rank)
+        return gpu_of_rank(assign_gpus(node_seen)[node_rank])
     except Exception as exc:  # noqa: BLE001 - doctor reports, never fails on this
         return f"- ({type(exc).__name__})"
 
@@ -175,7 +190,9 @@ def run_doctor(quiet: bool = False) -> int:
         framework_rows[backend], m = _check_backend(backend)
         missing += m
     if w is not None:
-        mine = {**w.layout.as_dict(), "gpu": _gpu_of_rank(w.layout.local_rank)}
+        node = w.node  # every rank: which GPUs each rank of its node sees
+        seen = node.allgather_object(_visible_gpu_ids(), what="doctor: the GPUs ranks see")
+        mine = {**w.layout.as_dict(), "gpu": _gpu_of_rank(seen, node.rank)}
         mine["framework_rows"] = framework_rows
         layouts = w.gather_object(mine, what="doctor: gather layouts")
         failures = w.gather_object(missing, what="doctor: gather problems")

@@ -534,5 +534,9 @@ def test_mpi_start_settings_are_read_from_a_configuration_that_fails():
         f.flush()
         assert mpi_start_settings(f.name, ["train.zero=banana"]) == (False, 4)
         assert mpi_start_settings(f.name, ["runtime.tcp_links=3", "bad"]) == (False, 3)
+        # the invalid value is what failed here: the peers have the file's
+        assert mpi_start_settings(f.name, ["runtime.tcp_links=0"]) == (False, 4)
+        assert mpi_start_settings(f.name, ["runtime=[1]", "runtime.tcp_links=4.0"]) == (False, 4)
+        assert mpi_start_settings(f.name, ["runtime={tcp_links: 3}"]) == (True, 3)
     assert mpi_start_settings("/nonexistent.yaml", ["runtime.tcp_links=0"]) == (True, 2)
     assert mpi_start_settings(None, ["runtime=[1]", "runtime.tcp_links=x"]) == (True, 2)

@@ -73,4 +73,8 @@ def test_a_node_without_gpu_devices_answers_without_importing_torch(monkeypatch)
 
     monkeypatch.setattr(doctor, "GPU_DEVICE_FILES", ("/nonexistent/nvidia0",))
     monkeypatch.setitem(sys.modules, "hpctrain.backends.torch", None)  # an import fails
-    assert doctor._gpu_of_rank(0) == "-"
+    monkeypatch.setitem(sys.modules, "hpctrain.backends.torch_device", None)
+    seen = [doctor._visible_gpu_ids(), ["GPU-a"]]
+    assert seen[0] == [] and doctor._gpu_of_rank(seen, 0) == "-"
+    # a rank that sees a GPU names it through the backend (here: its import fails)
+    assert doctor._gpu_of_rank(seen, 1) == "- (ModuleNotFoundError)"

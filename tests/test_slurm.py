@@ -668,14 +668,18 @@ def test_gpus_a_config_cannot_use_are_refused_whatever_installation_runs_it(
             {"gpus_per_node": "2"},
             "NCCL needs one GPU per rank, and the job would stop at start",
         ),
+        (
+            "train",
+            ["train.allreduce=nccl"],
+            {"gpus_per_node": "4", "gpu_bind": "single:2"},
+            "--gpu-bind single:2 (2 ranks a GPU) and train.allreduce: nccl",
+        ),
     ]
     for name, overrides, asked, message in cases:
         spec = JobSpec(name, 2, 4, "60", str(config_file), hpctrain="/opt/other/hpctrain")
         spec.overrides = overrides
-        if asked:
-            spec.gpus_per_node = asked["gpus_per_node"]
-        else:
-            spec.gpus_per_task = 1
+        for key, value in (asked or {"gpus_per_task": 1}).items():
+            setattr(spec, key, value)
         with pytest.raises(ConfigError, match=re.escape(message)) as caught:
             render(spec)
         assert "install a GPU build" not in str(caught.value), caught.value

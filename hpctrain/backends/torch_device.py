@@ -53,6 +53,12 @@ def resolve_device(cfg, layout, node=None) -> tuple[torch.device, DeviceChoice]:
     if node is not None and node.size > 1 and cfg.runtime["device"] != "cpu":
         seen = node.allgather_object(visible_gpu_ids(), what="share the GPUs each rank sees")
         local_rank = node.rank  # its place in `seen`
+        if visible_gpus() > 1 and not seen[local_rank]:
+            raise ConfigError(
+                f"runtime.device: a rank on {host} sees {visible_gpus()} GPUs but CUDA could "
+                "not name them (torch.cuda.get_device_properties failed): check the "
+                "driver, or give each rank one GPU (--gpus-per-task 1)"
+            )
     choice = choose_device(
         cfg.runtime["device"],
         visible_gpus(),
@@ -111,11 +117,14 @@ def agreed_device(cfg, world):
         error = f"train.allreduce=nccl needs GPU ranks, and these are CPU ranks ({why})"
     elif error is None and device.type != "cuda" and cfg.train["offload"] != "none":
         error = offload_refusal(cfg, why)
-    if world is not None and world.size > 1:
-        world.agree(error, error_type=ConfigError)
+    # over the whole job, whatever axis `world` is (a tensor-parallel job's replicas):
+    # every rank builds its backend, and two tensor peers on one GPU are caught too
+    everyone = top if world is not None and top is not None else world
+    if everyone is not None and everyone.size > 1:
+        everyone.agree(error, error_type=ConfigError)
         gpu = gpu_identity(device) if device.type == "cuda" else ""
         host = layout.hostname if layout is not None else ""
-        ids = world.allgather_object((device.type, host, gpu), what="agree on devices")
+        ids = everyone.allgather_object((device.type, host, gpu), what="agree on devices")
         if len({kind for kind, _, _ in ids}) > 1:  # the same list on every rank
             raise ConfigError(
                 "ranks disagree on the device (some see a GPU, some do not): set "

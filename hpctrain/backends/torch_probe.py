@@ -33,11 +33,8 @@ def probe() -> dict:
     }
 
 
-def gpu_of_rank(local_rank: int) -> str:
-    """The GPU this rank would use under runtime.device auto/cuda (doctor's table)."""
-    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if n == 0:
-        return "-"
-    index = 0 if n == 1 else local_rank % n
+def gpu_of_rank(index: int) -> str:
+    """GPU `index` (among those this rank sees), as doctor's table shows the GPU a rank
+    would use under runtime.device auto/cuda (runtime/devices.assign_gpus chose it)."""
     props = torch.cuda.get_device_properties(index)
     return f"cuda:{index} {props.name} {props.total_memory / 2**30:.0f} GiB"

@@ -4,15 +4,17 @@ hpctrain runs one rank per GPU (one SLURM task per GPU), so the options are chec
 against that as well as against SLURM's own rules (sbatch(1), Slurm 22.05):
 
 - `--gpus-per-node G` writes `--gres=gpu:G` (the form every select plugin reads); the
-  job's steps get all of a node's GPUs and each rank takes the one of its node-local
-  rank. G other than `--ntasks-per-node` leaves GPUs idle or makes ranks share one: a
-  warning, since a host-staged engine can share a GPU on purpose.
+  job's steps get all of a node's GPUs and the node's ranks take one each. G above
+  `--ntasks-per-node` leaves GPUs idle, G below it makes ranks share one: warnings,
+  since a host-staged engine can share a GPU on purpose, but refused under
+  `train.allreduce: nccl` (one GPU per rank: the job would stop at start).
 - `--gpus-per-task N` writes `--gpus-per-task=N` and, as SLURM requires of it, an
   explicit `--ntasks`; srun gets it again. N > 1 leaves GPUs idle: a warning.
   `--gpus-per-node` and `--gpus-per-task` are two ways of asking for the same GPUs:
   given together they are refused.
 - `--gpu-bind [verbose,]TYPE` (closest, none, map_gpu:L, mask_gpu:L, per_task:N,
-  single:N) goes to sbatch and to srun.
+  single:N) goes to sbatch and to srun; single:N above 1 shares each GPU among N ranks
+  (a warning; refused under nccl, as above).
 - `--cpus-per-gpu C` replaces `--cpus-per-task` (sbatch: "not compatible with the
   --cpus-per-task option"); srun gets `--cpus-per-gpu` instead of `--cpus-per-task`,
   and OMP_NUM_THREADS is C times the GPUs of one rank.
@@ -297,7 +299,8 @@ def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) 
         )
     why = _config_gpu_problem(cfg)
     if why:
-        problem = f"{holds} the config's ranks would stay on CPUs ({why}): {idle}"
+        fate = "would stop at start" if device == "cuda" else "would stay on CPUs"
+        problem = f"{holds} the config's ranks {fate} ({why}): {idle}"
         # what waits for the GPU check may run in the job's installation or environment
         if job_hpctrain is None or _config_gpu_problem(cfg, untested_ok=True):
             raise ConfigError(f"{problem}; change the config or drop the GPU options")
@@ -317,16 +320,21 @@ def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) 
 
 
 def _refuse_shared_gpus_under_nccl(plan: GpuPlan, cfg) -> None:
-    """train.allreduce: nccl with fewer GPUs than ranks on a node is refused at start
-    (runtime/devices.py: NCCL needs one GPU per rank): say so before the queue."""
-    engine = cfg["train"]["allreduce"]
-    if engine != "nccl" or plan.per_node is None:
+    """train.allreduce: nccl with ranks sharing GPUs is refused at start (runtime/
+    devices.py, backends/torch_device.py: NCCL needs one GPU per rank): say so before
+    the queue."""
+    if cfg["train"]["allreduce"] != "nccl":
         return
-    gpus, ranks = plan.per_node.count, plan.ranks_per_node
-    if gpus < ranks:
+    ranks, shared = plan.ranks_per_node, None
+    if plan.per_node is not None and plan.per_node.count < ranks:
+        shared = f"--gpus-per-node {plan.per_node} with --ntasks-per-node {ranks}"
+    name, _, arg = (plan.bind or "").removeprefix("verbose,").partition(":")
+    if name == "single" and int(arg) > 1:
+        shared = f"--gpu-bind {plan.bind} ({arg} ranks a GPU)"
+    if shared:
         raise ConfigError(
-            f"--gpus-per-node {plan.per_node} with --ntasks-per-node {ranks} and "
-            "train.allreduce: nccl: NCCL needs one GPU per rank, and the job would stop at "
-            f"start; give --gpus-per-node {ranks} (or --gpus-per-task 1), or let ranks share "
-            "GPUs with train.allreduce mpi or auto"
+            f"{shared} and train.allreduce: nccl: NCCL needs one GPU per rank, and the job "
+            f"would stop at start; give one GPU per rank (--gpus-per-task 1, or "
+            "--gpus-per-node equal to --ntasks-per-node), or let ranks share GPUs with "
+            "train.allreduce mpi or auto"
         )

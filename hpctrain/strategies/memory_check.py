@@ -137,7 +137,7 @@ def check_memory_plan(
     host bytes this rank holds for a gathered checkpoint (checkpoint_memory.py), not
     part of the plan's terms. `params`: the whole model's parameter count, for the
     bound where no limit is known (`beyond_the_node`). Returns whether the plan was
-    checked."""
+    checked on every rank (agreed: one allreduce of a flag)."""
     if not cfg.runtime["memory_check"]:
         return True
     found = _limit(cfg, world)
@@ -164,7 +164,10 @@ def check_memory_plan(
     # one model on every rank (no `where`): N ranks' refusals, each with its own
     # baseline, are one line
     world.agree(None if error is None else where + error, merge_figures=not where)
-    return (found is None and gpu is None) or planned is not None
+    checked = (found is None and gpu is None) or planned is not None
+    # agreed: where one rank has a limit (a cgroup on one node, a GPU whose budget could
+    # not be read) and others none, every rank checks again after the build (collective)
+    return not world.any_flag(not checked, "agree on the memory plan")
 
 
 def beyond_the_node(params: int | None, local: int, size: int, physical: int | None):
