@@ -387,8 +387,7 @@ class TrainingLoop:
             summary = self._summary()
         finally:
             self._release_marker()  # the run's last write is the summary's
-        if self.checkpoints.requeue_after_run(pre):  # last: SLURM ends the job now
-            log.info("job requeued: it resumes from this checkpoint (--resume auto)")
+        self.checkpoints.requeue_after_run(pre)  # last: SLURM ends the job now
         return summary
 
     def _context(self) -> RunContext:

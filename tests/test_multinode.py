@@ -540,7 +540,7 @@ def test_slurm_two_nodes_runs_the_template_and_requeues_bit_for_bit(two_nodes, t
     out = _read(out_file) + _read(logs / f"hpctrain-train-{job_id}.err")
     assert info["JobState"] == "COMPLETED" and info["ExitCode"] == "0:0", (info, out)
     assert f"job {job_id} (restart 0): 2 ranks on hpcn[1-2]" in out, out
-    assert "SIGUSR1 received: stopped at step" in out and "job requeued" in out, out
+    assert "SIGUSR1 received: stopped at step" in out and "requeueing the job" in out, out
     assert "(restart 1)" in out and "resumed from" in out, out
     final, whole = _weights(runs / f"hpctrain-train-{job_id}"), _weights(ref)
     for k in whole:

@@ -479,7 +479,7 @@ def test_a_preempted_slurm_job_is_requeued_after_its_summary_is_written(tmp_path
     proc = _start(2, _args(run, common), tag=tag, env=path, mpi_args=ranks_env)
     out = _usr1_after_steps(proc, run, tag)
     assert proc.returncode == 0, out
-    assert "SIGUSR1 received: stopped at step" in out and "job requeued" in out, out
+    assert "SIGUSR1 received: stopped at step" in out and "requeueing the job" in out, out
     assert called.read_text().split() == ["requeue", "4242"], out
     summaries = [json.loads(x) for x in seen.open() if '"event": "summary"' in x]
     assert len(summaries) == 1 and summaries[0]["preempted"] == "SIGUSR1", out

@@ -1144,7 +1144,7 @@ def test_preemption_checkpoints_requeues_and_the_requeued_job_finishes_identical
         diagnosis,
     )
     assert "SIGUSR1 received: stopped at step" in out, out
-    assert "job requeued" in out and "(restart 1)" in out, out
+    assert "requeueing the job" in out and "(restart 1)" in out, out
     assert "resumed from" in out, out
     lines = [json.loads(x) for x in metrics.open()]
     summaries = [x for x in lines if x["event"] == "summary"]
@@ -1184,7 +1184,7 @@ def test_scancel_signal_usr2_stops_the_job_with_a_checkpoint_and_no_requeue(slur
         out,
         diagnosis,
     )
-    assert info.get("Restarts") == "0" and "job requeued" not in out, out
+    assert info.get("Restarts") == "0" and "requeueing the job" not in out, out
     assert out.count("SIGUSR2 received: stopped at step") == 1, out  # rank 0's line
     assert "not requeued" in out, out
     summary = [json.loads(x) for x in metrics.open() if '"summary"' in x][-1]

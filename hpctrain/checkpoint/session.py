@@ -175,10 +175,14 @@ class RunCheckpoints:
         there is nothing to requeue or SLURM refused, which `pre` says on stderr).
 
         The run's last act: `scontrol requeue` makes SLURM end the running job at once,
-        so whatever is written after it (the run's summary, the metrics' last lines) may
-        be lost. The loop calls it after the summary is on disk.
+        so whatever is written after it (the run's summary, the metrics' last lines, a
+        line saying it was requeued) may be lost. The loop calls it after the summary is
+        on disk, and says it is requeueing first (a loaded node's batch step was killed
+        between scontrol's return and the line that said so).
         """
         wanted, self._requeue_after_run = self._requeue_after_run, False
+        if wanted and pre.requeue_blocker() is None:
+            log.info("requeueing the job: it resumes from this checkpoint (--resume auto)")
         return wanted and pre.requeue()
 
     def _collect(self, metrics: dict | None):
