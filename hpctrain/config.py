@@ -610,17 +610,15 @@ def mpi_start_settings(path: str | Path | None, overrides: list[str]) -> tuple[b
     removes even that)."""
     spec = SCHEMA["runtime"]
     out = {key: spec[key].default for key in ("mpi_yield_when_idle", "tcp_links")}
-    valid = {
-        "mpi_yield_when_idle": lambda v: isinstance(v, bool),
-        "tcp_links": lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1,
-    }
 
     def take(section, whole: bool = False) -> None:
         if not isinstance(section, dict):
             return
         if whole:  # `--set runtime={...}` replaces the section: the rest is default
             out.update({key: spec[key].default for key in out})
-        out.update({k: section[k] for k, ok in valid.items() if k in section and ok(section[k])})
+        for key in out:  # the schema's own check: what Config.load would accept
+            if key in section and check_value(key, spec[key], section[key]) is None:
+                out[key] = section[key]
 
     try:
         values = _yaml_load(Path(path).read_text(encoding="utf-8")) if path else {}

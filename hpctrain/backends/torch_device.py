@@ -49,19 +49,19 @@ def resolve_device(cfg, layout, node=None) -> tuple[torch.device, DeviceChoice]:
     local_rank = layout.local_rank if layout is not None else 0
     local_size = layout.local_size if layout is not None else 1
     host = layout.hostname if layout is not None else "this node"
-    seen = None
+    seen, gpus = None, visible_gpus()
     if node is not None and node.size > 1 and cfg.runtime["device"] != "cpu":
         seen = node.allgather_object(visible_gpu_ids(), what="share the GPUs each rank sees")
         local_rank = node.rank  # its place in `seen`
-        if visible_gpus() > 1 and not seen[local_rank]:
+        if gpus > 1 and not seen[local_rank]:
             raise ConfigError(
-                f"runtime.device: a rank on {host} sees {visible_gpus()} GPUs but CUDA could "
+                f"runtime.device: a rank on {host} sees {gpus} GPUs but CUDA could "
                 "not name them (torch.cuda.get_device_properties failed): check the "
                 "driver, or give each rank one GPU (--gpus-per-task 1)"
             )
     choice = choose_device(
         cfg.runtime["device"],
-        visible_gpus(),
+        gpus,
         local_rank,
         local_size,
         host,

@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError
+from ..runtime.devices import gpu_unsupported
 
 GPU_BIND_TYPES = ("closest", "none", "map_gpu:LIST", "mask_gpu:LIST", "per_task:N", "single:N")
 _GPU_COUNT = re.compile(r"^(?:([A-Za-z0-9_.-]+):)?(\d+)$")
@@ -185,6 +186,11 @@ class GpuPlan:
             return max(1, self.per_node.count // self.ranks_per_node)
         return 0
 
+    def bind_type(self) -> tuple[str, str]:
+        """--gpu-bind's type and argument ("single", "2"; ("", "") when not given)."""
+        name, _, arg = (self.bind or "").removeprefix("verbose,").partition(":")
+        return name, arg
+
     def srun_options(self) -> str | None:
         """GPU options srun gets again (explicit, as --cpus-per-task is)."""
         words = []
@@ -253,7 +259,7 @@ def plan_gpus(
             f"{plan.per_task.count - 1} of every rank's {plan.per_task.count} would sit idle"
         )
     if plan.bind is not None:
-        name, _, arg = plan.bind.removeprefix("verbose,").partition(":")
+        name, arg = plan.bind_type()
         if name == "single" and int(arg) > 1:
             warnings.append(
                 f"--gpu-bind {plan.bind}: {arg} ranks would share each GPU; hpctrain runs one "
@@ -262,14 +268,6 @@ def plan_gpus(
         if name == "per_task" and int(arg) > 1:
             warnings.append(f"--gpu-bind {plan.bind}: each rank would see {arg} GPUs and use one")
     return plan
-
-
-def _config_gpu_problem(cfg, untested_ok: bool = False) -> str | None:
-    """Why this hpctrain would keep `cfg`'s ranks off the GPUs (None: it would not);
-    untested_ok: leaving out what waits for the GPU check (HPCTRAIN_GPU_UNTESTED)."""
-    from ..runtime.devices import gpu_unsupported
-
-    return gpu_unsupported(cfg, untested_ok=untested_ok)
 
 
 def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) -> None:
@@ -297,12 +295,12 @@ def check_install(plan: GpuPlan, cfg, job_hpctrain: str | None, warnings: list) 
             f"{holds} the config sets runtime.device: cpu: {idle}; set runtime.device to "
             "auto or cuda, or drop the GPU options"
         )
-    why = _config_gpu_problem(cfg)
+    why = gpu_unsupported(cfg)  # why this hpctrain keeps the ranks off the GPUs
     if why:
         fate = "would stop at start" if device == "cuda" else "would stay on CPUs"
         problem = f"{holds} the config's ranks {fate} ({why}): {idle}"
         # what waits for the GPU check may run in the job's installation or environment
-        if job_hpctrain is None or _config_gpu_problem(cfg, untested_ok=True):
+        if job_hpctrain is None or gpu_unsupported(cfg, untested_ok=True):
             raise ConfigError(f"{problem}; change the config or drop the GPU options")
         warnings.append(f"{problem} (checked here; the job runs {job_hpctrain})")
     _refuse_shared_gpus_under_nccl(plan, cfg)
@@ -328,7 +326,7 @@ def _refuse_shared_gpus_under_nccl(plan: GpuPlan, cfg) -> None:
     ranks, shared = plan.ranks_per_node, None
     if plan.per_node is not None and plan.per_node.count < ranks:
         shared = f"--gpus-per-node {plan.per_node} with --ntasks-per-node {ranks}"
-    name, _, arg = (plan.bind or "").removeprefix("verbose,").partition(":")
+    name, arg = plan.bind_type()
     if name == "single" and int(arg) > 1:
         shared = f"--gpu-bind {plan.bind} ({arg} ranks a GPU)"
     if shared:
