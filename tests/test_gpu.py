@@ -102,6 +102,31 @@ def test_host_arrays_reach_the_gpu_without_a_host_wait():
     assert [int(t[0]) for t in got] == [0, 1, 2, 3]
 
 
+def test_batches_reach_the_gpu_through_reused_pinned_slots_without_a_host_read():
+    """DeviceFeeder: each batch is copied into a reused pinned slot and on to the GPU
+    without a host wait, and filling the slot is no host read of a tensor (every GPU
+    run of tests/test_gpu_jobs.py watches its steps for those: tests/scripts/step_reads.py;
+    on CPU ranks the feeder hands numpy's memory over as it is)."""
+    import torch
+    from host_reads import HostReads
+
+    from hpctrain.backends.torch_device import DeviceFeeder
+
+    feeder = DeviceFeeder(torch.device("cuda"))
+    batches = [np.full((64, 32), k, dtype=np.float32) for k in range(2 * feeder.depth)]
+    for x in batches[: feeder.depth]:  # warm-up: each slot's pinned block is allocated
+        feeder.put(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with HostReads() as reads:
+            got = [feeder.put(x) for x in batches[feeder.depth :]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert reads.where == []
+    assert [float(t.mean()) for t in got] == [float(k) for k in range(feeder.depth, len(batches))]
+
+
 @pytest.mark.parametrize(
     "precision", [["train.precision=bf16"], ["train.precision=fp16", "optimizer.name=sgd"]]
 )

@@ -126,7 +126,7 @@ $PY -c 'from mpi4py import MPI; print(MPI.Get_library_version().splitlines()[0])
 
 if want tests && fits "GPU tests"; then
 say "GPU tests"
-timeout "$(limit 240)" $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
+HPCTRAIN_TEST_SPARES=0 timeout "$(limit 240)" $PY -m pytest -q -rs tests/test_gpu.py tests/test_devices.py \
     tests/test_device_exchange.py tests/test_zero_device.py -p no:cacheprovider \
     >"$OUT/gpu_tests.txt" 2>&1
 rc=$?

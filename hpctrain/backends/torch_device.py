@@ -272,7 +272,7 @@ class DeviceFeeder:
             # The copy out of this slot was issued `depth` batches ago: in a steady state
             # it is long done and nothing waits; only a host far ahead of the GPU does.
             slot[1].synchronize()
-        slot[0].numpy()[...] = array
+        slot[0].copy_(torch.from_numpy(array))  # a host copy into the slot: no read
         with torch.cuda.stream(self.stream):
             out = slot[0].to(self.device, non_blocking=True)
             done = torch.cuda.Event()

@@ -123,8 +123,7 @@ def make_sgd(ocfg: dict, params: list, fused: bool) -> torch.optim.SGD:
 def prepare_process(threads: int, deterministic: bool, seed: int) -> None:
     """Threads, deterministic kernels and every random stream of this rank's process."""
     torch.set_num_threads(threads)
-    if deterministic:
-        torch.use_deterministic_algorithms(True)
+    torch.use_deterministic_algorithms(bool(deterministic))  # not left on by an earlier run
     torch.manual_seed(seed)
     np.random.seed(seed % 2**32)
     random.seed(seed)
