@@ -139,7 +139,7 @@ say "GPU ranks across processes: two ranks sharing the GPU over Gloo"
 # one 2-rank launch per layout; four at a time where pytest-xdist is there (16 cores)
 parallel=$($PY -c 'import xdist' 2>/dev/null && echo "-n 4")
 # 2 compute threads a rank: 4 launches x 2 ranks x 2 = the 16 cores
-HPCTRAIN_THREADS=2 HPCTRAIN_TEST_FRESH_LAUNCHES=1 HPCTRAIN_TEST_SPARES=0 timeout "$(limit 300)" $PY -m pytest -q -rs tests/test_gpu_jobs.py \
+HPCTRAIN_THREADS=2 HPCTRAIN_TEST_FRESH_LAUNCHES=1 HPCTRAIN_TEST_SPARES=0 timeout "$(limit 420)" $PY -m pytest -q -rs tests/test_gpu_jobs.py \
     $parallel -p no:cacheprovider >"$OUT/gpu_jobs.txt" 2>&1
 rc=$?
 tail -3 "$OUT/gpu_jobs.txt"
