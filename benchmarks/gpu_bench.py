@@ -40,6 +40,7 @@ PEAK_BF16 = {"H100 80GB HBM3": 989e12, "H100": 989e12, "H200": 989e12, "A100": 3
 SIZES = {  # d_model, layers, heads, d_ff, vocab, seq, batch
     "base": (1024, 8, 16, 4096, 16384, 1024, 16),
     "large": (2048, 8, 16, 8192, 16384, 1024, 8),
+    "dry": (64, 2, 4, 128, 512, 32, 4),  # --dry-run, on the CPU: the code, no figures
 }
 
 
@@ -440,14 +441,38 @@ def checkpoint_line(c: dict) -> str:
     )
 
 
+def dry_run(out: Path) -> dict:
+    """The sections that take a device, on the CPU at a tiny size: hpctrain's step, an
+    async checkpoint's stall and the data path, each with its report line. No figures:
+    the bench's own code runs where there is no GPU (tests/test_gpu_bench.py), so a slip
+    in it is found here rather than in a GPU loan. The sections that time CUDA events,
+    the profiler's kernels or DDP over NCCL run on a GPU only."""
+    backend, mb = _hpctrain_backend("dry", "cpu")
+    stats = backend.train_step(mb, 1e-4, tally=False)
+    ckpt = bench_checkpoint_stall("dry", out / "dry-ckpt", steps=2, reps=1, device="cpu")
+    data = bench_data_path("dry", 1.0, out, device="cpu")
+    return {
+        "loss_sum": float(stats.loss_sum),
+        "checkpoint": ckpt,
+        "checkpoint_line": checkpoint_line(ckpt),
+        "data_path": data,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sizes", default="base")
     ap.add_argument("--profile", action="store_true", help="kernels per step, plain vs hpctrain")
+    ap.add_argument(
+        "--dry-run", action="store_true", help="the device sections' code on the CPU, tiny"
+    )
     args = ap.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
+    if args.dry_run:
+        print(json.dumps(dry_run(args.out), indent=1))
+        return
     import torch
 
     if not torch.cuda.is_available():

@@ -52,6 +52,7 @@ QUICK_MODULES = frozenset(
         "test_doctor",
         "test_docs",
         "test_environment",
+        "test_gpu_bench",
         "test_gradient_engine",
         "test_grid",
         "test_grid_shape",
