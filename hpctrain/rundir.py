@@ -37,12 +37,18 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
-from datetime import datetime, timezone
 from pathlib import Path
 
 import yaml
 
-from .checkpoint.format import NAME_RE, SHARDS_RE, TEMP_RE, starts_as_checkpoint, step_of_entry
+from .checkpoint.format import (
+    NAME_RE,
+    SHARDS_RE,
+    TEMP_RE,
+    set_aside_dir,
+    starts_as_checkpoint,
+    step_of_entry,
+)
 from .checkpoint.sharded import remove_shard_folder
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
@@ -334,8 +340,7 @@ def plan_run_dir(
     if overwrite:
         return _overwrite(prev)
     if new:
-        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-        target = run_dir / "previous" / stamp
+        target = set_aside_dir(run_dir)
         return RunDirPlan(
             "new", f"--new: moving the earlier run to {target}", _run_outputs(prev), target
         )
@@ -435,8 +440,7 @@ def _resume_from_file(prev: PreviousRun, chosen: Path) -> RunDirPlan:
         ]
     if not later:
         return RunDirPlan("resume", f"resuming from {chosen} in {run_dir}")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = run_dir / "previous" / stamp
+    target = set_aside_dir(run_dir)
     steps = sorted({_step_in_name(p) for p in later})
     return RunDirPlan(
         "resume",

@@ -21,6 +21,7 @@ import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
@@ -98,6 +99,13 @@ def step_of_entry(name: str) -> int | None:
     """The step of a checkpoint file or shard folder name (ckpt-<step>.h5/.shards)."""
     m = NAME_RE.match(name) or SHARDS_RE.match(name)
     return int(m.group(1)) if m else None
+
+
+def set_aside_dir(run_dir: str | Path) -> Path:
+    """<run-dir>/previous/<UTC time>/: where what a run leaves behind goes, never deleted
+    (--new's earlier run, the later checkpoints --resume FILE abandons, the newer ones
+    --resume auto skipped as damaged); named here once so that every one lands alike."""
+    return Path(run_dir) / "previous" / datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
 
 
 def starts_as_checkpoint(path: str | Path) -> bool:

@@ -17,7 +17,6 @@ import logging
 import os
 import shutil
 import threading
-from datetime import datetime, timezone
 from pathlib import Path
 
 from ..errors import CheckpointError
@@ -275,8 +274,7 @@ def _set_aside_newer(policy: CheckpointPolicy, step: int) -> None:
             newer.append(Path(entry.path))
     if not newer:
         return
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%SZ")
-    target = policy.run_dir / "previous" / stamp
+    target = fmt.set_aside_dir(policy.run_dir)
     target.mkdir(parents=True, exist_ok=True)
     for path in sorted(newer):
         shutil.move(path, target / path.name)  # the run directory may be on another FS
