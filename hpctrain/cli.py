@@ -76,7 +76,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(Horovod, MPI, NCCL/Gloo), ZeRO 1-3, tensor, pipeline and expert parallelism, "
         "parameter servers; HDF5 data, metrics and checkpoints. CPU ranks run all of it; "
         "GPU ranks (torch) run dense data parallelism; ZeRO, offload, tensor, pipeline "
-        "and expert parallelism and compression there wait for the GPU check "
+        "and expert parallelism, compression and train.allreduce=gloo there wait for the "
+        "GPU check "
         "(HPCTRAIN_GPU_UNTESTED=1 lets them run); "
         "the parameter server, hierarchical allreduce and local SGD stay on CPU ranks "
         "(docs/gpu.md).",

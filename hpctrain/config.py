@@ -218,8 +218,9 @@ SCHEMA: dict[str, Any] = {
             "gradient averaging: horovod (background engine), mpi (one MPI_Allreduce after "
             "backward), overlap (MPI buckets from backward hooks), nccl / gloo "
             "(torch.distributed process groups bootstrapped over MPI, on the device), auto "
-            "(nccl on GPU ranks, mpi or gloo where ranks share a GPU; on CPU mpi when ranks "
-            "x threads fill the node's cores)",
+            "(nccl on GPU ranks, mpi or gloo where ranks share a GPU; on CPU mpi for what "
+            "only it runs (ZeRO, compression, fp16 precision, ...) or when ranks x threads "
+            "fill the node's cores or Horovod is missing, else horovod)",
             choices=("auto", "horovod", "mpi", "overlap", "nccl", "gloo"),
         ),
         "eval_every_epochs": _f(1, int, "validate every N epochs", **POS_INT),
@@ -270,8 +271,9 @@ SCHEMA: dict[str, Any] = {
         "device": _f(
             "auto",
             str,
-            "where each rank computes: cuda (one GPU per rank, picked by node-local rank), "
-            "cpu, or auto (cuda when torch sees a GPU and the layout runs on GPUs)",
+            "where each rank computes: cuda (one GPU per rank: the only one it sees, else one "
+            "each among those the node's ranks see, by node-local rank where all see every "
+            "GPU), cpu, or auto (cuda when torch sees a GPU and the layout runs on GPUs)",
             choices=("auto", "cpu", "cuda"),
         ),
         "collective_timeout": _f(
