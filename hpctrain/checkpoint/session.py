@@ -328,7 +328,7 @@ class RunCheckpoints:
             rng = ckpt.rng[w.rank]
             restore_process_rng(rng)
             t.strategy.set_rng_state(rng)
-        elif saved_size != ranks:
+        elif saved_size != ranks and w.is_root:  # the same on every rank: said once
             log.warning(
                 "resuming a %d-rank checkpoint on %d ranks: continuing at sample %d of epoch "
                 "%d; random streams are re-seeded",
@@ -440,11 +440,12 @@ class RunCheckpoints:
         )
 
     def _restore_rank_state(self, ckpt, same_world: bool) -> None:
-        """Each rank takes back its own private arrays (error-feedback residuals) when
-        the job has the size that saved them. Otherwise, or when any rank's file is
-        missing or damaged (named by that rank), every rank starts them from zero, said
-        once: training stays correct (error feedback starts afresh), only not bit for
-        bit the uninterrupted run."""
+        """Each rank takes back its own private arrays (error-feedback residuals, local
+        SGD's optimizer state) when the job has the size that saved them. Otherwise, or
+        when any rank's file is missing or damaged (named by that rank), every rank
+        starts residuals from zero and takes the checkpoint's one copy of the optimizer
+        state, said once: training stays correct, only not bit for bit the
+        uninterrupted run."""
         t, w = self.trainer, self.trainer.world
         current = t.strategy.rank_state()
         if not current:  # nothing per rank in this run (the config says)
@@ -463,13 +464,23 @@ class RunCheckpoints:
             why = "a rank's state file is missing or damaged (see the error above)"
         if w.any_flag(arrays is None, what="agree on restoring rank state"):
             if w.is_root:
-                log.warning(
-                    "%s: error-feedback residuals start from zero (%s)", ckpt.path.name, why
-                )
+                log.warning("%s: %s (%s)", ckpt.path.name, _afresh(current), why)
             return
         if w.is_root:  # the same on every rank (one config): said once
             _say_what_starts_afresh(ckpt.path.name, current, arrays)
         t.strategy.load_rank_state(arrays)
+
+
+def _afresh(current: dict) -> str:
+    """What a resume without the ranks' own files does with each kind of them."""
+    said = []
+    if any(not k.startswith("optimizer/") for k in current):
+        said.append("error-feedback residuals start from zero")
+    if any(k.startswith("optimizer/") for k in current):
+        said.append(
+            "every rank takes the checkpoint's one copy of the optimizer state (local SGD keeps one per rank)"
+        )
+    return " and ".join(said)
 
 
 def _say_what_starts_afresh(name: str, current: dict, saved: dict) -> None:

@@ -36,7 +36,7 @@ def checkpoint_copies(
     TensorFlow's copies); otherwise a CPU rank exports views of its live tensors and a
     GPU rank host copies (staged by an async save into pinned buffers, which it copies
     again for the writer: two; each pinned buffer is rounded up to a power of two by
-    torch, not counted). `written_at_once`: per-rank error-feedback state makes an async
+    torch, not counted). `written_at_once`: per-rank state (has_rank_state) makes an async
     save synchronous (checkpoint/manager.py), with neither staging nor a private copy."""
     if rank != 0 or not checkpoint["enabled"]:
         return 0
@@ -50,11 +50,13 @@ def checkpoint_copies(
     return 1 if background else 0
 
 
-def has_rank_state(cfg) -> bool:
-    """Whether every rank keeps error-feedback residuals or PowerSGD's factors, which a
-    checkpoint saves per rank (strategies' rank_state)."""
+def has_rank_state(cfg, size: int) -> bool:
+    """Whether every rank keeps state of its own that a checkpoint saves per rank
+    (strategies' rank_state): error-feedback residuals or PowerSGD's factors, or local
+    SGD's optimizer state on more than one rank."""
     method = cfg.train["compression"]
-    return method in LOSSY and (cfg.compression["error_feedback"] or method == "powersgd")
+    lossy = method in LOSSY and (cfg.compression["error_feedback"] or method == "powersgd")
+    return lossy or (cfg.train["sync_every"] > 1 and size > 1)
 
 
 def model_state_bytes(cfg, inp: zoo.InputSpec) -> float | None:
@@ -73,7 +75,7 @@ def model_state_bytes(cfg, inp: zoo.InputSpec) -> float | None:
 def checkpoint_host_bytes(cfg, inp, rank: int, size: int, gpu: bool, gathers: bool) -> float:
     """checkpoint_copies x model_state_bytes (0 for a user's model). Local: no
     communication, the same cost at 1,024 and 4,096 ranks."""
-    at_once = has_rank_state(cfg)
+    at_once = has_rank_state(cfg, size)
     copies = checkpoint_copies(cfg.checkpoint, rank, size, gpu, gathers, at_once)
     state = model_state_bytes(cfg, inp) if copies else None
     return copies * state if state else 0.0

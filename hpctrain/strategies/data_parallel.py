@@ -42,6 +42,11 @@ def expert_degree(cfg, world_size: int) -> int:
     return JobShape.of(cfg, world_size).replicas if zoo.has_moe(cfg.model) else 1
 
 
+def _own_slot(key: str) -> bool:
+    """An optimizer array that local SGD keeps per rank (rank_state)."""
+    return key.startswith("optimizer/")
+
+
 class DataParallel(StrategyBase):
     def __init__(self, cfg, world, run_dir, threads: int):
         super().__init__(cfg, world, run_dir, threads)
@@ -306,13 +311,22 @@ class DataParallel(StrategyBase):
         return shapes
 
     def rank_state(self) -> dict[str, np.ndarray]:
-        """The gradient reducer's per-rank memory: error-feedback residuals and
-        PowerSGD's warm-start factors (exchange/compression/lossy.py); {} for the dense
+        """This rank's private memory: the gradient reducer's (error-feedback residuals,
+        PowerSGD's warm-start factors: exchange/compression/lossy.py) and, under local
+        SGD, its optimizer state (only the parameters are averaged: each rank's moments
+        are its own, and the canonical state holds one copy of them); {} for the dense
         engines, Horovod and ZeRO."""
-        return self.backend.reducer_state()
+        state = dict(self.backend.reducer_state())
+        if self.local is not None and self.world.size > 1:
+            exported = self.backend.export_state()  # views of the live tensors: copied
+            state.update({k: np.array(v) for k, v in exported.items() if _own_slot(k)})
+        return state
 
     def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None:
-        self.backend.load_reducer_state(arrays)
+        self.backend.load_reducer_state({k: v for k, v in arrays.items() if not _own_slot(k)})
+        own = {k: v for k, v in arrays.items() if _own_slot(k)}
+        if own:  # local SGD: this rank's optimizer state over the checkpoint's one copy
+            self.backend.import_state({**self.backend.export_state(), **own})
 
     def rng_state(self) -> dict[str, np.ndarray]:
         return self.backend.rng_state()
