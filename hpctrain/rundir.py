@@ -49,6 +49,7 @@ from .checkpoint.format import (
     starts_as_checkpoint,
     step_of_entry,
 )
+from .checkpoint.model_match import MOE_RESUMABLE, RESUMABLE
 from .checkpoint.sharded import remove_shard_folder
 from .data.synthetic import SYNTHETIC_PREFIX
 from .errors import ConfigError
@@ -57,7 +58,13 @@ from .models.zoo import written_model
 # What a checkpoint means: a run resumed with other values here would load weights into
 # another model, read another file, or shuffle another permutation mid-epoch.
 IDENTITY_KEYS = ("model", "data", "optimizer.name", "train.seed")
-IGNORED_KEYS = ("data.inferred", "data.prefetch")  # facts written by hpctrain, speed knobs
+IGNORED_KEYS = (  # facts written by hpctrain, speed knobs, and the model's options that a
+    # checkpoint resumes across (checkpoint/model_match.py: the loader's own rule)
+    "data.inferred",
+    "data.prefetch",
+    *(f"model.{k}" for k in RESUMABLE),
+    *(f"model.moe.{k}" for k in MOE_RESUMABLE),
+)
 SHOWN_DIFFERENCES = 3
 RUN_FILES = ("metrics.jsonl", "config.yaml")
 TB_EVENTS = "events.out.tfevents."  # TensorBoard's event files (tb/); nothing else in tb/

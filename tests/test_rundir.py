@@ -186,6 +186,21 @@ def test_inferred_data_facts_do_not_count_as_a_difference():
     assert config_differences(written, _cfg()) == []
 
 
+def test_options_a_checkpoint_resumes_across_do_not_count_as_a_difference():
+    """`--resume auto` in the run's own directory refused turning activation
+    checkpointing on or changing an MoE layer's routing settings, which the loader
+    resumes across (checkpoint/model_match.py) and `--resume FILE` from elsewhere took;
+    the experts' count still counts."""
+    tf = ["model.name=transformer", "data.task=tokens"]
+    assert config_differences(_cfg(*tf), _cfg(*tf, "model.checkpoint_activations=true")) == []
+    tf.append("model.moe={experts: 4}")
+    assert config_differences(_cfg(*tf), _cfg(*tf, "model.moe.aux_loss=0.05")) == []
+    assert config_differences(_cfg(*tf), _cfg(*tf, "model.moe.capacity_factor=2.0")) == []
+    assert config_differences(_cfg(*tf), _cfg(*tf, "model.moe.experts=8")) == [
+        "model.moe.experts: 4 there, 8 now"
+    ]
+
+
 def test_a_zoo_models_defaults_count_whether_written_or_left_out():
     """A run recorded `model: {name: mlp}`; the same model with its default hidden sizes
     written out was refused a resume ("model.hidden: unset there, [128, 128] now"),
