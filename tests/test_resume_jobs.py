@@ -176,6 +176,32 @@ def test_async_checkpoints_hold_their_step_and_resume_bit_for_bit(tmp_path, back
     assert all(losses[s] == ref_losses[s] for s in losses)
 
 
+def _resume_from_per_rank_files(tmp_path, run_dir, step: int, ref: dict, *common) -> str:
+    """Both ranks' own files are in run_dir's step-`step` checkpoint; a copy of that
+    checkpoint alone, resumed with --resume auto at 2 ranks, ends bit for bit where
+    run_dir's run did (`ref`: its final weights). The resumed job's output."""
+    ckpts, name = run_dir / "checkpoints", f"ckpt-{step:08d}"
+    names = sorted(p.name for p in (ckpts / f"{name}.shards").iterdir())
+    assert [n for n in names if n.startswith("rank-state")] == [
+        "rank-state-00000-of-00002.h5",
+        "rank-state-00001-of-00002.h5",
+    ]
+    assert verify(ckpts / f"{name}.h5").step == step  # their digests too
+    again = tmp_path / "again"
+    (again / "checkpoints").mkdir(parents=True)
+    shutil.copy(ckpts / f"{name}.h5", again / "checkpoints")
+    shutil.copytree(ckpts / f"{name}.shards", again / "checkpoints" / f"{name}.shards")
+    shutil.copy(run_dir / "config.yaml", again / "config.yaml")
+    final, job = _run(tmp_path, "again", 2, again, *common, resume="auto")
+    assert f"{name}.h5" in job.output, job.output
+    for k in ref:
+        np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
+    losses, ref_losses = _step_losses(again), _step_losses(run_dir)
+    assert sorted(losses) == list(range(step + 1, max(ref_losses) + 1))
+    assert all(losses[s] == ref_losses[s] for s in losses)
+    return job.output
+
+
 @pytest.mark.parametrize(
     "backend,method,layout",
     [("torch", "topk", "sharded"), ("tensorflow", "powersgd", "async")],
@@ -192,25 +218,9 @@ def test_compressed_runs_resume_bit_for_bit_with_their_residuals(tmp_path, backe
         common += ["checkpoint.async=true", "checkpoint.sharded=false"]
     run_dir = tmp_path / "run"
     ref, _ = _run(tmp_path, "ref", 2, run_dir, *common)
-    ckpts = run_dir / "checkpoints"
-    names = sorted(p.name for p in (ckpts / "ckpt-00000020.shards").iterdir())
-    assert [n for n in names if n.startswith("rank-state")] == [
-        "rank-state-00000-of-00002.h5",
-        "rank-state-00001-of-00002.h5",
-    ]
-    assert verify(ckpts / "ckpt-00000020.h5").step == 20  # their digests too
+    output = _resume_from_per_rank_files(tmp_path, run_dir, 20, ref, *common)
+    assert "start from zero" not in output
     again = tmp_path / "again"
-    (again / "checkpoints").mkdir(parents=True)
-    shutil.copy(ckpts / "ckpt-00000020.h5", again / "checkpoints")
-    shutil.copytree(ckpts / "ckpt-00000020.shards", again / "checkpoints" / "ckpt-00000020.shards")
-    shutil.copy(run_dir / "config.yaml", again / "config.yaml")
-    final, job = _run(tmp_path, "again", 2, again, *common, resume="auto")
-    assert "ckpt-00000020.h5" in job.output and "start from zero" not in job.output
-    for k in ref:
-        np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
-    losses, ref_losses = _step_losses(again), _step_losses(run_dir)
-    assert sorted(losses) == list(range(21, 31))
-    assert all(losses[s] == ref_losses[s] for s in losses)
     if layout == "sharded":  # one rank: the residuals of 2 ranks do not apply
         one = tmp_path / "one"
         shutil.copytree(again / "checkpoints", one / "checkpoints", ignore=_newer_than_20)
@@ -243,24 +253,8 @@ def test_local_sgd_resumes_bit_for_bit_with_each_ranks_optimizer_state(tmp_path,
     common += ["optimizer.name=adam", "optimizer.lr=0.003", "train.max_steps=20"]
     run_dir = tmp_path / "run"
     ref, _ = _run(tmp_path, "ref", 2, run_dir, *common)
-    ckpts = run_dir / "checkpoints"
-    names = sorted(p.name for p in (ckpts / "ckpt-00000010.shards").iterdir())
-    assert [n for n in names if n.startswith("rank-state")] == [
-        "rank-state-00000-of-00002.h5",
-        "rank-state-00001-of-00002.h5",
-    ]
-    again = tmp_path / "again"
-    (again / "checkpoints").mkdir(parents=True)
-    shutil.copy(ckpts / "ckpt-00000010.h5", again / "checkpoints")
-    shutil.copytree(ckpts / "ckpt-00000010.shards", again / "checkpoints" / "ckpt-00000010.shards")
-    shutil.copy(run_dir / "config.yaml", again / "config.yaml")
-    final, job = _run(tmp_path, "again", 2, again, *common, resume="auto")
-    assert "ckpt-00000010.h5" in job.output and "one copy of the optimizer" not in job.output
-    for k in ref:
-        np.testing.assert_array_equal(final[k], ref[k], err_msg=k)  # bit for bit
-    losses, ref_losses = _step_losses(again), _step_losses(run_dir)
-    assert sorted(losses) == list(range(11, 21))
-    assert all(losses[s] == ref_losses[s] for s in losses)
+    output = _resume_from_per_rank_files(tmp_path, run_dir, 10, ref, *common)
+    assert "one copy of the optimizer" not in output
 
 
 def _newer_than_20(folder, names):
