@@ -473,12 +473,12 @@ class RunCheckpoints:
 
 def _afresh(current: dict) -> str:
     """What a resume without the ranks' own files does with each kind of them."""
-    said = []
-    if any(not k.startswith("optimizer/") for k in current):
-        said.append("error-feedback residuals start from zero")
-    if any(k.startswith("optimizer/") for k in current):
+    kinds = {k.startswith("optimizer/") for k in current}  # local SGD's are the optimizer's
+    said = ["error-feedback residuals start from zero"] if False in kinds else []
+    if True in kinds:
         said.append(
-            "every rank takes the checkpoint's one copy of the optimizer state (local SGD keeps one per rank)"
+            "every rank takes the checkpoint's one copy of the optimizer state "
+            "(local SGD keeps one per rank)"
         )
     return " and ".join(said)
 

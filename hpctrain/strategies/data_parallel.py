@@ -317,9 +317,9 @@ class DataParallel(StrategyBase):
         are its own, and the canonical state holds one copy of them); {} for the dense
         engines, Horovod and ZeRO."""
         state = dict(self.backend.reducer_state())
-        if self.local is not None and self.world.size > 1:
-            exported = self.backend.export_state()  # views of the live tensors: copied
-            state.update({k: np.array(v) for k, v in exported.items() if _own_slot(k)})
+        if self.local is not None and self.world.size > 1:  # views of the live tensors:
+            # every rank writes its file on this thread, before the next step changes them
+            state.update({k: v for k, v in self.backend.export_state().items() if _own_slot(k)})
         return state
 
     def load_rank_state(self, arrays: dict[str, np.ndarray]) -> None:
